@@ -1,0 +1,60 @@
+"""The Python API: ``cudawrap.acquire()`` at the top of a script, race-free.
+
+Like gpuselect's one-liner, but the devices are leased: the lease lives as long as this
+process (and children that inherit its descriptors), and nobody else is given them.
+Call it before anything initialises CUDA (``import torch`` alone does not; the first
+CUDA call does), because CUDA reads CUDA_VISIBLE_DEVICES only once.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, List, Optional
+
+from . import launch, policy
+from .config import parse_gpus, parse_wait
+from .errors import UsageError
+from .leases import LEASE_ENV
+from .paths import default_layout
+
+_held: Optional[launch.Grant] = None
+
+
+def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None) -> List[str]:
+    """Lease COUNT devices (waiting up to WAIT seconds; None = the config's wait).
+
+    Sets CUDA_VISIBLE_DEVICES and returns the leased UUIDs; a second call returns the
+    same lease. Raises cudawrap.errors.NoDeviceError (and other CudawrapError) on failure.
+    """
+    global _held
+    if _held is not None:
+        return _held.lease.uuids if _held.lease else []
+    try:
+        count = parse_gpus(count)
+        wait_s = None if wait is None else parse_wait(wait)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    root = root or str(default_layout().root)
+    settings = policy.effective(root, None)
+    if wait_s is not None:
+        settings["wait"] = (wait_s, "acquire(wait=…)")
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    grant = launch.obtain(root, prog, settings, os.environ, count=count)
+    if grant.lease is not None:
+        # Inheritable, so a program this process execs (or a child that keeps its fds)
+        # keeps the devices leased while it runs on them.
+        grant.lease.keep_across_exec()
+        os.environ[LEASE_ENV] = grant.lease.marker()
+    if grant.visible is not None:
+        os.environ[launch.CVD] = grant.visible
+    _held = grant
+    return grant.lease.uuids if grant.lease else []
+
+
+def release() -> None:
+    """Give the devices back before the process ends (rarely needed: exit does it)."""
+    global _held
+    if _held is not None and _held.lease is not None:
+        _held.lease.release()
+        os.environ.pop(LEASE_ENV, None)
+    _held = None

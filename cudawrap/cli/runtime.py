@@ -1,0 +1,105 @@
+"""`cudawrap sync`, `cudawrap status` and `cudawrap run`: the commands about devices and leases."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from typing import List, Optional
+
+from plumbum import cli
+
+from .. import launch, policy
+from ..config import parse_gpus, parse_wait
+from ..errors import ProgramNotFound, UsageError
+from ..paths import default_layout
+from ..status import machine_status
+from . import Command
+
+
+class SyncCommand(Command):
+    """Create the runtime directory, a lease file per current device, and the launch cache (root)."""
+
+    quiet = cli.Flag(["-q", "--quiet"], help="print nothing when there is nothing to say")
+
+    def main(self) -> int:
+        from ..privilege import require_admin
+        from ..sync import sync
+
+        layout = default_layout()
+        require_admin(layout)
+        report = sync(layout)
+        for line in report.lines:
+            if not self.quiet or line.startswith("warning"):
+                print(line)
+        return os.EX_UNAVAILABLE if report.nvml_error else 0
+
+
+class StatusCommand(Command):
+    """Every device with its lease holder, other processes and memory; then who is waiting."""
+
+    as_json = cli.Flag(["--json"], help="machine-readable output")
+
+    def main(self) -> int:
+        layout = default_layout()
+        status = machine_status(layout)
+        if self.as_json:
+            print(json.dumps(status, indent=2))
+            return 0
+        if status["nvml_error"]:
+            print(f"warning: {status['nvml_error']}", file=sys.stderr)
+        rows = [("DEVICE", "NAME", "GPU", "MEMORY", "LEASE", "OTHER PROCESSES")]
+        for d in status["devices"]:
+            holder = d["holder"]
+            lease = "free" if holder is None else (
+                f"pid {holder['pid']} {holder['user']} {holder['command'][:30]} since {holder['since']}")
+            if not d["lease_file"]:
+                lease = "no lease file (run `cudawrap sync`)"
+            others = d["foreign_pids"]
+            other = "unknown" if others is None else (",".join(map(str, others)) or "-")
+            rows.append((d["uuid"], d["name"], str(d["gpu_index"]),
+                         f"{d['memory_used_mib']}/{d['memory_total_mib']} MiB", lease, other))
+        _table(rows)
+        if status["waiting"]:
+            print()
+            _table([("WAITING", "USER", "PID", "DEVICES", "PROGRAM")] + [
+                (str(n), w["user"], str(w["pid"]), str(w["count"]), w["program"])
+                for n, w in enumerate(status["waiting"], 1)])
+        return 0
+
+
+def _table(rows: List[tuple]) -> None:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+class RunCommand(Command):
+    """Run any command on free device(s), as a wrapped program would: cudawrap run [-n N] -- CMD ARGS…"""
+
+    gpus = cli.SwitchAttr(["-n", "--gpus"], str, help="devices to lease (default: the config's gpus)")
+    wait = cli.SwitchAttr(["--wait"], str, help="seconds to wait for a free device, or 'forever'")
+
+    def main(self, *command: str) -> int:
+        if not command:
+            raise UsageError("no command given", hint="cudawrap run [-n N] [--wait S] -- CMD ARGS…")
+        layout = default_layout()
+        settings = policy.effective(str(layout.root), None)
+        count: Optional[int] = None
+        if self.gpus is not None:
+            try:
+                count = parse_gpus(self.gpus)
+            except ValueError as exc:
+                raise UsageError(f"--gpus {self.gpus}: {exc}") from None
+        if self.wait is not None:
+            try:
+                settings["wait"] = (parse_wait(self.wait), "--wait")
+            except ValueError as exc:
+                raise UsageError(f"--wait {self.wait}: {exc}") from None
+        path = command[0] if "/" in command[0] else shutil.which(command[0])
+        if not path or not os.path.exists(path):
+            raise ProgramNotFound(f"{command[0]}: command not found")
+        prog = os.path.basename(command[0])
+        grant = launch.obtain(str(layout.root), prog, settings, os.environ, count=count)
+        launch.exec_program(path, list(command), grant.apply(launch.original_environ()), grant)
+        return 0  # not reached: exec_program replaces this process

@@ -1,0 +1,286 @@
+"""The admin's TOML configuration: parsed strictly, with the origin of every value kept.
+
+A typo in a key or a value of the wrong type is a ConfigError naming file, line and key,
+raised from the shim as well as the CLI: a broken config must never silently change
+which devices people get.
+"""
+from __future__ import annotations
+
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+from .errors import ConfigError
+
+FOREVER = math.inf
+
+PLACEMENTS = ("spread", "pack", "random")
+FOREIGN_RULES = ("avoid", "ignore")
+NO_DRIVER_RULES = ("run", "fail")
+MULTI_MIG_RULES = ("refuse", "whole-gpus")
+
+# The longest wait anyone can ask for in seconds; beyond it "forever" is the honest word
+# (and setitimer overflows somewhere above 2**31).
+MAX_WAIT_S = 10 * 365 * 86400
+MAX_GPUS = 64
+
+
+def parse_wait(value: Any) -> float:
+    """A wait limit: seconds (int, float or numeric string) >= 0, or "forever"."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("forever", "inf", "infinity", "none"):
+            return FOREVER
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a number of seconds or 'forever'") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{value!r} is not a number of seconds or 'forever'")
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{value!r} is not a number of seconds >= 0")
+    if value > MAX_WAIT_S:
+        return FOREVER
+    return float(value)
+
+
+def parse_gpus(value: Any) -> int:
+    """A device count per run: an integer from 1 to MAX_GPUS."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r} is not a whole number of devices")
+    if not 1 <= value <= MAX_GPUS:
+        raise ValueError(f"{value} is not between 1 and {MAX_GPUS}")
+    return value
+
+
+def _choice(choices: Tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _non_negative_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a whole number >= 0")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{value!r} is not true or false")
+    return value
+
+
+def _uuid_list(value: Any) -> Tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("expected a list of device UUID strings")
+    bad = [v for v in value if not re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]+", v.strip())]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not a GPU-… or MIG-… UUID (or prefix)")
+    return tuple(v.strip() for v in value)
+
+
+def _path_or_empty(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a path string")
+    if value and not value.startswith("/"):
+        raise ValueError(f"{value!r} is not an absolute path")
+    return value
+
+
+# Settings a single program may override, by [programs."NAME"] in the config or by
+# create-cudawrap's flags (kept in the registry).
+POLICY_KEYS: Dict[str, Callable[[Any], Any]] = {
+    "gpus": parse_gpus,
+    "wait": parse_wait,
+    "placement": _choice(PLACEMENTS),
+    "foreign": _choice(FOREIGN_RULES),
+    "busy_memory_mib": _non_negative_int,
+    "no_driver": _choice(NO_DRIVER_RULES),
+    "multi_mig": _choice(MULTI_MIG_RULES),
+}
+
+DEVICE_KEYS: Dict[str, Callable[[Any], Any]] = {
+    "allow": _uuid_list,
+    "allow_file": _path_or_empty,
+}
+
+DEFAULTS: Dict[str, Any] = {
+    "gpus": 1,
+    "wait": FOREVER,
+    "placement": "spread",
+    "foreign": "avoid",
+    "busy_memory_mib": 1024,
+    "no_driver": "run",
+    "multi_mig": "refuse",
+    "allow": (),
+    "allow_file": "",
+}
+
+DESCRIPTIONS: Dict[str, str] = {
+    "gpus": "devices given to each run",
+    "wait": "seconds to wait for a free device, or \"forever\"; 0 = do not wait",
+    "placement": "spread (across physical GPUs), pack (fill one GPU first) or random",
+    "foreign": "avoid or ignore devices running processes cudawrap did not start",
+    "busy_memory_mib": "where process lists are hidden, more memory used than this is busy",
+    "no_driver": "without an NVIDIA driver or NVML: run the program unchanged, or fail",
+    "multi_mig": "more than one MIG instance on a driver before R570: refuse, or whole-gpus",
+    "allow": "device UUIDs (or prefixes) cudawrap may hand out; empty = all",
+    "allow_file": "file with one allowed UUID a line (the getgpu ids format), or \"\"",
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    value: Any
+    source: str  # "default", "FILE:LINE", "registry", "CUDAWRAP_WAIT", ...
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    settings: Mapping[str, Setting]
+    programs: Mapping[str, Mapping[str, Setting]] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.settings[key].value
+
+    def for_program(self, link: Optional[str]) -> Dict[str, Setting]:
+        """Global settings overlaid with [programs."NAME"] where NAME is the link's path or name."""
+        merged = dict(self.settings)
+        if link:
+            for name in (Path(link).name, link):
+                merged.update(self.programs.get(name, {}))
+        return merged
+
+
+def _load_toml(text: str) -> Dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.9/3.10 only
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
+def _norm_table(name: str) -> str:
+    return name.replace('"', "").replace("'", "").replace(" ", "")
+
+
+def _line_of(lines: List[str], table: Optional[str], key: str) -> int:
+    """Line number of KEY inside [TABLE], or of the header [KEY] when TABLE is None.
+
+    tomllib keeps no positions, so this scans the text; 0 when not found.
+    """
+    current: Optional[str] = None
+    key_re = re.compile(r"""^\s*["']?""" + re.escape(key) + r"""["']?\s*=""")
+    for number, line in enumerate(lines, 1):
+        stripped = line.strip()
+        if stripped.startswith("["):
+            current = _norm_table(stripped.split("#")[0].strip().strip("[]"))
+            if table is None and (current == key or current.startswith(key + ".")):
+                return number
+        elif table is not None and current == _norm_table(table) and key_re.match(line):
+            return number
+    return 0
+
+
+def _where(path: Path, lines: List[str], table: Optional[str], key: str) -> str:
+    line = _line_of(lines, table, key)
+    return f"{path}:{line}" if line else str(path)
+
+
+def _parse_table(
+    path: Path,
+    lines: List[str],
+    table_name: str,
+    table: Any,
+    allowed: Mapping[str, Callable[[Any], Any]],
+) -> Dict[str, Setting]:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{_where(path, lines, None, table_name)}: [{table_name}] must be a table")
+    out: Dict[str, Setting] = {}
+    for key, raw in table.items():
+        where = _where(path, lines, table_name, key)
+        parse = allowed.get(key)
+        if parse is None:
+            known = ", ".join(sorted(allowed))
+            raise ConfigError(
+                f"{where}: unknown key '{key}' in [{table_name}]",
+                hint=f"known keys there: {known}",
+            )
+        try:
+            out[key] = Setting(parse(raw), where)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: bad value for '{key}': {exc}") from None
+    return out
+
+
+def parse_config(path: Path, text: str) -> Config:
+    """Parse TEXT (the contents of PATH) into a Config, or raise ConfigError."""
+    try:
+        data = _load_toml(text)
+    except ValueError as exc:  # tomllib.TOMLDecodeError says "(at line N, column M)"
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    lines = text.splitlines()
+    settings: Dict[str, Setting] = {k: Setting(v, "default") for k, v in DEFAULTS.items()}
+    programs: Dict[str, Dict[str, Setting]] = {}
+    for section, table in data.items():
+        if section == "devices":
+            settings.update(_parse_table(path, lines, "devices", table, DEVICE_KEYS))
+        elif section == "policy":
+            settings.update(_parse_table(path, lines, "policy", table, POLICY_KEYS))
+        elif section == "programs":
+            if not isinstance(table, dict):
+                raise ConfigError(f"{_where(path, lines, None, 'programs')}: [programs] must hold tables")
+            for name, sub in table.items():
+                label = f'programs."{name}"'
+                if not name or "\0" in name:
+                    raise ConfigError(f"{_where(path, lines, None, 'programs')}: empty program name")
+                programs[name] = _parse_table(path, lines, label, sub, POLICY_KEYS)
+        else:
+            raise ConfigError(
+                f"{_where(path, lines, None, section)}: unknown section [{section}]",
+                hint="known sections: [devices], [policy], [programs.\"NAME\"]",
+            )
+    return Config(path=path, settings=settings, programs=programs)
+
+
+def load_config(path: Path) -> Config:
+    """The config at PATH; a missing file means all defaults."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return Config(path=path, settings={k: Setting(v, "default") for k, v in DEFAULTS.items()})
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the configuration: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    return parse_config(path, text)
+
+
+def validate_policy(policy: Mapping[str, Any], source: str) -> Dict[str, Setting]:
+    """Check per-program policy from another source (the registry, a CLI flag)."""
+    out: Dict[str, Setting] = {}
+    for key, raw in policy.items():
+        parse = POLICY_KEYS.get(key)
+        if parse is None:
+            raise ConfigError(f"{source}: unknown policy key '{key}'")
+        try:
+            out[key] = Setting(parse(raw), source)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: bad value for '{key}': {exc}") from None
+    return out
+
+
+def format_wait(value: float) -> str:
+    return "forever" if value == FOREVER else f"{value:g}"

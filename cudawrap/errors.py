@@ -1,0 +1,89 @@
+"""One base exception; each subclass carries the exit code the shim or CLI returns.
+
+Errors are caught in exactly two places, the shim's ``main`` and the CLI root, and
+printed there as one line (plus an optional ``hint:`` line).
+"""
+from __future__ import annotations
+
+import os
+TYPE_CHECKING = False  # the shim imports this module and `import typing` costs ~10 ms
+if TYPE_CHECKING:
+    from typing import Optional
+
+
+class CudawrapError(Exception):
+    """Something cudawrap could not do, said in one line."""
+
+    exit_code: int = os.EX_SOFTWARE
+
+    def __init__(self, message: str, hint: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(CudawrapError):
+    """A command-line value is wrong."""
+
+    exit_code = os.EX_USAGE  # 64
+
+
+class DataError(CudawrapError):
+    """A file cudawrap reads (registry, id list) is malformed."""
+
+    exit_code = os.EX_DATAERR  # 65
+
+
+class StateError(CudawrapError):
+    """What is on disk is not what the registry says, or not what an operation needs."""
+
+    exit_code = os.EX_DATAERR  # 65
+
+
+class NoDeviceError(CudawrapError):
+    """No device became free within the wait limit, or none can ever satisfy the request."""
+
+    exit_code = os.EX_TEMPFAIL  # 75
+
+
+class NotPermitted(CudawrapError):
+    """The caller lacks the privilege an operation needs."""
+
+    exit_code = os.EX_NOPERM  # 77
+
+
+class ConfigError(CudawrapError):
+    """The configuration file cannot be used as written."""
+
+    exit_code = os.EX_CONFIG  # 78
+
+
+class ProgramNotFound(CudawrapError):
+    """The real program behind a shim is missing; reads like the shell's own error."""
+
+    exit_code = 127
+
+
+class Interrupted(CudawrapError):
+    """Ctrl-C while waiting: the shell's convention for death by SIGINT."""
+
+    exit_code = 128 + 2
+
+    def __init__(self, message: str, hint: Optional[str] = None, exit_code: int = 128 + 2) -> None:
+        super().__init__(message, hint)
+        self.exit_code = exit_code  # 128 + the signal, as the shell reports it
+
+
+class NvmlUnavailable(CudawrapError):
+    """No NVIDIA driver or NVML library; the policy decides whether this is fatal."""
+
+    exit_code = os.EX_UNAVAILABLE  # 69
+
+
+class SetupError(CudawrapError):
+    """A directory or file the installation provides is missing or unsafe."""
+
+    exit_code = os.EX_OSFILE  # 72

@@ -1,0 +1,255 @@
+"""Device leases: one root-created lock file per device UUID, held with ``flock``.
+
+The lease is the open file description, not a process: the descriptor is made
+inheritable and survives ``execv``, so the kernel releases it when the program and
+every child that inherited it have exited (kill -9 included). No daemon, no heartbeat,
+no cleanup job. Users open lease files read-only; only root creates or removes them.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+
+TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
+if TYPE_CHECKING:
+    from typing import Dict, Iterable, List, Optional, Tuple
+
+from .errors import SetupError
+
+# The marker a granted program inherits, so a wrapped program that starts another wrapped
+# program reuses its lease instead of deadlocking on its own lock: "fd:uuid,fd:uuid".
+LEASE_ENV = "CUDAWRAP_LEASE"
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def check_dir(path: str, what: str, hint: str) -> os.stat_result:
+    """A directory that must exist and be writable only by its owner (root, system-wide)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise SetupError(f"the {what} {path} is missing", hint=hint) from None
+    except OSError as exc:
+        raise SetupError(f"cannot use the {what} {path}: {exc.strerror}", hint=hint) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise SetupError(f"the {what} {path} is not a directory", hint=hint)
+    if st.st_mode & 0o022:
+        # Anyone who can write here could swap lease files and get one device twice.
+        raise SetupError(f"the {what} {path} is writable by others; refusing to trust it",
+                         hint="run `cudawrap doctor --repair` as root")
+    return st
+
+
+SYNC_HINT = "run `cudawrap sync` as root (at boot the cudawrap-sync unit does this)"
+
+
+class Lease:
+    """Locks held on some devices; inheritable across exec once granted."""
+
+    def __init__(self, fds: Dict[str, int]) -> None:
+        self.fds = dict(fds)
+
+    @property
+    def uuids(self) -> List[str]:
+        return list(self.fds)
+
+    def marker(self) -> str:
+        return ",".join(f"{fd}:{uuid}" for uuid, fd in self.fds.items())
+
+    def keep_across_exec(self) -> None:
+        for fd in self.fds.values():
+            os.set_inheritable(fd, True)
+
+    def release(self) -> None:
+        for fd in self.fds.values():
+            try:
+                os.close(fd)  # closing our only reference drops the flock
+            except OSError:
+                pass
+        self.fds.clear()
+
+
+class LeaseFiles:
+    """The lease files of one lease directory, opened read-only once per process."""
+
+    def __init__(self, lease_dir: str) -> None:
+        self.dir = lease_dir
+        self.owner = check_dir(lease_dir, "lease directory", SYNC_HINT).st_uid
+        self._fds: Dict[str, int] = {}
+
+    def path(self, uuid: str) -> str:
+        return self.dir + "/" + uuid
+
+    def fd(self, uuid: str) -> Optional[int]:
+        """An open descriptor on UUID's lease file, or None if it has none (not synced yet)."""
+        fd = self._fds.get(uuid)
+        if fd is not None:
+            return fd
+        if "/" in uuid or uuid in ("", ".", ".."):
+            return None
+        try:
+            fd = os.open(self.path(uuid), _OPEN_FLAGS)
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != self.owner:
+            os.close(fd)  # planted by someone else: never trust it
+            return None
+        self._fds[uuid] = fd
+        return fd
+
+    def try_lock(self, uuid: str) -> bool:
+        """Take UUID's lease without blocking; False if someone holds it or it is gone."""
+        fd = self.fd(uuid)
+        if fd is None:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            raise
+        # sync removes the lease files of vanished devices while holding their lock; a lock
+        # won on such an unlinked file would not exclude a holder of a new file.
+        try:
+            current = os.stat(self.path(uuid), follow_symlinks=False)
+        except OSError:
+            current = None
+        mine = os.fstat(fd)
+        if current is None or (current.st_ino, current.st_dev) != (mine.st_ino, mine.st_dev):
+            self.forget(uuid)
+            return False
+        return True
+
+    def unlock(self, uuid: str) -> None:
+        fd = self._fds.get(uuid)
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def forget(self, uuid: str) -> None:
+        fd = self._fds.pop(uuid, None)
+        if fd is not None:
+            os.close(fd)
+
+    def take(self, uuids: Iterable[str]) -> Lease:
+        """Hand the (locked) descriptors of UUIDS over to a Lease; close the others."""
+        chosen = {u: self._fds.pop(u) for u in uuids}
+        self.close()
+        return Lease(chosen)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def inherited_lease(lease_dir: str, marker: str) -> Optional[Lease]:
+    """The lease a parent wrapped program passed down, if it is real and still held by us.
+
+    Each fd must be open on the lease file of its UUID, and flock on it must succeed
+    without blocking: a lock on the same open file description we inherited does, one held
+    by another process does not. A forged or stale marker yields None.
+    """
+    fds: Dict[str, int] = {}
+    for item in marker.split(","):
+        fd_text, _, uuid = item.partition(":")
+        if not fd_text.isdigit() or not uuid or "/" in uuid:
+            return None
+        fd = int(fd_text)
+        try:
+            mine = os.fstat(fd)
+            current = os.stat(lease_dir + "/" + uuid, follow_symlinks=False)
+        except OSError:
+            return None
+        if (mine.st_ino, mine.st_dev) != (current.st_ino, current.st_dev):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return None
+        fds[uuid] = fd
+    return Lease(fds) if fds else None
+
+
+def _proc_locks() -> Dict[Tuple[int, int], int]:
+    """(device, inode) -> pid for every granted flock on this machine (from /proc/locks)."""
+    held: Dict[Tuple[int, int], int] = {}
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return held
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or parts[1] == "->" or parts[1] != "FLOCK":
+            continue
+        try:
+            pid = int(parts[4])
+            major, minor, inode = parts[5].split(":")
+            dev = os.makedev(int(major, 16), int(minor, 16))
+            held[(dev, int(inode))] = pid
+        except ValueError:
+            continue
+    return held
+
+
+def holders(lease_dir: str) -> Dict[str, int]:
+    """uuid -> pid of the process that took each held lease (as the kernel records it)."""
+    locks = _proc_locks()
+    out: Dict[str, int] = {}
+    try:
+        names = os.listdir(lease_dir)
+    except OSError:
+        return out
+    for name in names:
+        try:
+            st = os.stat(lease_dir + "/" + name, follow_symlinks=False)
+        except OSError:
+            continue
+        pid = locks.get((st.st_dev, st.st_ino))
+        if pid is not None:
+            out[name] = pid
+    return out
+
+
+def sync_lease_files(lease_dir: str, present: Iterable[str], keep: Iterable[str] = ()) -> Tuple[List[str], List[str]]:
+    """Create lease files for PRESENT devices and remove those of vanished, unheld ones.
+
+    Root runs this (install, boot, `cudawrap sync`). KEEP lists devices whose GPU is lost
+    or failing: their files stay, so a job still holding one keeps excluding others.
+    Returns (created, removed).
+    """
+    os.makedirs(lease_dir, mode=0o755, exist_ok=True)
+    os.chmod(lease_dir, 0o755)
+    present = set(present)
+    keep = set(keep) | present
+    created: List[str] = []
+    removed: List[str] = []
+    for uuid in sorted(present):
+        path = lease_dir + "/" + uuid
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            continue
+        os.fchmod(fd, 0o644)  # the umask must not make leases unreadable for users
+        os.close(fd)
+        created.append(uuid)
+    for name in sorted(os.listdir(lease_dir)):
+        if name in keep or not (name.startswith("GPU-") or name.startswith("MIG-")):
+            continue
+        path = lease_dir + "/" + name
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # still held by a running job: remove it on a later sync
+            continue
+        os.unlink(path)  # while holding the lock, so nobody can win it on the dead inode
+        os.close(fd)
+        removed.append(name)
+    return created, removed

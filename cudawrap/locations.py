@@ -1,0 +1,28 @@
+"""Where things live below the install root, as plain relative strings.
+
+The shim runs on every launch and cannot afford pathlib or dataclasses (together ~30 ms
+of imports), so the relative layout is kept here with no imports at all; ``paths.Layout``
+builds its ``Path`` properties from the same table so the two can never disagree.
+"""
+
+# Prefix of the real program's new name, as in the original seed scripts.
+REAL_PREFIX = "CUDAWRAP_"
+
+CONFIG_FILE = "etc/cudawrap/config.toml"
+STATE_DIR = "var/lib/cudawrap"
+REGISTRY_FILE = STATE_DIR + "/registry.json"
+REGISTRY_LOCK = STATE_DIR + "/registry.lock"
+RUNTIME_DIR = "run/cudawrap"
+LEASE_DIR = RUNTIME_DIR + "/leases"
+QUEUE_DIR = RUNTIME_DIR + "/queue"
+QUEUE_LOCK = RUNTIME_DIR + "/queue.lock"
+# Derived state written by root (sync, wrap, unwrap, the monitor) for the shim's fast path.
+LAUNCH_CACHE = RUNTIME_DIR + "/launch.cache"
+USAGE_SNAPSHOT = RUNTIME_DIR + "/usage.snapshot"
+LIB_DIR = "opt/cudawrap"
+SHIM = LIB_DIR + "/bin/cudawrap-shim"
+
+
+def under(root: str, rel: str) -> str:
+    """ROOT joined with a relative location from this module."""
+    return root.rstrip("/") + "/" + rel

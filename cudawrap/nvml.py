@@ -1,0 +1,143 @@
+"""The one module that talks to NVML, through nvidia-ml-py (``pynvml``).
+
+pynvml is imported lazily: it costs ~30 ms, and the shim's fast path avoids it when a
+fresh root-written snapshot exists. NoPermission / NotSupported answers become ``None``
+("unknown") instead of exceptions; a GPU that fails mid-enumeration is reported as lost
+and skipped, never guessed at.
+"""
+from __future__ import annotations
+
+from .devices import Device, Gpu, Inventory
+from .errors import NvmlUnavailable
+
+TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
+if TYPE_CHECKING:
+    from typing import Any, Dict, List, Optional, Tuple
+
+MIB = 1024 * 1024
+
+# uuid -> NVML handle from the last inventory(), so the waiting loop can re-query one
+# device without enumerating the machine again.
+_handles: Dict[str, Any] = {}
+
+
+def _pynvml() -> Any:
+    import pynvml
+
+    return pynvml
+
+
+def init() -> Any:
+    """Initialise NVML, or raise NvmlUnavailable with a hint.
+
+    NVML counts nvmlInit calls, so calling this per inventory is cheap and stays correct
+    even if something else in the process shut NVML down in between.
+    """
+    nv = _pynvml()
+    try:
+        nv.nvmlInit()
+    except nv.NVMLError_LibraryNotFound:
+        raise NvmlUnavailable(
+            "no NVIDIA driver: libnvidia-ml.so.1 was not found",
+            hint="install the NVIDIA driver, or set no_driver in the config",
+        ) from None
+    except nv.NVMLError_DriverNotLoaded:
+        raise NvmlUnavailable(
+            "the NVIDIA driver is not loaded", hint="check `nvidia-smi` and `dmesg`"
+        ) from None
+    except nv.NVMLError as exc:
+        raise NvmlUnavailable(f"NVML could not start: {exc}") from None
+    return nv
+
+
+def _unknown_errors(nv: Any) -> tuple:
+    # Answers that mean "you may not / cannot know", not "the GPU is broken".
+    return tuple(
+        getattr(nv, name)
+        for name in ("NVMLError_NoPermission", "NVMLError_NotSupported", "NVMLError_FunctionNotFound")
+        if hasattr(nv, name)
+    )
+
+
+def _usage(nv: Any, handle: Any) -> Tuple[Optional[Tuple[int, ...]], int, int]:
+    """(compute pids or None if hidden, memory used MiB, memory total MiB) of one handle."""
+    memory = nv.nvmlDeviceGetMemoryInfo(handle)
+    try:
+        procs = nv.nvmlDeviceGetComputeRunningProcesses(handle)
+        pids: Optional[Tuple[int, ...]] = tuple(sorted({int(p.pid) for p in procs}))
+    except _unknown_errors(nv):
+        pids = None
+    return pids, int(memory.used) // MIB, int(memory.total) // MIB
+
+
+def _profile(name: str) -> str:
+    # NVML names a MIG device "NVIDIA A100-SXM4-80GB MIG 1g.10gb"; the profile is what
+    # tells two instances of one GPU apart for people.
+    marker = " MIG "
+    return name.split(marker, 1)[1] if marker in name else name
+
+
+def _mig_mode(nv: Any, handle: Any) -> bool:
+    try:
+        current, _pending = nv.nvmlDeviceGetMigMode(handle)
+    except _unknown_errors(nv):
+        return False
+    return current == getattr(nv, "NVML_DEVICE_MIG_ENABLE", 1)
+
+
+def _mig_devices(nv: Any, gpu: Gpu, handle: Any) -> List[Device]:
+    devices = []
+    for slot in range(nv.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+        except (nv.NVMLError_NotFound, nv.NVMLError_InvalidArgument):
+            continue  # an empty slot: partitioned GPUs have gaps
+        uuid = nv.nvmlDeviceGetUUID(mig)
+        pids, used, total = _usage(nv, mig)
+        _handles[uuid] = mig
+        devices.append(Device(uuid, _profile(nv.nvmlDeviceGetName(mig)), gpu.uuid, gpu.index,
+                              slot, total, used, pids))
+    return devices
+
+
+def inventory() -> Inventory:
+    """Enumerate every leasable device with its current processes and memory."""
+    nv = init()
+    driver = nv.nvmlSystemGetDriverVersion()
+    gpus: List[Gpu] = []
+    devices: List[Device] = []
+    lost: List[str] = []
+    for index in range(nv.nvmlDeviceGetCount()):
+        uuid = f"index {index}"
+        try:
+            handle = nv.nvmlDeviceGetHandleByIndex(index)
+            uuid = nv.nvmlDeviceGetUUID(handle)
+            gpu = Gpu(uuid, index, nv.nvmlDeviceGetName(handle), _mig_mode(nv, handle))
+            if gpu.mig_mode:
+                found = _mig_devices(nv, gpu, handle)
+            else:
+                pids, used, total = _usage(nv, handle)
+                _handles[uuid] = handle
+                found = [Device(uuid, gpu.name, uuid, index, None, total, used, pids)]
+        except nv.NVMLError:
+            # A GPU fallen off the bus (or its driver state broken) must not take the
+            # whole machine down with it: skip it, report it, hand out the others.
+            lost.append(uuid)
+            continue
+        gpus.append(gpu)
+        devices.extend(found)
+    return Inventory(driver, gpus, devices, lost)
+
+
+def refresh(device: Device) -> Optional[Device]:
+    """The same device with current processes and memory; None if NVML lost it."""
+    nv = _pynvml()
+    handle = _handles.get(device.uuid)
+    if handle is None:
+        return None
+    try:
+        pids, used, total = _usage(nv, handle)
+    except nv.NVMLError:
+        return None
+    return Device(device.uuid, device.name, device.parent_uuid, device.gpu_index,
+                  device.mig_slot, total, used, pids)

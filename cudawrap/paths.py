@@ -1,0 +1,109 @@
+"""Every location cudawrap uses, derived from one install root.
+
+A system install has root ``/``; ``install.sh --prefix DIR`` (and the test suite) use
+DIR, so the same code paths run inside a temporary directory without root.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from . import locations as loc
+
+# install.sh writes the root here, inside the private virtual environment, so the CLI
+# entry points know where they were installed without any environment variable.
+ROOT_MARKER = "cudawrap-root"
+REAL_PREFIX = loc.REAL_PREFIX
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path
+
+    @property
+    def etc_dir(self) -> Path:
+        return (self.root / loc.CONFIG_FILE).parent
+
+    @property
+    def config_file(self) -> Path:
+        return self.root / loc.CONFIG_FILE
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / loc.STATE_DIR
+
+    @property
+    def registry_file(self) -> Path:
+        return self.root / loc.REGISTRY_FILE
+
+    @property
+    def registry_lock(self) -> Path:
+        return self.root / loc.REGISTRY_LOCK
+
+    @property
+    def runtime_dir(self) -> Path:
+        # /run is tmpfs: recreated at boot by systemd-tmpfiles and `cudawrap sync`.
+        return self.root / loc.RUNTIME_DIR
+
+    @property
+    def lease_dir(self) -> Path:
+        return self.root / loc.LEASE_DIR
+
+    @property
+    def queue_dir(self) -> Path:
+        return self.root / loc.QUEUE_DIR
+
+    @property
+    def queue_lock(self) -> Path:
+        return self.root / loc.QUEUE_LOCK
+
+    @property
+    def launch_cache(self) -> Path:
+        return self.root / loc.LAUNCH_CACHE
+
+    @property
+    def usage_snapshot(self) -> Path:
+        return self.root / loc.USAGE_SNAPSHOT
+
+    @property
+    def lib_dir(self) -> Path:
+        return self.root / loc.LIB_DIR
+
+    @property
+    def venv_dir(self) -> Path:
+        return self.lib_dir / "venv"
+
+    @property
+    def shim(self) -> Path:
+        return self.root / loc.SHIM
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.root / "usr" / "local" / "bin"
+
+    @property
+    def is_system(self) -> bool:
+        return self.root == Path("/")
+
+    def lease_file(self, uuid: str) -> Path:
+        return self.lease_dir / uuid
+
+
+def installed_root() -> Optional[Path]:
+    """The root recorded by install.sh in the running virtual environment, if any."""
+    try:
+        text = (Path(sys.prefix) / ROOT_MARKER).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return Path(text) if text else None
+
+
+def default_layout() -> Layout:
+    """The layout the admin CLI works on: ``$CUDAWRAP_ROOT``, else the installed root, else ``/``."""
+    env = os.environ.get("CUDAWRAP_ROOT")
+    if env:
+        return Layout(Path(env).absolute())
+    return Layout(installed_root() or Path("/"))

@@ -1,0 +1,170 @@
+"""The shim is invisible: argv, environment, exit codes, signals and pipes pass through."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from corefix import ready_line
+from fakemachine import read_environ_file
+
+ARGV_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+int main(int argc, char **argv) {
+    const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
+    printf("%s\n", cvd ? cvd : "(unset)");
+    for (int i = 0; i < argc; i++) printf("%s\n", argv[i]);
+    return 0;
+}
+"""
+
+
+def sh_program(path: Path, body: str) -> Path:
+    path.write_text("#!/bin/sh\n" + textwrap.dedent(body))
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture(scope="module")
+def argv_printer(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("argv")
+    src = out / "argv.c"
+    src.write_text(ARGV_C)
+    subprocess.run(["cc", "-O", "-o", str(out / "argv"), str(src)], check=True)
+    return out / "argv"
+
+
+def test_gets_one_free_device_by_uuid(installed):
+    inst = installed("a100-mig7")
+    inst.wrap("recon")
+    r = inst.run("recon")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.splitlines()[0])
+    assert out["cvd"] in inst.machine.leaf_uuids()  # a UUID, never an index
+    assert out["devices"] == [out["cvd"]]
+    assert r.stderr == b""  # nothing to say, so nothing said
+
+
+def test_argv_is_invoked_path_and_args(installed, argv_printer):
+    inst = installed("four-gpus")
+    link = inst.wrap("argv", argv_printer)
+    args = ["--flag", "two words", "ünï", ""]
+    r = inst.run(str(link), *args)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.decode().split("\n")
+    assert lines[0].startswith("GPU-")
+    assert lines[1:1 + 1 + len(args)] == [str(link)] + args
+
+
+def test_found_through_a_symlink_elsewhere(installed, argv_printer, tmp_path):
+    inst = installed("four-gpus")
+    link = inst.wrap("argv", argv_printer)
+    alias = tmp_path / "alias-dir"
+    alias.mkdir()
+    (alias / "argv").symlink_to(link)
+    r = inst.run(str(alias / "argv"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().split("\n")[1] == str(alias / "argv")
+
+
+def test_environment_is_byte_identical_but_for_the_device(installed, tmp_path):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    env = {k.encode(): v.encode() for k, v in inst.environ().items()}
+    # A C locale makes Python add LC_CTYPE (PEP 538); odd bytes must survive untouched.
+    for key in (b"LC_ALL", b"LC_CTYPE", b"LANG"):
+        env.pop(key, None)
+    env[b"LANG"] = b"C"
+    env[b"ODD"] = b"\xff\xfe not utf-8 = really"
+    env[b"EMPTY"] = b""
+    env[b"PYTHONPATH"] = b"/nonexistent"  # the shim must ignore it (-I) and pass it on
+    out = tmp_path / "env.out"
+    r = subprocess.run(["recon", "--env-out", str(out)], env=env, capture_output=True,
+                       cwd=inst.bindir, timeout=30)
+    assert r.returncode == 0, r.stderr
+    got = read_environ_file(out)
+    granted = json.loads(r.stdout.splitlines()[0])["cvd"]
+    expected = dict(env)
+    expected[b"CUDA_VISIBLE_DEVICES"] = granted.encode()
+    lease = got.pop(b"CUDAWRAP_LEASE")
+    assert lease.endswith(b":" + granted.encode())
+    assert got == expected
+
+
+def test_exit_code_passes_through(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    assert inst.run("recon", "--exit", "42").returncode == 42
+    assert inst.run("recon", "--exit", "0").returncode == 0
+
+
+def test_death_by_signal_passes_through(installed, tmp_path):
+    inst = installed("four-gpus")
+    prog = sh_program(tmp_path / "selfkill", "kill -USR1 $$\n")
+    inst.wrap("selfkill", prog)
+    assert inst.run("selfkill").returncode == -signal.SIGUSR1
+
+
+def test_signals_reach_the_program_at_the_same_pid(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    proc = inst.start("recon", "--hold", "30")
+    info = ready_line(proc)
+    assert info["pid"] == proc.pid  # exec, not a child: the caller's pid is the program's
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_wrapped_pipe_to_head_behaves_like_the_real_program(installed, tmp_path):
+    inst = installed("four-gpus")
+    prog = sh_program(tmp_path / "spew", "exec yes cudawrap\n")
+    inst.wrap("spew", prog)
+    script = "set -o pipefail; {} | head -n 2; echo status=$?"
+    wrapped = subprocess.run(["bash", "-c", script.format("spew")], env=inst.environ(),
+                             capture_output=True, timeout=30, cwd=inst.bindir)
+    direct = subprocess.run(["bash", "-c", script.format(str(prog))], env=inst.environ(),
+                            capture_output=True, timeout=30)
+    assert wrapped.stdout == direct.stdout == b"cudawrap\ncudawrap\nstatus=141\n"
+    assert wrapped.stderr == direct.stderr == b""  # no "Broken pipe" noise
+
+
+def test_verbose_says_what_it_did(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    r = inst.run("recon", CUDAWRAP_VERBOSE="1")
+    assert r.returncode == 0
+    assert b"CUDA_VISIBLE_DEVICES=GPU-" in r.stderr
+
+
+def test_missing_real_program_reads_like_the_shell(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    (inst.bindir / "CUDAWRAP_recon").unlink()
+    r = inst.run("recon")
+    assert r.returncode == 127
+    assert r.stderr.decode().splitlines()[0].startswith("recon: the real program")
+
+
+def test_running_the_shim_directly_is_refused(installed):
+    inst = installed("four-gpus")
+    r = inst.run(str(inst.layout.shim))
+    assert r.returncode == os.EX_USAGE
+    assert b"run a wrapped program by its own name" in r.stderr
+
+
+def test_shim_imports_only_what_it_needs(installed):
+    """The shim's import path, in a fresh interpreter as the shim runs it."""
+    inst = installed("four-gpus")
+    shim = inst.layout.shim.read_text()
+    syspath = shim.split("sys.path[:0] = ", 1)[1].split("\n", 1)[0]
+    code = f"import sys; sys.path[:0] = {syspath}; import cudawrap.launch; print(sorted(sys.modules))"
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
+    loaded = set(eval(r.stdout))
+    heavy = {"plumbum", "pathlib", "typing", "dataclasses", "json", "tomllib", "tomli", "filelock",
+             "pynvml", "ctypes", "logging", "re", "enum", "subprocess", "inspect"}
+    assert not loaded & heavy, sorted(loaded & heavy)
