@@ -1,0 +1,3 @@
+from fakemachine import fakenvml_lib, machine  # noqa: F401
+from corefix import installed  # noqa: F401
+from adminfix import admin, shared_tmp  # noqa: F401

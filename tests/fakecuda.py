@@ -1,0 +1,421 @@
+#!/usr/bin/env python3
+"""A stand-in CUDA program: it takes the devices CUDA would give it and holds them.
+
+It reads the same topology file as the fake NVML library (``$FAKENVML_TOPOLOGY``,
+format in ``fakenvml/FORMAT.md``) and resolves ``CUDA_VISIBLE_DEVICES`` the way
+the CUDA runtime documents it, with these exact rules:
+
+* Unset: every device, in NVML order; a GPU in MIG mode contributes its MIG
+  instances in slot order (none if it has none); a lost GPU contributes none.
+* Set but empty (or only blanks): no device.
+* Otherwise a comma-separated list, each entry stripped of blanks:
+
+  - ``N`` (ASCII digits): the GPU with NVML index N (the order ``nvidia-smi``
+    shows, i.e. ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).  On a MIG-mode GPU it means
+    that GPU's MIG instances in slot order.
+  - ``GPU-...``: the one GPU whose UUID starts with the entry (the full UUID
+    or an abbreviation of at least one character after ``GPU-``).  A MIG-mode
+    GPU expands as for ``N``.
+  - ``MIG-<uuid>``: that MIG instance (full UUID only: an abbreviation is invalid).
+  - ``MIG-GPU-<uuid>/<gi>/<ci>``: the pre-R470 spelling of the same.
+
+  The first entry that is invalid ends the list and the devices before it are
+  kept: an index out of range or negative, an unknown or ambiguous UUID, an
+  empty entry, a device that was already listed, anything else, and any
+  device of a GPU the topology marks as lost.
+
+* With a driver older than R570 (the topology's ``driver`` line) a process
+  can use one MIG instance only: the first MIG instance in the resulting list
+  stays, later ones are dropped; whole GPUs are unaffected.
+* With the ``driver_not_loaded`` fault, or without ``$FAKENVML_TOPOLOGY``,
+  there is no device.
+
+For as long as it runs it registers itself as a compute process on exactly
+those devices in ``$FAKENVML_STATE/procs/<pid>`` (lines ``UUID MEMORY_MIB``),
+so the fake NVML library reports it, and it removes the file when it exits
+normally or on SIGTERM/SIGINT (it then dies of that signal, as a real program
+would).  A registration left behind by a killed process is ignored by the
+library because its pid is dead.
+
+On start it prints one JSON line to stdout, once its registration and its
+``--log`` start record are in place, so a test can read that line as "ready":
+``{"pid", "argv", "cvd", "devices", "driver"}``.  With ``--require N`` and
+fewer devices it prints the line, says why on stderr and exits 100
+(cudaErrorNoDevice) without registering or logging, as a CUDA program that
+fails in ``cudaSetDevice`` never creates a context.
+
+``argv`` is ``sys.argv``.  When this file is run through its shebang (as
+cudawrap's renamed copies and links are), the kernel hands Python the path of
+the script file, so ``argv[0]`` is the path that was executed (a link or a
+renamed copy), never an ``argv[0]`` chosen by the caller of ``execve``.
+
+Standard library only, Python 3.9+, and quick to start: it is run hundreds of
+times by the test suite.
+"""
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+NO_DEVICE_EXIT = 100  # cudaErrorNoDevice
+MULTI_MIG_DRIVER = 570
+
+
+class TopologyError(ValueError):
+    """The topology file cannot be read as one."""
+
+
+class Mig(NamedTuple):
+    uuid: str
+    parent: str
+    slot: int
+    profile: str
+    gi: int
+    ci: int
+    memory_mib: int
+    used_mib: int
+
+
+class Gpu(NamedTuple):
+    uuid: str
+    name: str
+    memory_mib: int
+    mig: str  # "on", "off" or "unsupported"
+    pci: str
+    used_mib: int
+    instances: Tuple[Mig, ...]  # by slot
+
+
+class Process(NamedTuple):
+    pid: int
+    device: str
+    memory_mib: int
+
+
+class Topology(NamedTuple):
+    driver: str
+    cuda: int
+    gpus: Tuple[Gpu, ...]
+    processes: Tuple[Process, ...]
+    faults: Dict[str, str]  # name -> value ("" when it has none)
+
+    @property
+    def driver_major(self) -> int:
+        try:
+            return int(self.driver.split(".", 1)[0])
+        except ValueError:
+            return 0
+
+    def lost_gpus(self) -> List[str]:
+        value = self.faults.get("gpu_lost", "")
+        return [u for u in value.split(",") if u]
+
+    def leaf_uuids(self) -> List[str]:
+        """What a program can be given: whole non-MIG GPUs and MIG instances, NVML order."""
+        out: List[str] = []
+        for gpu in self.gpus:
+            if gpu.mig == "on":
+                out.extend(m.uuid for m in gpu.instances)
+            else:
+                out.append(gpu.uuid)
+        return out
+
+
+def split_fields(line: str) -> List[Tuple[str, Optional[str]]]:
+    """Words and key=value pairs, as the C parser splits them; '#' outside quotes starts a comment."""
+    fields: List[Tuple[str, Optional[str]]] = []
+    i, n = 0, len(line)
+    while True:
+        while i < n and line[i] in " \t\r":
+            i += 1
+        if i >= n or line[i] == "#":
+            return fields
+        start = i
+        while i < n and line[i] not in "= \t\r#":
+            i += 1
+        key = line[start:i]
+        if not key:
+            raise TopologyError("a field has no name")
+        if i >= n or line[i] != "=":
+            fields.append((key, None))
+            continue
+        i += 1
+        if i < n and line[i] == '"':
+            close = line.find('"', i + 1)
+            if close < 0:
+                raise TopologyError("unterminated quote")
+            fields.append((key, line[i + 1 : close]))
+            i = close + 1
+        else:
+            start = i
+            while i < n and line[i] not in " \t\r#":
+                i += 1
+            fields.append((key, line[start:i]))
+
+
+def parse_topology(text: str) -> Topology:
+    """Parse a topology; the C library is the strict judge, this only needs to agree on valid files."""
+    driver, cuda = "", 0
+    gpus: List[Dict] = []
+    by_uuid: Dict[str, Dict] = {}
+    processes: List[Process] = []
+    faults: Dict[str, str] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        try:
+            fields = split_fields(line)
+        except TopologyError as e:
+            raise TopologyError(f"line {lineno}: {e}") from None
+        if not fields:
+            continue
+        kind = fields[0][0]
+        words = [k for k, v in fields[1:] if v is None]
+        kv = {k: v for k, v in fields[1:] if v is not None}
+        try:
+            if kind == "driver":
+                driver = words[0]
+            elif kind == "cuda":
+                cuda = int(words[0])
+            elif kind == "fault":
+                name = words[0]
+                value = words[1] if len(words) > 1 else ""
+                if name == "gpu_lost" and faults.get(name):
+                    value = faults[name] + "," + value
+                faults[name] = value
+            elif kind == "gpu":
+                gpu = dict(
+                    uuid=kv["uuid"],
+                    name=kv["name"],
+                    memory_mib=int(kv["memory_mib"]),
+                    mig=kv.get("mig", "off"),
+                    pci=kv.get("pci", f"0000:{len(gpus) + 1:02X}:00.0"),
+                    used_mib=int(kv.get("used_mib", "0")),
+                    instances={},
+                )
+                gpus.append(gpu)
+                by_uuid[gpu["uuid"]] = gpu
+            elif kind == "mig":
+                parent = by_uuid[kv["parent"]]
+                mig = Mig(
+                    uuid=kv["uuid"],
+                    parent=kv["parent"],
+                    slot=int(kv["slot"]),
+                    profile=kv["profile"],
+                    gi=int(kv["gi"]),
+                    ci=int(kv["ci"]),
+                    memory_mib=int(kv["memory_mib"]),
+                    used_mib=int(kv.get("used_mib", "0")),
+                )
+                parent["instances"][mig.slot] = mig
+            elif kind == "process":
+                processes.append(Process(int(kv["pid"]), kv["device"], int(kv["memory_mib"])))
+            else:
+                raise TopologyError(f"line {lineno}: unknown keyword {kind!r}")
+        except (KeyError, IndexError, ValueError) as e:
+            if isinstance(e, TopologyError):
+                raise
+            raise TopologyError(f"line {lineno}: malformed {kind!r} line ({e!r})") from None
+    if not driver:
+        raise TopologyError("no 'driver VERSION' line")
+    frozen = tuple(
+        Gpu(
+            uuid=g["uuid"],
+            name=g["name"],
+            memory_mib=g["memory_mib"],
+            mig=g["mig"],
+            pci=g["pci"],
+            used_mib=g["used_mib"],
+            instances=tuple(g["instances"][s] for s in sorted(g["instances"])),
+        )
+        for g in gpus
+    )
+    return Topology(driver, cuda, frozen, tuple(processes), faults)
+
+
+def read_topology(path: str) -> Topology:
+    with open(path, encoding="utf-8") as f:
+        return parse_topology(f.read())
+
+
+def _expand(gpu: Gpu) -> List[str]:
+    if gpu.mig == "on":
+        return [m.uuid for m in gpu.instances]
+    return [gpu.uuid]
+
+
+def _lookup(topo: Topology, entry: str) -> Optional[List[str]]:
+    """The devices one CUDA_VISIBLE_DEVICES entry names, or None when it is invalid."""
+    lost = set(topo.lost_gpus())
+    if entry and all(c in "0123456789" for c in entry):
+        index = int(entry)
+        if index >= len(topo.gpus) or topo.gpus[index].uuid in lost:
+            return None
+        return _expand(topo.gpus[index])
+    if entry.startswith("GPU-") and len(entry) > len("GPU-"):
+        matches = [g for g in topo.gpus if g.uuid.startswith(entry)]
+        if len(matches) != 1 or matches[0].uuid in lost:
+            return None
+        return _expand(matches[0])
+    if entry.startswith("MIG-GPU-"):
+        parts = entry[len("MIG-") :].split("/")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts[1:]):
+            return None
+        for gpu in topo.gpus:
+            if gpu.uuid == parts[0] and gpu.uuid not in lost:
+                for mig in gpu.instances:
+                    if (mig.gi, mig.ci) == (int(parts[1]), int(parts[2])):
+                        return [mig.uuid]
+        return None
+    if entry.startswith("MIG-"):
+        for gpu in topo.gpus:
+            for mig in gpu.instances:
+                if mig.uuid == entry and gpu.uuid not in lost:
+                    return [mig.uuid]
+    return None
+
+
+def visible_devices(topo: Topology, cvd: Optional[str]) -> List[str]:
+    """UUIDs of the devices a CUDA process gets, in CUDA order (rules in the module docstring)."""
+    if "driver_not_loaded" in topo.faults:
+        return []
+    lost = set(topo.lost_gpus())
+    chosen: List[str] = []
+    if cvd is None:
+        for gpu in topo.gpus:
+            if gpu.uuid not in lost:
+                chosen.extend(_expand(gpu))
+    elif cvd.strip():
+        for raw in cvd.split(","):
+            devices = _lookup(topo, raw.strip())
+            if devices is None or any(d in chosen for d in devices):
+                break
+            chosen.extend(devices)
+    if topo.driver_major < MULTI_MIG_DRIVER:
+        migs = [d for d in chosen if d.startswith("MIG-")]
+        chosen = [d for d in chosen if not d.startswith("MIG-") or d == migs[0]]
+    return chosen
+
+
+# ---- the program ---------------------------------------------------------
+
+
+def _append_line(path: str, record: Dict) -> None:
+    # One write on an O_APPEND descriptor: concurrent writers never interleave.
+    data = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _environment_bytes() -> bytes:
+    # /proc/self/environ is the block execve() received, byte for byte; os.environb
+    # may differ (Python coerces LC_CTYPE under the C locale, PEP 538).
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b"".join(k + b"=" + v + b"\0" for k, v in os.environb.items())
+
+
+class Registration:
+    """This process as a compute process on its devices, in the fake driver's eyes."""
+
+    def __init__(self) -> None:
+        self.path: Optional[str] = None
+
+    def create(self, devices: Sequence[str], memory_mib: int) -> None:
+        state = os.environ.get("FAKENVML_STATE")
+        if not state or not devices:
+            return
+        procs = os.path.join(state, "procs")
+        os.makedirs(procs, exist_ok=True)
+        pid = os.getpid()
+        tmp = os.path.join(procs, f".{pid}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(f"{uuid} {memory_mib}\n" for uuid in devices))
+        self.path = os.path.join(procs, str(pid))
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+
+def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n")[0])
+    parser.add_argument("--hold", type=float, default=0.0, metavar="SECONDS", help="keep the devices this long")
+    parser.add_argument("--log", metavar="FILE", help="append a JSON line at start and at end")
+    parser.add_argument("--exit", type=int, default=0, metavar="CODE", help="exit status at the end")
+    parser.add_argument("--mem", type=int, default=256, metavar="MIB", help="memory used on each device")
+    parser.add_argument("--env-out", metavar="FILE", help="write the environment, NUL-terminated KEY=VALUE")
+    parser.add_argument("--require", type=int, default=0, metavar="N", help="fail like CUDA with fewer devices")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parse_args(sys.argv[1:] if argv is None else argv)
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    path = os.environ.get("FAKENVML_TOPOLOGY")
+    driver: Optional[str] = None
+    devices: List[str] = []
+    if path:
+        try:
+            topo = read_topology(path)
+        except (OSError, TopologyError) as e:
+            print(f"fakecuda: {path}: {e}", file=sys.stderr)
+            return 2
+        driver = topo.driver
+        devices = visible_devices(topo, cvd)
+
+    if args.env_out:
+        with open(args.env_out, "wb") as f:
+            f.write(_environment_bytes())
+
+    pid = os.getpid()
+    hello = json.dumps({"pid": pid, "argv": sys.argv, "cvd": cvd, "devices": devices, "driver": driver})
+    if len(devices) < args.require:
+        print(hello, flush=True)
+        print(
+            f"CUDA error: no CUDA-capable device is detected (cudaErrorNoDevice): "
+            f"needs {args.require} device(s), CUDA_VISIBLE_DEVICES={cvd!r} gives {len(devices)}",
+            file=sys.stderr,
+        )
+        return NO_DEVICE_EXIT
+
+    registration = Registration()
+
+    def finish(**how: int) -> None:
+        registration.remove()
+        if args.log:
+            _append_line(args.log, dict(pid=pid, event="end", time=time.time(), devices=devices, **how))
+
+    def on_signal(signum: int, _frame: object) -> None:
+        finish(signal=signum)
+        # Die of the signal itself, so the parent sees what it would see with a real program.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(pid, signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    registration.create(devices, args.mem)
+    if args.log:
+        _append_line(args.log, dict(pid=pid, event="start", time=time.time(), devices=devices))
+    print(hello, flush=True)
+    if args.hold > 0:
+        time.sleep(args.hold)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    finish(exit=args.exit)
+    return args.exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())
