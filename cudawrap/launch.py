@@ -137,15 +137,19 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
             return Grant(inherited, _narrow_inherited(inherited, preset))
 
     from . import nvml
+    from .snapshot import SnapshotRefresh, read_fresh
 
-    try:
-        inventory = nvml.inventory()
-    except NvmlUnavailable as exc:
-        if value["no_driver"] == "fail":
-            raise
-        say(prog, f"warning: {exc}; running without a device lease")
-        audit.log("no-driver", "warning", program=prog, pid=os.getpid(), reason=str(exc))
-        return Grant(None, None)
+    inventory = read_fresh(root)  # kept by `cudawrap monitor`; spares us pynvml
+    refresh = SnapshotRefresh(root) if inventory is not None else nvml.refresh
+    if inventory is None:
+        try:
+            inventory = nvml.inventory()
+        except NvmlUnavailable as exc:
+            if value["no_driver"] == "fail":
+                raise
+            say(prog, f"warning: {exc}; running without a device lease")
+            audit.log("no-driver", "warning", program=prog, pid=os.getpid(), reason=str(exc))
+            return Grant(None, None)
     checked_at = time.monotonic()
 
     from .selection import allowed, parse_visible, read_allow_file
@@ -189,7 +193,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     acquirer = Acquirer(
         leases, queue, candidates, inventory.devices, count,
         placement=value["placement"], foreign=value["foreign"],
-        busy_memory_mib=value["busy_memory_mib"], refresh=nvml.refresh, checked_at=checked_at)
+        busy_memory_mib=value["busy_memory_mib"], refresh=refresh, checked_at=checked_at)
     wait_s = value["wait"]
     info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={prog}\n".encode()
     waited = {"yes": False}

@@ -134,6 +134,9 @@ def refresh(device: Device) -> Optional[Device]:
     nv = _pynvml()
     handle = _handles.get(device.uuid)
     if handle is None:
+        inventory()  # first NVML use in this process (the shim started from a snapshot)
+        handle = _handles.get(device.uuid)
+    if handle is None:
         return None
     try:
         pids, used, total = _usage(nv, handle)

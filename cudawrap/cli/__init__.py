@@ -69,6 +69,7 @@ _SUBCOMMANDS = {
     "wrap": "cudawrap.cli.admin.WrapCommand",
     "sync": "cudawrap.cli.runtime.SyncCommand",
     "status": "cudawrap.cli.runtime.StatusCommand",
+    "monitor": "cudawrap.cli.runtime.MonitorCommand",
     "run": "cudawrap.cli.runtime.RunCommand",
     "config": "cudawrap.cli.config_cmd.ConfigCommand",
 }

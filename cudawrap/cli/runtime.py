@@ -35,6 +35,30 @@ class SyncCommand(Command):
         return os.EX_UNAVAILABLE if report.nvml_error else 0
 
 
+class MonitorCommand(Command):
+    """Keep the launch snapshot fresh so launches skip NVML (root; the cudawrap-monitor service)."""
+
+    once = cli.Flag(["--once"], help="write one snapshot and exit")
+    period = cli.SwitchAttr(["--period"], float, default=0.5, help="seconds between snapshots")
+
+    def main(self) -> int:
+        from ..monitor import refresh_once, run
+        from ..privilege import require_admin
+
+        layout = default_layout()
+        require_admin(layout)
+        if not 0.05 <= self.period <= 60:
+            raise UsageError(f"--period {self.period}: choose between 0.05 and 60 seconds")
+        if self.once:
+            error = refresh_once(layout)
+            if error:
+                print(f"cudawrap monitor: {error}", file=sys.stderr)
+                return os.EX_UNAVAILABLE
+            return 0
+        run(layout, self.period)
+        return 0
+
+
 class StatusCommand(Command):
     """Every device with its lease holder, other processes and memory; then who is waiting."""
 

@@ -1,0 +1,54 @@
+"""`cudawrap monitor`: keep the shim's usage snapshot fresh, and lease files in step.
+
+Optional: launches are correct without it, only slower (each asks NVML itself). Run by
+root as the cudawrap-monitor service. When a device appears (MIG reconfigured) it gets a
+lease file at once, as `cudawrap sync` would.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Optional
+
+from . import snapshot
+from .errors import NvmlUnavailable
+from .leases import holders, sync_lease_files
+from .paths import Layout
+
+log = logging.getLogger(__name__)
+
+
+def refresh_once(layout: Layout) -> Optional[str]:
+    """Write one snapshot; returns an error message instead when NVML is unavailable."""
+    from . import nvml
+
+    root = str(layout.root)
+    try:
+        inventory = nvml.inventory()
+    except NvmlUnavailable as exc:
+        try:
+            os.unlink(layout.usage_snapshot)  # stale data must not outlive the driver
+        except FileNotFoundError:
+            pass
+        return str(exc)
+    lease_dir = str(layout.lease_dir)
+    existing = set(os.listdir(lease_dir)) if os.path.isdir(lease_dir) else set()
+    if not inventory.lost and set(inventory.uuids()) - existing:
+        sync_lease_files(lease_dir, inventory.uuids())
+    snapshot.write(root, inventory, holders(lease_dir))
+    return None
+
+
+def run(layout: Layout, period: float = snapshot.PERIOD_S,
+        should_stop: Callable[[], bool] = lambda: False) -> None:
+    last_error: Optional[str] = None
+    while not should_stop():
+        error = refresh_once(layout)
+        if error != last_error:
+            if error:
+                log.warning("%s; shims ask NVML themselves until it is back", error)
+            elif last_error:
+                log.warning("NVML is back")
+            last_error = error
+        time.sleep(period if error is None else max(period, 5.0))
