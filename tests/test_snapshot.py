@@ -1,0 +1,111 @@
+"""The monitor's snapshot: launches without NVML while it is fresh, never trusting a stale or forged one."""
+import json
+import marshal
+import os
+import subprocess
+import threading
+import time
+
+from cudawrap import snapshot
+from cudawrap.monitor import refresh_once
+from corefix import ready_line
+
+
+def run_without_nvml(inst, *args, **extra):
+    """Run a wrapped program where libnvidia-ml.so.1 cannot be loaded."""
+    env = inst.machine.without_library()
+    env["PATH"] = f"{inst.bindir}:{env['PATH']}"
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.update(extra)
+    return subprocess.run(list(args), env=env, capture_output=True, timeout=30)
+
+
+def test_a_fresh_snapshot_spares_nvml(installed):
+    inst = installed("a100-mig7")
+    inst.wrap("recon")
+    assert refresh_once(inst.layout) is None
+    r = run_without_nvml(inst, "recon")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == b""  # no "no driver" warning: NVML was never needed
+    assert json.loads(r.stdout.splitlines()[0])["cvd"].startswith("MIG-")
+
+
+def test_a_stale_snapshot_is_ignored(installed):
+    inst = installed("a100-mig7")
+    inst.wrap("recon")
+    refresh_once(inst.layout)
+    path = inst.layout.usage_snapshot
+    data = marshal.loads(path.read_bytes())
+    data["written"] -= snapshot.MAX_AGE_S + 1
+    path.write_bytes(marshal.dumps(data))
+    r = run_without_nvml(inst, "recon")
+    assert b"no NVIDIA driver" in r.stderr  # it asked NVML itself
+
+
+def test_a_snapshot_not_written_by_root_is_ignored(installed):
+    inst = installed("a100-mig7")
+    inst.wrap("recon")
+    refresh_once(inst.layout)
+    os.chmod(inst.layout.usage_snapshot, 0o666)  # anyone could have written it
+    r = run_without_nvml(inst, "recon")
+    assert b"no NVIDIA driver" in r.stderr
+
+
+def test_snapshot_shows_foreign_processes_but_not_lessees(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    gpus = inst.machine.leaf_uuids()
+    proc = inst.start("recon", "--hold", "30", CUDA_VISIBLE_DEVICES=gpus[0])
+    ready_line(proc)
+    inst.machine.add_process(4242, gpus[1], 2048)
+    refresh_once(inst.layout)
+    seen = snapshot.read_fresh(str(inst.layout.root))
+    assert seen.by_uuid(gpus[0]).pids == ()  # the lessee's own process is not foreign
+    assert seen.by_uuid(gpus[1]).pids == (4242,)
+    proc.kill()
+    proc.wait()
+    # Freed after the snapshot was taken: usable at once, without waiting for the next one.
+    r = run_without_nvml(inst, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=f"{gpus[0]},{gpus[1]}")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[0])["devices"] == [gpus[0]]
+
+
+def test_burst_with_the_monitor_running_never_shares_a_device(installed):
+    inst = installed("a100-mig7")
+    inst.wrap("recon")
+    stop = threading.Event()
+
+    def monitor():
+        while not stop.is_set():
+            refresh_once(inst.layout)
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=monitor)
+    thread.start()
+    try:
+        procs = [inst.start("recon", "--hold", "0.2", "--log", str(inst.log)) for _ in range(35)]
+        assert [p.wait(timeout=120) for p in procs] == [0] * 35
+    finally:
+        stop.set()
+        thread.join()
+    from test_acquire import overlaps
+
+    assert overlaps(inst.jobs()) == []
+
+
+def test_monitor_gives_new_devices_a_lease_file(installed):
+    inst = installed("a100-mig7")
+    migs = inst.machine.leaf_uuids()
+    new_uuid = "MIG-99999999-1111-2222-3333-444444444444"
+    inst.machine.write(inst.machine.read().replace(migs[3], new_uuid))
+    refresh_once(inst.layout)
+    assert (inst.layout.lease_dir / new_uuid).exists()
+
+
+def test_monitor_removes_the_snapshot_when_nvml_goes(installed):
+    inst = installed("a100-mig7")
+    refresh_once(inst.layout)
+    assert inst.layout.usage_snapshot.exists()
+    inst.machine.set_fault("driver_not_loaded")
+    assert "not loaded" in refresh_once(inst.layout)
+    assert not inst.layout.usage_snapshot.exists()
