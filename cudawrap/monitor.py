@@ -11,8 +11,8 @@ import os
 import time
 from typing import Callable, Optional
 
-from . import snapshot
-from .errors import NvmlUnavailable
+from . import policy, snapshot
+from .errors import CudawrapError, NvmlUnavailable
 from .leases import holders, sync_lease_files
 from .paths import Layout
 
@@ -37,6 +37,12 @@ def refresh_once(layout: Layout) -> Optional[str]:
     if not inventory.lost and set(inventory.uuids()) - existing:
         sync_lease_files(lease_dir, inventory.uuids())
     snapshot.write(root, inventory, holders(lease_dir))
+    if not policy.cache_is_current(root):
+        # The config or registry changed: rebuild so launches stay off the slow path.
+        try:
+            policy.write_cache(root)
+        except CudawrapError as exc:
+            log.warning("cannot rebuild the launch cache: %s", exc)
     return None
 
 

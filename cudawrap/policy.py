@@ -80,6 +80,10 @@ def write_cache(root: str) -> str:
     return path
 
 
+def cache_is_current(root: str) -> bool:
+    return _read_cache(root) is not None
+
+
 def _read_cache(root: str) -> Optional[Dict[str, Any]]:
     path = loc.under(root, loc.LAUNCH_CACHE)
     try:

@@ -109,3 +109,16 @@ def test_monitor_removes_the_snapshot_when_nvml_goes(installed):
     inst.machine.set_fault("driver_not_loaded")
     assert "not loaded" in refresh_once(inst.layout)
     assert not inst.layout.usage_snapshot.exists()
+
+
+def test_monitor_rebuilds_a_stale_policy_cache(installed):
+    from cudawrap import policy
+
+    inst = installed("a100-mig7")
+    root = str(inst.layout.root)
+    assert policy.cache_is_current(root)
+    inst.write_config("[policy]\nwait = 5\n")
+    assert not policy.cache_is_current(root)
+    refresh_once(inst.layout)
+    assert policy.cache_is_current(root)
+    assert policy.effective(root, None)["wait"][0] == 5.0
