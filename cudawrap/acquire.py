@@ -156,7 +156,7 @@ class Acquirer:
         """Devices within WAIT_S seconds (inf: as long as it takes), first come first served."""
         start = time.monotonic()
         with self.queue.mutex():
-            if not self.queue.live():
+            if not self.queue.anyone_waiting():
                 lease = self.try_grab()
                 if lease is not None:
                     return lease

@@ -184,11 +184,16 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     from .waitqueue import WaitQueue
 
     leases = LeaseFiles(lease_dir)
-    if all(leases.fd(d.uuid) is None for d in candidates):
+    # A device without a lease file (appeared since the last sync) can never be leased:
+    # leave it out rather than wait for it forever.
+    unsynced = [d for d in candidates if leases.fd(d.uuid) is None]
+    if len(candidates) - len(unsynced) < count:
         from .errors import SetupError
         from .leases import SYNC_HINT
 
-        raise SetupError(f"no lease file for any usable device in {lease_dir}", hint=SYNC_HINT)
+        raise SetupError(f"{len(unsynced)} of the usable devices have no lease file in {lease_dir}",
+                         hint=SYNC_HINT)
+    candidates = [d for d in candidates if d not in unsynced]
     queue = WaitQueue(loc.under(root, loc.QUEUE_DIR), loc.under(root, loc.QUEUE_LOCK))
     acquirer = Acquirer(
         leases, queue, candidates, inventory.devices, count,

@@ -47,6 +47,13 @@ def process_info(pid: int) -> Dict[str, Any]:
     return info
 
 
+def _int(text: Optional[str]) -> int:
+    try:
+        return int(text or "")
+    except ValueError:
+        return -1
+
+
 def _waiting(layout: Layout) -> List[Dict[str, Any]]:
     try:
         queue = WaitQueue(str(layout.queue_dir), str(layout.queue_lock))
@@ -54,9 +61,10 @@ def _waiting(layout: Layout) -> List[Dict[str, Any]]:
         return []
     out = []
     for key, uid, info in queue.entries():
+        # Entries are written by users: read them as untrusted text.
         fields = dict(line.split("=", 1) for line in info.decode("utf-8", "replace").splitlines() if "=" in line)
-        out.append({"key": key, "user": _user_of(uid), "pid": int(fields.get("pid", "0") or 0),
-                    "count": int(fields.get("count", "1") or 1), "program": fields.get("program", "?")})
+        out.append({"key": key, "user": _user_of(uid), "pid": _int(fields.get("pid")),
+                    "count": _int(fields.get("count")), "program": fields.get("program", "?")[:200]})
     return out
 
 

@@ -124,6 +124,15 @@ class WaitQueue:
                 out.append(name)
         return out
 
+    def anyone_waiting(self) -> bool:
+        """Whether any live entry exists (stops at the first: newcomers ask this)."""
+        for name in self._names():
+            fd = self._open_live(name)
+            if fd >= 0:
+                os.close(fd)
+                return True
+        return False
+
     def enqueue(self, info: bytes) -> Entry:
         """Join the queue; the caller holds the mutex, which makes the key order arrival order."""
         names = self._names()
