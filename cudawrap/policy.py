@@ -11,18 +11,16 @@ change a decision.
 """
 from __future__ import annotations
 
-import marshal
 import os
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Any, Dict, Optional, Tuple
 
-from . import locations as loc
+from . import locations as loc, rootfile
 from .errors import UsageError
 
 CACHE_VERSION = 1
-_MAX_CACHE = 8 << 20
 
 
 def _signature(path: str) -> Optional[Tuple[int, int, int, int]]:
@@ -69,14 +67,7 @@ def write_cache(root: str) -> str:
     data["version"] = CACHE_VERSION
     data["signatures"] = before
     path = loc.under(root, loc.LAUNCH_CACHE)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, marshal.dumps(data))
-        os.fchmod(fd, 0o644)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    rootfile.write(path, data)
     return path
 
 
@@ -85,25 +76,8 @@ def cache_is_current(root: str) -> bool:
 
 
 def _read_cache(root: str) -> Optional[Dict[str, Any]]:
-    path = loc.under(root, loc.LAUNCH_CACHE)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        # Only a cache written by the owner of the runtime directory (root) is trusted.
-        owner = os.stat(loc.under(root, loc.RUNTIME_DIR)).st_uid
-        if st.st_uid != owner or st.st_mode & 0o022 or st.st_size > _MAX_CACHE:
-            return None
-        data = marshal.loads(os.read(fd, st.st_size + 1))
-    except (OSError, ValueError, EOFError, TypeError):
-        return None
-    finally:
-        os.close(fd)
-    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
-        return None
-    if data.get("signatures") != _signatures(root):
+    data = rootfile.read(root, loc.under(root, loc.LAUNCH_CACHE), CACHE_VERSION)
+    if data is None or data.get("signatures") != _signatures(root):
         return None
     return data
 

@@ -12,22 +12,19 @@ waiting for the next snapshot.
 """
 from __future__ import annotations
 
-import marshal
-import os
 import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Iterable, Optional
 
-from . import locations as loc
+from . import locations as loc, rootfile
 from .devices import Device, Inventory
 
 VERSION = 1
 PERIOD_S = 0.5
 # Older than this, the monitor is presumed gone and the shim asks NVML itself.
 MAX_AGE_S = 3.0
-_MAX_SIZE = 8 << 20
 
 
 def write(root: str, inventory: Inventory, held: Iterable[str]) -> None:
@@ -40,39 +37,18 @@ def write(root: str, inventory: Inventory, held: Iterable[str]) -> None:
         devices.append(d)
     view = Inventory(inventory.driver_version, inventory.gpus, devices, inventory.lost)
     data = {"version": VERSION, "written": time.monotonic(), "inventory": view.to_tuple()}
-    path = loc.under(root, loc.USAGE_SNAPSHOT)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, marshal.dumps(data))
-        os.fchmod(fd, 0o644)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    rootfile.write(loc.under(root, loc.USAGE_SNAPSHOT), data)
 
 
 def read_fresh(root: str, max_age: float = MAX_AGE_S) -> Optional[Inventory]:
     """The snapshot's inventory if root wrote it less than MAX_AGE seconds ago, else None."""
-    path = loc.under(root, loc.USAGE_SNAPSHOT)
+    data = rootfile.read(root, loc.under(root, loc.USAGE_SNAPSHOT), VERSION)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        owner = os.stat(loc.under(root, loc.RUNTIME_DIR)).st_uid
-        if st.st_uid != owner or st.st_mode & 0o022 or st.st_size > _MAX_SIZE:
-            return None  # only the runtime directory's owner (root) may speak for NVML
-        data = marshal.loads(os.read(fd, st.st_size + 1))
-        if not isinstance(data, dict) or data.get("version") != VERSION:
-            return None
-        if not 0 <= time.monotonic() - data["written"] < max_age:
+        if data is None or not 0 <= time.monotonic() - data["written"] < max_age:
             return None
         return Inventory.from_tuple(data["inventory"])
-    except (OSError, ValueError, EOFError, TypeError, KeyError):
+    except (KeyError, TypeError, ValueError):
         return None
-    finally:
-        os.close(fd)
 
 
 class SnapshotRefresh:
