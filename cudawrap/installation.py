@@ -9,7 +9,7 @@ import os
 import stat
 import sys
 from pathlib import Path
-from typing import List
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import __version__
 from .paths import Layout
@@ -19,12 +19,10 @@ SHIM_STAMP = "# cudawrap shim, version "
 
 
 def _template() -> str:
-    # Installed copies carry the template as package data; a source checkout has it in shims/.
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "data" / SHIM_TEMPLATE, here.parent / "shims" / SHIM_TEMPLATE):
-        if candidate.is_file():
-            return candidate.read_text(encoding="utf-8")
-    raise FileNotFoundError(f"the shim template {SHIM_TEMPLATE} is not installed")
+    # shims/ ships as the package cudawrap.shims (see pyproject.toml), installed or editable.
+    from . import shims
+
+    return (Path(shims.__file__).parent / SHIM_TEMPLATE).read_text(encoding="utf-8")
 
 
 def _import_dirs() -> List[str]:
@@ -101,3 +99,485 @@ def prepare(layout: Layout, python: str = sys.executable) -> None:
     _dir(layout.state_dir, 0o755)
     prepare_runtime(layout)
     install_shim(layout, python)
+
+
+# --- install.sh's second half -----------------------------------------------------------
+#
+# install.sh makes the virtual environment and pip-installs the package into it, then runs
+# ``python -m cudawrap.installation install`` from that environment for everything else,
+# and ``... uninstall`` to take it all away again. Everything created is recorded in a
+# manifest in the state directory, so an uninstall removes exactly what an install made.
+
+MANIFEST_NAME = "install-manifest.json"
+MANIFEST_VERSION = 1
+UNIT_NAME = "cudawrap-sync.service"
+COMPLETION_SOURCE = "packaging/cudawrap.bash-completion"
+COMMANDS = ("cudawrap", "create-cudawrap")
+PROG = "install.sh"
+
+# Kinds of manifest entry and what an uninstall does with each.
+DIR = "dir"  # removed when empty
+TREE = "tree"  # removed with everything in it (venv, state and runtime directories only)
+FILE = "file"  # removed
+LINK = "link"  # removed while it still points where we pointed it
+CONFFILE = "conffile"  # removed unless edited since (its sha256 differs), like dpkg's conffiles
+
+
+def _say(line: str) -> None:
+    """One step on stdout (a warning on stderr), flushed to stay in order with the commands run."""
+    print(line, file=sys.stderr if line.startswith(f"{PROG}: ") else sys.stdout, flush=True)
+
+
+class InstallError(Exception):
+    """One line for install.sh to print; the exit code it should return."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def manifest_file(layout: Layout) -> Path:
+    return layout.state_dir / MANIFEST_NAME
+
+
+def tmpfiles_file(layout: Layout) -> Path:
+    return layout.root / "etc" / "tmpfiles.d" / "cudawrap.conf"
+
+
+def unit_file(layout: Layout) -> Path:
+    return layout.root / "etc" / "systemd" / "system" / UNIT_NAME
+
+
+def unit_wants_link(layout: Layout) -> Path:
+    return layout.root / "etc" / "systemd" / "system" / "multi-user.target.wants" / UNIT_NAME
+
+
+def completion_file(layout: Layout) -> Path:
+    return layout.root / "etc" / "bash_completion.d" / "cudawrap"
+
+
+def command_links(layout: Layout) -> Dict[Path, Path]:
+    """bin_dir/NAME -> the venv's console script, for each command put on PATH."""
+    return {layout.bin_dir / name: layout.venv_dir / "bin" / name for name in COMMANDS}
+
+
+def sha256_of(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class Manifest:
+    """What install.sh created under one root, in creation order (paths are absolute)."""
+
+    def __init__(self, root: Path, entries: Optional[List[Dict[str, str]]] = None) -> None:
+        self.root = root
+        self.entries: List[Dict[str, str]] = list(entries or [])
+
+    def get(self, path: Path) -> Optional[Dict[str, str]]:
+        for entry in self.entries:
+            if entry["path"] == str(path):
+                return entry
+        return None
+
+    def add(self, kind: str, path: Path, **extra: str) -> None:
+        """Record PATH (the first record of a path wins: it says what was there before us)."""
+        if self.get(path) is None:
+            self.entries.append({"kind": kind, "path": str(path), **extra})
+
+    def replace(self, kind: str, path: Path, **extra: str) -> None:
+        """Record PATH anew (a file written again, whose old record is out of date)."""
+        self.entries = [e for e in self.entries if e["path"] != str(path)]
+        self.add(kind, path, **extra)
+
+    @classmethod
+    def load(cls, layout: Layout) -> Optional["Manifest"]:
+        import json
+
+        path = manifest_file(layout)
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise InstallError(f"{path}: cannot read the install manifest ({exc}); remove what "
+                               f"cudawrap installed by hand") from None
+        if not isinstance(doc, dict) or doc.get("version") != MANIFEST_VERSION or \
+                not isinstance(doc.get("entries"), list):
+            raise InstallError(f"{path}: not an install manifest this install.sh can read")
+        if doc.get("root") != str(layout.root):
+            raise InstallError(f"{path}: it records an install into {doc.get('root')}, not {layout.root}")
+        return cls(layout.root, [e for e in doc["entries"] if isinstance(e, dict) and "path" in e])
+
+    def save(self, layout: Layout) -> None:
+        import json
+
+        path = manifest_file(layout)
+        doc = {"version": MANIFEST_VERSION, "root": str(self.root), "cudawrap_version": __version__,
+               "entries": self.entries}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+
+
+def missing_dirs(path: Path) -> List[Path]:
+    """PATH and those of its ancestors that do not exist yet, outermost first."""
+    out: List[Path] = []
+    while not os.path.lexists(path) and path != path.parent:
+        out.append(path)
+        path = path.parent
+    return out[::-1]
+
+
+def render_tmpfiles(layout: Layout) -> str:
+    """systemd-tmpfiles lines recreating what ``prepare_runtime`` makes, at every boot."""
+    owner = "root root" if layout.is_system else "- -"
+    return (
+        "# cudawrap's runtime area on /run (a tmpfs): recreated at every boot.\n"
+        "# Written by cudawrap's install.sh; the modes match cudawrap.installation.prepare_runtime.\n"
+        f"d {layout.runtime_dir} 0755 {owner} -\n"
+        f"d {layout.lease_dir} 0755 {owner} -\n"
+        "# sticky and world-writable like /tmp: everyone may queue, nobody may unqueue others\n"
+        f"d {layout.queue_dir} 1777 {owner} -\n"
+        f"f {layout.queue_lock} 0644 {owner} -\n"
+    )
+
+
+def render_unit(layout: Layout) -> str:
+    """The oneshot unit that runs ``cudawrap sync`` at boot, once the NVIDIA driver is up."""
+    cudawrap = str(layout.venv_dir / "bin" / "cudawrap")
+    command = f'"{cudawrap}"' if " " in cudawrap else cudawrap
+    return f"""\
+# Written by cudawrap's install.sh (re-running it rewrites this file).
+[Unit]
+Description=cudawrap: lease files for the GPUs and MIG instances present at boot
+# Ordering only, no Wants=: where nvidia-persistenced runs, sync after it has initialised
+# the GPUs; where it does not, NVML loads the driver itself. Pulling the daemon in would
+# start something the admin chose not to run.
+After=nvidia-persistenced.service systemd-modules-load.service systemd-tmpfiles-setup.service
+ConditionPathExists={cudawrap}
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+# The install root is recorded in the virtual environment: no CUDAWRAP_ROOT needed.
+ExecStart={command} sync
+# 69: no NVIDIA driver. Wrapped programs then behave as the no_driver setting says; the
+# warning is in the journal, and the boot is not marked as failed.
+SuccessExitStatus=69
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def _write_text(path: Path, text: str, mode: int = 0o644) -> bool:
+    """Write PATH atomically if its text differs; True if it changed."""
+    try:
+        if path.read_text(encoding="utf-8") == text:
+            return False
+    except OSError:
+        pass
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+    return True
+
+
+def systemd_running(layout: Layout) -> bool:
+    return layout.is_system and os.path.isdir("/run/systemd/system")
+
+
+def _systemctl(*args: str) -> Optional[str]:
+    """Run systemctl; None when it worked, else its complaint in one line."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("systemctl")
+    if exe is None:
+        return "systemctl not found"
+    done = subprocess.run([exe, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        return " ".join(done.stdout.split())[:300] or f"exit {done.returncode}"
+    return None
+
+
+def check_command_links(layout: Layout) -> None:
+    for link, target in command_links(layout).items():
+        if os.path.lexists(link) and not (link.is_symlink() and os.readlink(link) == str(target)):
+            raise InstallError(f"{link} exists and is not cudawrap's link to {target}: move it "
+                               f"aside, then run install.sh again", 73)
+
+
+def install(layout: Layout, python: str, source: Optional[Path], created: List[Path],
+            say: Callable[[str], None] = _say) -> None:
+    """Everything after pip: the install root, config, boot files, commands on PATH.
+
+    CREATED are the directories install.sh made for the virtual environment. Idempotent:
+    a re-run (an upgrade) refreshes the shim and the boot files and keeps the config.
+    """
+    check_command_links(layout)
+    manifest = Manifest.load(layout) or Manifest(layout.root)
+    upgrade = bool(manifest.entries)
+    for path in created:
+        if path != layout.venv_dir:
+            manifest.add(DIR, path)
+    manifest.add(TREE, layout.venv_dir)
+    try:
+        _install(layout, python, source, manifest, say)
+    finally:
+        if layout.state_dir.is_dir():
+            manifest.save(layout)
+    say(f"==> {'upgraded' if upgrade else 'installed'} cudawrap {__version__} in {layout.root}")
+
+
+def _install(layout: Layout, python: str, source: Optional[Path], manifest: Manifest,
+             say: Callable[[str], None]) -> None:
+    from .defaults import render_config
+    from .paths import ROOT_MARKER
+
+    (layout.venv_dir / ROOT_MARKER).write_text(f"{layout.root}\n", encoding="utf-8")
+    trees = (layout.state_dir, layout.runtime_dir)
+    for target in (layout.etc_dir, layout.state_dir, layout.runtime_dir, layout.shim.parent):
+        for path in missing_dirs(target):
+            manifest.add(TREE if path in trees else DIR, path)
+    shim_existed = layout.shim.exists()
+    prepare(layout, python)
+    if not shim_existed:
+        manifest.add(FILE, layout.shim)
+    say(f"==> shim {layout.shim} (interpreter {python}, version {shim_version(layout.shim)})")
+
+    config = layout.config_file
+    if os.path.lexists(config):
+        say(f"==> kept the configuration {config}")
+    else:
+        _write_text(config, render_config())
+        manifest.replace(CONFFILE, config, sha256=sha256_of(config))
+        say(f"==> wrote the default configuration {config} (every setting, commented out)")
+
+    files: List[Tuple[Path, str, str]] = [
+        (tmpfiles_file(layout), render_tmpfiles(layout), "runtime directory at boot (systemd-tmpfiles)"),
+        (unit_file(layout), render_unit(layout), f"boot unit {UNIT_NAME}"),
+    ]
+    completion = source / COMPLETION_SOURCE if source else None
+    if completion is not None and completion.is_file():
+        files.append((completion_file(layout), completion.read_text(encoding="utf-8"), "bash completion"))
+    else:
+        say(f"install.sh: warning: no {COMPLETION_SOURCE} in the source; bash completion not installed")
+    for path, text, what in files:
+        for parent in missing_dirs(path.parent):
+            manifest.add(DIR, parent)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.path.lexists(path):
+            manifest.add(FILE, path)
+        _write_text(path, text)
+        say(f"==> {what}: {path}")
+
+    for parent in missing_dirs(layout.bin_dir):
+        manifest.add(DIR, parent)
+    layout.bin_dir.mkdir(parents=True, exist_ok=True)
+    for link, target in command_links(layout).items():
+        if not os.path.lexists(link):
+            link.symlink_to(target)
+            manifest.add(LINK, link, target=str(target))
+        say(f"==> command {link} -> {target}")
+
+    if systemd_running(layout):
+        problem = _systemctl("daemon-reload") or _systemctl("enable", UNIT_NAME)
+        if problem:
+            say(f"install.sh: warning: could not enable {UNIT_NAME}: {problem}")
+        else:
+            if unit_wants_link(layout).is_symlink():
+                manifest.add(LINK, unit_wants_link(layout), target=os.readlink(unit_wants_link(layout)))
+            say(f"==> enabled {UNIT_NAME}: `cudawrap sync` runs at every boot")
+    elif layout.is_system:
+        say(f"==> {UNIT_NAME} not enabled: systemd is not running here; run `cudawrap sync` "
+            f"after every boot (the runtime directory is on /run)")
+    else:
+        say(f"==> {UNIT_NAME} not enabled (a --prefix install); run `cudawrap sync` after a reboot "
+            f"or a MIG change")
+
+
+def _wrapped(layout: Layout, environ: Dict[str, str]) -> List[str]:
+    """The links of the wrapped programs, as `cudawrap list --json` reports them."""
+    import json
+    import subprocess
+
+    done = subprocess.run([str(layout.venv_dir / "bin" / "cudawrap"), "list", "--json"], env=environ,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise InstallError(f"cannot list the wrapped programs: {last}", done.returncode or 1)
+    return [row["link"] for row in json.loads(done.stdout)]
+
+
+def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _say) -> None:
+    """Remove what the manifest records; refuse while programs are wrapped (unless UNWRAP_ALL)."""
+    import shutil
+    import subprocess
+
+    manifest = Manifest.load(layout)
+    if manifest is None:
+        raise InstallError(f"no install manifest {manifest_file(layout)}: cudawrap was not installed "
+                           f"in {layout.root} by install.sh", 66)
+    environ = dict(os.environ, CUDAWRAP_ROOT=str(layout.root))
+    wrapped = _wrapped(layout, environ)
+    if wrapped and not unwrap_all:
+        raise InstallError(
+            f"{len(wrapped)} program(s) still wrapped: {', '.join(wrapped)}; unwrap them "
+            f"(cudawrap unwrap --all), or run install.sh --uninstall --unwrap-all", 65)
+    if wrapped:
+        say(f"==> unwrapping {len(wrapped)} program(s)")
+        done = subprocess.run([str(layout.venv_dir / "bin" / "cudawrap"), "unwrap", "--all"], env=environ)
+        left = _wrapped(layout, environ)
+        if done.returncode != 0 or left:
+            raise InstallError(f"`cudawrap unwrap --all` failed (exit {done.returncode}); nothing else was "
+                               f"removed: fix what it says, or `cudawrap unwrap --force` what is left",
+                               done.returncode or 65)
+
+    if unit_file(layout).exists() and systemd_running(layout):
+        problem = _systemctl("disable", "--now", UNIT_NAME)
+        if problem:
+            say(f"install.sh: warning: could not disable {UNIT_NAME}: {problem}")
+        else:
+            say(f"==> disabled {UNIT_NAME}")
+
+    allowed_trees = {str(layout.venv_dir), str(layout.state_dir), str(layout.runtime_dir)}
+    root = str(layout.root).rstrip("/") + "/"
+
+    def remove(entry: Dict[str, str]) -> None:
+        kind, path = entry.get("kind"), Path(entry["path"])
+        if not (str(path).startswith(root) or str(path) == str(layout.root)):
+            say(f"install.sh: warning: {path} is outside {layout.root}; left alone")
+            return
+        if kind == TREE and str(path) in allowed_trees:
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+            elif path.is_dir():
+                shutil.rmtree(path)
+            else:
+                return
+            say(f"==> removed {path}/")
+        elif kind == LINK:
+            if path.is_symlink() and os.readlink(path) == entry.get("target"):
+                path.unlink()
+                say(f"==> removed {path}")
+        elif kind == CONFFILE:
+            if not os.path.lexists(path):
+                return
+            if path.is_file() and not path.is_symlink() and sha256_of(path) == entry.get("sha256"):
+                path.unlink()
+                say(f"==> removed {path}")
+            else:
+                say(f"==> kept {path}: it was edited after install (remove it yourself if it is no "
+                    f"longer needed)")
+        elif kind == FILE:
+            if os.path.lexists(path) and not path.is_dir():
+                path.unlink()
+                say(f"==> removed {path}")
+        elif kind == DIR:
+            try:
+                path.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                if path != layout.root:
+                    say(f"==> kept {path}/: not empty")
+
+    entries = manifest.entries
+    dirs = sorted((e for e in entries if e.get("kind") == DIR), key=lambda e: -e["path"].count("/"))
+    others = [e for e in entries if e.get("kind") != DIR]
+    # The venv goes last: this very interpreter runs from it.
+    others.sort(key=lambda e: e["path"] == str(layout.venv_dir))
+    for entry in others:
+        remove(entry)
+    if os.path.lexists(manifest_file(layout)):
+        manifest_file(layout).unlink()
+    for entry in dirs:
+        remove(entry)
+    if systemd_running(layout):
+        _systemctl("daemon-reload")
+    say(f"==> removed cudawrap from {layout.root}")
+
+
+COMPLETION_HEADER = """\
+# bash completion for cudawrap and create-cudawrap.
+# Generated by `make completion` from the commands' own `--completions bash` (plumbum),
+# with `complete -o default` so program paths still complete as file names.
+"""
+
+
+def render_bash_completion(python: str = sys.executable) -> str:
+    """packaging/cudawrap.bash-completion, from both commands' ``--completions bash``."""
+    import subprocess
+
+    parts = [COMPLETION_HEADER]
+    for entry, name in (("main", "cudawrap"), ("create_main", "create-cudawrap")):
+        code = f"import sys; sys.argv[0] = {name!r}; from cudawrap.cli import {entry}; {entry}()"
+        done = subprocess.run([python, "-c", code, "--completions", "bash"], stdout=subprocess.PIPE,
+                              text=True, check=True)
+        parts.append("\n" + done.stdout.replace("\ncomplete -F ", "\ncomplete -o default -F ").strip() + "\n")
+    return "".join(parts)
+
+
+def _render(action: str, layout: Layout) -> str:
+    if action == "render-config":
+        from .defaults import render_config
+
+        return render_config()
+    if action == "render-completion":
+        return render_bash_completion()
+    if action == "render-unit":
+        return render_unit(layout)
+    return render_tmpfiles(layout)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m cudawrap.installation install|uninstall …``: install.sh's Python half."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m cudawrap.installation",
+                                     description="install.sh's second half; run install.sh instead")
+    sub = parser.add_subparsers(dest="action", required=True)
+    inst = sub.add_parser("install")
+    inst.add_argument("--root", required=True, type=Path)
+    inst.add_argument("--python", required=True, help="the interpreter baked into the shim")
+    inst.add_argument("--source", type=Path, help="the source directory (for packaging/ files)")
+    inst.add_argument("--created", type=Path, action="append", default=[],
+                      help="a directory install.sh created for the virtual environment")
+    rem = sub.add_parser("uninstall")
+    rem.add_argument("--root", required=True, type=Path)
+    rem.add_argument("--unwrap-all", action="store_true")
+    renderers = {
+        "render-config": "the commented default configuration",
+        "render-completion": "packaging/cudawrap.bash-completion",
+        "render-unit": f"packaging/{UNIT_NAME} (for --root, default /)",
+        "render-tmpfiles": "packaging/cudawrap.tmpfiles (for --root, default /)",
+    }
+    for name, what in renderers.items():
+        sub.add_parser(name, help=f"print {what}").add_argument("--root", type=Path, default=Path("/"))
+    args = parser.parse_args(argv)
+    if args.action in renderers:
+        sys.stdout.write(_render(args.action, Layout(args.root.absolute())))
+        return 0
+    layout = Layout(args.root.absolute())
+    try:
+        if args.action == "install":
+            install(layout, args.python, args.source, args.created)
+        else:
+            uninstall(layout, args.unwrap_all)
+    except InstallError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"{PROG}: error:{where}: {exc.strerror or exc}", file=sys.stderr)
+        return 74
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

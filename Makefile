@@ -1,0 +1,35 @@
+# make test: the test suite in a private virtual environment (.venv), created on first use.
+# make packaging: regenerate packaging/ from the code (completion, boot unit, tmpfiles entry).
+
+PYTHON ?= python3
+VENV ?= .venv
+PYTEST_ARGS ?=
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.cudawrap-installed
+
+.PHONY: test venv packaging completion clean
+
+test: $(STAMP)
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+venv: $(STAMP)
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstalled when the package's metadata changes; the code itself is an editable install.
+$(STAMP): $(VPY) pyproject.toml
+	$(VPY) -m pip install -q -e '.[test]'
+	@touch $@
+
+packaging: $(STAMP)
+	$(VPY) -m cudawrap.installation render-completion > packaging/cudawrap.bash-completion.tmp
+	$(VPY) -m cudawrap.installation render-unit > packaging/cudawrap-sync.service.tmp
+	$(VPY) -m cudawrap.installation render-tmpfiles > packaging/cudawrap.tmpfiles.tmp
+	for f in cudawrap.bash-completion cudawrap-sync.service cudawrap.tmpfiles; do \
+		mv packaging/$$f.tmp packaging/$$f; done
+
+completion: packaging
+
+clean:
+	rm -rf build dist .pytest_cache

@@ -1,0 +1,119 @@
+"""`cudawrap config [--program NAME|PATH]`: the settings in force and where each came from.
+
+The values are exactly what a launch would use (``policy.effective``, the function the
+shim calls), so a broken config file fails here the same way, with exit 78 and
+FILE:LINE: what is wrong.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+from plumbum import cli
+
+from .. import policy
+from ..config import DEFAULTS, format_wait
+from ..defaults import toml_value
+from ..errors import UsageError
+from ..paths import Layout, default_layout
+from . import Command
+
+
+def resolve_program(layout: Layout, program: str) -> Tuple[str, Optional[str]]:
+    """The link path a launch of PROGRAM would look up, and a note for stderr (or None).
+
+    PROGRAM is a wrapped program's name or a path: a path is followed the way the shim
+    follows it (through symlinks to the wrapped name, or from CUDAWRAP_<name> to the
+    name); a bare name is matched against the names of the wrapped programs.
+    """
+    from .. import registry
+    from ..launch import find_link
+
+    reg = registry.load(layout)
+    if "/" not in program:
+        matches = sorted(e.link for e in reg if os.path.basename(e.link) == program)
+        if len(matches) > 1:
+            raise UsageError(f"--program {program}: several wrapped programs have that name: "
+                             f"{', '.join(matches)}", hint="give the full path of one of them")
+        if matches:
+            return matches[0], None
+        return program, (f"note: no wrapped program is named {program}; showing the settings a "
+                         f"program of that name would get once wrapped")
+    path = os.path.abspath(program)
+    if os.path.lexists(path):
+        path = os.path.abspath(find_link(path, os.fspath(layout.shim)))
+    entry = reg.find(path)
+    if entry is not None:
+        return entry.link, None
+    return path, f"note: {path} is not a wrapped program; showing the settings it would get once wrapped"
+
+
+def display(key: str, value: Any) -> str:
+    if key == "wait" and isinstance(value, (int, float)):
+        return format_wait(value)
+    if isinstance(value, (list, tuple)):
+        return toml_value(list(value)) if value else "[] (all devices)"
+    if isinstance(value, str) and not value:
+        return '""'
+    return str(value)
+
+
+def source_text(source: str) -> str:
+    return "environment (CUDAWRAP_WAIT)" if source == "CUDAWRAP_WAIT" else source
+
+
+class ConfigCommand(Command):
+    """Print the settings in force and where each came from (anyone may run it)."""
+
+    DESCRIPTION_MORE = (
+        "Sources: default, FILE:LINE of the config file, the registry (create-cudawrap's flags "
+        "for a program) or the environment (CUDAWRAP_WAIT). With --program, the settings that "
+        "program gets, its [programs.\"NAME\"] table and flags included.")
+
+    program = cli.SwitchAttr(["-p", "--program"], str, argname="NAME|PATH",
+                             help="show the settings of this wrapped program")
+    as_json = cli.Flag(["--json"], help="print JSON for scripts instead of a table")
+
+    def main(self) -> int:
+        layout = default_layout()
+        link: Optional[str] = None
+        note: Optional[str] = None
+        if self.program is not None:
+            if not self.program.strip():
+                raise UsageError("--program: empty name", hint="give a wrapped program's name or path")
+            link, note = resolve_program(layout, self.program)
+        settings = policy.effective(os.fspath(layout.root), link)
+        keys = [k for k in DEFAULTS if k in settings] + sorted(k for k in settings if k not in DEFAULTS)
+        if self.as_json:
+            out: Dict[str, Any] = {
+                "config_file": os.fspath(layout.config_file),
+                "program": link,
+                "settings": {k: {"value": _jsonable(settings[k][0]), "source": settings[k][1]}
+                             for k in keys},
+            }
+            print(json.dumps(out, indent=2))
+            return 0
+        if note:
+            print(note, file=sys.stderr)
+        title = f"settings for {link}" if link else "settings"
+        exists = layout.config_file.exists()
+        print(f"# {title} (config file: {layout.config_file}{'' if exists else ', absent: all defaults'})")
+        rows: List[Tuple[str, str, str]] = [("SETTING", "VALUE", "SOURCE")]
+        for key in keys:
+            value, source = settings[key]
+            rows.append((key, display(key, value), source_text(source)))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        for row in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        return 0
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and math.isinf(value):
+        return "forever"
+    if isinstance(value, tuple):
+        return list(value)
+    return value

@@ -1,0 +1,81 @@
+"""The commented default configuration that install.sh writes to ``etc/cudawrap/config.toml``.
+
+Generated from ``config.DEFAULTS`` and ``config.DESCRIPTIONS`` so the file can never
+list a setting the parser does not know, or miss one it does. Every setting appears
+commented out with its default: removing the ``#`` before a setting line gives the same
+behaviour as before, so an admin edits values, never spelling.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Dict, Iterable, List
+
+from .config import DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, POLICY_KEYS
+
+HEADER = """\
+# cudawrap configuration.
+#
+# Every setting is listed below, commented out, with its default value: remove the "#"
+# in front of a setting line and change the value to use another one. install.sh wrote
+# this file once and never overwrites it (an upgrade leaves your edits alone).
+#
+# After an edit, check it with `cudawrap config`: it prints the settings in force and
+# where each one came from. A mistake here (an unknown key, a value of the wrong type)
+# makes every wrapped program stop with exit code 78 and FILE:LINE: what is wrong, so a
+# typo can never quietly change which devices people get.
+#
+# Precedence, later wins: these defaults, [devices] and [policy] below, a
+# [programs."NAME"] table, the flags given to `create-cudawrap` for that program, and
+# CUDAWRAP_WAIT in the environment of one run.
+"""
+
+PROGRAMS_EXAMPLE = """\
+# Per-program settings: a table per wrapped program, by its name (the file name, as in
+# "recon") or its full path (as in "/opt/app/bin/recon"; the path wins over the name).
+# Any [policy] key may appear there; create-cudawrap's flags for a program win over it.
+#
+#[programs."recon"]
+#gpus = 2
+#wait = 600
+"""
+
+
+def toml_value(value: Any) -> str:
+    """VALUE written as a TOML literal the config parser reads back to the same value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and math.isinf(value):
+        return '"forever"'
+    if isinstance(value, (int, float)):
+        return f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a TOML basic string for any text
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def _table(name: str, keys: Iterable[str]) -> List[str]:
+    lines = [f"[{name}]"]
+    for key in keys:
+        lines.append(f"# {DESCRIPTIONS[key]}")
+        lines.append(f"#{key} = {toml_value(DEFAULTS[key])}")
+    return lines
+
+
+def sections() -> Dict[str, List[str]]:
+    """Section name -> its keys, in DEFAULTS order."""
+    return {
+        "devices": [k for k in DEFAULTS if k in DEVICE_KEYS],
+        "policy": [k for k in DEFAULTS if k in POLICY_KEYS],
+    }
+
+
+def render_config() -> str:
+    """The full text of the default configuration file."""
+    parts = [HEADER]
+    for name, keys in sections().items():
+        parts.append("\n".join(_table(name, keys)) + "\n")
+    parts.append(PROGRAMS_EXAMPLE)
+    return "\n".join(parts)

@@ -1,0 +1,287 @@
+#!/usr/bin/env bash
+# install.sh: install, upgrade or remove cudawrap.
+#
+#   sudo ./install.sh                      system install (root /)
+#   ./install.sh --prefix DIR              everything under DIR, no root needed
+#   sudo ./install.sh --uninstall [--unwrap-all]
+#
+# This half makes a private virtual environment and pip-installs the package into it;
+# `python -m cudawrap.installation` (cudawrap/installation.py) does the rest from there,
+# recording what it creates in a manifest so --uninstall removes exactly that.
+# Locations mirror cudawrap/locations.py (tests/test_install.py checks they agree).
+set -euo pipefail
+umask 022
+
+PROG=install.sh
+MIN_PYTHON=3.9
+EX_USAGE=64 EX_NOINPUT=66 EX_UNAVAILABLE=69 EX_SOFTWARE=70 EX_CANTCREAT=73 EX_NOPERM=77
+
+# Nothing from the caller's environment may steer Python or pip into another place.
+unset PYTHONPATH PYTHONHOME PYTHONSTARTUP PYTHONUSERBASE PYTHONSAFEPATH CUDAWRAP_ROOT \
+      PIP_USER PIP_TARGET PIP_PREFIX PIP_ROOT PIP_EDITABLE PIP_REQUIRE_VIRTUALENV
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+step() { printf '==> %s\n' "$*"; }
+warn() { printf '%s: warning: %s\n' "$PROG" "$*" >&2; }
+die() {
+    local code=$1
+    shift
+    printf '%s: error: %s\n' "$PROG" "$*" >&2
+    exit "$code"
+}
+
+usage() {
+    cat <<'EOF'
+Usage: ./install.sh [--prefix DIR] [--python PATH] [--wheelhouse DIR]
+       ./install.sh --uninstall [--unwrap-all] [--prefix DIR]
+
+Install cudawrap from this source directory, or upgrade an existing install in place
+(wrapped programs keep working, the shim is refreshed, the config file is kept).
+
+  --prefix DIR      install everything under DIR instead of / (no root needed);
+                    the commands are then DIR/usr/local/bin/cudawrap and create-cudawrap
+  --python PATH     the Python (3.9 or newer) for cudawrap's private virtual
+                    environment (default: python3 on PATH)
+  --wheelhouse DIR  install offline from the wheels in DIR (pip --no-index --find-links);
+                    DIR needs cudawrap's dependencies and setuptools
+  --uninstall       remove what install.sh installed; refused while programs are wrapped
+  --unwrap-all      with --uninstall: run `cudawrap unwrap --all` first
+  -h, --help        show this help
+
+Exit codes: 0 done (also when no NVIDIA driver was found: that is a warning),
+64 bad option, 65 programs still wrapped, 66 nothing to uninstall or no such file,
+69 no suitable Python (or no venv module), 70 the installed package is incomplete,
+73 cannot write there, 74 a file could not be written or removed, 77 not root,
+1 pip or venv creation failed; other codes are those of `cudawrap sync` or `cudawrap unwrap`.
+EOF
+}
+
+need_value() { # OPTION COUNT VALUE
+    if [ "$2" -lt 2 ] || [ -z "$3" ]; then
+        die $EX_USAGE "$1 needs a value (see ./install.sh --help)"
+    fi
+}
+
+prefix="" python="" wheelhouse="" action=install unwrap_all=0 prefix_given=0
+while [ $# -gt 0 ]; do
+    case $1 in
+        -h | --help) usage; exit 0 ;;
+        --prefix) need_value "$1" $# "${2-}"; prefix=$2; prefix_given=1; shift 2 ;;
+        --prefix=*) prefix=${1#*=}; prefix_given=1; need_value --prefix 2 "$prefix"; shift ;;
+        --python) need_value "$1" $# "${2-}"; python=$2; shift 2 ;;
+        --python=*) python=${1#*=}; need_value --python 2 "$python"; shift ;;
+        --wheelhouse) need_value "$1" $# "${2-}"; wheelhouse=$2; shift 2 ;;
+        --wheelhouse=*) wheelhouse=${1#*=}; need_value --wheelhouse 2 "$wheelhouse"; shift ;;
+        --uninstall) action=uninstall; shift ;;
+        --unwrap-all) unwrap_all=1; shift ;;
+        -*) die $EX_USAGE "unknown option '$1' (see ./install.sh --help)" ;;
+        *) die $EX_USAGE "unexpected argument '$1' (see ./install.sh --help)" ;;
+    esac
+done
+if [ "$unwrap_all" = 1 ] && [ "$action" != uninstall ]; then
+    die $EX_USAGE "--unwrap-all goes with --uninstall (see ./install.sh --help)"
+fi
+if [ "$action" = uninstall ] && { [ -n "$python" ] || [ -n "$wheelhouse" ]; }; then
+    die $EX_USAGE "--python and --wheelhouse are for installing, not with --uninstall"
+fi
+
+SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
+
+# ---- where -------------------------------------------------------------------------------
+if [ "$prefix_given" = 1 ]; then
+    case $prefix in *$'\n'*) die $EX_USAGE "--prefix: a directory name with a newline is not supported" ;; esac
+    case $prefix in /*) ;; *) prefix="$PWD/$prefix" ;; esac
+    root=$(realpath -ms -- "$prefix")
+else
+    root=/
+    if [ "$(id -u)" -ne 0 ]; then
+        die $EX_NOPERM "a system install needs root: run 'sudo ./install.sh', or install into a directory of yours with './install.sh --prefix DIR'"
+    fi
+fi
+base=${root%/}
+venv=$base/opt/cudawrap/venv
+bindir=$base/usr/local/bin
+vpy=$venv/bin/python
+
+# ---- uninstall ---------------------------------------------------------------------------
+if [ "$action" = uninstall ]; then
+    if [ ! -x "$vpy" ]; then
+        die $EX_NOINPUT "cudawrap is not installed in $root (no $vpy)"
+    fi
+    step "uninstalling cudawrap from $root"
+    args=(uninstall --root "$root")
+    [ "$unwrap_all" = 1 ] && args+=(--unwrap-all)
+    cd /  # the venv is about to go away; do not sit in it
+    "$vpy" -I -m cudawrap.installation "${args[@]}"
+    exit 0
+fi
+
+# ---- checks: nothing is changed before all of them pass ----------------------------------
+[ -f "$SRC/pyproject.toml" ] || die $EX_NOINPUT "$SRC has no pyproject.toml: run install.sh from a cudawrap source directory"
+if [ -n "$wheelhouse" ]; then
+    case $wheelhouse in /*) ;; *) wheelhouse="$PWD/$wheelhouse" ;; esac
+    [ -d "$wheelhouse" ] || die $EX_NOINPUT "--wheelhouse $wheelhouse: no such directory"
+fi
+
+# The nearest existing ancestor of each directory we need must be a directory we may write.
+for target in "$venv" "$bindir" "$base/etc" "$base/var/lib" "$base/run"; do
+    anc=$target
+    while [ ! -e "$anc" ] && [ ! -L "$anc" ]; do anc=$(dirname -- "$anc"); done
+    if [ ! -d "$anc" ]; then
+        die $EX_CANTCREAT "cannot install into $root: $anc is not a directory"
+    fi
+    if [ ! -w "$anc" ] || [ ! -x "$anc" ]; then
+        if [ "$root" = / ]; then
+            die $EX_CANTCREAT "cannot write to $anc (read-only file system?)"
+        fi
+        die $EX_CANTCREAT "cannot install into $root: $anc is not writable by $(id -un); choose a directory of yours with --prefix"
+    fi
+done
+for name in cudawrap create-cudawrap; do
+    link=$bindir/$name
+    if [ -e "$link" ] || [ -L "$link" ]; then
+        if [ ! -L "$link" ] || [ "$(readlink -- "$link")" != "$venv/bin/$name" ]; then
+            die $EX_CANTCREAT "$link exists and is not cudawrap's link to $venv/bin/$name: move it aside, then run install.sh again"
+        fi
+    fi
+done
+
+if [ -n "$python" ]; then
+    py=$python
+    if [ "${py#*/}" = "$py" ]; then
+        py=$(command -v -- "$python" || true)
+        [ -n "$py" ] || die $EX_UNAVAILABLE "--python $python: not found on PATH"
+    fi
+    [ -e "$py" ] || die $EX_UNAVAILABLE "--python $python: no such file"
+else
+    py=$(command -v python3 || true)
+    [ -n "$py" ] || die $EX_UNAVAILABLE "no python3 on PATH: install Python $MIN_PYTHON or newer (Debian/Ubuntu: apt-get install python3 python3-venv; RHEL family: dnf install python3), or name one with --python PATH"
+fi
+# The version test is written so that even Python 2 can run it and answer.
+ver=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) ||
+    die $EX_UNAVAILABLE "$py does not run as a Python interpreter; name one with --python PATH"
+if ! [[ $ver =~ ^[0-9]+\.[0-9]+$ ]]; then
+    die $EX_UNAVAILABLE "$py does not run as a Python interpreter; name one with --python PATH"
+fi
+major=${ver%%.*} minor=${ver#*.}
+if [ "$major" -lt 3 ] || { [ "$major" -eq 3 ] && [ "$minor" -lt 9 ]; }; then
+    die $EX_UNAVAILABLE "$py is Python $ver; cudawrap needs $MIN_PYTHON or newer: install one and name it with --python PATH"
+fi
+# The real interpreter, not a pyenv shim or an alias that may point elsewhere tomorrow.
+pyreal=$("$py" -c 'import os, sys; print(os.path.realpath(sys.executable or sys.argv[0]))') ||
+    die $EX_UNAVAILABLE "$py does not run as a Python interpreter; name one with --python PATH"
+if ! "$pyreal" -I -c 'import venv, ensurepip' 2>/dev/null; then
+    if [ -r /etc/debian_version ]; then
+        die $EX_UNAVAILABLE "$pyreal (Python $ver) has no venv/ensurepip module: install python3-venv (apt-get install python3-venv, or python$ver-venv), then run install.sh again"
+    fi
+    die $EX_UNAVAILABLE "$pyreal (Python $ver) has no venv/ensurepip module: install your distribution's venv support for Python $ver, or name another Python with --python PATH"
+fi
+if [ "$root" = / ]; then
+    # Every user runs the shim with this interpreter: /root/.pyenv and the like will not do.
+    blocked=$("$pyreal" -I -c '
+import os, stat, sys
+path = sys.argv[1]
+while True:
+    mode = os.stat(path).st_mode
+    if not mode & stat.S_IXOTH:
+        print(path)
+        break
+    if path == "/":
+        break
+    path = os.path.dirname(path)
+' "$pyreal")
+    if [ -n "$blocked" ]; then
+        die $EX_UNAVAILABLE "$pyreal cannot be run by other users ($blocked is not open to them), but every user runs wrapped programs with it: name a system Python with --python, e.g. --python /usr/bin/python3"
+    fi
+fi
+
+# ---- the virtual environment -------------------------------------------------------------
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/cudawrap-install.XXXXXX")
+trap 'rm -rf -- "$tmp"' EXIT
+
+created=()  # directories made here, for the manifest (and for a rollback)
+fresh=0
+rollback() {
+    [ "$fresh" = 1 ] || return 0
+    rm -rf -- "$venv"
+    local i
+    for ((i = ${#created[@]} - 1; i >= 0; i--)); do rmdir -- "${created[i]}" 2>/dev/null || true; done
+}
+
+if [ -x "$vpy" ] && [ "$("$vpy" -I -c 'import os, sys; print(os.path.realpath(sys.executable))' 2>/dev/null)" = "$pyreal" ]; then
+    step "upgrading in place: the virtual environment $venv (Python $ver) is kept"
+else
+    anc=$(dirname -- "$venv")  # the venv itself is recorded as a whole tree
+    while [ ! -e "$anc" ] && [ ! -L "$anc" ]; do created=("$anc" ${created[@]+"${created[@]}"}); anc=$(dirname -- "$anc"); done
+    if [ -e "$venv" ]; then
+        step "recreating the virtual environment $venv with $pyreal (Python $ver)"
+        clear=(--clear)
+    else
+        step "creating the virtual environment $venv with $pyreal (Python $ver)"
+        fresh=1
+        clear=()
+    fi
+    if ! "$pyreal" -I -m venv ${clear[@]+"${clear[@]}"} -- "$venv" >"$tmp/venv.log" 2>&1; then
+        tail -n 8 "$tmp/venv.log" | sed 's/^/    venv: /' >&2
+        rollback
+        die 1 "$pyreal -m venv $venv failed (its last lines are above)"
+    fi
+    # Never mind the pip the venv came with: it only has to read wheels and a pyproject.toml.
+fi
+
+# pip builds in a copy, so the source directory may be read-only and is never changed.
+mkdir "$tmp/src"
+set +e
+tar -C "$SRC" -cf - --warning=no-file-changed --exclude=./.git --exclude=./.venv --exclude=./build \
+    --exclude=./dist --exclude='*.egg-info' --exclude=__pycache__ --exclude=./.pytest_cache \
+    --exclude=./.whl --exclude=./tests --exclude=./bench/results . | tar -C "$tmp/src" -xf -
+copied=("${PIPESTATUS[@]}")
+set -e
+if [ "${copied[0]}" -gt 1 ] || [ "${copied[1]}" -ne 0 ]; then  # GNU tar: 1 = a file changed meanwhile
+    rollback
+    die 1 "cannot copy the source $SRC to $tmp/src for pip (see tar's message above)"
+fi
+
+pip_args=(install --upgrade --no-warn-script-location)
+if [ -n "$wheelhouse" ]; then
+    pip_args+=(--no-index --find-links "$wheelhouse")
+    step "installing cudawrap from $SRC with pip, offline from $wheelhouse"
+else
+    step "installing cudawrap from $SRC with pip"
+fi
+if ! (cd "$tmp" && "$vpy" -I -m pip "${pip_args[@]}" "$tmp/src") >"$tmp/pip.log" 2>&1; then
+    { grep -v '^WARNING: Location .* is ignored' "$tmp/pip.log" || true; } | tail -n 12 | sed 's/^/    pip: /' >&2
+    rollback
+    if [ -n "$wheelhouse" ]; then
+        die 1 "pip could not install cudawrap into $venv (its last lines are above): does $wheelhouse hold every dependency and setuptools?"
+    fi
+    die 1 "pip could not install cudawrap into $venv (its last lines are above): check access to the package index, or install offline with --wheelhouse DIR"
+fi
+if ! (cd "$tmp" && "$vpy" -I -c 'import cudawrap.cli, cudawrap.launch, cudawrap.installation as i; i._template()') 2>"$tmp/check.log"; then
+    rollback
+    die $EX_SOFTWARE "the package pip installed is incomplete ($(tail -n 1 "$tmp/check.log")): the source's packaging is broken"
+fi
+
+# ---- the rest, from the installed package -------------------------------------------------
+created_args=()
+for dir in ${created[@]+"${created[@]}"}; do created_args+=(--created "$dir"); done
+(cd "$tmp" && "$vpy" -I -m cudawrap.installation install --root "$root" --python "$vpy" --source "$SRC" \
+    ${created_args[@]+"${created_args[@]}"}) || exit $?
+
+step "cudawrap sync: a lease file for every GPU and MIG instance"
+set +e
+CUDAWRAP_ROOT=$root "$venv/bin/cudawrap" sync
+rc=$?
+set -e
+case $rc in
+    0) ;;
+    69) warn "no NVIDIA driver or NVML library here: wrapped programs run as the no_driver setting says; run 'cudawrap sync' once the driver is loaded" ;;
+    *) die $rc "installed, but 'cudawrap sync' failed (exit $rc, see above): fix that, then run 'cudawrap sync'" ;;
+esac
+
+if [ "$root" = / ]; then
+    step "done: wrap a program with 'sudo create-cudawrap /path/to/program'; 'cudawrap doctor' checks the install"
+else
+    case ":$PATH:" in *":$bindir:"*) on_path="" ;; *) on_path=" ($bindir is not on your PATH)" ;; esac
+    step "done: wrap a program with '$bindir/create-cudawrap /path/to/program'$on_path"
+fi

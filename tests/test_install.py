@@ -1,0 +1,467 @@
+"""install.sh: a --prefix install, a wrap, an upgrade and an uninstall; every refusal; the system install.
+
+The --prefix tests run install.sh for real in a temporary directory, offline from a
+wheelhouse fetched once per session. The system install (root, and only in CI or with
+CUDAWRAP_SYSTEM_TESTS=1) changes this machine's /opt, /etc, /var, /run and /usr/local.
+"""
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Iterator, List
+
+import pytest
+
+from cudawrap import __version__
+from cudawrap.config import DEFAULTS, load_config
+from cudawrap.installation import (
+    Layout, UNIT_NAME, completion_file, manifest_file, prepare_runtime, render_bash_completion,
+    render_tmpfiles, render_unit, shim_version, tmpfiles_file, unit_file,
+)
+from fakemachine import FAKECUDA, LIBNAME, FakeMachine
+from installfix import INSTALL_SH, SOURCE, clean_env, install_sh, snapshot, wheel_args
+
+PACKAGING = SOURCE / "packaging"
+IS_ROOT = os.geteuid() == 0
+
+
+def stand_in(path: Path, python: str = sys.executable) -> Path:
+    """tests/fakecuda.py as an installed program with its interpreter baked in."""
+    body = FAKECUDA.read_bytes().split(b"\n", 1)[1]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(f"#!{python} -IS\n".encode() + body)
+    path.chmod(0o755)
+    return path
+
+
+def run(*argv: object, env: dict, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in argv], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=120, **kw)
+
+
+def one_error(r: subprocess.CompletedProcess, code: int, *words: str) -> str:
+    """R failed with CODE and said so in exactly one line containing WORDS."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("install.sh: error: "), lines[0]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+# ---- the files install.sh puts in place ----------------------------------------------------
+
+
+def test_packaging_files_are_generated_from_the_code():
+    """packaging/ is what `make packaging` renders now; a new subcommand needs a re-render."""
+    hint = "packaging/ is stale: run `make packaging`"
+    assert (PACKAGING / "cudawrap.bash-completion").read_text() == render_bash_completion(), hint
+    assert (PACKAGING / UNIT_NAME).read_text() == render_unit(Layout(Path("/"))), hint
+    assert (PACKAGING / "cudawrap.tmpfiles").read_text() == render_tmpfiles(Layout(Path("/"))), hint
+
+
+def test_tmpfiles_entry_matches_prepare_runtime(tmp_path):
+    layout = Layout(tmp_path)
+    prepare_runtime(layout)
+    lines = [line.split() for line in render_tmpfiles(layout).splitlines() if line and not line.startswith("#")]
+    assert {Path(f[1]) for f in lines} == {layout.runtime_dir, layout.lease_dir, layout.queue_dir, layout.queue_lock}
+    for kind, path, mode, *_ in lines:
+        st = os.lstat(path)
+        assert (kind == "d") == stat.S_ISDIR(st.st_mode), path
+        assert int(mode, 8) == stat.S_IMODE(st.st_mode), path
+
+
+def test_boot_unit_runs_sync_after_the_driver():
+    unit = render_unit(Layout(Path("/")))
+    assert "ExecStart=/opt/cudawrap/venv/bin/cudawrap sync\n" in unit
+    assert "After=nvidia-persistenced.service systemd-modules-load.service" in unit
+    assert "Type=oneshot" in unit and "SuccessExitStatus=69" in unit and "WantedBy=multi-user.target" in unit
+
+
+def test_bash_completion_loads_and_completes(tmp_path):
+    script = (
+        f"source {PACKAGING / 'cudawrap.bash-completion'}\n"
+        "COMP_WORDS=(cudawrap un); COMP_CWORD=1; _cudawrap_completion; echo \"${COMPREPLY[*]}\"\n"
+        "complete -p create-cudawrap\n")
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "unwrap"
+    assert "-o default" in r.stdout  # program paths still complete as file names
+
+
+# ---- a --prefix install, end to end -----------------------------------------------------
+
+
+def test_prefix_install_wrap_upgrade_uninstall(tmp_path, machine, wheelhouse):
+    fake = machine("four-gpus")
+    env = clean_env(fake.environ())
+    prefix = tmp_path / "cw"
+    layout = Layout(prefix)
+    r = install_sh("--prefix", str(prefix), "--python", sys.executable, *wheel_args(wheelhouse), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("==> ") and "==> done" in r.stdout
+
+    # What is where.
+    assert (layout.venv_dir / "cudawrap-root").read_text().strip() == str(prefix)
+    assert "include-system-site-packages = false" in (layout.venv_dir / "pyvenv.cfg").read_text()
+    assert layout.shim.read_text().startswith(f"#!{layout.venv_dir}/bin/python -IS\n")
+    assert shim_version(layout.shim) == __version__
+    for name in ("cudawrap", "create-cudawrap"):
+        assert os.readlink(layout.bin_dir / name) == str(layout.venv_dir / "bin" / name)
+    config = load_config(layout.config_file)
+    assert {k: s.value for k, s in config.settings.items()} == DEFAULTS
+    assert sorted(os.listdir(layout.lease_dir)) == sorted(fake.leaf_uuids())
+    assert stat.S_IMODE(layout.queue_dir.stat().st_mode) == 0o1777
+    for path in (tmpfiles_file(layout), unit_file(layout), completion_file(layout), manifest_file(layout)):
+        assert path.is_file(), path
+    assert str(prefix / "run/cudawrap/leases") in tmpfiles_file(layout).read_text()
+
+    # The prefix's own command finds its root through the marker, with no variable.
+    cudawrap = layout.bin_dir / "cudawrap"
+    r = run(cudawrap, "config", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["config_file"] == str(layout.config_file)
+
+    # Wrap the stand-in with the prefix's create-cudawrap and run it on the simulated machine.
+    prog = stand_in(tmp_path / "apps" / "recon")
+    original, mode = prog.read_bytes(), stat.S_IMODE(prog.stat().st_mode)
+    r = run(layout.bin_dir / "create-cudawrap", prog, env=env)
+    assert r.returncode == 0, r.stderr
+    assert prog.is_symlink() and prog.resolve() == layout.shim
+    r = run(prog, "--exit", "0", env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[0])["cvd"] in fake.leaf_uuids()
+
+    # Upgrade: a stale shim is refreshed, the edited config is kept, the wrap still works.
+    layout.shim.write_text(layout.shim.read_text().replace(f"version {__version__}", "version 0.0.1"))
+    assert shim_version(layout.shim) == "0.0.1"
+    written = layout.config_file.read_bytes()
+    edited = written.replace(b'#wait = "forever"', b"wait = 30")
+    assert edited != written
+    layout.config_file.write_bytes(edited)
+    r = install_sh("--prefix", str(prefix), "--python", sys.executable, *wheel_args(wheelhouse), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "upgrading in place" in r.stdout and "kept the configuration" in r.stdout
+    assert shim_version(layout.shim) == __version__
+    assert layout.config_file.read_bytes() == edited
+    r = run(prog, env=env)
+    assert r.returncode == 0, r.stderr
+    layout.config_file.write_bytes(written)  # as installed again: the uninstall may remove it
+
+    # Uninstall refuses while a program is wrapped, and changes nothing.
+    before = snapshot(prefix)
+    r = install_sh("--uninstall", "--prefix", str(prefix), env=env)
+    one_error(r, 65, "1 program(s) still wrapped", str(prog), "--unwrap-all")
+    assert snapshot(prefix) == before
+
+    # --unwrap-all: the real program is back under its name, byte for byte; nothing is left.
+    r = install_sh("--uninstall", "--unwrap-all", "--prefix", str(prefix), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not prefix.exists(), snapshot(prefix)
+    assert not prog.is_symlink() and prog.read_bytes() == original
+    assert stat.S_IMODE(prog.stat().st_mode) == mode
+    assert os.listdir(prog.parent) == ["recon"]
+
+
+def test_uninstall_keeps_an_edited_config_and_what_was_there(tmp_path, machine, wheelhouse):
+    fake = machine("four-gpus")
+    fake.set_fault("driver_not_loaded")
+    env = clean_env(fake.environ())
+    prefix = tmp_path / "cw"
+    (prefix / "usr" / "local" / "bin").mkdir(parents=True)
+    (prefix / "notes.txt").write_text("mine\n")
+    (prefix / "usr" / "local" / "bin" / "tool").write_text("#!/bin/sh\n")
+    r = install_sh("--prefix", str(prefix), "--python", sys.executable, *wheel_args(wheelhouse), env=env)
+    # No driver: a warning, not a failure.
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "install.sh: warning: no NVIDIA driver" in r.stderr
+    layout = Layout(prefix)
+    layout.config_file.write_text(layout.config_file.read_text().replace("#gpus = 1", "gpus = 2"))
+
+    r = install_sh("--uninstall", "--prefix", str(prefix), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"kept {layout.config_file}: it was edited" in r.stdout
+    assert set(snapshot(prefix)) == {
+        "notes.txt", "usr", "usr/local", "usr/local/bin", "usr/local/bin/tool",
+        "etc", "etc/cudawrap", "etc/cudawrap/config.toml"}
+
+
+@pytest.mark.slow
+def test_readme_try_it_without_a_gpu_works_as_written(tmp_path, wheelhouse):
+    """README's walk-through, run as one script with `bash -e`, in tmp_path instead of /tmp."""
+    text = (SOURCE / "README.md").read_text(encoding="utf-8")
+    block = text.split("<!-- try:start -->\n")[1].split("<!-- try:end -->")[0]
+    script = "\n".join(line for line in block.splitlines() if not line.startswith("```"))
+    assert "./install.sh --prefix /tmp/cw" in script and "--uninstall" in script
+    script = script.replace("/tmp/", f"{tmp_path}/")
+    if wheelhouse:
+        script = script.replace("./install.sh ", f"./install.sh --wheelhouse {wheelhouse} ", 1)
+    r = subprocess.run(["bash", "-e", "-c", script], cwd=SOURCE, env=clean_env(), stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "exit 75" in r.stdout
+    assert "recon: all 4 usable devices are busy; waiting (nobody ahead, pid" in r.stderr
+    assert "recon: got GPU-" in r.stderr
+    assert os.listdir(tmp_path) == []  # step 5 removed everything
+
+
+# ---- refusals: one line, a distinct exit code, nothing changed --------------------------
+
+
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    """A directory everyone can read (tmp_path is private), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="cudawrap-test-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def as_nobody() -> List[str]:
+    """The command prefix that runs something unprivileged (nothing when we are not root)."""
+    if not IS_ROOT:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to drop root")
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def public_script(public_dir: Path) -> Path:
+    """install.sh where an unprivileged user can read it (with a pyproject.toml beside it)."""
+    shutil.copy2(INSTALL_SH, public_dir / "install.sh")
+    (public_dir / "pyproject.toml").write_text("")
+    return public_dir / "install.sh"
+
+
+@pytest.mark.parametrize("args, code, words", [
+    (["--frobnicate"], 64, ["unknown option '--frobnicate'", "--help"]),
+    (["stray"], 64, ["unexpected argument 'stray'"]),
+    (["--prefix"], 64, ["--prefix needs a value"]),
+    (["--prefix="], 64, ["--prefix needs a value"]),
+    (["--unwrap-all", "--prefix", "X"], 64, ["--unwrap-all goes with --uninstall"]),
+    (["--uninstall", "--wheelhouse", "/tmp", "--prefix", "X"], 64, ["not with --uninstall"]),
+    (["--prefix", "X", "--wheelhouse", "/nonexistent-wheels"], 66, ["--wheelhouse /nonexistent-wheels: no such directory"]),
+    (["--prefix", "X", "--python", "/nonexistent/python3"], 69, ["--python /nonexistent/python3: no such file"]),
+    (["--prefix", "X", "--python", "/bin/true"], 69, ["/bin/true does not run as a Python interpreter"]),
+    (["--uninstall", "--prefix", "X"], 66, ["cudawrap is not installed in"]),
+], ids=["unknown-option", "stray-argument", "prefix-without-value", "empty-prefix", "unwrap-all-alone",
+        "uninstall-with-wheelhouse", "no-wheelhouse", "no-such-python", "not-a-python", "nothing-to-uninstall"])
+def test_refusals(tmp_path, args, code, words):
+    args = [str(tmp_path / "cw") if a == "X" else a for a in args]
+    r = install_sh(*args, env=clean_env())
+    one_error(r, code, *words)
+    assert r.stdout == ""
+    assert not (tmp_path / "cw").exists()
+
+
+def test_help():
+    r = install_sh("--help", env=clean_env())
+    assert r.returncode == 0 and r.stderr == ""
+    for word in ("--prefix DIR", "--python PATH", "--wheelhouse DIR", "--uninstall", "--unwrap-all", "Exit codes"):
+        assert word in r.stdout
+
+
+def test_system_install_needs_root(public_dir):
+    script = public_script(public_dir)
+    r = subprocess.run(as_nobody() + ["bash", str(script)], env=clean_env(), capture_output=True, text=True,
+                       cwd=public_dir)
+    one_error(r, 77, "needs root", "sudo ./install.sh", "--prefix DIR")
+
+
+def test_unwritable_prefix(public_dir, tmp_path):
+    script = public_script(public_dir)
+    if IS_ROOT:
+        locked = public_dir / "root-owned"  # root's, mode 0755: nobody may write there
+    else:
+        locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555 if not IS_ROOT else 0o755)
+    r = subprocess.run(as_nobody() + ["bash", str(script), "--prefix", str(locked / "cw")], env=clean_env(),
+                       capture_output=True, text=True, cwd=public_dir)
+    one_error(r, 73, f"{locked} is not writable by", "--prefix")
+    assert os.listdir(locked) == []
+
+
+def test_no_python3_on_path(tmp_path):
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for top in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
+        for name in (os.listdir(top) if os.path.isdir(top) else []):
+            if not name.startswith("python") and not (tools / name).exists():
+                (tools / name).symlink_to(os.path.join(top, name))
+    r = install_sh("--prefix", str(tmp_path / "cw"), env=clean_env(PATH=str(tools)))
+    one_error(r, 69, "no python3 on PATH", "apt-get install python3 python3-venv", "--python PATH")
+    assert not (tmp_path / "cw").exists()
+
+
+def fake_python(path: Path, body: str) -> Path:
+    """A stand-in interpreter: BODY is shell that answers install.sh's probes."""
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def test_python_too_old(tmp_path):
+    old = fake_python(tmp_path / "python3.8", 'echo 3.8\n')
+    r = install_sh("--prefix", str(tmp_path / "cw"), "--python", str(old), env=clean_env())
+    one_error(r, 69, f"{old} is Python 3.8", "3.9 or newer", "--python PATH")
+    assert not (tmp_path / "cw").exists()
+
+
+def test_python_without_venv_module(tmp_path):
+    """As on Debian without python3-venv: `import ensurepip` fails."""
+    real = os.path.realpath(sys.executable)
+    py = fake_python(tmp_path / "python3", f"""\
+case "$*" in
+    *ensurepip*) echo "ModuleNotFoundError: No module named 'ensurepip'" >&2; exit 1 ;;
+    *realpath*) echo "$0"; exit 0 ;;
+esac
+exec {real} "$@"
+""")
+    r = install_sh("--prefix", str(tmp_path / "cw"), "--python", str(py), env=clean_env())
+    ver = "%d.%d" % sys.version_info[:2]
+    line = one_error(r, 69, f"{py} (Python {ver}) has no venv/ensurepip module")
+    if os.path.exists("/etc/debian_version"):
+        assert "apt-get install python3-venv" in line and f"python{ver}-venv" in line
+    assert not (tmp_path / "cw").exists()
+
+
+def test_pip_failure_shows_its_last_lines_and_leaves_nothing(tmp_path):
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    prefix = tmp_path / "cw"
+    r = install_sh("--prefix", str(prefix), "--python", sys.executable, "--wheelhouse", str(empty), env=clean_env())
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert any(line.startswith("    pip: ") for line in lines), r.stderr
+    assert lines[-1].startswith("install.sh: error: pip could not install cudawrap"), lines[-1]
+    assert str(empty) in lines[-1]
+    assert not prefix.exists(), snapshot(prefix)
+
+
+def test_foreign_command_on_path_is_not_overwritten(tmp_path):
+    prefix = tmp_path / "cw"
+    other = prefix / "usr" / "local" / "bin" / "cudawrap"
+    other.parent.mkdir(parents=True)
+    other.write_text("#!/bin/sh\necho another cudawrap\n")
+    before = snapshot(prefix)
+    r = install_sh("--prefix", str(prefix), "--python", sys.executable, env=clean_env())
+    one_error(r, 73, f"{other} exists and is not cudawrap's link", "move it aside")
+    assert snapshot(prefix) == before
+
+
+# ---- the real thing: a system install (root; CI or CUDAWRAP_SYSTEM_TESTS=1 only) -----------
+
+
+def system_tests_allowed() -> None:
+    if not IS_ROOT:
+        pytest.skip("needs root")
+    if os.environ.get("CI") != "true" and os.environ.get("CUDAWRAP_SYSTEM_TESTS") != "1":
+        pytest.skip("changes this machine's /opt, /etc, /var and /usr/local: runs with CI=true or "
+                    "CUDAWRAP_SYSTEM_TESTS=1 only")
+    system = Layout(Path("/"))
+    for path in (system.venv_dir, system.bin_dir / "cudawrap", system.state_dir, system.config_file):
+        if os.path.lexists(path):
+            pytest.skip(f"cudawrap is already installed here ({path} exists); not touching it")
+
+
+def system_python() -> str:
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(candidate):
+            r = subprocess.run([candidate, "-c", "import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 9))"],
+                               capture_output=True)
+            if r.returncode == 0:
+                return candidate
+    pytest.skip("no system python3 (3.9+ with venv) that every user can run")
+
+
+@pytest.fixture
+def throwaway_user() -> Iterator[pwd.struct_passwd]:
+    name = "cwtest" + uuid.uuid4().hex[:8]
+    subprocess.run(["useradd", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/bin/sh", name],
+                   check=True)
+    try:
+        yield pwd.getpwnam(name)
+    finally:
+        subprocess.run(["userdel", name], check=False)
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_system_install_wrap_run_as_user_uninstall(public_dir, fakenvml_lib, wheelhouse, throwaway_user):
+    system_tests_allowed()
+    python = system_python()
+    system = Layout(Path("/"))
+    watched = [system.venv_dir, system.lib_dir, system.etc_dir, system.state_dir, system.runtime_dir,
+               system.bin_dir / "cudawrap", system.bin_dir / "create-cudawrap", tmpfiles_file(system),
+               unit_file(system), completion_file(system), Path("/etc/bash_completion.d"),
+               Path("/etc/tmpfiles.d"), Path("/etc/systemd/system")]
+    existed = {p: os.path.lexists(p) for p in watched}
+
+    # A simulated machine every user can reach: library and topology in a public directory.
+    (public_dir / "lib").mkdir()
+    shutil.copy2(fakenvml_lib / LIBNAME, public_dir / "lib" / LIBNAME)
+    fake = FakeMachine(public_dir / "machine", public_dir / "lib")
+    fake.load("four-gpus")
+    for path in (fake.root, fake.state_dir):
+        path.chmod(0o755)
+    fake.topology.chmod(0o644)  # written through mkstemp: 0600
+    env = clean_env(fake.environ())
+    prog = stand_in(public_dir / "apps" / "recon", python)
+    original = prog.read_bytes()
+    installed = False
+    try:
+        r = install_sh("--python", python, *wheel_args(wheelhouse), env=env)
+        installed = True
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert os.readlink(system.bin_dir / "cudawrap") == str(system.venv_dir / "bin" / "cudawrap")
+        assert sorted(os.listdir(system.lease_dir)) == sorted(fake.leaf_uuids())
+        if os.path.isdir("/run/systemd/system"):
+            assert f"enabled {UNIT_NAME}" in r.stdout
+        else:
+            assert f"{UNIT_NAME} not enabled: systemd is not running here" in r.stdout
+
+        r = run("/usr/local/bin/create-cudawrap", prog, env=env)
+        assert r.returncode == 0, r.stderr
+
+        user = throwaway_user
+        as_user = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups"]
+        r = run(*as_user, prog, env=dict(env, HOME="/nonexistent"))
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout.splitlines()[0])["cvd"] in fake.leaf_uuids()
+        r = run(*as_user, "/usr/local/bin/create-cudawrap", public_dir / "apps" / "other", env=env)
+        assert r.returncode == 77, r.stderr  # users may not wrap
+
+        r = install_sh("--uninstall", "--unwrap-all", env=env)
+        installed = r.returncode != 0
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        if installed:
+            install_sh("--uninstall", "--unwrap-all", env=env)
+    assert prog.read_bytes() == original and not prog.is_symlink()
+    assert {p: os.path.lexists(p) for p in watched} == existed
+
+
+@pytest.mark.root
+def test_system_install_refuses_an_interpreter_users_cannot_run(public_dir):
+    system_tests_allowed()
+    real = os.path.realpath(sys.executable)
+    hidden = public_dir / "private"
+    hidden.mkdir(mode=0o700)
+    py = fake_python(hidden / "python3", f"""\
+case "$*" in
+    *realpath*) echo "$0"; exit 0 ;;
+    *"-m venv"*) exit 1 ;;
+esac
+exec {real} "$@"
+""")
+    r = install_sh("--python", str(py), env=clean_env())
+    one_error(r, 69, f"{py} cannot be run by other users", f"{hidden} is not open to them", "--python")
+    assert not os.path.lexists(Layout(Path("/")).venv_dir)
