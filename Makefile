@@ -25,8 +25,9 @@ $(STAMP): $(VPY) pyproject.toml
 packaging: $(STAMP)
 	$(VPY) -m cudawrap.installation render-completion > packaging/cudawrap.bash-completion.tmp
 	$(VPY) -m cudawrap.installation render-unit > packaging/cudawrap-sync.service.tmp
+	$(VPY) -m cudawrap.installation render-monitor-unit > packaging/cudawrap-monitor.service.tmp
 	$(VPY) -m cudawrap.installation render-tmpfiles > packaging/cudawrap.tmpfiles.tmp
-	for f in cudawrap.bash-completion cudawrap-sync.service cudawrap.tmpfiles; do \
+	for f in cudawrap.bash-completion cudawrap-sync.service cudawrap-monitor.service cudawrap.tmpfiles; do \
 		mv packaging/$$f.tmp packaging/$$f; done
 
 completion: packaging

@@ -111,6 +111,7 @@ def prepare(layout: Layout, python: str = sys.executable) -> None:
 MANIFEST_NAME = "install-manifest.json"
 MANIFEST_VERSION = 1
 UNIT_NAME = "cudawrap-sync.service"
+MONITOR_UNIT = "cudawrap-monitor.service"
 COMPLETION_SOURCE = "packaging/cudawrap.bash-completion"
 COMMANDS = ("cudawrap", "create-cudawrap")
 PROG = "install.sh"
@@ -144,12 +145,12 @@ def tmpfiles_file(layout: Layout) -> Path:
     return layout.root / "etc" / "tmpfiles.d" / "cudawrap.conf"
 
 
-def unit_file(layout: Layout) -> Path:
-    return layout.root / "etc" / "systemd" / "system" / UNIT_NAME
+def unit_file(layout: Layout, name: str = UNIT_NAME) -> Path:
+    return layout.root / "etc" / "systemd" / "system" / name
 
 
-def unit_wants_link(layout: Layout) -> Path:
-    return layout.root / "etc" / "systemd" / "system" / "multi-user.target.wants" / UNIT_NAME
+def unit_wants_link(layout: Layout, name: str = UNIT_NAME) -> Path:
+    return layout.root / "etc" / "systemd" / "system" / "multi-user.target.wants" / name
 
 
 def completion_file(layout: Layout) -> Path:
@@ -272,6 +273,32 @@ WantedBy=multi-user.target
 """
 
 
+def render_monitor_unit(layout: Layout) -> str:
+    """The service that keeps the launch snapshot fresh, so launches need not load NVML."""
+    cudawrap = str(layout.venv_dir / "bin" / "cudawrap")
+    command = f'"{cudawrap}"' if " " in cudawrap else cudawrap
+    return f"""\
+# Written by cudawrap's install.sh (re-running it rewrites this file).
+[Unit]
+Description=cudawrap: keep the launch snapshot fresh (launches skip NVML while it runs)
+# Optional: without it every launch asks NVML itself, correctly but slower.
+After={UNIT_NAME}
+ConditionPathExists={cudawrap}
+
+[Service]
+ExecStart={command} monitor
+Restart=always
+RestartSec=5
+Nice=5
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+UNITS: Dict[str, Callable[[Layout], str]] = {UNIT_NAME: render_unit, MONITOR_UNIT: render_monitor_unit}
+
+
 def _write_text(path: Path, text: str, mode: int = 0o644) -> bool:
     """Write PATH atomically if its text differs; True if it changed."""
     try:
@@ -359,8 +386,7 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
 
     files: List[Tuple[Path, str, str]] = [
         (tmpfiles_file(layout), render_tmpfiles(layout), "runtime directory at boot (systemd-tmpfiles)"),
-        (unit_file(layout), render_unit(layout), f"boot unit {UNIT_NAME}"),
-    ]
+    ] + [(unit_file(layout, name), render(layout), f"unit {name}") for name, render in UNITS.items()]
     completion = source / COMPLETION_SOURCE if source else None
     if completion is not None and completion.is_file():
         files.append((completion_file(layout), completion.read_text(encoding="utf-8"), "bash completion"))
@@ -385,13 +411,19 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
         say(f"==> command {link} -> {target}")
 
     if systemd_running(layout):
-        problem = _systemctl("daemon-reload") or _systemctl("enable", UNIT_NAME)
-        if problem:
-            say(f"install.sh: warning: could not enable {UNIT_NAME}: {problem}")
-        else:
-            if unit_wants_link(layout).is_symlink():
-                manifest.add(LINK, unit_wants_link(layout), target=os.readlink(unit_wants_link(layout)))
-            say(f"==> enabled {UNIT_NAME}: `cudawrap sync` runs at every boot")
+        for name, started in ((UNIT_NAME, "`cudawrap sync` runs at every boot"),
+                              (MONITOR_UNIT, "`cudawrap monitor` keeps launches off NVML")):
+            now = ["--now"] if name == MONITOR_UNIT else []
+            problem = _systemctl("daemon-reload") or _systemctl("enable", *now, name)
+            if name == MONITOR_UNIT and not problem:
+                problem = _systemctl("restart", name)  # an upgrade must run the new code
+            if problem:
+                say(f"install.sh: warning: could not enable {name}: {problem}")
+                continue
+            if unit_wants_link(layout, name).is_symlink():
+                manifest.add(LINK, unit_wants_link(layout, name),
+                             target=os.readlink(unit_wants_link(layout, name)))
+            say(f"==> enabled {name}: {started}")
     elif layout.is_system:
         say(f"==> {UNIT_NAME} not enabled: systemd is not running here; run `cudawrap sync` "
             f"after every boot (the runtime directory is on /run)")
@@ -437,12 +469,13 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
                                f"removed: fix what it says, or `cudawrap unwrap --force` what is left",
                                done.returncode or 65)
 
-    if unit_file(layout).exists() and systemd_running(layout):
-        problem = _systemctl("disable", "--now", UNIT_NAME)
-        if problem:
-            say(f"install.sh: warning: could not disable {UNIT_NAME}: {problem}")
-        else:
-            say(f"==> disabled {UNIT_NAME}")
+    for name in UNITS:
+        if unit_file(layout, name).exists() and systemd_running(layout):
+            problem = _systemctl("disable", "--now", name)
+            if problem:
+                say(f"install.sh: warning: could not disable {name}: {problem}")
+            else:
+                say(f"==> disabled {name}")
 
     allowed_trees = {str(layout.venv_dir), str(layout.state_dir), str(layout.runtime_dir)}
     root = str(layout.root).rstrip("/") + "/"
@@ -531,6 +564,8 @@ def _render(action: str, layout: Layout) -> str:
         return render_bash_completion()
     if action == "render-unit":
         return render_unit(layout)
+    if action == "render-monitor-unit":
+        return render_monitor_unit(layout)
     return render_tmpfiles(layout)
 
 
@@ -554,6 +589,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "render-config": "the commented default configuration",
         "render-completion": "packaging/cudawrap.bash-completion",
         "render-unit": f"packaging/{UNIT_NAME} (for --root, default /)",
+        "render-monitor-unit": f"packaging/{MONITOR_UNIT} (for --root, default /)",
         "render-tmpfiles": "packaging/cudawrap.tmpfiles (for --root, default /)",
     }
     for name, what in renderers.items():

@@ -21,8 +21,8 @@ import pytest
 from cudawrap import __version__
 from cudawrap.config import DEFAULTS, load_config
 from cudawrap.installation import (
-    Layout, UNIT_NAME, completion_file, manifest_file, prepare_runtime, render_bash_completion,
-    render_tmpfiles, render_unit, shim_version, tmpfiles_file, unit_file,
+    Layout, MONITOR_UNIT, UNIT_NAME, completion_file, manifest_file, prepare_runtime, render_bash_completion,
+    render_monitor_unit, render_tmpfiles, render_unit, shim_version, tmpfiles_file, unit_file,
 )
 from fakemachine import FAKECUDA, LIBNAME, FakeMachine
 from installfix import INSTALL_SH, SOURCE, clean_env, install_sh, snapshot, wheel_args
@@ -64,6 +64,7 @@ def test_packaging_files_are_generated_from_the_code():
     hint = "packaging/ is stale: run `make packaging`"
     assert (PACKAGING / "cudawrap.bash-completion").read_text() == render_bash_completion(), hint
     assert (PACKAGING / UNIT_NAME).read_text() == render_unit(Layout(Path("/"))), hint
+    assert (PACKAGING / MONITOR_UNIT).read_text() == render_monitor_unit(Layout(Path("/"))), hint
     assert (PACKAGING / "cudawrap.tmpfiles").read_text() == render_tmpfiles(Layout(Path("/"))), hint
 
 
