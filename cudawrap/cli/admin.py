@@ -1,0 +1,229 @@
+"""The admin commands: create-cudawrap / cudawrap wrap, list, unwrap, doctor.
+
+Thin adapters: parse switches, check privilege, call the core with an explicit Layout,
+print. Results go to stdout, explanations to stderr. The core takes the registry lock
+itself, after checking every path without it, so that a refused command changes no file
+at all, not even the lock file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from typing import Any, Dict, Sequence
+
+from plumbum import cli
+
+from .. import __version__
+from ..config import (
+    FOREIGN_RULES, FOREVER, MULTI_MIG_RULES, NO_DRIVER_RULES, PLACEMENTS, format_wait, parse_wait,
+    validate_policy,
+)
+from ..errors import ConfigError, StateError, UsageError
+from ..paths import default_layout
+from . import Command, report
+
+
+def _prog(command: Command) -> str:
+    """The program name for messages: "cudawrap" for "cudawrap unwrap"."""
+    return str(command.PROGNAME).split()[0]
+
+
+def _debug() -> bool:
+    return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+def _report_failures(prog: str, failures: Sequence[Any]) -> int:
+    """Print each failure as one line; the exit code is the first one's."""
+    for failure in failures:
+        report(prog, failure.error, _debug())
+    return failures[0].error.exit_code if failures else 0
+
+
+def _raw_wait(text: str) -> Any:
+    """A --wait value in the registry's JSON-able form: a number of seconds or "forever"."""
+    try:
+        value = parse_wait(text)
+    except ValueError as exc:
+        raise UsageError(f"--wait: {exc}") from None
+    if value == FOREVER:
+        return "forever"
+    return int(value) if value == math.floor(value) else value
+
+
+def _raw_int(switch: str, text: str) -> Any:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise UsageError(f"{switch}: {text!r} is not a whole number") from None
+
+
+class CreateCudawrap(Command):
+    """Wrap CUDA programs: each run then gets its own free GPU or MIG instance.
+
+    PROGRAM is renamed to CUDAWRAP_<name> in the same directory and PROGRAM becomes a
+    link to the cudawrap shim; dpkg-owned programs are diverted so upgrades land at the
+    new name. The switches set this program's policy (otherwise the config's applies).
+    """
+
+    PROGNAME = "create-cudawrap"
+    VERSION = __version__
+    USAGE = "    {progname} [SWITCHES] PROGRAM...\n"
+
+    gpus = cli.SwitchAttr(["--gpus"], str, argname="N", help="devices given to each run")
+    wait = cli.SwitchAttr(["--wait"], str, argname="SECONDS|forever",
+                          help="how long a run waits for a free device (0 = do not wait)")
+    placement = cli.SwitchAttr(["--placement"], str, argname="|".join(PLACEMENTS),
+                               help="how devices are chosen")
+    foreign = cli.SwitchAttr(["--foreign"], str, argname="|".join(FOREIGN_RULES),
+                             help="avoid or ignore devices running processes cudawrap did not start")
+    busy_memory = cli.SwitchAttr(["--busy-memory-mib"], str, argname="MIB",
+                                 help="where process lists are hidden, more memory used than this is busy")
+    no_driver = cli.SwitchAttr(["--no-driver"], str, argname="|".join(NO_DRIVER_RULES),
+                               help="without an NVIDIA driver: run the program unchanged, or fail")
+    multi_mig = cli.SwitchAttr(["--multi-mig"], str, argname="|".join(MULTI_MIG_RULES),
+                               help="several MIG instances on a driver before R570: refuse or whole-gpus")
+
+    def policy(self) -> Dict[str, Any]:
+        """The per-program policy from the switches, raw (as the registry stores it), checked."""
+        raw: Dict[str, Any] = {}
+        if self.gpus is not None:
+            raw["gpus"] = _raw_int("--gpus", self.gpus)
+        if self.wait is not None:
+            raw["wait"] = _raw_wait(self.wait)
+        if self.busy_memory is not None:
+            raw["busy_memory_mib"] = _raw_int("--busy-memory-mib", self.busy_memory)
+        for key in ("placement", "foreign", "no_driver", "multi_mig"):
+            value = getattr(self, key)
+            if value is not None:
+                raw[key] = value
+        for key, value in raw.items():
+            try:
+                validate_policy({key: value}, "--" + key.replace("_", "-"))
+            except ConfigError as exc:
+                raise UsageError(exc.message) from None
+        return raw
+
+    def main(self, *programs: str) -> int:
+        from ..privilege import require_admin
+        from ..wrap import wrap_programs
+
+        if not programs:
+            raise UsageError("no program given: name the program(s) to wrap")
+        policy = self.policy()
+        layout = default_layout()
+        require_admin(layout)
+        outcome = wrap_programs(layout, programs, policy)
+        for entry in outcome.wrapped:
+            how = f"diverted from package {entry.package}" if entry.diversion else "renamed"
+            print(f"wrapped {entry.link} (real program: {entry.real}, {how})")
+        return _report_failures(_prog(self), outcome.failed)
+
+
+class WrapCommand(CreateCudawrap):
+    """Wrap CUDA programs (the same as create-cudawrap)."""
+
+    PROGNAME = None  # type: ignore[assignment]  # plumbum names it "cudawrap wrap"
+
+
+def _policy_text(policy: Dict[str, Any]) -> str:
+    parts = []
+    for key, value in sorted(policy.items()):
+        if key == "wait":
+            value = format_wait(parse_wait(value))
+        parts.append(f"{key}={value}")
+    return " ".join(parts) or "-"
+
+
+class ListCommand(Command):
+    """List wrapped programs and how each one looks on disk now (anyone may run it)."""
+
+    as_json = cli.Flag(["--json"], help="print JSON for scripts instead of a table")
+
+    def main(self) -> int:
+        from .. import registry
+        from ..inspect_wraps import inspect_all
+
+        layout = default_layout()
+        statuses = inspect_all(layout, registry.load(layout))
+        if self.as_json:
+            rows = []
+            for s in statuses:
+                raw = s.entry.to_raw()
+                raw.pop("stat")
+                raw.update(state=s.state, detail=s.detail, diverted=s.entry.diverted)
+                rows.append(raw)
+            print(json.dumps(rows, indent=2))
+            return 0
+        if not statuses:
+            print("no programs are wrapped", file=sys.stderr)
+            return 0
+        table = [("STATE", "PROGRAM", "POLICY", "PACKAGE", "WRAPPED BY", "WRAPPED AT")]
+        for s in statuses:
+            e = s.entry
+            table.append((s.state, e.link, _policy_text(dict(e.policy)), e.package or "-", e.wrapped_by,
+                          e.wrapped_at))
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        for row in table:
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        for s in statuses:
+            if s.detail:
+                print(f"{s.entry.link}: {s.detail}", file=sys.stderr)
+        return 0
+
+
+class UnwrapCommand(Command):
+    """Put wrapped programs back under their own names and forget them."""
+
+    USAGE = "    {progname} [--force] PROGRAM... | --all\n"
+
+    everything = cli.Flag(["--all"], help="unwrap every wrapped program")
+    force = cli.Flag(
+        ["--force"],
+        help="unwrap even when disk differs from the registry: restore the real program as it is "
+             "now; if the name now holds something else, leave it and keep the real program as "
+             "NAME.cudawrap-saved; if the real program is gone, just remove the shim link. "
+             "Never deletes a program.",
+    )
+
+    def main(self, *programs: str) -> int:
+        from ..privilege import require_admin
+        from ..wrap import unwrap_programs
+
+        if programs and self.everything:
+            raise UsageError("give programs or --all, not both")
+        if not programs and not self.everything:
+            raise UsageError("no program given: name the program(s) to unwrap, or --all")
+        layout = default_layout()
+        require_admin(layout)
+        outcome = unwrap_programs(layout, programs, everything=self.everything, force=self.force)
+        if self.everything and not outcome.unwrapped and not outcome.failed:
+            print("no programs are wrapped", file=sys.stderr)
+        for done in outcome.unwrapped:
+            print(done.message)
+        return _report_failures(_prog(self), outcome.failed)
+
+
+class DoctorCommand(Command):
+    """Check the installation and every wrapped program; --repair fixes what it can."""
+
+    repair = cli.Flag(["--repair"], help="fix what can be fixed (root or the install's owner)")
+
+    def main(self) -> int:
+        from ..doctor import check, healthy
+        from ..privilege import require_admin
+
+        layout = default_layout()
+        if self.repair:
+            require_admin(layout, "repair cudawrap")
+        findings = check(layout, repair=self.repair)
+        for finding in findings:
+            print(finding.line())
+        if healthy(findings):
+            return 0
+        errors = sum(f.level == "error" for f in findings)
+        hint = "" if self.repair else "; 'cudawrap doctor --repair' fixes what it can"
+        print(f"{_prog(self)}: {errors} problem(s) found{hint}", file=sys.stderr)
+        return StateError.exit_code
+

@@ -1,0 +1,353 @@
+"""``cudawrap doctor``: check the installation and every wrap; ``--repair`` fixes what it can.
+
+Each finding is one line. Levels: ``ok``, ``note`` (something not checked, and why),
+``warning`` (worth knowing, not broken: e.g. a binary upgraded through its diversion),
+``error`` (broken: the install is unhealthy), ``fixed`` (was broken, repaired just now).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterable, List, Mapping, Optional, Set
+
+from . import __version__, audit, registry, wrap
+from .devices import Inventory
+from .divert import PACKAGE, Dpkg, real_name
+from .errors import CudawrapError
+from .inspect_wraps import (
+    BINARY_CHANGED, INTERRUPTED, LINK_MISSING, NOT_A_LINK, OK, REAL_MISSING, SHIM_REPLACED, inspect_all,
+    is_shim_link, same_file, symlink_chain,
+)
+from .paths import REAL_PREFIX, Layout
+from .registry import Registry
+
+log = logging.getLogger(__name__)
+
+LEVEL_OK = "ok"
+LEVEL_NOTE = "note"
+LEVEL_WARNING = "warning"
+LEVEL_ERROR = "error"
+LEVEL_FIXED = "fixed"
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str
+    subject: str
+    message: str
+
+    def line(self) -> str:
+        return f"{self.level}: {self.subject}: {self.message}"
+
+
+def healthy(findings: Iterable[Finding]) -> bool:
+    return not any(f.level == LEVEL_ERROR for f in findings)
+
+
+class _Doctor:
+    def __init__(self, layout: Layout, repair: bool, dpkg: Dpkg, environ: Mapping[str, str]) -> None:
+        self.layout = layout
+        self.repair = repair
+        self.dpkg = dpkg
+        self.environ = environ
+        self.findings: List[Finding] = []
+
+    def add(self, level: str, subject: str, message: str) -> None:
+        self.findings.append(Finding(level, subject, message))
+
+    def problem(self, subject: str, message: str, fix: Optional[Callable[[], str]],
+                level: str = LEVEL_ERROR) -> None:
+        """Report a problem; with --repair and a FIX, try it and report the outcome instead."""
+        if not (self.repair and fix):
+            self.add(level, subject, message)
+            return
+        try:
+            done = fix()
+        except (CudawrapError, OSError) as exc:
+            why = exc.message if isinstance(exc, CudawrapError) else (exc.strerror or str(exc))
+            self.add(LEVEL_ERROR, subject, f"{message}; repair failed: {why}")
+        else:
+            self.add(LEVEL_FIXED, subject, f"{message}; {done}")
+            audit.log("repair", subject=subject, problem=message, done=done)
+
+    # --- the installation ------------------------------------------------------------
+
+    def _reinstall(self) -> Optional[Callable[[], str]]:
+        try:
+            from .installation import install_shim
+        except ImportError:
+            return None
+
+        def fix() -> str:
+            install_shim(self.layout)
+            return "reinstalled the shim"
+
+        return fix
+
+    def check_shim(self) -> None:
+        shim = os.fspath(self.layout.shim)
+        subject = "shim"
+        if not os.path.isfile(shim):
+            self.problem(subject, f"{shim} is missing; every wrapped program fails (run install.sh)",
+                         self._reinstall())
+            return
+        if not os.access(shim, os.X_OK):
+            self.problem(subject, f"{shim} is not executable; every wrapped program fails", self._reinstall())
+            return
+        with open(shim, "rb") as f:
+            first = f.readline(512)
+        if first.startswith(b"#!"):
+            words = first[2:].decode("utf-8", "replace").split()
+            interpreter = words[0] if words else ""
+            if os.path.basename(interpreter) == "env" and len(words) > 1:
+                interpreter = shutil.which(words[1]) or words[1]
+            if not (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
+                self.problem(subject, f"the interpreter {interpreter!r} of {shim} is missing or not "
+                                      "executable; every wrapped program fails", self._reinstall())
+                return
+        try:
+            from .installation import shim_version
+        except ImportError:
+            pass
+        else:
+            found = shim_version(self.layout.shim)
+            if found != __version__:
+                self.problem(subject, f"{shim} is {'version ' + found if found else 'not a cudawrap shim'}, "
+                                      f"not version {__version__}", self._reinstall())
+                return
+        self.add(LEVEL_OK, subject, shim)
+
+    def check_config(self) -> None:
+        from .config import load_config
+
+        path = self.layout.config_file
+        try:
+            load_config(path)
+        except CudawrapError as exc:
+            self.add(LEVEL_ERROR, "config", exc.message)
+            return
+        self.add(LEVEL_OK, "config", f"{path}" if path.exists() else f"{path} absent: all defaults")
+
+    def _sync(self) -> Optional[Callable[[], str]]:
+        try:
+            from .sync import sync
+        except ImportError:
+            return None
+
+        def fix() -> str:
+            report = sync(self.layout)
+            return "ran 'cudawrap sync'" + (f": {len(report.created)} lease file(s) created" if report.created else "")
+
+        return fix
+
+    def check_runtime(self) -> None:
+        runtime, lease_dir = self.layout.runtime_dir, self.layout.lease_dir
+        devices = self._devices()
+        if not runtime.is_dir() or not lease_dir.is_dir():
+            missing = runtime if not runtime.is_dir() else lease_dir
+            fix = self._sync()
+            message = f"{missing} is missing (recreated at boot and by 'cudawrap sync')"
+            if self.repair and fix is None:
+                message += "; not repaired: cudawrap.sync is not available"
+            self.problem("runtime", message, fix)
+            return
+        try:
+            from .leases import SYNC_HINT, check_dir
+
+            check_dir(os.fspath(lease_dir), "lease directory", SYNC_HINT)
+        except ImportError:
+            pass
+        except CudawrapError as exc:
+            self.problem("runtime", exc.message, self._sync())
+            return
+        self.add(LEVEL_OK, "runtime", os.fspath(lease_dir))
+        if devices is None:
+            return
+        present = devices.uuids()
+        missing_uuids = [u for u in present if not (lease_dir / u).is_file()]
+        if missing_uuids:
+            self.problem("leases", f"no lease file for {len(missing_uuids)} device(s): {', '.join(missing_uuids)} "
+                                   "(run 'cudawrap sync')", self._sync())
+        else:
+            self.add(LEVEL_OK, "leases", f"a lease file for each of {len(present)} device(s)")
+
+    def _devices(self) -> Optional[Inventory]:
+        try:
+            from . import nvml
+
+            return nvml.inventory()
+        except ImportError as exc:
+            self.add(LEVEL_NOTE, "leases", f"NVML not importable ({exc}): lease files not checked")
+        except CudawrapError as exc:
+            self.add(LEVEL_NOTE, "leases", f"NVML unavailable ({exc.message}): lease files not checked")
+        return None
+
+    # --- the wraps -------------------------------------------------------------------
+
+    def load_registry(self) -> Optional[Registry]:
+        try:
+            reg = registry.load(self.layout)
+        except CudawrapError as exc:
+            self.add(LEVEL_ERROR, "registry", exc.message)
+            return None
+        self.add(LEVEL_OK, "registry", f"{self.layout.registry_file}: {len(reg)} wrapped program(s)")
+        return reg
+
+    def check_wraps(self, reg: Registry) -> None:
+        layout, dpkg = self.layout, self.dpkg
+        for status in inspect_all(layout, reg):
+            entry, state, link = status.entry, status.state, status.entry.link
+            if state == OK:
+                self._check_diversion(entry)
+            elif state == BINARY_CHANGED:
+                # Expected after a package upgrade through the diversion: not broken.
+                self.problem(link, status.detail, partial(wrap.accept, layout, entry), LEVEL_WARNING)
+            elif state == INTERRUPTED:
+                self.problem(link, status.detail, partial(wrap.finish, layout, entry, dpkg))
+            elif state == SHIM_REPLACED:
+                self.problem(link, status.detail, partial(wrap.rewrap, layout, entry, dpkg))
+            elif state == REAL_MISSING or (state == NOT_A_LINK and not status.real_present):
+                self.problem(link, status.detail + ("" if state == REAL_MISSING else
+                                                    f", and {entry.real} is gone"),
+                             partial(wrap.forget, layout, entry, dpkg))
+            elif state == NOT_A_LINK and status.link == LINK_MISSING:
+                self.problem(link, status.detail, partial(wrap.relink, layout, entry))
+            else:
+                self.add(LEVEL_ERROR, link, f"{status.detail}; decide by hand: 'cudawrap unwrap --force {link}' "
+                                            "keeps both it and the wrapped program")
+
+    def _check_diversion(self, entry: registry.Entry) -> None:
+        link = entry.link
+        try:
+            if entry.diversion is not None:
+                if self.dpkg.diverter(entry.diversion) != PACKAGE:
+                    self.problem(link, f"the dpkg diversion of {entry.diversion} is gone: an upgrade of "
+                                       f"{entry.package} would replace the shim link",
+                                 partial(wrap.ensure_diversion, self.layout, entry, self.dpkg))
+                    return
+            else:
+                owner = self.dpkg.owner(link)
+                if owner is not None:
+                    self.problem(link, f"package {owner[0]} ships it but it is not diverted: an upgrade "
+                                       f"of {owner[0]} would replace the shim link",
+                                 partial(wrap.ensure_diversion, self.layout, entry, self.dpkg))
+                    return
+        except CudawrapError as exc:
+            self.add(LEVEL_NOTE, link, f"dpkg not consulted: {exc.message}")
+        self.add(LEVEL_OK, link, "wrapped" + (f", diverted from {entry.package}" if entry.diversion else ""))
+
+    def _directories(self, reg: Registry, diversions: List[str]) -> List[str]:
+        """Where to look for wraps the registry does not know."""
+        dirs: Set[str] = {os.path.dirname(e.link) for e in reg}
+        dirs.update(os.path.dirname(p) for p in diversions)
+        dirs.add(os.fspath(self.layout.bin_dir))
+        dirs.update(d for d in self.environ.get("PATH", "").split(os.pathsep) if os.path.isabs(d))
+        try:  # after a lost registry, its last copy still says where the wraps were
+            bak = registry.load_path(os.fspath(self.layout.registry_file) + ".bak")
+            dirs.update(os.path.dirname(e.link) for e in bak)
+        except CudawrapError:
+            pass
+        return sorted(d for d in dirs if os.path.isdir(d))
+
+    def check_strays(self, reg: Registry) -> None:
+        """Wraps without an entry, leftovers of interrupted steps, diversions nobody owns."""
+        layout, dpkg = self.layout, self.dpkg
+        try:
+            diversions = dpkg.diversions()
+        except CudawrapError as exc:
+            self.add(LEVEL_NOTE, "dpkg", f"diversions not checked: {exc.message}")
+            diversions = []
+        known = {e.link for e in reg}
+        for directory in self._directories(reg, [p for p, _ in diversions]):
+            try:
+                names = sorted(os.listdir(directory))
+            except OSError:
+                continue
+            for name in names:
+                path = os.path.join(directory, name)
+                if name.startswith(wrap.TMP_PREFIX):
+                    self.problem(path, "a temporary name left by an interrupted cudawrap command",
+                                 partial(wrap.remove_tmp, path), LEVEL_WARNING)
+                elif name.startswith(REAL_PREFIX) and len(name) > len(REAL_PREFIX):
+                    link = os.path.join(directory, name[len(REAL_PREFIX):])
+                    if link not in known and not is_shim_link(layout, link):
+                        self._stray_real(link, path)
+                elif path not in known and self._stray_wrap(path):
+                    self._stray_link(path)
+        known = {e.link for e in registry.load(layout)} if self.repair else known
+        for path, target in diversions:
+            if path not in known:
+                name = dpkg.name_of(path) or path
+                self.problem(path, f"dpkg diverts it to {target} for cudawrap, but nothing is wrapped there",
+                             partial(wrap.drop_stray_diversion, dpkg, name))
+
+    def _stray_wrap(self, path: str) -> bool:
+        """Whether PATH looks like a wrap: a link straight to the shim, or one leading to it
+        with a CUDAWRAP_ program beside it. A user's alias of a wrapped program
+        (/usr/local/bin/x -> /opt/app/bin/x -> shim) is neither."""
+        if not is_shim_link(self.layout, path):
+            return False
+        chain = symlink_chain(path)
+        return len(chain) == 2 or os.path.lexists(real_name(path))
+
+    def _stray_link(self, path: str) -> None:
+        real = real_name(path)
+        if os.path.lexists(real):
+            self.problem(path, f"a shim link with its real program {real} but no registry entry",
+                         lambda: wrap.adopt(self.layout, path, self.dpkg))
+        else:
+            self.add(LEVEL_ERROR, path, f"a shim link without a real program ({real} is missing) or a "
+                                        "registry entry; remove it, or put the program back as "
+                                        f"{real} and run 'cudawrap doctor --repair'")
+
+    def _stray_real(self, link: str, real: str) -> None:
+        if same_file(link, real):
+            def fix() -> str:
+                os.unlink(real)
+                return f"removed the second name {real} (the program itself is untouched)"
+
+            self.problem(real, f"left by an interrupted create: the same file as {link}, no registry entry",
+                         fix, LEVEL_WARNING)
+        elif not os.path.lexists(link):
+            def fix() -> str:
+                os.link(real, link, follow_symlinks=False)  # fails rather than overwrite
+                os.unlink(real)
+                return f"put it back as {link}"
+
+            self.problem(real, f"a real program renamed by cudawrap, but {link} is missing and there is "
+                               "no registry entry", fix)
+        else:
+            self.add(LEVEL_NOTE, real, f"not managed by cudawrap ({link} is not a shim link; "
+                                       "left by the old cudawrap scripts?); left alone")
+
+
+def check(
+    layout: Layout,
+    *,
+    repair: bool = False,
+    dpkg: Optional[Dpkg] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> List[Finding]:
+    """Every finding about LAYOUT; with REPAIR (admins only), fix what can be fixed."""
+    doctor = _Doctor(layout, repair, Dpkg.from_environment() if dpkg is None else dpkg,
+                     os.environ if environ is None else environ)
+    doctor.check_shim()
+    doctor.check_config()
+    doctor.check_runtime()
+    if repair and os.path.isdir(layout.state_dir):
+        with registry.lock(layout):
+            reg = doctor.load_registry()
+            if reg is not None:
+                doctor.check_wraps(reg)
+                doctor.check_strays(registry.load(layout))
+                if registry.load(layout) != reg:
+                    wrap.refresh_launch_cache(layout)
+    else:
+        reg = doctor.load_registry()
+        if reg is not None:
+            doctor.check_wraps(reg)
+            doctor.check_strays(reg)
+    return doctor.findings
