@@ -261,7 +261,19 @@ def run_shim(root: str, argv: List[str]) -> NoReturn:
     grant = obtain(root, prog, settings, os.environ)
     if os.environ.get("CUDAWRAP_VERBOSE"):
         say(prog, f"{CVD}={grant.visible if grant.visible is not None else '(unchanged)'} -> {real}")
+    if not os.path.lexists(real):
+        real = _unwrapped_meanwhile(link, shim) or real
     exec_program(real, [invoked] + argv[1:], grant.apply(original_environ()), grant)
+
+
+def _unwrapped_meanwhile(link: str, shim: str) -> Optional[str]:
+    """LINK itself if an unwrap put the real program back there while we were starting or waiting."""
+    try:
+        if os.path.exists(link) and not os.path.samefile(link, shim):
+            return link
+    except OSError:
+        pass
+    return None
 
 
 def main(root: str) -> NoReturn:
