@@ -26,6 +26,8 @@ POLL_S = 0.02
 # cudawrap did not start. A device whose lease was held at the last look is re-read at
 # once: the processes seen on it were probably that job's, now gone.
 FOREIGN_RECHECK_S = 1.0
+# How long even a run that does not wait (wait = 0) waits for the queue's mutex.
+MUTEX_GRACE_S = 2.0
 
 
 class _Deadline(Exception):
@@ -91,6 +93,11 @@ class Acquirer:
         return not self.occupied(fresh)
 
     def _eligible(self, uuid: str, now: float) -> bool:
+        if uuid in self.was_held and self.refresh is not None:
+            # Its lease was held at our last look: meanwhile its GPU may have been lost or its
+            # MIG instance destroyed (the lease file outlives it until the next sync), which
+            # only a fresh look tells, whatever the old data or the foreign policy say.
+            return self._recheck(uuid, now)
         if not self.occupied(self.current[uuid]):
             return True
         if uuid in self.was_held or now - self.checked_at[uuid] > FOREIGN_RECHECK_S:
@@ -155,7 +162,9 @@ class Acquirer:
                 on_wait: Optional[Callable[[int], None]] = None) -> Lease:
         """Devices within WAIT_S seconds (inf: as long as it takes), first come first served."""
         start = time.monotonic()
-        with self.queue.mutex():
+        # A finite wait bounds the wait for the queue's mutex too (anyone can hold that file's
+        # lock); "do not wait" still allows for the moment another launch holds it.
+        with self.queue.mutex(max(wait_s, MUTEX_GRACE_S)):
             if not self.queue.anyone_waiting():
                 lease = self.try_grab()
                 if lease is not None:

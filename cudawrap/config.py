@@ -28,6 +28,15 @@ MAX_WAIT_S = 10 * 365 * 86400
 MAX_GPUS = 64
 
 
+def _shown(value: Any) -> str:
+    """VALUE for a one-line message: its repr, cut short (it may be 100 kB of environment)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more digits than Python will print
+        return "a number that long"
+    return text if len(text) <= 40 else text[:36] + "..."
+
+
 def parse_wait(value: Any) -> float:
     """A wait limit: seconds (int, float or numeric string) >= 0, or "forever"."""
     if isinstance(value, str):
@@ -37,11 +46,12 @@ def parse_wait(value: Any) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise ValueError(f"{value!r} is not a number of seconds or 'forever'") from None
+            raise ValueError(f"{_shown(value)} is not a number of seconds or 'forever'") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{value!r} is not a number of seconds or 'forever'")
-    if math.isnan(value) or value < 0:
-        raise ValueError(f"{value!r} is not a number of seconds >= 0")
+        raise ValueError(f"{_shown(value)} is not a number of seconds or 'forever'")
+    # Not math.isnan(value) on an int: TOML integers are unbounded and float() overflows.
+    if (isinstance(value, float) and math.isnan(value)) or value < 0:
+        raise ValueError(f"{_shown(value)} is not a number of seconds >= 0")
     if value > MAX_WAIT_S:
         return FOREVER
     return float(value)
@@ -52,16 +62,16 @@ def parse_gpus(value: Any) -> int:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{value!r} is not a whole number of devices")
+        raise ValueError(f"{_shown(value)} is not a whole number of devices")
     if not 1 <= value <= MAX_GPUS:
-        raise ValueError(f"{value} is not between 1 and {MAX_GPUS}")
+        raise ValueError(f"{_shown(value)} is not between 1 and {MAX_GPUS}")
     return value
 
 
 def _choice(choices: Tuple[str, ...]) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if not isinstance(value, str) or value not in choices:
-            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
+            raise ValueError(f"{_shown(value)} is not one of {', '.join(choices)}")
         return value
 
     return parse
@@ -69,13 +79,13 @@ def _choice(choices: Tuple[str, ...]) -> Callable[[Any], str]:
 
 def _non_negative_int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{value!r} is not a whole number >= 0")
+        raise ValueError(f"{_shown(value)} is not a whole number >= 0")
     return value
 
 
 def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{value!r} is not true or false")
+        raise ValueError(f"{_shown(value)} is not true or false")
     return value
 
 
@@ -84,15 +94,15 @@ def _uuid_list(value: Any) -> Tuple[str, ...]:
         raise ValueError("expected a list of device UUID strings")
     bad = [v for v in value if not re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]+", v.strip())]
     if bad:
-        raise ValueError(f"{bad[0]!r} is not a GPU-… or MIG-… UUID (or prefix)")
+        raise ValueError(f"{_shown(bad[0])} is not a GPU-… or MIG-… UUID (or prefix)")
     return tuple(v.strip() for v in value)
 
 
 def _path_or_empty(value: Any) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"{value!r} is not a path string")
+        raise ValueError(f"{_shown(value)} is not a path string")
     if value and not value.startswith("/"):
-        raise ValueError(f"{value!r} is not an absolute path")
+        raise ValueError(f"{_shown(value)} is not an absolute path")
     return value
 
 
@@ -229,6 +239,8 @@ def parse_config(path: Path, text: str) -> Config:
         data = _load_toml(text)
     except ValueError as exc:  # tomllib.TOMLDecodeError says "(at line N, column M)"
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib parses nested arrays and tables recursively
+        raise ConfigError(f"{path}: not valid TOML: arrays or tables nested too deeply") from None
     lines = text.splitlines()
     settings: Dict[str, Setting] = {k: Setting(v, "default") for k, v in DEFAULTS.items()}
     programs: Dict[str, Dict[str, Setting]] = {}

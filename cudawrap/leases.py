@@ -155,7 +155,9 @@ def inherited_lease(lease_dir: str, marker: str) -> Optional[Lease]:
     fds: Dict[str, int] = {}
     for item in marker.split(","):
         fd_text, _, uuid = item.partition(":")
-        if not fd_text.isdigit() or not uuid or "/" in uuid:
+        # ASCII digits only ("²".isdigit() is true, int() refuses it) and a length int() and
+        # fstat() accept: a forged marker means "no lease", never a traceback.
+        if not (fd_text.isascii() and fd_text.isdigit() and len(fd_text) <= 9) or not uuid or "/" in uuid:
             return None
         fd = int(fd_text)
         try:

@@ -139,6 +139,10 @@ def refresh(device: Device) -> Optional[Device]:
     if handle is None:
         return None
     try:
+        # A handle is a position (GPU, MIG slot): after a MIG reconfiguration the slot may
+        # hold another instance, whose data must not pass for this one's.
+        if nv.nvmlDeviceGetUUID(handle) != device.uuid:
+            return None
         pids, used, total = _usage(nv, handle)
     except nv.NVMLError:
         return None

@@ -38,12 +38,12 @@ def parse_visible(value: str, inventory: Inventory) -> List[Device]:
     mig_uuids = [d.uuid for d in inventory.devices if d.is_mig]
     for token in value.split(","):
         token = token.strip()
-        if token.isdigit():
-            index = int(token)
+        if token.isascii() and token.isdigit():  # CUDA reads ASCII digits only: "²", "٣" end the list
+            index = int(token) if len(token) <= 9 else -1  # int() refuses 4300+ digits; no GPU has such an index
             found = [g.uuid for g in inventory.gpus if g.index == index]
             gpu = found[0] if found else None
             chosen = _leaves_of(gpu, inventory) if gpu else []
-        elif token.startswith("GPU-"):
+        elif token.startswith("GPU-") and len(token) > len("GPU-"):  # a bare "GPU-" names nothing
             gpu = _by_prefix(token, gpu_uuids)
             chosen = _leaves_of(gpu, inventory) if gpu else []
         elif token.startswith("MIG-"):

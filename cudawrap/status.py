@@ -6,7 +6,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from .errors import NvmlUnavailable
-from .leases import holders
+from .leases import _proc_locks, holders
 from .paths import Layout
 from .waitqueue import WaitQueue
 
@@ -18,6 +18,12 @@ def _user_of(uid: int) -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return str(uid)
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """TEXT cut to LIMIT with control characters replaced: command lines and queue entries are
+    written by users, and must not send escape sequences to an admin's terminal."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
 
 
 def _boot_time() -> float:
@@ -37,7 +43,7 @@ def process_info(pid: int) -> Dict[str, Any]:
     try:
         info["user"] = _user_of(os.stat(f"/proc/{pid}").st_uid)
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            info["command"] = f.read(4096).replace(b"\0", b" ").decode("utf-8", "replace").strip()
+            info["command"] = printable(f.read(4096).replace(b"\0", b" ").decode("utf-8", "replace").strip(), 4096)
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         started = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
@@ -59,12 +65,24 @@ def _waiting(layout: Layout) -> List[Dict[str, Any]]:
         queue = WaitQueue(str(layout.queue_dir), str(layout.queue_lock))
     except Exception:  # a missing runtime directory is reported with the devices
         return []
+    # The user comes from the entry's owner and the pid from the kernel's record of who holds
+    # its lock, whatever the entry says: root can see who holds up the queue (SECURITY.md).
+    locks = _proc_locks()
     out = []
     for key, uid, info in queue.entries():
         # Entries are written by users: read them as untrusted text.
         fields = dict(line.split("=", 1) for line in info.decode("utf-8", "replace").splitlines() if "=" in line)
-        out.append({"key": key, "user": _user_of(uid), "pid": _int(fields.get("pid")),
-                    "count": _int(fields.get("count")), "program": fields.get("program", "?")[:200]})
+        claimed = _int(fields.get("pid"))
+        try:
+            st = os.stat(os.path.join(queue.dir, key), follow_symlinks=False)
+            pid = locks.get((st.st_dev, st.st_ino), claimed)
+        except OSError:
+            pid = claimed
+        waiter = {"key": key, "user": _user_of(uid), "pid": pid, "count": _int(fields.get("count")),
+                  "program": printable(fields.get("program", "?"))}
+        if claimed != pid:
+            waiter["claimed_pid"] = claimed
+        out.append(waiter)
     return out
 
 
@@ -96,5 +114,15 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
             devices.append({"uuid": uuid, "name": "?", "gpu_index": -1, "parent": "?", "mig_slot": None,
                             "memory_used_mib": 0, "memory_total_mib": 0, "lease_file": True,
                             "holder": holder, "foreign_pids": None})
-    return {"devices": devices, "waiting": _waiting(layout), "nvml_error": nvml_error,
+    # The queue's mutex is held for milliseconds by each launch; anyone may hold it longer
+    # (a user can flock the file), which stalls every launch: show who, for root to act.
+    queue_lock_holder = None
+    try:
+        st = os.stat(layout.queue_lock)
+        pid = _proc_locks().get((st.st_dev, st.st_ino))
+        queue_lock_holder = process_info(pid) if pid is not None else None
+    except OSError:
+        pass
+    return {"devices": devices, "waiting": _waiting(layout), "queue_lock_holder": queue_lock_holder,
+            "nvml_error": nvml_error,
             "lost": list(inventory.lost) if inventory else []}

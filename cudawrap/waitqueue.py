@@ -20,7 +20,7 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Iterator, List, Optional
 
-from .errors import SetupError
+from .errors import NoDeviceError, SetupError
 from .leases import SYNC_HINT
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -28,10 +28,15 @@ _SUFFIX = ".wait"
 
 
 class Mutex:
-    """The queue's global mutex: a root-created file every user may flock read-only."""
+    """The queue's global mutex: a root-created file every user may flock read-only.
 
-    def __init__(self, path: str) -> None:
+    Anyone can therefore hold it, on purpose or not; it is normally held for milliseconds.
+    With a finite LIMIT_S a launch gives up after that long instead of hanging forever.
+    """
+
+    def __init__(self, path: str, limit_s: float = float("inf")) -> None:
         self.path = path
+        self.limit_s = limit_s
         self.fd = -1
 
     def __enter__(self) -> Mutex:
@@ -42,8 +47,22 @@ class Mutex:
         if not stat.S_ISREG(os.fstat(self.fd).st_mode):
             os.close(self.fd)
             raise SetupError(f"the queue lock {self.path} is not a regular file", hint=SYNC_HINT)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
+        if self.limit_s == float("inf"):
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            return self
+        deadline = time.monotonic() + self.limit_s
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self.fd)
+                    self.fd = -1
+                    raise NoDeviceError(
+                        f"the wait queue's lock {self.path} was held by another process for "
+                        f"{self.limit_s:g} s", hint="`cudawrap status` shows who holds it") from None
+                time.sleep(0.002)
 
     def __exit__(self, *exc: object) -> None:
         os.close(self.fd)  # closing drops the lock
@@ -60,7 +79,9 @@ class Entry:
 
 
 def _is_entry(name: str) -> bool:
-    return name.endswith(_SUFFIX) and name[:20].isdigit()
+    # ASCII digits only: anyone can create names here, and int() refuses "²²²…".
+    key = name[:20]
+    return name.endswith(_SUFFIX) and len(name) > 21 and name[20] == "." and key.isascii() and key.isdigit()
 
 
 class WaitQueue:
@@ -77,8 +98,8 @@ class WaitQueue:
             raise SetupError(f"the queue directory {queue_dir} is not a sticky directory",
                              hint="run `cudawrap doctor --repair` as root")
 
-    def mutex(self) -> Mutex:
-        return Mutex(self.mutex_path)
+    def mutex(self, limit_s: float = float("inf")) -> Mutex:
+        return Mutex(self.mutex_path, limit_s)
 
     def _names(self) -> List[str]:
         try:
@@ -135,13 +156,23 @@ class WaitQueue:
 
     def enqueue(self, info: bytes) -> Entry:
         """Join the queue; the caller holds the mutex, which makes the key order arrival order."""
-        names = self._names()
-        last = int(names[-1][:20]) if names else 0
-        key_ns = max(time.monotonic_ns(), last + 1)
+        now = time.monotonic_ns()
+        # CLOCK_MONOTONIC is one clock for the whole machine, so a real waiter's key is never
+        # ahead of it: a key from the future was planted (anyone may create files here) and
+        # must not steer ours, which would make our names predictable and out of order.
+        keys = [int(n[:20]) for n in self._names()]
+        last = max((k for k in keys if k <= now + 10**9), default=0)
+        key_ns = max(now, last + 1)
         pid = os.getpid()
-        tmp = f"{self.dir}/.new-{pid}-{key_ns}"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        while True:
+            tmp = f"{self.dir}/.new-{pid}-{key_ns}"
+            try:
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+                break
+            except FileExistsError:  # planted by someone else: never opened, just avoided
+                key_ns += 1
         try:
+            os.fchmod(fd, 0o644)  # readable whatever our umask, or others would not see us waiting
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.write(fd, info)
             while True:

@@ -30,7 +30,9 @@ class Command(cli.Application):
 
         if type(exc).__name__ in _META:
             return exc
-        return UsageError(str(exc).strip().rstrip(":"), f"run '{self.PROGNAME} --help' for usage")
+        # plumbum appends the converter's exception on a second, indented line: one line only.
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return UsageError(first.strip().rstrip(":"), f"run '{self.PROGNAME} --help' for usage")
 
     def _parse_args(self, argv):  # type: ignore[no-untyped-def]
         try:

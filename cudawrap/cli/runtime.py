@@ -89,7 +89,17 @@ class StatusCommand(Command):
             _table([("WAITING", "USER", "PID", "DEVICES", "PROGRAM")] + [
                 (str(n), w["user"], str(w["pid"]), str(w["count"]), w["program"])
                 for n, w in enumerate(status["waiting"], 1)])
+        holder = status.get("queue_lock_holder")
+        if holder:
+            print(f"\nqueue lock held by pid {holder['pid']} {holder['user']} {holder['command'][:30]} "
+                  f"since {holder['since']}")
         return 0
+
+
+def _shown(value: str) -> str:
+    """A switch's value for a one-line message: control characters replaced, cut short."""
+    text = "".join(c if c.isprintable() else "?" for c in value[:40])
+    return text + ("..." if len(value) > 40 else "")
 
 
 def _table(rows: List[tuple]) -> None:
@@ -114,12 +124,12 @@ class RunCommand(Command):
             try:
                 count = parse_gpus(self.gpus)
             except ValueError as exc:
-                raise UsageError(f"--gpus {self.gpus}: {exc}") from None
+                raise UsageError(f"--gpus {_shown(self.gpus)}: {exc}") from None
         if self.wait is not None:
             try:
                 settings["wait"] = (parse_wait(self.wait), "--wait")
             except ValueError as exc:
-                raise UsageError(f"--wait {self.wait}: {exc}") from None
+                raise UsageError(f"--wait {_shown(self.wait)}: {exc}") from None
         path = command[0] if "/" in command[0] else shutil.which(command[0])
         if not path or not os.path.exists(path):
             raise ProgramNotFound(f"{command[0]}: command not found")

@@ -1,0 +1,443 @@
+"""Real unprivileged users against cudawrap and against each other (run as root; skipped otherwise).
+
+Two throwaway accounts (tests/userfix.py) try what a local user could try on a shared
+server: change wraps, the registry, the config or the lease files; take, forge or release
+another user's lease; plant files in the one directory they may write (the queue) for the
+shim, `cudawrap status` or root to trip over. What they can legitimately do to others
+(hold a device or a place in the queue) is shown too, with what root sees of it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+
+from corefix import ready_line
+from userfix import MuInstall, User, diff, root_only, snapshot
+
+pytestmark = [pytest.mark.root, root_only]
+
+# A user-side probe: try each operation, report "ok" or the errno name.
+PROBE = r"""
+import errno, fcntl, json, os, sys
+out = {}
+for name, op, *args in json.load(sys.stdin):
+    try:
+        if op == "open":
+            flags = 0
+            for flag in args[1]:
+                flags |= getattr(os, flag)
+            os.close(os.open(args[0], flags, 0o644))
+        elif op == "flock":
+            fd = os.open(args[0], os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(fd)
+        elif op == "chmod":
+            os.chmod(args[0], args[1])
+        elif op == "mkfifo":
+            os.mkfifo(args[0])
+        else:
+            getattr(os, op)(*args)
+        out[name] = "ok"
+    except OSError as exc:
+        out[name] = errno.errorcode.get(exc.errno, str(exc.errno))
+print(json.dumps(out))
+"""
+
+# Hold a flock on a file until killed: a lease taken by hand, or a queue entry that never moves.
+HOLD = r"""
+import fcntl, os, sys, time
+path, create = sys.argv[1], sys.argv[2] == "create"
+if create:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    os.write(fd, sys.argv[3].encode())
+else:
+    fd = os.open(path, os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+DENIED = {"EACCES", "EPERM"}
+
+
+def probe(inst: MuInstall, user: User, ops: List[Tuple]) -> Dict[str, str]:
+    done = inst.run(user, inst.world.python, "-I", "-c", PROBE, input=json.dumps(ops).encode())
+    assert done.returncode == 0, done.stderr.decode()
+    return json.loads(done.stdout)
+
+
+def hold_file(inst: MuInstall, user: User, path: Path, content: str = "") -> subprocess.Popen:
+    proc = inst.py_start(user, HOLD, str(path), "create" if content else "open", content)
+    assert proc.stdout.readline() == b"held\n", proc.stderr.read()
+    return proc
+
+
+def sh_program(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def one_line(result: subprocess.CompletedProcess) -> str:
+    lines = result.stderr.decode().splitlines()
+    assert len(lines) == 1 or (len(lines) == 2 and "hint: " in lines[1]), lines
+    assert "Traceback" not in result.stderr.decode()
+    return lines[0]
+
+
+def status(inst: MuInstall, user) -> dict:  # type: ignore[no-untyped-def]
+    done = inst.cli(user, "status", "--json")
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+    return json.loads(done.stdout)
+
+
+def waiting_line(proc: subprocess.Popen) -> str:
+    line = proc.stderr.readline().decode()
+    assert "waiting" in line, line + proc.stderr.read().decode()
+    return line
+
+
+# --- changing what only root may change ---------------------------------------------------------
+
+
+def test_users_cannot_wrap_unwrap_or_repair(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("four-gpus")
+    alice = inst.world.alice
+    recon = sh_program(inst.bindir / "recon", '#!/bin/sh\necho "recon $*"\n')
+    other = sh_program(inst.bindir / "other", '#!/bin/sh\necho "other $*"\n')
+    done = inst.cli(None, "wrap", str(other))
+    assert done.returncode == 0, done.stderr
+    # Alice's own program in her own directory: still not hers to wrap (the shim is trusted by all).
+    home = inst.dir / "home-alice"
+    home.mkdir()
+    os.chown(home, alice.uid, alice.gid)
+    mine = sh_program(home / "mine", "#!/bin/sh\necho mine\n")
+    os.chown(mine, alice.uid, alice.gid)
+    os.unlink(other)  # something for doctor --repair to do, if it were allowed to
+    before = {**inst.snapshot(), **snapshot(home)}
+    for args in (["wrap", str(recon)], ["wrap", "--gpus", "2", str(mine)], ["unwrap", str(other)],
+                 ["unwrap", "--all"], ["unwrap", "--force", str(other)], ["doctor", "--repair"], ["sync"],
+                 ["monitor", "--once"]):
+        done = inst.cli(alice, *args)
+        assert done.returncode == 77, (args, done.stderr)
+        assert "only root" in one_line(done), args
+    done = inst.cli(alice, str(recon), prog="create-cudawrap")
+    assert done.returncode == 77 and "only root" in one_line(done)
+    # Looking is allowed, and changes nothing either.
+    assert inst.cli(alice, "list").returncode == 0
+    assert inst.cli(alice, "doctor").returncode != 0  # the missing link is reported, not repaired
+    assert {**inst.snapshot(), **snapshot(home)} == before, diff(before, {**inst.snapshot(), **snapshot(home)})
+    assert inst.run(alice, str(recon), "x").stdout == b"recon x\n"
+
+
+def test_users_cannot_write_registry_config_leases_or_runtime_files(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("a100-mig7")
+    bob = inst.world.bob
+    layout = inst.layout
+    assert inst.cli(None, "wrap", str(sh_program(inst.bindir / "recon", "#!/bin/sh\n"))).returncode == 0
+    leases = sorted(layout.lease_dir.iterdir())
+    a, b = str(leases[0]), str(leases[1])
+    ops = [
+        ("registry-write", "open", str(layout.registry_file), ["O_WRONLY"]),
+        ("registry-tmp", "open", f"{layout.registry_file}.tmp", ["O_WRONLY", "O_CREAT"]),
+        ("registry-rename", "rename", str(layout.registry_file), f"{layout.registry_file}.old"),
+        ("registry-symlink", "symlink", "/dev/null", f"{layout.registry_file}.tmp"),
+        ("registry-lock-unlink", "unlink", str(layout.registry_lock)),
+        ("config-create", "open", str(layout.config_file), ["O_WRONLY", "O_CREAT"]),
+        ("config-dir", "mkdir", str(layout.etc_dir / "conf.d")),
+        ("lease-write", "open", a, ["O_WRONLY"]),
+        ("lease-create", "open", str(layout.lease_dir / "MIG-planted"), ["O_WRONLY", "O_CREAT"]),
+        ("lease-unlink", "unlink", a),
+        ("lease-replace", "rename", a, b),
+        ("lease-symlink", "symlink", a, str(layout.lease_dir / "MIG-alias")),
+        ("lease-hardlink", "link", a, str(layout.lease_dir / "MIG-alias2")),
+        ("lease-chmod", "chmod", a, 0o666),
+        ("lease-dir-chmod", "chmod", str(layout.lease_dir), 0o777),
+        ("cache-create", "open", str(layout.launch_cache), ["O_WRONLY", "O_CREAT"]),
+        ("snapshot-create", "open", str(layout.usage_snapshot), ["O_WRONLY", "O_CREAT"]),
+        ("queue-lock-write", "open", str(layout.queue_lock), ["O_WRONLY"]),
+        ("queue-lock-unlink", "unlink", str(layout.queue_lock)),
+        ("queue-dir-replace", "rename", str(layout.queue_dir), str(layout.runtime_dir / "q")),
+        ("shim-write", "open", str(layout.shim), ["O_WRONLY"]),
+        ("real-program-write", "open", str(inst.bindir / "CUDAWRAP_recon"), ["O_WRONLY"]),
+        ("link-replace", "symlink", "/bin/true", str(inst.bindir / "recon2")),
+    ]
+    before = inst.snapshot()
+    got = probe(inst, bob, ops)
+    refused = {name: code for name, code in got.items() if code not in DENIED}
+    assert not refused, refused
+    assert inst.snapshot() == before, diff(before, inst.snapshot())
+    # What users may do: read a lease file and flock it while nobody holds it. That is
+    # taking that device as any launch would (see SECURITY.md), not stealing it.
+    assert probe(inst, bob, [("flock-free", "flock", a)]) == {"flock-free": "ok"}
+
+
+# --- leases: nobody takes, forges or releases another user's -------------------------------------
+
+
+def test_a_held_lease_cannot_be_taken_forged_or_released_by_another_user(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("a100-mig7")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    device = inst.machine.leaf_uuids()[0]
+    inst.allow(device)
+    lease = inst.layout.lease_file(device)
+    job = inst.start(alice, "recon", "--hold", "60", "--log", str(inst.log))
+    assert ready_line(job)["devices"] == [device]
+    environ = Path(f"/proc/{job.pid}/environ").read_bytes().split(b"\0")
+    marker = [e for e in environ if e.startswith(b"CUDAWRAP_LEASE=")][0].split(b"=", 1)[1].decode()
+    fd = marker.split(":")[0]
+    assert marker == f"{fd}:{device}"
+
+    before = inst.snapshot()
+    other = inst.layout.lease_file(inst.machine.leaf_uuids()[1])
+    swap = Path(f"/tmp/.cudawrap-test-swap-{os.getpid()}")
+    try:
+        got = probe(inst, bob, [
+            ("flock-held", "flock", str(lease)),
+            ("proc-fd", "open", f"/proc/{job.pid}/fd/{fd}", ["O_RDONLY"]),  # reopen alice's description
+            ("unlink", "unlink", str(lease)),
+            ("swap", "rename", str(other), str(lease)),
+            ("make-link", "symlink", str(other), str(swap)),
+            ("symlink-swap", "rename", str(swap), str(lease)),
+        ])
+    finally:
+        swap.unlink(missing_ok=True)
+    assert got.pop("flock-held") in ("EWOULDBLOCK", "EAGAIN"), got
+    assert got.pop("make-link") == "ok"
+    assert {k: v for k, v in got.items() if v not in DENIED} == {}, got
+    # A forged marker, with or without a descriptor on the very lease file, gets nothing.
+    forged = [
+        ({"CUDAWRAP_LEASE": marker}, "recon"),
+        ({"CUDAWRAP_LEASE": f"3:{device}"}, f'exec 3<"{lease}"; exec recon'),
+        ({"CUDAWRAP_LEASE": f"3:{device}"}, f'exec 3<"{lease}"; flock -u 3; exec recon'),  # "release" it first
+    ]
+    for extra, script in forged:
+        done = inst.run(bob, "sh", "-c", script, CUDAWRAP_WAIT="0", **extra)
+        assert done.returncode == 75, (script, done.stdout, done.stderr)
+        assert one_line(done).startswith("recon: no free device")
+    assert inst.snapshot() == before
+    # Anyone can see who holds it.
+    seen = {d["uuid"]: d["holder"] for d in status(inst, bob)["devices"]}
+    assert seen[device]["pid"] == job.pid and seen[device]["user"] == alice.name
+    job.send_signal(signal.SIGTERM)
+    job.wait(timeout=10)
+    done = inst.run(bob, "recon", CUDAWRAP_WAIT="0")
+    assert done.returncode == 0 and json.loads(done.stdout.splitlines()[0])["devices"] == [device]
+
+
+def test_a_lease_held_forever_blocks_only_that_device_and_shows_its_holder(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("a100-mig7")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    first, second = inst.machine.leaf_uuids()[:2]
+    inst.allow(first, second)
+    squatter = hold_file(inst, bob, inst.layout.lease_file(first))  # by hand, no program at all
+    for _ in range(2):
+        done = inst.run(alice, "recon", CUDAWRAP_WAIT="0")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout.splitlines()[0])["devices"] == [second]
+    seen = {d["uuid"]: d["holder"] for d in status(inst, alice)["devices"]}
+    assert seen[first]["pid"] == squatter.pid and seen[first]["user"] == bob.name
+    assert seen[second] is None
+    table = inst.cli(alice, "status").stdout.decode()
+    assert f"pid {squatter.pid} {bob.name}" in table
+    inst.allow(first)
+    assert inst.run(alice, "recon", CUDAWRAP_WAIT="0").returncode == 75
+    squatter.kill()
+    squatter.wait()
+    assert inst.run(alice, "recon", CUDAWRAP_WAIT="0").returncode == 0  # the kernel released it at once
+
+
+def test_running_the_real_program_directly_bypasses_cudawrap(mu) -> None:  # type: ignore[no-untyped-def]
+    """Documented, not prevented (SECURITY.md): CUDAWRAP_<name> is an ordinary program."""
+    inst = mu("a100-mig7")
+    inst.wrap("recon")
+    device = inst.machine.leaf_uuids()[0]
+    inst.allow(device)
+    job = inst.start(inst.world.alice, "recon", "--hold", "60")
+    ready_line(job)
+    done = inst.run(inst.world.bob, str(inst.bindir / "CUDAWRAP_recon"), CUDA_VISIBLE_DEVICES=device)
+    assert done.returncode == 0 and json.loads(done.stdout.splitlines()[0])["devices"] == [device]
+
+
+# --- the queue directory: the one place users can write ------------------------------------------
+
+
+def _plant(inst: MuInstall, user: User, victim: Path) -> List[str]:
+    """Symlinks and odd files named like what cudawrap reads and root creates in the queue."""
+    queue = inst.layout.queue_dir
+    links = ["00000000000000000001.1.wait", "99999999999999999999.2.wait", "00000000000000000002.1.wait.tmp",
+             "launch.cache", "queue.lock", "usage.snapshot", "leases"]
+    links += [f".new-{pid}-{key}" for pid in range(os.getpid(), os.getpid() + 400)
+              for key in (100000000000000000000, 1)]
+    ops = [(f"link-{n}", "symlink", str(victim), str(queue / n)) for n in links]
+    ops += [("fifo", "mkfifo", str(queue / "00000000000000000003.3.wait")),
+            ("dir", "mkdir", str(queue / "00000000000000000004.4.wait")),
+            ("hardlink", "link", str(victim), str(queue / "00000000000000000005.5.wait"))]
+    got = probe(inst, user, ops)
+    assert got.pop("hardlink") in DENIED  # protected_hardlinks: not a file of hers
+    assert set(got.values()) == {"ok"}, got
+    # Dead entries with garbage inside, owned by her: others cannot remove them (sticky).
+    junk = {"00000000000000000006.6.wait": b"\xff\xfe\x00binary",
+            "00000000000000000007.7.wait": b"pid=abc\ncount=-1\nprogram=" + b"x" * 1_000_000,
+            "00000000000000000008.8.wait": b"pid=99999999999999999999999\ncount=\xc2\xb2\n",
+            "\u00b2" * 20 + ".9.wait": b"",
+            "000000000000000000010.10.wait": b"",
+            "00000000000000000011.11.wait": b"pid=1\n"}
+    code = ("import json, os, sys\nfor name, data in json.load(sys.stdin).items():\n"
+            "    fd = os.open(os.path.join(%r, name), os.O_WRONLY | os.O_CREAT, 0o644)\n"
+            "    os.write(fd, bytes.fromhex(data)); os.close(fd)\n"
+            "os.chmod(os.path.join(%r, '00000000000000000011.11.wait'), 0)\n") % (str(queue), str(queue))
+    data = json.dumps({name: content.hex() for name, content in junk.items()}).encode()
+    done = inst.run(user, inst.world.python, "-I", "-c", code, input=data)
+    assert done.returncode == 0, done.stderr
+    return links
+
+
+def test_root_never_follows_links_planted_in_the_queue_directory(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("a100-mig7")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    victim = inst.dir / "victim"
+    victim.write_bytes(b"precious\n")
+    victim.chmod(0o644)
+    victim_before = snapshot(victim)
+    links = _plant(inst, bob, victim)
+    # Everything root does that touches the queue: sync, repair, the monitor, status, and
+    # a wrapped program run by root that has to wait (so it creates an entry there).
+    device = inst.machine.leaf_uuids()[0]
+    inst.allow(device)
+    for args in (["sync"], ["doctor", "--repair"], ["monitor", "--once"], ["status"]):
+        done = inst.cli(None, *args)
+        assert b"Traceback" not in done.stderr and done.returncode in (0, 65), (args, done.stderr)
+    holder = inst.start(alice, "recon", "--hold", "60")
+    ready_line(holder)
+    waiter = inst.start(None, "recon", "--log", str(inst.log), CUDAWRAP_WAIT="30")
+    assert "nobody ahead" in waiting_line(waiter)
+    holder.kill()
+    assert waiter.wait(timeout=30) == 0, waiter.stderr.read()
+    assert snapshot(victim) == victim_before
+    for name in links:
+        assert os.readlink(inst.layout.queue_dir / name) == str(victim), name
+
+
+def test_files_planted_in_the_queue_break_nobody(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("a100-mig7")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    victim = inst.dir / "victim"
+    victim.write_text("x")
+    _plant(inst, bob, victim)
+    done = inst.run(alice, "recon", CUDAWRAP_WAIT="0")
+    assert done.returncode == 0 and done.stderr == b"", done.stderr
+    # Waiting (entry, position, wake-up) works with the junk around, for users and root.
+    device = inst.machine.leaf_uuids()[0]
+    inst.allow(device)
+    holder = inst.start(None, "recon", "--hold", "60")
+    ready_line(holder)
+    waiter = inst.start(alice, "recon", "--log", str(inst.log), CUDAWRAP_WAIT="30")
+    assert "nobody ahead" in waiting_line(waiter)
+    for user in (alice, bob, None):
+        seen = status(inst, user)
+        assert [w["user"] for w in seen["waiting"]] == [alice.name], seen["waiting"]
+        assert seen["waiting"][0]["pid"] == waiter.pid
+    holder.kill()
+    assert waiter.wait(timeout=30) == 0, waiter.stderr.read()
+    assert inst.cli(None, "sync").returncode == 0  # root clears the dead junk
+    assert inst.cli(alice, "status").returncode == 0
+
+
+def test_a_waiter_with_a_private_umask_keeps_its_place(mu) -> None:  # type: ignore[no-untyped-def]
+    """An entry must be readable by others whatever its owner's umask, or they would not see
+    it, think themselves first, and pass it."""
+    inst = mu("a100-mig7")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    device = inst.machine.leaf_uuids()[0]
+    inst.allow(device)
+    holder = inst.start(None, "recon", "--hold", "60")
+    ready_line(holder)
+    first = inst.start(alice, "sh", "-c", f'umask 077; exec recon --log "{inst.log}"', CUDAWRAP_WAIT="30")
+    assert "nobody ahead" in waiting_line(first)
+    second = inst.start(bob, "recon", "--log", str(inst.log), CUDAWRAP_WAIT="30")
+    assert "1 run ahead" in waiting_line(second)
+    assert [w["user"] for w in status(inst, bob)["waiting"]] == [alice.name, bob.name]
+    holder.kill()
+    assert first.wait(timeout=30) == 0 and second.wait(timeout=30) == 0
+    starts = [j["pid"] for j in map(json.loads, inst.log.read_text().splitlines()) if j["event"] == "start"]
+    assert starts == [first.pid, second.pid]
+
+
+def test_a_fake_queue_head_delays_others_and_root_sees_who(mu) -> None:  # type: ignore[no-untyped-def]
+    """Known limitation (SECURITY.md): a user who holds a queue entry and never takes a
+    device holds up every later launch, free devices or not, as a real waiter for a busy
+    device would. Root sees the real owner and pid (not what the entry claims) and can act."""
+    inst = mu("a100-mig7")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    entry = inst.layout.queue_dir / "00000000000000000001.1.wait"
+    fake = hold_file(inst, bob, entry, "uid=0\npid=1\ncount=1\nprogram=\x1b]0;pwned\x07evil\n")
+    t0 = time.monotonic()
+    done = inst.run(alice, "recon", CUDAWRAP_WAIT="1")
+    assert done.returncode == 75 and time.monotonic() - t0 >= 1
+    assert "no device became free within 1 s" in done.stderr.decode()
+    (waiter,) = status(inst, None)["waiting"]
+    assert (waiter["user"], waiter["pid"], waiter.get("claimed_pid")) == (bob.name, fake.pid, 1)
+    assert "\x1b" not in waiter["program"] and "\x07" not in waiter["program"]  # no escapes to root's terminal
+    table = inst.cli(None, "status").stdout.decode()
+    assert f"{bob.name}  {fake.pid}" in table and "\x1b" not in table
+    fake.kill()  # what root does about it
+    fake.wait()
+    done = inst.run(alice, "recon", CUDAWRAP_WAIT="0")
+    assert done.returncode == 0, done.stderr
+
+
+def test_huge_values_in_ones_own_environment_fail_one_line_and_harm_no_one(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("a100-mig7")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    big = 120_000  # just under the kernel's limit for one environment string
+    for extra in ({"CUDA_VISIBLE_DEVICES": ("0," * big)[:big]}, {"CUDA_VISIBLE_DEVICES": "x" * big},
+                  {"CUDAWRAP_LEASE": ("3:MIG-x," * big)[:big]}, {"CUDAWRAP_LEASE": "9" * big + ":MIG-x"},
+                  {"CUDAWRAP_WAIT": "9" * big}, {"CUDAWRAP_WAIT": "x" * big}, {"CUDAWRAP_VERBOSE": "1" * big}):
+        done = inst.run(alice, "recon", **extra)
+        if done.returncode != 0:
+            assert done.returncode in (64, 75), (list(extra), done.returncode, done.stderr[:300])
+            assert len(one_line(done)) < 300
+        other = inst.run(bob, "recon", CUDAWRAP_WAIT="0")
+        assert other.returncode == 0 and other.stderr == b"", other.stderr
+    assert os.listdir(inst.layout.queue_dir) == []
+
+
+def test_a_held_queue_lock_stalls_launches_only_as_long_as_they_agreed_to_wait(mu) -> None:  # type: ignore[no-untyped-def]
+    """Any user can flock the queue's (read-only) lock file and keep it: launches that wait
+    forever wait for it (as for a device), a limited wait ends on time with one line, and
+    `cudawrap status` names the holder for root to act."""
+    inst = mu("a100-mig7")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    squatter = hold_file(inst, bob, inst.layout.queue_lock)
+    t0 = time.monotonic()
+    done = inst.run(alice, "recon", CUDAWRAP_WAIT="0")
+    took = time.monotonic() - t0
+    assert done.returncode == 75 and 2 <= took < 6, (took, done.stderr)
+    assert "queue's lock" in one_line(done)
+    holder = status(inst, None)["queue_lock_holder"]
+    assert (holder["pid"], holder["user"]) == (squatter.pid, bob.name)
+    assert f"queue lock held by pid {squatter.pid} {bob.name}" in inst.cli(alice, "status").stdout.decode()
+    patient = inst.start(alice, "recon", CUDAWRAP_WAIT="forever")
+    time.sleep(0.5)
+    assert patient.poll() is None
+    squatter.kill()
+    assert patient.wait(timeout=10) == 0
+    assert status(inst, alice)["queue_lock_holder"] is None
