@@ -202,6 +202,17 @@ def _line_of(lines: List[str], table: Optional[str], key: str) -> int:
     return 0
 
 
+def _top_level_line(lines: List[str], key: str) -> int:
+    """Line of KEY set before any [table] header, or 0."""
+    key_re = re.compile(r"""^\s*["']?""" + re.escape(key) + r"""["']?\s*=""")
+    for number, line in enumerate(lines, 1):
+        if line.strip().startswith("["):
+            break
+        if key_re.match(line):
+            return number
+    return 0
+
+
 def _where(path: Path, lines: List[str], table: Optional[str], key: str) -> str:
     line = _line_of(lines, table, key)
     return f"{path}:{line}" if line else str(path)
@@ -257,6 +268,12 @@ def parse_config(path: Path, text: str) -> Config:
                 if not name or "\0" in name:
                     raise ConfigError(f"{_where(path, lines, None, 'programs')}: empty program name")
                 programs[name] = _parse_table(path, lines, label, sub, POLICY_KEYS)
+        elif not isinstance(table, dict) and (section in POLICY_KEYS or section in DEVICE_KEYS):
+            home = "policy" if section in POLICY_KEYS else "devices"
+            line = _top_level_line(lines, section)
+            raise ConfigError(f"{path}:{line}: '{section}' belongs in [{home}]" if line
+                              else f"{path}: '{section}' belongs in [{home}]",
+                              hint=f"put it below a [{home}] line")
         else:
             raise ConfigError(
                 f"{_where(path, lines, None, section)}: unknown section [{section}]",

@@ -368,3 +368,12 @@ def test_shim_exits_78_on_a_broken_config_and_runs_nothing(installed, text, wher
     assert first.startswith(f"recon: {inst.layout.config_file}{where}"), first
     inst.write_config("[policy]\ngpus = 1\n")
     assert inst.run("recon").returncode == 0
+
+
+def test_a_setting_above_any_section_says_where_it_belongs(tmp_path):
+    from cudawrap.config import parse_config
+    from cudawrap.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        parse_config(tmp_path / "c.toml", "# top\ngpus = 2\n[policy]\nwait = 1\n")
+    assert str(err.value) == f"{tmp_path / 'c.toml'}:2: 'gpus' belongs in [policy]"
