@@ -103,7 +103,9 @@ class Dpkg:
         env = {"LC_ALL": "C.UTF-8", "DPKG_ROOT": "", "DPKG_ADMINDIR": ""}
         argv = self._options() + list(args)
         log.debug("running %s %s", tool, " ".join(argv))
-        rc, out, err = local[tool].with_env(**env).run(argv, retcode=None)
+        # From /: the admin's working directory may be one the command cannot enter (a
+        # prefix owner's, or an unmounted one), and dpkg never needs it.
+        rc, out, err = local[tool].with_env(**env).run(argv, retcode=None, cwd="/")
         if rc not in ok:
             detail = (err.strip().splitlines() or [f"exit status {rc}"])[-1]
             raise StateError(f"{tool} {' '.join(args)} failed: {detail}")
