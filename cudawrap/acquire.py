@@ -69,7 +69,9 @@ class Acquirer:
         self.current: Dict[str, Device] = {d.uuid: d for d in all_devices}
         now = time.monotonic() if checked_at is None else checked_at
         self.checked_at: Dict[str, float] = {d.uuid: now for d in all_devices}
-        self.was_held: Set[str] = set()
+        # Devices whose data may be stale: their lease was held at some look since they were
+        # last read (the processes seen were probably that job's), or we slept in the queue.
+        self.stale: Set[str] = set()
         self.lost: Set[str] = set()
 
     # -- judging devices -------------------------------------------------------------
@@ -90,17 +92,18 @@ class Acquirer:
             return False
         self.current[uuid] = fresh
         self.checked_at[uuid] = now
+        self.stale.discard(uuid)
         return not self.occupied(fresh)
 
     def _eligible(self, uuid: str, now: float) -> bool:
-        if uuid in self.was_held and self.refresh is not None:
-            # Its lease was held at our last look: meanwhile its GPU may have been lost or its
-            # MIG instance destroyed (the lease file outlives it until the next sync), which
-            # only a fresh look tells, whatever the old data or the foreign policy say.
+        if uuid in self.stale and self.refresh is not None:
+            # Meanwhile its job may have ended, its GPU been lost or its MIG instance destroyed
+            # (the lease file outlives it until the next sync): only a fresh look tells,
+            # whatever the old data or the foreign policy say.
             return self._recheck(uuid, now)
         if not self.occupied(self.current[uuid]):
             return True
-        if uuid in self.was_held or now - self.checked_at[uuid] > FOREIGN_RECHECK_S:
+        if now - self.checked_at[uuid] > FOREIGN_RECHECK_S:
             return self._recheck(uuid, now)
         return False
 
@@ -142,7 +145,7 @@ class Acquirer:
             else:
                 held.add(device.uuid)
         eligible = [self.current[d.uuid] for d in locked if self._eligible(d.uuid, now)]
-        self.was_held = held
+        self.stale |= held
         locked_ids = {d.uuid for d in locked}
         chosen_ids: List[str] = []
         if len(eligible) >= self.count:
@@ -183,6 +186,7 @@ class Acquirer:
             if deadline != float("inf"):
                 signal.setitimer(signal.ITIMER_REAL, max(deadline - time.monotonic(), 0.001))
             self.queue.wait_turn(entry)
+            self.stale.update(d.uuid for d in self.candidates)  # we slept: all of it is old
             while True:
                 lease = self.try_grab()
                 if lease is not None:
