@@ -1,0 +1,314 @@
+"""Section 2: N simultaneous launches of jobs holding a device for a fixed time.
+
+Each tool gets a fresh machine. Every job is the stand-in (``fakecuda --require 1 --hold
+H --log FILE``), launched through the tool; a job that gets no device exits 100 without
+logging, which is counted as a failure. Each job logs to its own file, so jobs are told
+apart even where a peer runs the program as a child with another pid (gpuselect).
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from sim import MONITORED, Bench, Sim
+from stats import (Job, dispatch_latencies, intervals, kendall_distance, median, ms, overlaps,
+                   rank_displacement, read_job_log, summary_ms)
+
+
+class QueueWatcher(threading.Thread):
+    """Watches cudawrap's queue directory while a run lasts.
+
+    For every waiter (by pid) it records its queue key, which orders arrivals, and the
+    last time its entry was seen: the entry is removed right after the waiter got its
+    devices, so that time (+ up to one period) is when cudawrap granted them.
+    """
+
+    def __init__(self, queue_dir: Path, period: float = 0.005) -> None:
+        super().__init__(daemon=True)
+        self.queue_dir = str(queue_dir)
+        self.period = period
+        self.keys: Dict[int, int] = {}
+        self.last_seen: Dict[int, float] = {}
+        self.first_seen: Dict[int, float] = {}
+        self._halt = threading.Event()
+
+    def snapshot(self) -> int:
+        """Record the entries present now; returns how many there are."""
+        try:
+            names = os.listdir(self.queue_dir)
+        except OSError:
+            return 0
+        now = time.time()
+        count = 0
+        for name in names:
+            if not name.endswith(".wait"):
+                continue
+            key, _, rest = name.partition(".")
+            pid = rest[: -len(".wait")]
+            if key.isdigit() and pid.isdigit():
+                self.keys.setdefault(int(pid), int(key))
+                self.last_seen[int(pid)] = now
+                self.first_seen.setdefault(int(pid), now)
+                count += 1
+        return count
+
+    def granted(self, pid: int) -> Optional[float]:
+        """When PID left the queue (half a period after it was last seen), if it was seen."""
+        seen = self.last_seen.get(pid)
+        return None if seen is None else seen + self.period / 2
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.snapshot()
+            self._halt.wait(self.period)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+
+def wait_all(procs: List[subprocess.Popen], deadline: float) -> int:
+    """Wait for every process until DEADLINE (monotonic); kill the rest. Returns how many were killed."""
+    killed = 0
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            killed += 1
+    return killed
+
+
+def order_metrics(jobs: List[Job], first_free: Optional[float]) -> dict:
+    """First-come-first-served error among the jobs that had to wait for a device.
+
+    A job waited if it started after the first device was freed. Its launch rank is its
+    place in launch order, its start rank its place in start order; 0 is perfect FIFO.
+    """
+    if first_free is None:
+        waited: List[Job] = []
+    else:
+        waited = [j for j in jobs if j.start is not None and j.start > first_free]
+    launch = [j.index for j in sorted(waited, key=lambda j: (j.spawned, j.index))]
+    start = [j.index for j in sorted(waited, key=lambda j: j.start)]
+    mean_disp, max_disp = rank_displacement(launch, start)
+    out = {"waited": len(waited), "kendall_distance": _round(kendall_distance(launch, start), 4),
+           "mean_rank_error": _round(mean_disp, 2), "max_rank_error": max_disp}
+    # cudawrap's own promise: devices are granted in queue order. Grant times come from
+    # the queue watcher (start lines can swap by the stand-in's start-up jitter); waiters
+    # that left within one polling period share a grant time and count as in order.
+    queued = [j for j in jobs if j.queue_key is not None and j.start is not None]
+    if queued:
+        arrival = [j.index for j in sorted(queued, key=lambda j: j.queue_key)]
+        started = [j.index for j in sorted(queued, key=lambda j: (j.granted or j.start, j.queue_key))]
+        q_mean, q_max = rank_displacement(arrival, started)
+        out.update({"queued": len(queued), "queue_kendall_distance": _round(kendall_distance(arrival, started), 4),
+                    "queue_mean_rank_error": _round(q_mean, 2), "queue_max_rank_error": q_max})
+    return out
+
+
+def _round(value: Optional[float], digits: int) -> Optional[float]:
+    return None if value is None else round(value, digits)
+
+
+def standin_costs(sim: Sim, reps: int) -> dict:
+    """The stand-in's own share of a hand-over: exec -> its start line, its end line -> exit.
+
+    Both are inside every dispatch latency measured from the log, whatever the tool.
+    """
+    env = sim.environ()
+    env["CUDA_VISIBLE_DEVICES"] = sim.leaf_uuids[0]
+    startup: List[float] = []
+    teardown: List[float] = []
+    for i in range(reps):
+        job = Job(i, 0.0)
+        log = sim.work / f"standin-{i}.log"
+        job.spawned = time.time()
+        proc = subprocess.Popen(sim.argv("direct", "job", sim.job_args(0, log)), env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc.wait()
+        exited = time.time()
+        read_job_log(job, log)
+        if job.start is not None and job.end is not None:
+            startup.append(job.start - job.spawned)
+            teardown.append(exited - job.end)
+    return {"startup_ms": ms(median(startup)), "end_to_exit_ms": ms(median(teardown))}
+
+
+def burst_once(sim: Sim, tool: str, n: int, hold: float) -> dict:
+    with sim.monitor(tool == MONITORED):
+        return _burst(sim, tool, n, hold)
+
+
+def _burst(sim: Sim, tool: str, n: int, hold: float) -> dict:
+    logdir = sim.work / f"burst-{tool}"
+    logdir.mkdir(parents=True, exist_ok=True)
+    env = sim.environ()
+    watcher = QueueWatcher(sim.layout.queue_dir) if tool.startswith("cudawrap") else None
+    if watcher:
+        watcher.start()
+    jobs = [Job(i, 0.0) for i in range(n)]
+    procs: List[subprocess.Popen] = []
+    with open(logdir / "stderr.txt", "ab") as err:
+        t0 = time.time()
+        for job in jobs:
+            argv = sim.argv(tool, "job", sim.job_args(hold, logdir / f"{job.index}.log"))
+            job.spawned = time.time()
+            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=logdir))
+        ideal = math.ceil(n / sim.devices) * hold
+        killed = wait_all(procs, time.monotonic() + 3 * ideal + 60)
+    if watcher:
+        watcher.stop()
+    for job, proc in zip(jobs, procs):
+        job.rc = proc.returncode
+        read_job_log(job, logdir / f"{job.index}.log")
+        if watcher:
+            job.queue_key = watcher.keys.get(proc.pid)
+            job.granted = watcher.granted(proc.pid)
+    ran = [j for j in jobs if j.ran]
+    pairs, involved = overlaps(ran)
+    ends = [j.end for j in ran if j.end is not None]
+    makespan = (max(ends) - t0) if ends else None
+    devices_used = sorted({d for j in ran for d in j.devices})
+    lat = dispatch_latencies(ran)
+    grant = dispatch_latencies(ran, at="granted")
+    steady: dict = {}
+    if watcher:
+        # Once every launch has either queued or started, the burst's start-up storm (N
+        # interpreters importing at once on few cores) is over: hand-overs after that.
+        arrived = [watcher.first_seen.get(p.pid, j.start) for j, p in zip(jobs, procs) if j.start is not None]
+        settled = max(arrived) if arrived else None
+        if settled is not None:
+            late = [j for j in ran if j.start is not None]
+            steady = {"settled_after_s": round(settled - t0, 2),
+                      "dispatch": summary_ms(_after(late, settled, "start")),
+                      "grant": summary_ms(_after(late, settled, "granted"))}
+    errors = (logdir / "stderr.txt").read_text(errors="replace").splitlines()
+    return {
+        "n": n, "hold_s": hold, "devices": sim.devices,
+        "ok": len(ran), "failures": n - len(ran), "killed": killed,
+        "overlap_pairs": pairs, "jobs_in_overlaps": involved,
+        "devices_used": len(devices_used),
+        "makespan_s": _round(makespan, 3), "ideal_makespan_s": ideal,
+        "makespan_ratio": _round(makespan / ideal, 2) if makespan else None,
+        "dispatch": summary_ms(lat),
+        "grant": summary_ms(grant),
+        "after_startup_storm": steady,
+        "order": order_metrics(ran, min(ends) if ends else None),
+        "stderr_sample": errors[-3:],
+        "t0": t0,
+        "jobs": [j.to_dict() for j in jobs],
+    }
+
+
+def _after(jobs: List[Job], settled: float, at: str) -> List[float]:
+    """Hand-over latencies (as dispatch_latencies) for devices freed after SETTLED."""
+    out: List[float] = []
+    for spans in intervals(jobs).values():
+        for prev, job in zip(spans, spans[1:]):
+            if prev.end is None or prev.end <= settled or not job.spawned < prev.end <= job.start:
+                continue
+            if at == "start":
+                out.append(job.start - prev.end)
+            elif job.granted is not None:
+                out.append(max(job.granted - prev.end, 0.0))
+    return out
+
+
+def _wait_for_starts(logs: List[Path], deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        if all(log.exists() and log.stat().st_size > 0 for log in logs):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def simultaneous_release(sim: Sim, lead: float, hold: float, monitored: bool = False) -> dict:
+    with sim.monitor(monitored):
+        result = _release(sim, lead, hold)
+    result["monitor"] = monitored
+    return result
+
+
+def _release(sim: Sim, lead: float, hold: float) -> dict:
+    """Every device freed at once, with one cudawrap waiter per device queued LEAD s before.
+
+    Holders (wrapped stand-ins) take every device and stay. One waiter per device is
+    launched; once all are in the queue, LEAD seconds pass, then every holder gets
+    SIGTERM at once. Each waiter took its NVML inventory when it started, so it saw the
+    holders' processes on the devices. Measures how long each freed device then stays
+    idle before its waiter gets it.
+    """
+    logdir = sim.work / f"release-{lead:g}"
+    logdir.mkdir(parents=True, exist_ok=True)
+    env = sim.environ()
+    k = sim.devices
+    watcher = QueueWatcher(sim.layout.queue_dir)
+    holders = [subprocess.Popen(sim.argv("cudawrap", "job", sim.job_args(3600, logdir / f"h{i}.log")), env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(k)]
+    if not _wait_for_starts([logdir / f"h{i}.log" for i in range(k)], time.monotonic() + 60):
+        for proc in holders:
+            proc.kill()
+        return {"error": "holders did not start"}
+    watcher.start()
+    jobs = [Job(i, 0.0) for i in range(k)]
+    procs: List[subprocess.Popen] = []
+    with open(logdir / "stderr.txt", "ab") as err:
+        for job in jobs:
+            job.spawned = time.time()
+            procs.append(subprocess.Popen(sim.argv("cudawrap", "job", sim.job_args(hold, logdir / f"{job.index}.log")),
+                                          env=env, stdout=subprocess.DEVNULL, stderr=err))
+        deadline = time.monotonic() + 60
+        while len([p for p in procs if p.pid in watcher.keys]) < k and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(lead)
+        for proc in holders:
+            proc.terminate()
+        wait_all(holders + procs, time.monotonic() + 60 + 3 * hold)
+    watcher.stop()
+    freed: Dict[str, float] = {}
+    for i in range(k):
+        holder = Job(-1 - i, 0.0)
+        read_job_log(holder, logdir / f"h{i}.log")
+        for device in holder.devices:
+            if holder.end is not None:
+                freed[device] = holder.end
+    for job, proc in zip(jobs, procs):
+        job.rc = proc.returncode
+        job.queue_key = watcher.keys.get(proc.pid)
+        job.granted = watcher.granted(proc.pid)
+        read_job_log(job, logdir / f"{job.index}.log")
+    ran = [j for j in jobs if j.ran]
+    idle = dispatch_latencies(ran, freed, at="granted")
+    last_free = max(freed.values()) if freed else None
+    by_arrival = sorted((j for j in ran if j.granted is not None), key=lambda j: j.queue_key or 0)
+    return {"grant_after_last_free_ms_by_arrival": [ms(j.granted - last_free) for j in by_arrival] if last_free else [],
+            "lead_s": lead, "devices": k, "waiters": k, "ok": len(ran), "failures": k - len(ran),
+            "overlap_pairs": overlaps(ran)[0], "grant": summary_ms(idle),
+            "dispatch": summary_ms(dispatch_latencies(ran, freed)), "order": order_metrics(ran, last_free)}
+
+
+def run_burst(bench: Bench, topologies: List[str], n: int, hold: float, standin_reps: int,
+              release_leads: List[float]) -> dict:
+    out: Dict[str, dict] = {}
+    for topology in topologies:
+        per_tool: Dict[str, dict] = {}
+        standin = None
+        for tool in bench.peers.available():
+            sim = bench.sim(topology)
+            if standin is None:
+                standin = standin_costs(sim, standin_reps)
+            per_tool[tool] = burst_once(sim, tool, n, hold)
+        release = {}
+        for lead in release_leads:
+            release[f"{lead:g}"] = simultaneous_release(bench.sim(topology), lead, hold)
+            if MONITORED in bench.peers.available():
+                release[f"{lead:g}+monitor"] = simultaneous_release(bench.sim(topology), lead, hold, monitored=True)
+        out[topology] = {"standin": standin, "tools": per_tool, "simultaneous_release": release}
+    return out

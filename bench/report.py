@@ -1,0 +1,286 @@
+"""The results as Markdown tables: printed after a run and kept in bench/RESULTS.md."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+TARGET_LAUNCH_X = 2.0
+TARGET_DISPATCH_P95_MS = 100.0
+TARGET_WAITERS_CPU_PCT = 5.0
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def table(header: Sequence[str], rows: List[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(c) if not isinstance(c, str) else c for c in row) + " |")
+    return "\n".join(lines)
+
+
+def _pair(summary: Dict[str, Any]) -> str:
+    if not summary or summary.get("median_ms") is None:
+        return "–"
+    return f"{_fmt(summary['median_ms'])} / {_fmt(summary['p95_ms'])}"
+
+
+def _verdict(ok: Optional[bool]) -> str:
+    return "–" if ok is None else ("**met**" if ok else "**MISSED**")
+
+
+def machine_line(machine: Dict[str, Any]) -> str:
+    line = (f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB RAM; "
+            f"Python {machine['python']} ({machine['implementation']}); Linux {machine['kernel']}")
+    start, end = machine.get("load_average_at_start"), machine.get("load_average_at_end")
+    if start and end:
+        line += f"; load average (1/5/15 min) {start} at start, {end} at end"
+    return line
+
+
+def render(results: Dict[str, Any]) -> str:
+    out: List[str] = []
+    sections = ", ".join(f"{k} {v:.0f} s" for k, v in results.get("section_s", {}).items())
+    out.append(f"Run: `{results['command']}` ({results['mode']} mode), {results['date']}, "
+               f"{results['elapsed_s']:.0f} s ({sections})")
+    out.append(f"Machine: {machine_line(results['machine'])}")
+    foreign = results.get("foreign_cpu_pct") or {}
+    if foreign:
+        out.append("CPU used by other work on the machine during each section, % of all cores: "
+                   + ", ".join(f"{k} {v}" for k, v in foreign.items())
+                   + " (near 0: the benchmark had the machine to itself)")
+    co = results.get("checkout") or {}
+    if co.get("commit"):
+        out.append(f"Checkout: {co['commit']}"
+                   + (f" with {co['cudawrap_uncommitted_files']} uncommitted file(s) in cudawrap/ or shims/"
+                      if co.get("cudawrap_uncommitted_files") else ""))
+    peers = results.get("peers", {})
+    out.append(f"Tools: {', '.join(peers.get('available', []))}"
+               + (f" ({'; '.join(peers['notes'])})" if peers.get("notes") else ""))
+    out.append("")
+    out.extend(_targets(results))
+    if "launch" in results:
+        out.extend(_launch(results["launch"]))
+    if "burst" in results:
+        out.extend(_burst(results["burst"]))
+    if "scale" in results:
+        out.extend(_scale(results["scale"]))
+    if "nvml" in results:
+        out.extend(_nvml(results["nvml"]))
+    return "\n".join(out) + "\n"
+
+
+def targets(results: Dict[str, Any]) -> Dict[str, Optional[bool]]:
+    """Each target of the issue: True met, False missed, None not measured."""
+    verdict: Dict[str, Optional[bool]] = {}
+    launch = results.get("launch")
+    if launch:
+        for tool, key in (("cudawrap", "launch_within_2x_bare_python"),
+                          ("cudawrap+monitor", "launch_within_2x_bare_python_with_monitor")):
+            xs = [t["methods"][tool]["x_bare_python"] for t in launch.values() if tool in t["methods"]]
+            if xs:
+                verdict[key] = all(x is not None and x <= TARGET_LAUNCH_X for x in xs)
+    burst = results.get("burst")
+    if burst:
+        runs = [r for t in burst.values() for tool, r in t["tools"].items() if tool.startswith("cudawrap")]
+        verdict["burst_no_overlap"] = all(r["overlap_pairs"] == 0 and r["failures"] == 0 for r in runs)
+        for tool, key in (("cudawrap", "burst_dispatch_p95_under_100ms"),
+                          ("cudawrap+monitor", "burst_dispatch_p95_under_100ms_with_monitor")):
+            p95 = [t["tools"][tool]["dispatch"]["p95_ms"] for t in burst.values()
+                   if tool in t["tools"] and t["tools"][tool]["dispatch"]["p95_ms"] is not None]
+            if p95:
+                verdict[key] = max(p95) < TARGET_DISPATCH_P95_MS
+        steady = [r["after_startup_storm"]["dispatch"]["p95_ms"] for r in runs
+                  if (r.get("after_startup_storm") or {}).get("dispatch", {}).get("p95_ms") is not None]
+        if steady:
+            verdict["burst_steady_dispatch_p95_under_100ms"] = max(steady) < TARGET_DISPATCH_P95_MS
+        grants = [r["grant"]["p95_ms"] for r in runs if r.get("grant", {}).get("p95_ms") is not None]
+        if grants:
+            verdict["burst_grant_p95_under_100ms"] = max(grants) < TARGET_DISPATCH_P95_MS
+    scale = results.get("scale")
+    if scale:
+        runs = list(scale["runs"].values())
+        cpu = [r["cpu_while_waiting"]["all_waiters_pct_of_one_core"] for r in runs]
+        verdict["waiters_cpu_under_5pct"] = max(cpu) < TARGET_WAITERS_CPU_PCT
+        verdict["scale_no_overlap"] = all(r["overlap_pairs"] == 0 and r["failures"] == 0 for r in runs)
+        p95 = [r["dispatch"]["p95_ms"] for r in runs if r["dispatch"]["p95_ms"] is not None]
+        verdict["scale_dispatch_p95_under_100ms"] = bool(p95) and max(p95) < TARGET_DISPATCH_P95_MS
+        grants = [r["grant"]["p95_ms"] for r in runs if r.get("grant", {}).get("p95_ms") is not None]
+        if grants:
+            verdict["scale_grant_p95_under_100ms"] = max(grants) < TARGET_DISPATCH_P95_MS
+    return verdict
+
+
+def _targets(results: Dict[str, Any]) -> List[str]:
+    names = {
+        "launch_within_2x_bare_python": "wrapped launch ≤ 2× a bare interpreter start (every topology), no monitor",
+        "launch_within_2x_bare_python_with_monitor": "the same with `cudawrap monitor` running",
+        "burst_no_overlap": "burst: cudawrap 0 overlaps, 0 failures (with and without monitor)",
+        "burst_dispatch_p95_under_100ms": "burst: cudawrap dispatch p95 < 100 ms, no monitor",
+        "burst_dispatch_p95_under_100ms_with_monitor": "burst: the same with the monitor",
+        "burst_steady_dispatch_p95_under_100ms": "burst: cudawrap dispatch p95 < 100 ms once the start-up storm is over",
+        "burst_grant_p95_under_100ms": "burst: cudawrap's own hand-over (grant) p95 < 100 ms, with and without monitor",
+        "scale_grant_p95_under_100ms": "scale: grant p95 < 100 ms",
+        "scale_no_overlap": "scale: 0 overlaps, 0 failures",
+        "scale_dispatch_p95_under_100ms": "scale: dispatch p95 < 100 ms",
+        "waiters_cpu_under_5pct": "scale: all waiters together < 5 % of one core",
+    }
+    verdict = targets(results)
+    if not verdict:
+        return []
+    rows = [[names[k], _verdict(v)] for k, v in verdict.items()]
+    return ["## Targets", "", table(["target", "result"], rows), ""]
+
+
+def _launch(launch: Dict[str, Any]) -> List[str]:
+    out = ["## 1. Launch overhead", "",
+           "A trivial C program (`true`) launched directly, wrapped, and through each peer; "
+           "medians of interleaved runs. `× python` is the ratio to a bare `python -I -c pass`; "
+           "peak RSS is the launched process's (for cudawrap the shim's: exec keeps the process).", ""]
+    for topology, data in launch.items():
+        rows = []
+        for name, m in data["methods"].items():
+            rows.append([f"`{name}`", m["median_ms"], m["p90_ms"], _fmt(m["x_bare_python"], 2),
+                         m["minus_direct_ms"], m.get("max_rss_mib"), f"{m['failures']}/{m['n']}"])
+        out.append(f"### {topology} ({data['devices']} devices, {data['reps']} runs each)")
+        out.append("")
+        out.append(table(["method", "median ms", "p90 ms", "× python", "− direct ms", "peak RSS MiB", "failed"], rows))
+        out.append("")
+        bdm = data.get("breakdown_with_monitor", {})
+        if bdm.get("phases_ms"):
+            out.append(f"With `cudawrap monitor` running, the same launch's Python code takes "
+                       f"{bdm['python_code_ms']} ms ({bdm['modules_loaded']} modules); largest phases: "
+                       + ", ".join(f"{k} {v}" for k, v in bdm["phases_ms"][:4]) + " (ms).")
+            out.append("")
+        bd = data.get("breakdown", {})
+        if bd.get("phases_ms"):
+            out.append(f"Without the monitor, where the wrapped launch's Python time goes ({bd['python_code_ms']} ms after interpreter "
+                       f"start-up, {bd['modules_loaded']} modules loaded; medians):")
+            out.append("")
+            out.append(table(["phase", "ms"], [[k, v] for k, v in bd["phases_ms"] if v >= 0.05]))
+            out.append("")
+            out.append("`-X importtime`, self time summed per top-level package (ms): "
+                       + ", ".join(f"{k} {v}" for k, v in bd["importtime_self_by_package_ms"][:10]))
+            out.append("")
+            out.append("`-X importtime`, first-level imports, cumulative (ms): "
+                       + ", ".join(f"{k} {v}" for k, v in bd["importtime_first_level_cumulative_ms"][:8]))
+            out.append("")
+            whatif = bd.get("import_whatif_ms") or {}
+            if whatif:
+                out.append(f"What-if, fresh interpreter each: `import ctypes` alone {whatif.get('ctypes')} ms; "
+                           f"`import pynvml` as the shim does {whatif.get('pynvml')} ms; with `ctypes.util` "
+                           f"stubbed out first (pynvml imports `find_library` but never calls it on Linux) "
+                           f"{whatif.get('pynvml-no-util')} ms.")
+                out.append("")
+            if bd.get("cprofile_by_own"):
+                out.append("cProfile, top functions by own time (ms, profiler overhead included): "
+                           + "; ".join(f"`{r['function']}` {r['own_ms']} ({r['calls']}×)"
+                                       for r in bd["cprofile_by_own"][:8]))
+                out.append("")
+    return out
+
+
+def _burst(burst: Dict[str, Any]) -> List[str]:
+    out = ["## 2. Burst correctness", ""]
+    for topology, data in burst.items():
+        tools = data["tools"]
+        any_run = next(iter(tools.values()))
+        out.append(f"### {topology}: {any_run['n']} simultaneous launches, {any_run['devices']} devices, "
+                   f"hold {any_run['hold_s']:g} s (ideal makespan {any_run['ideal_makespan_s']:g} s)")
+        out.append("")
+        rows = []
+        for tool, r in tools.items():
+            order = r["order"]
+            fifo = (f"{_fmt(order['kendall_distance'], 3)} / {_fmt(order['mean_rank_error'], 1)}"
+                    if order.get("kendall_distance") is not None else "–")
+            queue = (f"{_fmt(order['queue_kendall_distance'], 3)} / {_fmt(order['queue_mean_rank_error'], 1)}"
+                     if order.get("queue_kendall_distance") is not None else "–")
+            rows.append([tool, r["ok"], r["failures"], f"{r['overlap_pairs']} / {r['jobs_in_overlaps']}",
+                         r["devices_used"], r["makespan_s"], _fmt(r["makespan_ratio"], 2),
+                         _pair(r["dispatch"]) if tool.startswith("cudawrap") else "n/a (no queue)",
+                         _pair(r.get("grant", {})), fifo, queue])
+        out.append(table(["tool", "ran", "failed", "overlaps (pairs / jobs)", "devices used", "makespan s",
+                          "× ideal", "dispatch p50 / p95 ms", "grant p50 / p95 ms",
+                          "FIFO error vs launch (Kendall / mean rank)", "vs queue arrival"], rows))
+        standin = data.get("standin") or {}
+        storm = [(tool, r["after_startup_storm"]) for tool, r in tools.items() if r.get("after_startup_storm")]
+        if storm:
+            out.append("")
+            out.append("Hand-overs once every launch had queued or started (the start-up storm over): "
+                       + "; ".join(f"{tool} (after {st['settled_after_s']} s): dispatch {_pair(st['dispatch'])} ms, "
+                                   f"grant {_pair(st['grant'])} ms" for tool, st in storm) + ".")
+        out.append("")
+        out.append(f"Dispatch = a job's end line -> the next job's start line on that device, for jobs "
+                   f"that were waiting. It includes the stand-in's own start-up "
+                   f"({standin.get('startup_ms')} ms from spawn to its start line when run alone) and "
+                   f"its exit after its end line ({standin.get('end_to_exit_ms')} ms), and on 2 cores the "
+                   f"start-ups of a round compete for CPU. Grant = end line -> the waiter's queue entry "
+                   f"gone (cudawrap has handed it the device; polled every 5 ms).")
+        out.append("")
+        release = data.get("simultaneous_release") or {}
+        if release:
+            rows = []
+            for lead, r in release.items():
+                monitor = "yes" if r.get("monitor") else "no"
+                lead = lead.split("+")[0]
+                if "error" in r:
+                    rows.append([lead, monitor, r["error"], "", "", "", ""])
+                    continue
+                rows.append([lead, monitor, f"{r['ok']}/{r['waiters']}", r["overlap_pairs"], _pair(r["grant"]),
+                             _fmt(r["grant"]["max_ms"]), _pair(r["dispatch"])])
+            out.append(f"All {next(iter(release.values())).get('devices')} devices freed at once (SIGTERM to "
+                       f"every holder), one cudawrap waiter per device launched LEAD s earlier; "
+                       f"grant = holder's end line -> waiter out of the queue:")
+            out.append("")
+            out.append(table(["lead s", "monitor", "ran", "overlaps", "grant p50 / p95 ms", "grant max ms",
+                              "dispatch p50 / p95 ms"], rows))
+            out.append("")
+    return out
+
+
+def _scale(scale: Dict[str, Any]) -> List[str]:
+    out = [f"## 3. Scale ({scale['topology']})", ""]
+    rows = []
+    for count, r in scale["runs"].items():
+        cpu = r["cpu_while_waiting"]
+        dec = r["decision"]
+        none = (dec.get("none_busy") or {}).get("decision_ms")
+        most = (dec.get("all_but_one_busy") or {}).get("decision_ms")
+        with_monitor = (dec.get("all_but_one_busy_with_monitor") or {}).get("decision_ms")
+        order = r["order"]
+        rows.append([count, r["all_queued_after_s"], cpu["all_waiters_pct_of_one_core"],
+                     cpu.get("schedstat_all_waiters_pct_of_one_core"), cpu.get("schedstat_busiest_waiter_pct"),
+                     cpu["rss_median_mib"], f"{_fmt(none, 2)} / {_fmt(most, 2)} / {_fmt(with_monitor, 2)}",
+                     f"{_fmt(r['refusal_all_busy_ms'].get('no_waiters'))} / "
+                     f"{_fmt(r['refusal_all_busy_ms'].get('with_waiters'))}",
+                     _pair(r["dispatch_first_release"]), _pair(r["dispatch"]), _pair(r.get("grant", {})),
+                     f"{r['overlap_pairs']} / {r['failures']}",
+                     _fmt(order.get("queue_kendall_distance"), 3), _fmt(r["makespan_ratio"], 2)])
+    out.append(table(["waiters", "all queued after s", "waiters' CPU % of a core (stat)", "(schedstat)",
+                      "busiest waiter %", "RSS per waiter MiB", "decision ms (0 / all-but-1 busy / same with monitor)",
+                      "refusal at wait=0 ms (0 / W queued)",
+                      "first-release dispatch p50 / p95 ms", "all dispatch p50 / p95 ms", "grant p50 / p95 ms",
+                      "overlaps / failures", "FIFO error vs queue (Kendall)", "makespan × ideal"], rows))
+    out.append("")
+    return out
+
+
+def _nvml(nvml: Dict[str, Any]) -> List[str]:
+    delays = nvml["slow_init_ms"]
+    out = [f"## 4. NVML cost ({nvml['topology']}, fault `slow_init`)", "",
+           "Median launch time of `true` (ms) against the time nvmlInit takes; "
+           "`inits` = added time / slow_init (how many times a launch pays it).", ""]
+    rows = []
+    for tool, per in nvml["launch_median_ms"].items():
+        analysis = nvml["analysis"].get(tool, {})
+        last = analysis.get(str(delays[-1]), {})
+        rows.append([tool] + [per.get(str(d)) for d in delays]
+                    + [last.get("inits_per_launch"), last.get("slow_init_share_of_launch")])
+    out.append(table(["tool"] + [f"{d} ms" for d in delays]
+                     + [f"inits at {delays[-1]}", f"share of launch at {delays[-1]}"], rows))
+    out.append("")
+    return out

@@ -1,0 +1,182 @@
+"""Run the shim's own code in a fresh interpreter and say where its time went.
+
+    python -IS shimprobe.py phases|cprofile LINK [ARGS...]
+    python -IS shimprobe.py import-cost LINK ctypes|pynvml|pynvml-no-util
+
+LINK is a wrapped program (a symlink to the installed shim). The probe does what the
+shim does -- the shim's baked ``sys.path`` and root, ``sys.argv[0] = LINK``,
+``cudawrap.launch.main(root)`` -- but ``os.execve`` is replaced by a stop: the probe
+prints one JSON line on stdout and exits, which also releases the lease.
+
+* ``phases``: wall time of each step of a launch, by wrapping a few functions
+  (``perf_counter`` around them; the wrappers cost microseconds).
+* ``cprofile``: the whole launch under cProfile; the top functions by own and
+  cumulative time.
+
+Imports only ``os``, ``sys`` and ``time`` before the measurement, so nothing the shim
+needs is loaded in advance except where said ("import cudawrap lazy modules").
+"""
+import time
+
+T0 = time.perf_counter()
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+perf = time.perf_counter
+
+
+def _shim_settings(link):
+    """(sys.path entries, root) baked into the shim LINK points at."""
+    syspath = root = None
+    with open(os.path.realpath(link), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("sys.path[:0] = "):
+                syspath = eval(line.split("=", 1)[1])  # a list literal we generated
+            elif line.startswith("main("):
+                root = eval(line[len("main("):line.rindex(")")])
+    if syspath is None or root is None:
+        raise SystemExit(f"shimprobe: {link} does not lead to a cudawrap shim")
+    return syspath, root
+
+
+def _emit(record):
+    import json
+
+    os.write(1, (json.dumps(record) + "\n").encode())
+    os._exit(0)
+
+
+def phases(link, args):
+    syspath, root = _shim_settings(link)
+    sys.path[:0] = syspath
+    sys.argv = [link] + args
+    acc = {}
+    start = perf()
+    import cudawrap.launch as launch
+
+    acc["import cudawrap.launch (errors, audit, leases, locations)"] = perf() - start
+    start = perf()
+    import cudawrap.acquire
+    import cudawrap.nvml
+    import cudawrap.policy
+    import cudawrap.selection
+    import cudawrap.waitqueue  # noqa: F401
+
+    # Through sys.modules: the package's __init__ exports a function named `acquire`.
+    acquire, nvml, policy = (sys.modules[f"cudawrap.{m}"] for m in ("acquire", "nvml", "policy"))
+
+    acc["import cudawrap lazy modules (policy, nvml, selection, acquire, waitqueue)"] = perf() - start
+
+    missing = []
+
+    def timed(owner, name, label):
+        real = getattr(owner, name, None)
+        if real is None:  # the launch path changed: say so instead of failing
+            missing.append(f"{getattr(owner, '__name__', owner)}.{name}")
+            return
+
+        def wrapper(*a, **k):
+            t = perf()
+            try:
+                return real(*a, **k)
+            finally:
+                acc[label] = acc.get(label, 0.0) + perf() - t
+
+        setattr(owner, name, wrapper)
+
+    timed(policy, "effective", "policy.effective (config cache)")
+    timed(launch, "find_link", "find_link + real_program")
+    timed(launch, "real_program", "find_link + real_program")
+    timed(nvml, "_pynvml", "_import pynvml")
+    timed(nvml, "init", "_nvml.init")
+    timed(nvml, "inventory", "_nvml.inventory")
+    timed(acquire.Acquirer, "acquire", "acquire (queue mutex, flock leases)")
+    timed(launch, "obtain", "_obtain")
+    timed(launch, "original_environ", "original_environ (/proc/self/environ)")
+
+    def stop(path, argv, env):
+        end = perf()
+        out = dict(acc)
+        # Split the nested timers into exclusive parts.
+        pyimp = out.pop("_import pynvml", 0.0)
+        init = out.pop("_nvml.init", 0.0)
+        inv = out.pop("_nvml.inventory", 0.0)
+        obtain = out.pop("_obtain", 0.0)
+        out["import pynvml (+ctypes)"] = pyimp
+        out["nvmlInit"] = init - pyimp
+        out["NVML enumeration (nvml.inventory minus init)"] = inv - init
+        out["rest of obtain (selection, lease dir, queue)"] = obtain - inv - out.get("acquire (queue mutex, flock leases)", 0.0)
+        out["other (exec preparation, glue)"] = (end - T0) - sum(out.values())
+        _emit({"mode": "phases", "total_s": end - T0, "phases_s": out, "not_timed": missing,
+               "modules": len(sys.modules), "devices": env.get(b"CUDA_VISIBLE_DEVICES", b"").decode()})
+
+    os.execve = stop
+    launch.main(root)
+
+
+def cprofile(link, args):
+    import cProfile
+
+    syspath, root = _shim_settings(link)
+    sys.path[:0] = syspath
+    sys.argv = [link] + args
+    prof = cProfile.Profile()
+
+    def stop(path, argv, env):
+        prof.disable()
+        import pstats
+
+        stats = pstats.Stats(prof).stats
+        rows = []
+        for (filename, line, func), (cc, nc, tt, ct, _callers) in stats.items():
+            short = filename
+            for marker in ("site-packages/", "/cudawrap/", "/lib/python"):
+                if marker in filename:
+                    short = filename.split(marker, 1)[1]
+                    if marker == "/cudawrap/":
+                        short = "cudawrap/" + short
+                    break
+            rows.append({"function": f"{short}:{line}({func})", "calls": nc, "own_s": tt, "cum_s": ct})
+        rows.sort(key=lambda r: r["own_s"], reverse=True)
+        by_own = rows[:20]
+        rows.sort(key=lambda r: r["cum_s"], reverse=True)
+        _emit({"mode": "cprofile", "by_own": by_own, "by_cumulative": rows[:30]})
+
+    os.execve = stop
+    prof.enable()
+    import cudawrap.launch as launch
+
+    launch.main(root)
+
+
+def import_cost(link, args):
+    """What-if: the cost of importing pynvml in other ways, in this fresh interpreter.
+
+    ARGS[0] is "ctypes" (ctypes alone), "pynvml" (as the shim does) or "pynvml-no-util"
+    (pynvml with ``ctypes.util`` stubbed out: pynvml imports find_library from it but
+    never calls it on Linux, and ctypes.util drags in shutil, subprocess, tempfile, re).
+    """
+    syspath, _root = _shim_settings(link)
+    sys.path[:0] = syspath
+    variant = args[0]
+    start = perf()
+    if variant == "ctypes":
+        import ctypes  # noqa: F401
+    elif variant == "pynvml":
+        import pynvml  # noqa: F401
+    elif variant == "pynvml-no-util":
+        import ctypes  # noqa: F401
+
+        stub = type(sys)("ctypes.util")
+        stub.find_library = lambda name: None
+        sys.modules["ctypes.util"] = stub
+        import pynvml  # noqa: F401,F811
+    else:
+        raise SystemExit(f"shimprobe: unknown import variant {variant}")
+    _emit({"mode": "import-cost", "variant": variant, "seconds": perf() - start, "modules": len(sys.modules)})
+
+
+if __name__ == "__main__":
+    mode, link_arg, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+    {"phases": phases, "cprofile": cprofile, "import-cost": import_cost}[mode](link_arg, rest)

@@ -1,0 +1,279 @@
+"""The simulated machine the benchmark runs on, with cudawrap installed and the peers beside it.
+
+Everything lives under one work directory: the fake ``libnvidia-ml.so.1`` built from
+``tests/fakenvml``, one FakeMachine per topology, a cudawrap install root laid out by the
+product's own ``installation.prepare`` and ``sync.sync`` (as ``tests/corefix.py`` does),
+and a bin directory with the programs the tools launch:
+
+* ``true`` -- a tiny C program (``bench/true.c``) that exits at once: launch overhead and
+  the shim's peak RSS (exec keeps the process, so its max RSS is the shim's);
+* ``fakecuda`` -- the stand-in CUDA program (``tests/fakecuda.py``), run directly;
+* ``true-w`` and ``job`` -- the same two, wrapped: symlinks to the shim beside
+  ``CUDAWRAP_true-w`` / ``CUDAWRAP_job``;
+* ``nvidia-smi`` and ``getgpu`` -- the stand-ins for the seed's script (``bench/peers``).
+
+The peers are launched the way their documentation says:
+``gpuselect -- CMD``, ``CUDA_VISIBLE_DEVICES=$(nvisel ...) CMD`` and
+``CUDA_VISIBLE_DEVICES=$(getgpu) CMD``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+TESTS = REPO / "tests"
+PEERS_DIR = BENCH / "peers"
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+from fakemachine import FAKECUDA, FakeMachine, build_fakenvml, preload  # noqa: E402
+
+from cudawrap.installation import prepare  # noqa: E402
+from cudawrap.paths import Layout  # noqa: E402
+
+# "cudawrap+monitor" is cudawrap with `cudawrap monitor` running beside it, keeping the
+# snapshot that lets launches skip pynvml and NVML; plain "cudawrap" has no monitor.
+TOOLS = ("cudawrap", "cudawrap+monitor", "gpuselect", "nvisel", "getgpu")
+MONITORED = "cudawrap+monitor"
+# Environment variables that must not leak from the caller into a measured launch.
+_SCRUB = ("CUDA_VISIBLE_DEVICES", "CUDAWRAP_LEASE", "CUDAWRAP_WAIT", "CUDAWRAP_VERBOSE",
+          "CUDAWRAP_DEBUG", "CUDAWRAP_ROOT", "SLURM_JOB_ID", "PYTHONPATH", "PYTHONHOME",
+          "PYTHONPROFILEIMPORTTIME", "PYTHONSTARTUP")
+# Memory the stand-in claims on its device in bursts: nvisel's free-memory threshold is
+# set between "idle" and "one job on it", so nvisel can tell busy from free.
+JOB_MEM_MIB = 2048
+
+
+class Peers:
+    """Where the peers live; None fields are peers that could not be set up."""
+
+    def __init__(self, gpuselect_python: Optional[str], nvisel: Optional[str], notes: List[str]) -> None:
+        self.gpuselect_python = gpuselect_python
+        self.nvisel = nvisel
+        self.notes = notes
+
+    def available(self) -> List[str]:
+        out = ["cudawrap", MONITORED, "getgpu"]
+        if self.gpuselect_python:
+            out.append("gpuselect")
+        if self.nvisel:
+            out.append("nvisel")
+        return [t for t in TOOLS if t in out]
+
+
+def find_peers(venv: Path, install: bool) -> Peers:
+    """gpuselect from the bench's own venv (created here if INSTALL), nvisel from ours.
+
+    gpuselect pins nvidia-ml-py==12.560.30, so it must not go into the dev venv (which
+    has the newer nvidia-ml-py cudawrap is tested with): it gets a venv of its own under
+    bench/results/ (gitignored), which also gets matplotlib for the plots.
+    """
+    notes: List[str] = []
+    python = venv / "bin" / "python"
+    if not python.exists() and install:
+        notes.append(f"created {venv} (pip install gpuselect==0.1.4 matplotlib)")
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+            subprocess.run([str(python), "-m", "pip", "install", "-q", "gpuselect==0.1.4", "matplotlib"],
+                           check=True, capture_output=True, timeout=600)
+        except (subprocess.SubprocessError, OSError) as exc:
+            notes.append(f"could not set up the peers venv: {exc}")
+    gpuselect_python: Optional[str] = None
+    if python.exists():
+        check = subprocess.run([str(python), "-c", "import gpuselect"], capture_output=True)
+        if check.returncode == 0:
+            gpuselect_python = str(python)
+        else:
+            notes.append(f"gpuselect is not importable in {venv}")
+    else:
+        notes.append("gpuselect skipped: no peers venv (run without --no-install to create it)")
+    nvisel = shutil.which("nvisel", path=str(Path(sys.executable).parent)) or shutil.which("nvisel")
+    if not nvisel:
+        notes.append("nvisel skipped: nvitop is not installed in this interpreter's environment")
+    return Peers(gpuselect_python, nvisel, notes)
+
+
+def build_c(out_dir: Path, name: str) -> Path:
+    """Compile bench/NAME.c into OUT_DIR/NAME."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exe = out_dir / name
+    cc = shlex.split(os.environ.get("CC", "cc"))
+    subprocess.run(cc + ["-O2", "-Wall", "-o", str(exe), str(BENCH / f"{name}.c")], check=True)
+    return exe
+
+
+def _install_script(src: Path, dst: Path, shebang: Optional[str] = None) -> Path:
+    """Copy SRC to DST, executable; a Python script gets SHEBANG baked in (no `env`)."""
+    text = src.read_bytes()
+    if shebang is not None and text.startswith(b"#!"):
+        text = shebang.encode() + b"\n" + text.split(b"\n", 1)[1]
+    dst.write_bytes(text)
+    dst.chmod(0o755)
+    return dst
+
+
+class Sim:
+    """One simulated machine with cudawrap installed and every tool ready to launch."""
+
+    def __init__(self, work: Path, lib_dir: Path, true_exe: Path, topology: str, peers: Peers) -> None:
+        self.work = work
+        self.topology_name = topology
+        self.peers = peers
+        work.mkdir(parents=True, exist_ok=True)
+        self.machine = FakeMachine(work / "machine", lib_dir)
+        self.machine.load(topology)
+        self.layout = Layout(work / "root")
+        prepare(self.layout, sys.executable)
+        self.bindir = work / "bin"
+        self.bindir.mkdir(exist_ok=True)
+        self.sync()
+        # Python programs get this interpreter baked in, as tests/corefix.py does.
+        shebang = f"#!{sys.executable} -IS"
+        self.true = self.bindir / "true"
+        shutil.copy2(true_exe, self.true)
+        self.fakecuda = _install_script(FAKECUDA, self.bindir / "fakecuda", shebang)
+        self.true_wrapped = self._wrap("true-w", self.true)
+        self.job_wrapped = self._wrap("job", self.fakecuda)
+        # nvidia-smi needs pynvml, which this interpreter's site-packages has: no -S.
+        _install_script(PEERS_DIR / "nvidia-smi", self.bindir / "nvidia-smi", f"#!{sys.executable} -I")
+        _install_script(PEERS_DIR / "getgpu", self.bindir / "getgpu")
+        topo = self.machine.parse()
+        leaves = []
+        for gpu in topo.gpus:
+            if gpu.mig == "on":
+                leaves.extend(gpu.instances)
+            else:
+                leaves.append(gpu)
+        self.devices = len(leaves)
+        self.leaf_uuids = topo.leaf_uuids()
+        # Free means "less than half a job's memory in use" for nvisel.
+        self.nvisel_free_mib = min(leaf.memory_mib for leaf in leaves) - JOB_MEM_MIB // 2
+
+    # ---- cudawrap --------------------------------------------------------------
+
+    def _wrap(self, name: str, program: Path) -> Path:
+        real = self.bindir / f"CUDAWRAP_{name}"
+        shutil.copy2(program, real)
+        real.chmod(0o755)
+        link = self.bindir / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(self.layout.shim)
+        return link
+
+    def activate(self) -> None:
+        """Point this process at the machine (for sync, and for holding leases by hand)."""
+        os.environ.update(self.machine.environ())
+        preload(self.machine.lib_dir)
+
+    def sync(self) -> None:
+        from cudawrap.sync import sync
+
+        self.activate()
+        sync(self.layout)
+
+    @contextlib.contextmanager
+    def monitor(self, enabled: bool = True) -> Iterator[None]:
+        """`cudawrap monitor` running for the duration (as root runs the service).
+
+        Waits for its first snapshot. With ENABLED false, does nothing.
+        """
+        if not enabled:
+            yield
+            return
+        snap = self.layout.usage_snapshot
+        try:
+            snap.unlink()
+        except FileNotFoundError:
+            pass
+        env = dict(self.machine.environ(), CUDAWRAP_ROOT=str(self.layout.root))
+        proc = subprocess.Popen([sys.executable, "-c", "from cudawrap.cli import main; main()", "monitor"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 60
+            while not snap.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                    raise RuntimeError(f"cudawrap monitor did not write a snapshot: {err[-500:]}")
+                time.sleep(0.02)
+            yield
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            try:
+                snap.unlink()  # later launches must not use a snapshot nobody refreshes
+            except FileNotFoundError:
+                pass
+
+    def set_fault(self, name: str, value: str) -> None:
+        self.machine.set_fault(name, value)
+
+    def clear_fault(self, name: str) -> None:
+        self.machine.clear_fault(name)
+
+    # ---- launching -------------------------------------------------------------
+
+    def environ(self) -> Dict[str, str]:
+        env = self.machine.environ()
+        for key in _SCRUB:
+            env.pop(key, None)
+        env["PATH"] = f"{self.bindir}:/usr/bin:/bin"
+        return env
+
+    def argv(self, tool: str, program: str, args: List[str]) -> List[str]:
+        """The command line that launches PROGRAM ("true" or "job") with ARGS through TOOL.
+
+        "direct" runs the program itself; "cudawrap" its wrapped name. The peers pick a
+        device and start the unwrapped program with CUDA_VISIBLE_DEVICES set.
+        """
+        plain = str(self.true if program == "true" else self.fakecuda)
+        if tool == "direct":
+            return [plain] + args
+        if tool in ("cudawrap", MONITORED):
+            return [str(self.true_wrapped if program == "true" else self.job_wrapped)] + args
+        if tool == "gpuselect":
+            if not self.peers.gpuselect_python:
+                raise LookupError("gpuselect is not available")
+            return [self.peers.gpuselect_python, str(PEERS_DIR / "gpuselect_compat.py"), "--", plain] + args
+        if tool == "nvisel":
+            if not self.peers.nvisel:
+                raise LookupError("nvisel is not available")
+            pick = f"{shlex.quote(self.peers.nvisel)} -n 1 -f {self.nvisel_free_mib}MiB 2>/dev/null"
+            return ["/bin/sh", "-c", f'CUDA_VISIBLE_DEVICES=$({pick}) exec "$@"', "sh", plain] + args
+        if tool == "getgpu":
+            return ["/bin/sh", "-c", 'CUDA_VISIBLE_DEVICES=$(getgpu) exec "$@"', "sh", plain] + args
+        raise ValueError(f"unknown tool {tool}")
+
+    def job_args(self, hold: float, log: Path) -> List[str]:
+        """The stand-in's arguments in bursts: it fails (exit 100, no log) without a device."""
+        return ["--require", "1", "--hold", f"{hold:g}", "--log", str(log), "--mem", str(JOB_MEM_MIB)]
+
+
+class Bench:
+    """Shared state of one benchmark run: the work directory, the library, the peers."""
+
+    def __init__(self, work: Path, peers: Peers) -> None:
+        self.work = work
+        self.lib_dir = build_fakenvml(work / "fakenvml")
+        self.true_exe = build_c(work / "cbin", "true")
+        self.maxrss = build_c(work / "cbin", "maxrss")
+        self.peers = peers
+        self._count = 0
+
+    def sim(self, topology: str) -> Sim:
+        """A fresh machine and install root (nothing held, nothing queued)."""
+        self._count += 1
+        return Sim(self.work / f"sim{self._count}-{topology}", self.lib_dir, self.true_exe, topology, self.peers)
