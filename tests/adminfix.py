@@ -74,8 +74,8 @@ def snapshot(*roots: Path, skip: Sequence[Path] = ()) -> Snapshot:
                     what = ("link", os.readlink(path))
                 elif stat.S_ISREG(st.st_mode):
                     what = ("file", hashlib.sha256(Path(path).read_bytes()).hexdigest(), st.st_ino)
-                else:
-                    what = ("dir",)
+                else:  # a directory, FIFO, socket or device: its type is what matters
+                    what = ("other", stat.S_IFMT(st.st_mode))
                 out[path] = what + (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
     return out
 

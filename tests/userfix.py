@@ -30,6 +30,7 @@ import pytest
 import cudawrap
 from cudawrap.installation import prepare
 from cudawrap.paths import Layout
+from adminfix import Snapshot, diff, snapshot  # noqa: F401 - one tree snapshot for all tests
 from fakemachine import FAKECUDA, FakeMachine, build_fakenvml, preload, shutdown_nvml
 
 USER_NAMES = ("cwtest1", "cwtest2")
@@ -92,39 +93,6 @@ def _remove_users() -> None:
             continue
         if pw.pw_gecos == GECOS:  # only accounts this suite made
             subprocess.run(["userdel", name], check=False, capture_output=True)
-
-
-Snapshot = Dict[str, tuple]
-
-
-def snapshot(*roots: Path, skip: Sequence[Path] = ()) -> Snapshot:
-    """Every name under ROOTS: type, mode, owner, inode, and sha256 or link target."""
-    import hashlib
-    import stat
-
-    out: Snapshot = {}
-    skipped = {os.fspath(p) for p in skip}
-    for top in roots:
-        for dirpath, dirnames, filenames in os.walk(top):
-            dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in skipped]
-            for name in [""] + sorted(dirnames + filenames):
-                path = os.path.join(dirpath, name) if name else dirpath
-                if path in skipped:
-                    continue
-                st = os.lstat(path)
-                if stat.S_ISLNK(st.st_mode):
-                    what: tuple = ("link", os.readlink(path))
-                elif stat.S_ISREG(st.st_mode):
-                    what = ("file", hashlib.sha256(Path(path).read_bytes()).hexdigest(), st.st_ino)
-                else:
-                    what = ("other", stat.S_IFMT(st.st_mode))
-                out[path] = what + (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
-    return out
-
-
-def diff(before: Snapshot, after: Snapshot) -> List[str]:
-    return [f"{p}: {before.get(p)} -> {after.get(p)}" for p in sorted(set(before) | set(after))
-            if before.get(p) != after.get(p)]
 
 
 class MuMachine(FakeMachine):
