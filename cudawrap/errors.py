@@ -67,6 +67,12 @@ class ProgramNotFound(CudawrapError):
     exit_code = 127
 
 
+class CannotExecute(CudawrapError):
+    """The real program exists but cannot be run: the shell's "found but cannot execute"."""
+
+    exit_code = 126
+
+
 class Interrupted(CudawrapError):
     """Ctrl-C while waiting: the shell's convention for death by SIGINT."""
 

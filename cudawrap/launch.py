@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 from . import audit
 from . import locations as loc
-from .errors import CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound, UsageError
+from .errors import (CannotExecute, CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound,
+                     UsageError)
 from .leases import LEASE_ENV, Lease, LeaseFiles, inherited_lease
 
 CVD = "CUDA_VISIBLE_DEVICES"
@@ -100,10 +101,9 @@ def real_program(link: str, shim: str) -> str:
 class Grant:
     """What a run got: a lease (possibly inherited) or nothing, and what to tell it."""
 
-    def __init__(self, lease: Optional[Lease], visible: Optional[str], waited_s: float = 0.0) -> None:
+    def __init__(self, lease: Optional[Lease], visible: Optional[str]) -> None:
         self.lease = lease
         self.visible = visible  # value for CUDA_VISIBLE_DEVICES; None = leave it as it is
-        self.waited_s = waited_s
 
     def apply(self, env: Dict[bytes, bytes]) -> Dict[bytes, bytes]:
         if self.visible is not None:
@@ -219,7 +219,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
               wait=f"{waited_s:.3f}s")
     if waited["yes"]:
         say(prog, f"got {','.join(lease.uuids)} after {waited_s:.1f} s")
-    return Grant(lease, ",".join(lease.uuids), waited_s)
+    return Grant(lease, ",".join(lease.uuids))
 
 
 def exec_program(path: str, argv: Sequence[str], env: Dict[bytes, bytes], grant: Grant) -> NoReturn:
@@ -238,13 +238,9 @@ def exec_program(path: str, argv: Sequence[str], env: Dict[bytes, bytes], grant:
     except FileNotFoundError:
         raise ProgramNotFound(f"{path}: not found") from None
     except PermissionError:
-        err = CudawrapError(f"{path}: permission denied")
-        err.exit_code = 126  # the shell's "found but cannot execute"
-        raise err from None
+        raise CannotExecute(f"{path}: permission denied") from None
     except OSError as exc:
-        err = CudawrapError(f"{path}: cannot execute: {exc.strerror}")
-        err.exit_code = 126
-        raise err from None
+        raise CannotExecute(f"{path}: cannot execute: {exc.strerror}") from None
 
 
 def run_shim(root: str, argv: List[str]) -> NoReturn:

@@ -168,3 +168,12 @@ def test_shim_imports_only_what_it_needs(installed):
     heavy = {"plumbum", "pathlib", "typing", "dataclasses", "json", "tomllib", "tomli", "filelock",
              "pynvml", "ctypes", "logging", "re", "enum", "subprocess", "inspect"}
     assert not loaded & heavy, sorted(loaded & heavy)
+
+
+def test_real_program_not_executable_reads_like_the_shell(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    (inst.bindir / "CUDAWRAP_recon").chmod(0o644)
+    r = inst.run("recon")
+    assert r.returncode == 126
+    assert r.stderr.decode().splitlines() == [f"recon: {inst.bindir / 'CUDAWRAP_recon'}: permission denied"]
