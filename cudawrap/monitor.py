@@ -13,8 +13,9 @@ from typing import Callable, Optional
 
 from . import policy, snapshot
 from .errors import CudawrapError, NvmlUnavailable
-from .leases import holders, sync_lease_files
+from .leases import holders
 from .paths import Layout
+from .sync import sync_leases
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,8 @@ def refresh_once(layout: Layout) -> Optional[str]:
         return str(exc)
     lease_dir = str(layout.lease_dir)
     existing = set(os.listdir(lease_dir)) if os.path.isdir(lease_dir) else set()
-    if not inventory.lost and set(inventory.uuids()) - existing:
-        sync_lease_files(lease_dir, inventory.uuids())
+    if set(inventory.uuids()) - existing:
+        sync_leases(layout, inventory)  # a device appeared (MIG reconfigured)
     snapshot.write(root, inventory, holders(lease_dir))
     if not policy.cache_is_current(root):
         # The config or registry changed: rebuild so launches stay off the slow path.

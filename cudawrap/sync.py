@@ -6,10 +6,12 @@ them, dead waiters' queue entries are removed, and the shim's policy cache is re
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from . import policy
+from .devices import Inventory
 from .errors import NvmlUnavailable
 from .installation import prepare_runtime
 from .leases import sync_lease_files
@@ -25,6 +27,14 @@ class SyncReport:
     nvml_error: Optional[str] = None
 
 
+def sync_leases(layout: Layout, inventory: Inventory) -> Tuple[List[str], List[str]]:
+    """Lease files for INVENTORY's devices; (created, removed). Also the monitor's step."""
+    # With a GPU lost or failing we cannot tell which MIG instances still exist, so
+    # nothing is removed: a running job's lease file must keep excluding others.
+    keep = os.listdir(layout.lease_dir) if inventory.lost and layout.lease_dir.is_dir() else []
+    return sync_lease_files(str(layout.lease_dir), inventory.uuids(), keep)
+
+
 def sync(layout: Layout) -> SyncReport:
     from . import nvml
 
@@ -36,10 +46,7 @@ def sync(layout: Layout) -> SyncReport:
         report.nvml_error = str(exc)
         report.lines.append(f"warning: {exc}; lease files left as they are")
     else:
-        # With a GPU lost or failing we cannot tell which MIG instances still exist, so
-        # nothing is removed: a running job's lease file must keep excluding others.
-        keep = [p.name for p in layout.lease_dir.iterdir()] if inventory.lost else []
-        report.created, report.removed = sync_lease_files(str(layout.lease_dir), inventory.uuids(), keep)
+        report.created, report.removed = sync_leases(layout, inventory)
         for uuid in report.created:
             report.lines.append(f"lease file created for {uuid}")
         for uuid in report.removed:
