@@ -27,7 +27,7 @@ class SyncCommand(Command):
         from ..sync import sync
 
         layout = default_layout()
-        require_admin(layout)
+        require_admin(layout, "create lease files")
         report = sync(layout)
         for line in report.lines:
             if not self.quiet or line.startswith("warning"):
@@ -46,7 +46,7 @@ class MonitorCommand(Command):
         from ..privilege import require_admin
 
         layout = default_layout()
-        require_admin(layout)
+        require_admin(layout, "run the monitor")
         if not 0.05 <= self.period <= 60:
             raise UsageError(f"--period {self.period}: choose between 0.05 and 60 seconds")
         if self.once:
