@@ -7,20 +7,13 @@ from __future__ import annotations
 
 import os
 
+from .users import user_name
+
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Any
 
 _opened = False
-
-
-def _user() -> str:
-    try:
-        import pwd
-
-        return pwd.getpwuid(os.getuid()).pw_name
-    except (KeyError, ImportError):
-        return str(os.getuid())
 
 
 def log(event: str, priority: str = "info", **fields: Any) -> None:
@@ -33,7 +26,7 @@ def log(event: str, priority: str = "info", **fields: Any) -> None:
     if not _opened:
         syslog.openlog("cudawrap", syslog.LOG_PID, syslog.LOG_USER)
         _opened = True
-    parts = [event, f"user={_user()}", f"uid={os.getuid()}"]
+    parts = [event, f"user={user_name(os.getuid())}", f"uid={os.getuid()}"]
     for key, value in fields.items():
         text = str(value).replace("\n", " ")
         parts.append(f"{key}={text!r}" if " " in text or not text else f"{key}={text}")

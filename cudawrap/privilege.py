@@ -2,17 +2,10 @@
 from __future__ import annotations
 
 import os
-import pwd
 
 from .errors import NotPermitted, StateError
 from .paths import Layout
-
-
-def _name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
+from .users import user_name
 
 
 def is_admin(layout: Layout) -> bool:
@@ -37,7 +30,7 @@ def require_admin(layout: Layout, action: str = "change wrapped programs") -> No
     """
     if is_admin(layout):
         return
-    me = _name(os.geteuid())
+    me = user_name(os.geteuid())
     if layout.is_system:
         raise NotPermitted(f"only root may {action}; you are {me}: run it with sudo")
     try:
@@ -50,5 +43,5 @@ def require_admin(layout: Layout, action: str = "change wrapped programs") -> No
     except OSError as exc:
         raise NotPermitted(f"cannot check who owns {layout.state_dir}: {exc.strerror}") from None
     raise NotPermitted(
-        f"only root or {_name(owner)} (owner of {layout.state_dir}) may {action}; you are {me}"
+        f"only root or {user_name(owner)} (owner of {layout.state_dir}) may {action}; you are {me}"
     )

@@ -8,16 +8,8 @@ from typing import Any, Dict, List, Optional
 from .errors import NvmlUnavailable
 from .leases import _proc_locks, holders
 from .paths import Layout
+from .users import user_name
 from .waitqueue import WaitQueue
-
-
-def _user_of(uid: int) -> str:
-    import pwd
-
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
 
 
 def printable(text: str, limit: int = 200) -> str:
@@ -41,7 +33,7 @@ def process_info(pid: int) -> Dict[str, Any]:
     """User, command line and start time of PID from /proc (what `ps` would say)."""
     info: Dict[str, Any] = {"pid": pid, "user": "?", "command": "?", "since": "?"}
     try:
-        info["user"] = _user_of(os.stat(f"/proc/{pid}").st_uid)
+        info["user"] = user_name(os.stat(f"/proc/{pid}").st_uid)
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             info["command"] = printable(f.read(4096).replace(b"\0", b" ").decode("utf-8", "replace").strip(), 4096)
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
@@ -78,7 +70,7 @@ def _waiting(layout: Layout) -> List[Dict[str, Any]]:
             pid = locks.get((st.st_dev, st.st_ino), claimed)
         except OSError:
             pid = claimed
-        waiter = {"key": key, "user": _user_of(uid), "pid": pid, "count": _int(fields.get("count")),
+        waiter = {"key": key, "user": user_name(uid), "pid": pid, "count": _int(fields.get("count")),
                   "program": printable(fields.get("program", "?"))}
         if claimed != pid:
             waiter["claimed_pid"] = claimed
