@@ -185,11 +185,12 @@ def _norm_table(name: str) -> str:
 
 
 def _line_of(lines: List[str], table: Optional[str], key: str) -> int:
-    """Line number of KEY inside [TABLE], or of the header [KEY] when TABLE is None.
+    """Line number of KEY inside [TABLE] ("" = above any header), or of the header [KEY]
+    when TABLE is None.
 
     tomllib keeps no positions, so this scans the text; 0 when not found.
     """
-    current: Optional[str] = None
+    current = ""
     key_re = re.compile(r"""^\s*["']?""" + re.escape(key) + r"""["']?\s*=""")
     for number, line in enumerate(lines, 1):
         stripped = line.strip()
@@ -198,17 +199,6 @@ def _line_of(lines: List[str], table: Optional[str], key: str) -> int:
             if table is None and (current == key or current.startswith(key + ".")):
                 return number
         elif table is not None and current == _norm_table(table) and key_re.match(line):
-            return number
-    return 0
-
-
-def _top_level_line(lines: List[str], key: str) -> int:
-    """Line of KEY set before any [table] header, or 0."""
-    key_re = re.compile(r"""^\s*["']?""" + re.escape(key) + r"""["']?\s*=""")
-    for number, line in enumerate(lines, 1):
-        if line.strip().startswith("["):
-            break
-        if key_re.match(line):
             return number
     return 0
 
@@ -270,7 +260,7 @@ def parse_config(path: Path, text: str) -> Config:
                 programs[name] = _parse_table(path, lines, label, sub, POLICY_KEYS)
         elif not isinstance(table, dict) and (section in POLICY_KEYS or section in DEVICE_KEYS):
             home = "policy" if section in POLICY_KEYS else "devices"
-            line = _top_level_line(lines, section)
+            line = _line_of(lines, "", section)
             raise ConfigError(f"{path}:{line}: '{section}' belongs in [{home}]" if line
                               else f"{path}: '{section}' belongs in [{home}]",
                               hint=f"put it below a [{home}] line")
