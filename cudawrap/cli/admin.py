@@ -17,7 +17,7 @@ from plumbum import cli
 
 from .. import __version__
 from ..config import (
-    FOREIGN_RULES, FOREVER, MULTI_MIG_RULES, NO_DRIVER_RULES, PLACEMENTS, format_wait, parse_wait,
+    DESCRIPTIONS, FOREIGN_RULES, FOREVER, MULTI_MIG_RULES, NO_DRIVER_RULES, PLACEMENTS, format_wait, parse_wait,
     validate_policy,
 )
 from ..errors import ConfigError, StateError, UsageError
@@ -71,19 +71,19 @@ class CreateCudawrap(Command):
     VERSION = __version__
     USAGE = "    {progname} [SWITCHES] PROGRAM...\n"
 
-    gpus = cli.SwitchAttr(["--gpus"], str, argname="N", help="devices given to each run")
+    gpus = cli.SwitchAttr(["--gpus"], str, argname="N", help=DESCRIPTIONS["gpus"])
     wait = cli.SwitchAttr(["--wait"], str, argname="SECONDS|forever",
-                          help="how long a run waits for a free device (0 = do not wait)")
+                          help=DESCRIPTIONS["wait"])
     placement = cli.SwitchAttr(["--placement"], str, argname="|".join(PLACEMENTS),
-                               help="how devices are chosen")
+                               help=DESCRIPTIONS["placement"])
     foreign = cli.SwitchAttr(["--foreign"], str, argname="|".join(FOREIGN_RULES),
-                             help="avoid or ignore devices running processes cudawrap did not start")
+                             help=DESCRIPTIONS["foreign"])
     busy_memory = cli.SwitchAttr(["--busy-memory-mib"], str, argname="MIB",
-                                 help="where process lists are hidden, more memory used than this is busy")
+                                 help=DESCRIPTIONS["busy_memory_mib"])
     no_driver = cli.SwitchAttr(["--no-driver"], str, argname="|".join(NO_DRIVER_RULES),
-                               help="without an NVIDIA driver: run the program unchanged, or fail")
+                               help=DESCRIPTIONS["no_driver"])
     multi_mig = cli.SwitchAttr(["--multi-mig"], str, argname="|".join(MULTI_MIG_RULES),
-                               help="several MIG instances on a driver before R570: refuse or whole-gpus")
+                               help=DESCRIPTIONS["multi_mig"])
 
     def policy(self) -> Dict[str, Any]:
         """The per-program policy from the switches, raw (as the registry stores it), checked."""
