@@ -1,9 +1,17 @@
-"""Taking free devices: all or nothing, in arrival order, released by the kernel.
+"""Taking free devices: all or nothing, in fair turns between users, released by the kernel.
 
 A device is free when nobody holds its lease and NVML shows no process cudawrap did not
-start (where process lists are hidden, when little memory is used). Grabs never block, so
-taking several devices cannot deadlock; the queue's mutex (for newcomers) and its head
-position (for waiters) make sure only one process grabs at a time, so nobody is passed.
+start (where process lists are hidden, when little memory is used). Every decision is
+cudawrap.schedule.decide over one look at the machine (leases from /proc/locks, waiters
+from the queue); the flock on the lease file is the only step with effects, so when two
+processes decide at once the kernel lets one of them win and the other decides again.
+
+No daemon: each waiter decides for itself. So that hundreds of waiters cost nothing while
+nothing changes, only the first few in line (WATCHERS) watch the lease and queue
+directories through inotify; the others sleep until one of those pokes them (opens their
+entry, which they watch) because they moved up or were given devices. A run that is given
+devices but does not take them within GRACE_S (stopped, starved, or a fake) is passed over
+by the others, its user for STALL_S, so nobody can hold others up for longer than that.
 """
 from __future__ import annotations
 
@@ -12,34 +20,53 @@ import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Callable, Dict, List, Optional, Sequence, Set
+    from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .devices import Device
 from .errors import Interrupted, NoDeviceError
 from .leases import Lease, LeaseFiles
-from .waitqueue import WaitQueue
+from .schedule import GRANTED, Verdict, Waiter, decide
+from .waitqueue import Entry, Scan, WaitQueue, poke
 
-# The head of the queue re-checks the leases this often: a freed device reaches the next
-# waiter within one period. Only the head polls; everyone behind it sleeps in the kernel.
+# The first WATCHERS in line watch the machine; everyone else sleeps until poked, or IDLE_S.
+WATCHERS = 8
+IDLE_S = 30.0
+# A watcher re-looks this often even without events (NVML state has no event to watch).
+WATCH_S = 1.0
+# Without inotify (out of watches) the watchers poll this often.
 POLL_S = 0.02
+# A run given devices that has not taken them after this long loses its turn for STALL_S.
+GRACE_S = 0.5
+STALL_S = 5.0
 # NVML data older than this is re-read before a device is judged occupied by a process
 # cudawrap did not start. A device whose lease was held at the last look is re-read at
 # once: the processes seen on it were probably that job's, now gone.
 FOREIGN_RECHECK_S = 1.0
-# How long even a run that does not wait (wait = 0) waits for the queue's mutex.
-MUTEX_GRACE_S = 2.0
 
 
-class _Deadline(Exception):
+class Cancelled(NoDeviceError):
     pass
-
-
-def _raise_deadline(signum: int, frame: object) -> None:
-    raise _Deadline()
 
 
 def _raise_signal(signum: int, frame: object) -> None:
     raise Interrupted("interrupted while waiting for a device", exit_code=128 + signum)
+
+
+def _uid_of(pid: int) -> int:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1
+
+
+def _stopped(pid: int) -> bool:
+    """Whether PID is stopped (SIGSTOP, a debugger): it cannot take its turn now."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"T", b"t")
 
 
 class Acquirer:
@@ -57,6 +84,9 @@ class Acquirer:
         busy_memory_mib: int = 1024,
         refresh: Optional[Callable[[Device], Optional[Device]]] = None,
         checked_at: Optional[float] = None,
+        reserve_after: float = 300.0,
+        limit_of: Optional[Callable[[int], int]] = None,
+        unavailable: Sequence[str] = (),
     ) -> None:
         self.leases = leases
         self.queue = queue
@@ -66,13 +96,26 @@ class Acquirer:
         self.foreign = foreign
         self.busy_memory_mib = busy_memory_mib
         self.refresh = refresh
+        self.reserve_after = reserve_after
+        self.limit_of = limit_of or (lambda uid: 0)
+        self.unavailable = set(unavailable)  # drained: never granted
+        self.uid = os.geteuid()
         self.current: Dict[str, Device] = {d.uuid: d for d in all_devices}
+        self.parents = {d.uuid: d.parent_uuid for d in all_devices}
         now = time.monotonic() if checked_at is None else checked_at
         self.checked_at: Dict[str, float] = {d.uuid: now for d in all_devices}
         # Devices whose data may be stale: their lease was held at some look since they were
-        # last read (the processes seen were probably that job's), or we slept in the queue.
+        # last read (the processes seen were probably that job's).
         self.stale: Set[str] = set()
         self.lost: Set[str] = set()
+        mine = {d.uuid for d in self.candidates}
+        self.wanted = None if mine >= set(self.current) else frozenset(mine)
+        # What this process has seen of others taking their turns.
+        self.offered: Dict[str, float] = {}
+        self.skip_keys: Dict[str, float] = {}
+        self.skip_users: Dict[int, float] = {}
+        self.top: Set[str] = set()
+        self.limits: Dict[int, int] = {}
 
     # -- judging devices -------------------------------------------------------------
     def occupied(self, device: Device) -> bool:
@@ -98,8 +141,7 @@ class Acquirer:
     def _eligible(self, uuid: str, now: float) -> bool:
         if uuid in self.stale and self.refresh is not None:
             # Meanwhile its job may have ended, its GPU been lost or its MIG instance destroyed
-            # (the lease file outlives it until the next sync): only a fresh look tells,
-            # whatever the old data or the foreign policy say.
+            # (the lease file outlives it until the next sync): only a fresh look tells.
             return self._recheck(uuid, now)
         if not self.occupied(self.current[uuid]):
             return True
@@ -107,111 +149,233 @@ class Acquirer:
             return self._recheck(uuid, now)
         return False
 
-    # -- choosing ----------------------------------------------------------------------
-    def _order(self, eligible: List[Device], busy: Set[str]) -> List[Device]:
-        """COUNT devices from ELIGIBLE by the placement policy."""
-        if self.placement == "random":
-            import random  # only here: ~3 ms of imports nobody else needs
-
-            return random.sample(eligible, self.count)
-        total: Dict[str, int] = {}
-        taken: Dict[str, int] = {}
-        for device in self.current.values():
-            total[device.parent_uuid] = total.get(device.parent_uuid, 0) + 1
-            if device.uuid in busy:
-                taken[device.parent_uuid] = taken.get(device.parent_uuid, 0) + 1
-        chosen: List[Device] = []
-        pool = list(eligible)
-        sign = -1 if self.placement == "pack" else 1
-        while len(chosen) < self.count:
-            best = min(pool, key=lambda d: (
-                sign * taken.get(d.parent_uuid, 0) / total[d.parent_uuid],
-                d.gpu_index, d.mig_slot if d.mig_slot is not None else -1))
-            pool.remove(best)
-            chosen.append(best)
-            taken[best.parent_uuid] = taken.get(best.parent_uuid, 0) + 1
-        return chosen
-
-    def try_grab(self) -> Optional[Lease]:
-        """Take COUNT free devices now, or nothing."""
+    def machine(self, locks: Dict[Tuple[int, int], int]) -> Tuple[List[str], Dict[int, int], Set[str]]:
+        """(free devices in the machine's order, devices held per uid, busy devices)."""
         now = time.monotonic()
-        locked: List[Device] = []
-        held: Set[str] = set()
-        for device in self.candidates:
-            if device.uuid in self.lost:
+        free: List[str] = []
+        held: Dict[int, int] = {}
+        busy: Set[str] = set()
+        for uuid in self.current:
+            ident = self.leases.ident(uuid)
+            if ident is None:
+                continue  # no lease file: cannot be leased (not synced yet)
+            pid = locks.get(ident)
+            if pid is not None:
+                uid = _uid_of(pid)
+                held[uid] = held.get(uid, 0) + 1
+                busy.add(uuid)
+                self.stale.add(uuid)
+            elif uuid in self.lost or uuid in self.unavailable:
                 continue
-            if self.leases.try_lock(device.uuid):
-                locked.append(device)
+            elif self._eligible(uuid, now):
+                free.append(uuid)
             else:
-                held.add(device.uuid)
-        eligible = [self.current[d.uuid] for d in locked if self._eligible(d.uuid, now)]
-        self.stale |= held
-        locked_ids = {d.uuid for d in locked}
-        chosen_ids: List[str] = []
-        if len(eligible) >= self.count:
-            busy = held | (locked_ids - {d.uuid for d in eligible})
-            busy |= {u for u, d in self.current.items()
-                     if u not in held and u not in locked_ids and self.occupied(d)}
-            chosen_ids = [d.uuid for d in self._order(eligible, busy)]
-        for uuid in locked_ids - set(chosen_ids):
-            self.leases.unlock(uuid)
-        return self.leases.take(chosen_ids) if chosen_ids else None
+                busy.add(uuid)
+        return free, held, busy
 
     def usable(self) -> int:
         return len([d for d in self.candidates if d.uuid not in self.lost])
 
+    # -- deciding ----------------------------------------------------------------------
+    def _limit(self, uid: int) -> int:
+        if uid not in self.limits:
+            self.limits[uid] = self.limit_of(uid)
+        return self.limits[uid]
+
+    def _passed_over(self, w: Waiter, me: Optional[str], now: float) -> bool:
+        if w.key == me:
+            return False
+        if self.skip_keys.get(w.key, 0) > now:
+            return True
+        return w.uid != self.uid and self.skip_users.get(w.uid, 0) > now
+
+    def decide(self, scan: Scan, me: Optional[Waiter], queued: bool) -> Tuple[Dict[str, Verdict], List[str]]:
+        """Verdicts for everyone in SCAN plus ME (not yet queued unless QUEUED); free devices."""
+        now = time.monotonic()
+        key = me.key if me is not None else None
+        waiters = [w for w in scan.waiters if not self._passed_over(w, key, now)]
+        if me is not None and not queued:
+            waiters.append(me)
+        free, held, busy = self.machine(scan.locks)
+        limits = {w.uid: self._limit(w.uid) for w in waiters}
+        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy)
+        return verdicts, free
+
+    def _take(self, uuids: Sequence[str]) -> Optional[Lease]:
+        """Lock exactly UUIDS now (all or none) and hand them over as a Lease."""
+        now = time.monotonic()
+        locked: List[str] = []
+        for uuid in uuids:
+            if not self.leases.try_lock(uuid):
+                break
+            locked.append(uuid)
+            if not self._eligible(uuid, now):
+                break
+        else:
+            return self.leases.take(locked)
+        for uuid in locked:
+            self.leases.unlock(uuid)
+        return None
+
+    def _me(self, key: str) -> Waiter:
+        return Waiter(key, self.uid, os.getpid(), self.count, self.wanted, self.placement,
+                      self.reserve_after, time.time())
+
+    def _watch_others(self, verdicts: Dict[str, Verdict], scan: Scan, me: str) -> bool:
+        """Note who was given devices and has not taken them; poke those to wake.
+
+        True when someone was passed over just now (decide again at once).
+        """
+        now = time.monotonic()
+        changed = False
+        granted = {k for k, v in verdicts.items() if v.kind == GRANTED and k != me}
+        for key in list(self.offered):
+            if key not in granted:
+                del self.offered[key]
+        owners = {w.key: w for w in scan.waiters}
+        for key in granted:
+            w = owners.get(key)
+            if w is None:
+                continue
+            first = self.offered.setdefault(key, now)
+            if first == now:
+                poke(scan.paths[key])
+            elif now - first >= GRACE_S or _stopped(w.pid):
+                self.skip_keys[key] = now + STALL_S
+                if w.uid != self.uid:
+                    self.skip_users[w.uid] = now + STALL_S
+                del self.offered[key]
+                changed = True
+        top = {k for k, v in verdicts.items() if v.position < WATCHERS and k != me}
+        for key in top - self.top:
+            if key in scan.paths:
+                poke(scan.paths[key])
+        self.top = top
+        return changed
+
     # -- waiting -----------------------------------------------------------------------
     def acquire(self, wait_s: float, info: bytes,
-                on_wait: Optional[Callable[[int], None]] = None) -> Lease:
-        """Devices within WAIT_S seconds (inf: as long as it takes), first come first served."""
+                on_wait: Optional[Callable[[str], None]] = None) -> Lease:
+        """Devices within WAIT_S seconds (inf: as long as it takes), in fair turns."""
         start = time.monotonic()
-        # A finite wait bounds the wait for the queue's mutex too (anyone can hold that file's
-        # lock); "do not wait" still allows for the moment another launch holds it.
-        with self.queue.mutex(max(wait_s, MUTEX_GRACE_S)):
-            if not self.queue.anyone_waiting():
-                lease = self.try_grab()
-                if lease is not None:
-                    return lease
-            if wait_s <= 0:
-                raise NoDeviceError(self._busy_message(), hint="set CUDAWRAP_WAIT=SECONDS to wait")
-            entry = self.queue.enqueue(info)
+        deadline = start + wait_s
+        probe = self._me("~")  # sorts after every real key: a newcomer arrives last
+        for _ in range(3):  # a lost race for a lock means someone else took it: look again
+            scan = self.queue.scan()
+            verdicts, _free = self.decide(scan, probe, queued=False)
+            verdict = verdicts[probe.key]
+            if verdict.kind != GRANTED:
+                break
+            lease = self._take(verdict.devices)
+            if lease is not None:
+                return lease
+        if wait_s <= 0 and any(probe.can_use(u) for u in _free):
+            # A device it could use is free but offered to a run ahead: wait long enough to
+            # see that run take it, or be passed over for not taking it.
+            wait_s = 2 * GRACE_S
+            deadline = time.monotonic() + wait_s
+        elif wait_s <= 0:
+            raise NoDeviceError(f"no free device: {verdict.text}; waiting is off (wait = 0)",
+                                hint="set CUDAWRAP_WAIT=SECONDS to wait")
+        mine = sum(1 for w in scan.waiters if w.uid == self.uid)
+        entry = self.queue.enqueue(self.count, self.placement,
+                                   None if self.wanted is None else sorted(self.wanted),
+                                   self.reserve_after, info, mine)
+        return self._wait(entry, deadline, wait_s, on_wait)
+
+    def _wait(self, entry: Entry, deadline: float, wait_s: float,
+              on_wait: Optional[Callable[[str], None]]) -> Lease:
+        from . import inotify
+        import select
         import signal  # waiting only: `signal` pulls in enum (~5 ms)
 
-        previous = {s: signal.signal(s, _raise_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
-        old_alarm = signal.signal(signal.SIGALRM, _raise_deadline)
+        previous = {}
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                previous[s] = signal.signal(s, _raise_signal)
+            except ValueError:  # not the main thread: the caller keeps its own handlers
+                pass
+        own = inotify.open_watch()
+        if own is not None:
+            own.add(entry.path, inotify.IN_OPEN | inotify.IN_MODIFY)
+        world = None
+        poller = select.poll()
+        if own is not None:
+            poller.register(own.fileno(), select.POLLIN)
+        told = ""  # the kind of wait last reported
+        verdicts: Dict[str, Verdict] = {}
         try:
-            if on_wait is not None:
-                on_wait(len(self.queue.live(before=entry.key)))
-            deadline = start + wait_s
-            if deadline != float("inf"):
-                signal.setitimer(signal.ITIMER_REAL, max(deadline - time.monotonic(), 0.001))
-            self.queue.wait_turn(entry)
-            self.stale.update(d.uuid for d in self.candidates)  # we slept: all of it is old
             while True:
-                lease = self.try_grab()
-                if lease is not None:
-                    return lease
+                by = self.queue.cancelled_by(entry)
+                if by is not None:
+                    raise Cancelled(f"cancelled by {by} while waiting for a device")
+                now = time.monotonic()
+                if now >= deadline:
+                    raise NoDeviceError(f"no device within {wait_s:g} s: {verdicts[entry.name].text}"
+                                        if entry.name in verdicts else f"no device within {wait_s:g} s",
+                                        hint="try again later, or set CUDAWRAP_WAIT=SECONDS")
+                scan = self.queue.scan()
+                me = next((w for w in scan.waiters if w.key == entry.name), None)
+                if me is None:  # our entry is not seen as valid (cannot happen unless tampered with)
+                    me = self._me(entry.name)
+                    verdicts, free = self.decide(scan, me, queued=False)
+                else:
+                    verdicts, free = self.decide(scan, me, queued=True)
+                verdict = verdicts[entry.name]
+                if verdict.kind == GRANTED:
+                    lease = self._take(verdict.devices)
+                    if lease is not None:
+                        self._hand_over(verdicts, scan, entry.name)
+                        return lease
+                    continue
                 if self.usable() < self.count:
                     raise NoDeviceError("the devices this run may use are gone (lost or removed)")
-                time.sleep(POLL_S)
-        except _Deadline:
-            raise NoDeviceError(f"no device became free within {wait_s:g} s",
-                                hint="try again later, or set CUDAWRAP_WAIT=SECONDS") from None
+                if verdict.kind != told:
+                    if on_wait is not None:
+                        on_wait(verdict.text)
+                    told = verdict.kind
+                if self._watch_others(verdicts, scan, entry.name):
+                    continue
+                watcher = verdict.position < WATCHERS
+                if watcher and world is None:
+                    world = inotify.open_watch()
+                    if world is not None:
+                        world.add(self.leases.dir, inotify.IN_CLOSE_NOWRITE | inotify.IN_CLOSE_WRITE)
+                        world.add(self.queue.dir, inotify.IN_CREATE | inotify.IN_DELETE
+                                  | inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO)
+                        poller.register(world.fileno(), select.POLLIN)
+                    continue  # something may have changed before the watch existed
+                if not watcher and world is not None:
+                    poller.unregister(world.fileno())
+                    world.close()
+                    world = None
+                timeout = (WATCH_S if world is not None else POLL_S) if watcher else IDLE_S
+                if own is None:
+                    timeout = min(timeout, 1.0)
+                if self.offered:
+                    timeout = min(timeout, max(0.0, min(self.offered.values()) + GRACE_S - now))
+                timeout = min(timeout, max(0.0, deadline - now))
+                if poller.poll(timeout * 1000):
+                    for w in (own, world):
+                        if w is not None:
+                            w.drain()
+                self.stale.update(d.uuid for d in self.candidates if d.uuid not in free)
         except KeyboardInterrupt:
             raise Interrupted("interrupted while waiting for a device") from None
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old_alarm)
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.queue.leave(entry)
+            for w in (own, world):
+                if w is not None:
+                    w.close()
 
-    def _busy_message(self) -> str:
-        n = len(self.candidates)
-        what = "device" if n == 1 else f"all {n} devices"
-        return f"no free device: {what} busy and waiting is off (wait = 0)"
+    def _hand_over(self, verdicts: Dict[str, Verdict], scan: Scan, me: str) -> None:
+        """We leave the line: wake those who now move into the watching places."""
+        for key, v in verdicts.items():
+            if key != me and v.position <= WATCHERS and key in scan.paths:
+                poke(scan.paths[key])
 
 
-def describe_wait(candidates: int, ahead: int) -> str:
-    who = "nobody" if ahead == 0 else ("1 run" if ahead == 1 else f"{ahead} runs")
-    return f"all {candidates} usable devices are busy; waiting ({who} ahead, pid {os.getpid()})"
+def describe_wait(text: str) -> str:
+    return f"waiting for a device: {text} (pid {os.getpid()})"

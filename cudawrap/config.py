@@ -116,6 +116,7 @@ POLICY_KEYS: Dict[str, Callable[[Any], Any]] = {
     "busy_memory_mib": _non_negative_int,
     "no_driver": _choice(NO_DRIVER_RULES),
     "multi_mig": _choice(MULTI_MIG_RULES),
+    "reserve_after": parse_wait,
 }
 
 DEVICE_KEYS: Dict[str, Callable[[Any], Any]] = {
@@ -131,6 +132,7 @@ DEFAULTS: Dict[str, Any] = {
     "busy_memory_mib": 1024,
     "no_driver": "run",
     "multi_mig": "refuse",
+    "reserve_after": 300.0,
     "allow": (),
     "allow_file": "",
 }
@@ -143,6 +145,7 @@ DESCRIPTIONS: Dict[str, str] = {
     "busy_memory_mib": "where process lists are hidden, more memory used than this is busy",
     "no_driver": "without an NVIDIA driver or NVML: run the program unchanged, or fail",
     "multi_mig": "more than one MIG instance on a driver before R570: refuse, or whole-gpus",
+    "reserve_after": "seconds a run waits before free devices are kept for it until it has enough, or \"forever\"",
     "allow": "device UUIDs (or prefixes) cudawrap may hand out; empty = all",
     "allow_file": "file with one allowed UUID a line (the getgpu ids format), or \"\"",
 }
@@ -154,11 +157,22 @@ class Setting:
     source: str  # "default", "FILE:LINE", "registry", "CUDAWRAP_WAIT", ...
 
 
+LIMIT_KEYS: Dict[str, Callable[[Any], Any]] = {"max_devices_per_user": _non_negative_int}
+LIMIT_ENTRY_KEYS: Dict[str, Callable[[Any], Any]] = {"max_devices": _non_negative_int}
+LIMIT_DESCRIPTIONS: Dict[str, str] = {
+    "max_devices_per_user": "most devices one user may hold at once; 0 = no limit",
+    "max_devices": "in [limits.users.\"NAME\"] or [limits.groups.\"GROUP\"]: that user's or group's limit",
+}
+
+
 @dataclass(frozen=True)
 class Config:
     path: Path
     settings: Mapping[str, Setting]
     programs: Mapping[str, Mapping[str, Setting]] = field(default_factory=dict)
+    # [limits]: "default" -> Setting; "users"/"groups" -> name -> Setting
+    limits: Mapping[str, Any] = field(default_factory=lambda: {
+        "default": Setting(0, "default"), "users": {}, "groups": {}})
 
     def __getitem__(self, key: str) -> Any:
         return self.settings[key].value
@@ -245,8 +259,11 @@ def parse_config(path: Path, text: str) -> Config:
     lines = text.splitlines()
     settings: Dict[str, Setting] = {k: Setting(v, "default") for k, v in DEFAULTS.items()}
     programs: Dict[str, Dict[str, Setting]] = {}
+    limits: Dict[str, Any] = {"default": Setting(0, "default"), "users": {}, "groups": {}}
     for section, table in data.items():
-        if section == "devices":
+        if section == "limits":
+            limits = _parse_limits(path, lines, table)
+        elif section == "devices":
             settings.update(_parse_table(path, lines, "devices", table, DEVICE_KEYS))
         elif section == "policy":
             settings.update(_parse_table(path, lines, "policy", table, POLICY_KEYS))
@@ -267,9 +284,34 @@ def parse_config(path: Path, text: str) -> Config:
         else:
             raise ConfigError(
                 f"{_where(path, lines, None, section)}: unknown section [{section}]",
-                hint="known sections: [devices], [policy], [programs.\"NAME\"]",
+                hint="known sections: [devices], [policy], [limits], [programs.\"NAME\"]",
             )
-    return Config(path=path, settings=settings, programs=programs)
+    return Config(path=path, settings=settings, programs=programs, limits=limits)
+
+
+def _parse_limits(path: Path, lines: List[str], table: Any) -> Dict[str, Any]:
+    """[limits] max_devices_per_user, [limits.users."NAME"] and [limits.groups."GROUP"]."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{_where(path, lines, None, 'limits')}: [limits] must be a table")
+    out: Dict[str, Any] = {"default": Setting(0, "default"), "users": {}, "groups": {}}
+    plain = {k: v for k, v in table.items() if k not in ("users", "groups")}
+    parsed = _parse_table(path, lines, "limits", plain, LIMIT_KEYS)
+    if "max_devices_per_user" in parsed:
+        out["default"] = parsed["max_devices_per_user"]
+    for kind in ("users", "groups"):
+        sub = table.get(kind, {})
+        if not isinstance(sub, dict):
+            raise ConfigError(f"{_where(path, lines, 'limits', kind)}: limits.{kind} must hold "
+                              f"tables such as [limits.{kind}.\"NAME\"]")
+        for name, entry in sub.items():
+            label = f'limits.{kind}."{name}"'
+            if not name or "\0" in name:
+                raise ConfigError(f"{_where(path, lines, None, 'limits')}: empty name in [limits.{kind}]")
+            values = _parse_table(path, lines, label, entry, LIMIT_ENTRY_KEYS)
+            if "max_devices" not in values:
+                raise ConfigError(f"{_where(path, lines, None, label)}: [{label}] needs max_devices = N")
+            out[kind][name] = values["max_devices"]
+    return out
 
 
 def load_config(path: Path) -> Config:

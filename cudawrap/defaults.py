@@ -41,6 +41,23 @@ PROGRAMS_EXAMPLE = """\
 """
 
 
+LIMITS_EXAMPLE = """\
+# Per-user limits: the most devices one user may hold at once (0 = no limit). A run that
+# would go over its user's limit waits until one of that user's runs ends. A user's limit
+# is their [limits.users."NAME"] entry if any, else the largest of their groups' entries,
+# else max_devices_per_user. Root is limited too unless it has an entry of its own.
+[limits]
+# most devices one user may hold at once; 0 = no limit
+#max_devices_per_user = 0
+#
+#[limits.users."alice"]
+#max_devices = 4
+#
+#[limits.groups."gpu-heavy"]
+#max_devices = 8
+"""
+
+
 def toml_value(value: Any) -> str:
     """VALUE written as a TOML literal the config parser reads back to the same value."""
     if isinstance(value, bool):
@@ -77,5 +94,6 @@ def render_config() -> str:
     parts = [HEADER]
     for name, keys in sections().items():
         parts.append("\n".join(_table(name, keys)) + "\n")
+    parts.append(LIMITS_EXAMPLE)
     parts.append(PROGRAMS_EXAMPLE)
     return "\n".join(parts)

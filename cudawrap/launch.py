@@ -181,8 +181,14 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
             hint="`cudawrap status` lists the devices")
 
     from .acquire import Acquirer, describe_wait
+    from .limits import limit_for
     from .waitqueue import WaitQueue
 
+    limits = value.get("limits") or {}
+    my_limit = limit_for(os.geteuid(), limits) if limits else 0
+    if my_limit and count > my_limit:
+        raise NoDeviceError(f"{count} devices asked for, but your limit is {my_limit} at once",
+                            hint="ask for fewer devices, or ask an admin (`cudawrap config` shows the limits)")
     leases = LeaseFiles(lease_dir)
     # A device without a lease file (appeared since the last sync) can never be leased:
     # leave it out rather than wait for it forever.
@@ -194,19 +200,21 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         raise SetupError(f"{len(unsynced)} of the usable devices have no lease file in {lease_dir}",
                          hint=SYNC_HINT)
     candidates = [d for d in candidates if d not in unsynced]
-    queue = WaitQueue(loc.under(root, loc.QUEUE_DIR), loc.under(root, loc.QUEUE_LOCK))
+    queue = WaitQueue(loc.under(root, loc.QUEUE_DIR))
     acquirer = Acquirer(
         leases, queue, candidates, inventory.devices, count,
         placement=value["placement"], foreign=value["foreign"],
-        busy_memory_mib=value["busy_memory_mib"], refresh=refresh, checked_at=checked_at)
+        busy_memory_mib=value["busy_memory_mib"], refresh=refresh, checked_at=checked_at,
+        reserve_after=value.get("reserve_after", 300.0),
+        limit_of=(lambda uid: limit_for(uid, limits)) if limits else None)
     wait_s = value["wait"]
     info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={prog}\n".encode()
     waited = {"yes": False}
 
-    def on_wait(ahead: int) -> None:
+    def on_wait(text: str) -> None:
         waited["yes"] = True
-        say(prog, describe_wait(len(candidates), ahead))
-        audit.log("wait", program=prog, pid=os.getpid(), ahead=ahead, count=count)
+        say(prog, describe_wait(text))
+        audit.log("wait", program=prog, pid=os.getpid(), reason=text, count=count)
 
     start = time.monotonic()
     try:

@@ -100,6 +100,14 @@ class LeaseFiles:
         self._fds[uuid] = fd
         return fd
 
+    def ident(self, uuid: str) -> Optional[Tuple[int, int]]:
+        """(device, inode) of UUID's lease file, as /proc/locks names it; None if it has none."""
+        fd = self.fd(uuid)
+        if fd is None:
+            return None
+        st = os.fstat(fd)
+        return (st.st_dev, st.st_ino)
+
     def try_lock(self, uuid: str) -> bool:
         """Take UUID's lease without blocking; False if someone holds it or it is gone."""
         fd = self.fd(uuid)
@@ -175,7 +183,7 @@ def inherited_lease(lease_dir: str, marker: str) -> Optional[Lease]:
     return Lease(fds) if fds else None
 
 
-def _proc_locks() -> Dict[Tuple[int, int], int]:
+def proc_locks() -> Dict[Tuple[int, int], int]:
     """(device, inode) -> pid for every granted flock on this machine (from /proc/locks)."""
     held: Dict[Tuple[int, int], int] = {}
     try:
@@ -197,9 +205,12 @@ def _proc_locks() -> Dict[Tuple[int, int], int]:
     return held
 
 
+_proc_locks = proc_locks  # the older private name
+
+
 def holders(lease_dir: str) -> Dict[str, int]:
     """uuid -> pid of the process that took each held lease (as the kernel records it)."""
-    locks = _proc_locks()
+    locks = proc_locks()
     out: Dict[str, int] = {}
     try:
         names = os.listdir(lease_dir)

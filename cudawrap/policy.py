@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 from . import locations as loc, rootfile
 from .errors import UsageError
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def _signature(path: str) -> Optional[Tuple[int, int, int, int]]:
@@ -46,7 +46,11 @@ def _compile(root: str) -> Dict[str, Any]:
         link, raw = entry.link, dict(entry.policy)
         checked = validate_policy(raw, f"{layout.registry_file} (wrap of {link})")
         links[link] = {k: (s.value, s.source) for k, s in checked.items()}
+    lim = config.limits
     return {
+        "limits": {"default": (lim["default"].value, lim["default"].source),
+                   "users": {n: (v.value, v.source) for n, v in lim["users"].items()},
+                   "groups": {n: (v.value, v.source) for n, v in lim["groups"].items()}},
         "settings": {k: (s.value, s.source) for k, s in config.settings.items()},
         "programs": {name: {k: (s.value, s.source) for k, s in table.items()}
                      for name, table in config.programs.items()},
@@ -86,6 +90,7 @@ def effective(root: str, link: Optional[str], environ: Any = None) -> Dict[str, 
     """key -> (value, source) for a run of LINK (a wrapped program's path, or None)."""
     data = _read_cache(root) or _compile(root)
     merged: Dict[str, Tuple[Any, str]] = dict(data["settings"])
+    merged["limits"] = (data["limits"], "[limits]")
     if link:
         name = link.rsplit("/", 1)[-1]
         for key in (name, link):

@@ -6,7 +6,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from .errors import NvmlUnavailable
-from .leases import _proc_locks, holders
+from .leases import holders
 from .paths import Layout
 from .users import user_name
 from .waitqueue import WaitQueue
@@ -52,29 +52,45 @@ def _int(text: Optional[str]) -> int:
         return -1
 
 
-def _waiting(layout: Layout) -> List[Dict[str, Any]]:
+def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
+    """Every live waiter in the order it will be served, with why it waits.
+
+    The reasons come from the same decision the waiters make (cudawrap.schedule), over
+    this look at the machine. The user comes from the entry's owner and the pid from the
+    kernel's record of who holds its lock: entries are written by users, so nothing else
+    in them is trusted.
+    """
+    from .acquire import Acquirer
+    from .errors import CudawrapError
+    from .leases import LeaseFiles
+    from .limits import limit_for
+    from .policy import effective
+
     try:
-        queue = WaitQueue(str(layout.queue_dir), str(layout.queue_lock))
+        queue = WaitQueue(str(layout.queue_dir))
     except Exception:  # a missing runtime directory is reported with the devices
         return []
-    # The user comes from the entry's owner and the pid from the kernel's record of who holds
-    # its lock, whatever the entry says: root can see who holds up the queue (SECURITY.md).
-    locks = _proc_locks()
-    out = []
-    for key, uid, info in queue.entries():
-        # Entries are written by users: read them as untrusted text.
-        fields = dict(line.split("=", 1) for line in info.decode("utf-8", "replace").splitlines() if "=" in line)
-        claimed = _int(fields.get("pid"))
+    scan = queue.scan(clean=False)
+    verdicts: Dict[str, Any] = {}
+    if inventory is not None:
         try:
-            st = os.stat(os.path.join(queue.dir, key), follow_symlinks=False)
-            pid = locks.get((st.st_dev, st.st_ino), claimed)
-        except OSError:
-            pid = claimed
-        waiter = {"key": key, "user": user_name(uid), "pid": pid, "count": _int(fields.get("count")),
-                  "program": printable(fields.get("program", "?"))}
-        if claimed != pid:
-            waiter["claimed_pid"] = claimed
-        out.append(waiter)
+            limits = effective(str(layout.root), None).get("limits", (None, ""))[0]
+            acquirer = Acquirer(LeaseFiles(str(layout.lease_dir)), queue, inventory.devices,
+                                inventory.devices, 1,
+                                limit_of=(lambda uid: limit_for(uid, limits)) if limits else None)
+            verdicts = acquirer.decide(scan, None, queued=True)[0]
+        except CudawrapError:
+            verdicts = {}
+    out = []
+    for w in scan.waiters:
+        info = queue.read_info(scan.paths[w.key]) or {}
+        verdict = verdicts.get(w.key)
+        out.append({"key": w.key, "user": user_name(w.uid), "pid": w.pid, "count": w.count,
+                    "program": printable(info.get("program", "?")),
+                    "waiting_s": round(max(0.0, time.time() - w.arrival), 1),
+                    "position": verdict.position + 1 if verdict else None,
+                    "reason": verdict.text if verdict else "unknown (no device data)"})
+    out.sort(key=lambda w: (w["position"] is None, w["position"] or 0, w["key"]))
     return out
 
 
@@ -106,15 +122,6 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
             devices.append({"uuid": uuid, "name": "?", "gpu_index": -1, "parent": "?", "mig_slot": None,
                             "memory_used_mib": 0, "memory_total_mib": 0, "lease_file": True,
                             "holder": holder, "foreign_pids": None})
-    # The queue's mutex is held for milliseconds by each launch; anyone may hold it longer
-    # (a user can flock the file), which stalls every launch: show who, for root to act.
-    queue_lock_holder = None
-    try:
-        st = os.stat(layout.queue_lock)
-        pid = _proc_locks().get((st.st_dev, st.st_ino))
-        queue_lock_holder = process_info(pid) if pid is not None else None
-    except OSError:
-        pass
-    return {"devices": devices, "waiting": _waiting(layout), "queue_lock_holder": queue_lock_holder,
+    return {"devices": devices, "waiting": _waiting(layout, inventory),
             "nvml_error": nvml_error,
             "lost": list(inventory.lost) if inventory else []}

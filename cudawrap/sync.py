@@ -54,6 +54,6 @@ def sync(layout: Layout) -> SyncReport:
         for gpu in inventory.lost:
             report.lines.append(f"warning: NVML reports GPU {gpu} lost or failing; its lease files are kept")
         report.lines.append(f"{len(inventory.devices)} devices, {len(report.created)} new, {len(report.removed)} removed")
-    WaitQueue(str(layout.queue_dir), str(layout.queue_lock)).live()  # drops dead waiters' entries
+    WaitQueue(str(layout.queue_dir)).scan()  # removes dead waiters' entries (root may)
     policy.write_cache(str(layout.root))
     return report

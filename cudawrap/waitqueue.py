@@ -1,93 +1,119 @@
-"""First come, first served waiting for devices, with no daemon.
+"""The wait queue: one entry file per waiting run, trusted only as far as the kernel vouches.
 
-Each waiter creates an entry file in the sticky, world-writable queue directory and holds
-an exclusive flock on it for as long as it waits. Entries are named by a key taken under
-a short global mutex, so their order is arrival order. A waiter sleeps in a blocking
-flock on its predecessor's entry: the kernel wakes exactly one waiter when the one ahead
-leaves (granted, interrupted or killed), so waiting costs no CPU and there is no
-thundering herd. The waiter with no live predecessor is the head and alone polls the
-device leases. A dead waiter's entry is unlocked and so simply skipped.
+Each waiter creates an entry in the sticky, world-writable queue directory and holds an
+exclusive flock on it while it waits. Everything an entry says about itself is written by
+a user, so a reader believes only what the kernel guarantees:
+
+* *alive*: /proc/locks shows a flock on the entry's inode taken by the pid in its name
+  (a dead waiter's lock is gone; a lock someone else took on it does not count);
+* *whose*: the file's owner, which must also own that pid; it must be a regular file with
+  one link (no hard link to somebody else's file);
+* *since when*: the time in its name, but never earlier than its ctime allows, which only
+  the kernel sets: an entry cannot claim to have waited longer than it has.
+
+What the name claims besides (count, placement, how long before devices are reserved for
+it) only shapes that user's own turns. Entries are found with one directory scan and one
+read of /proc/locks, O(entries); the file itself is opened only for runs that narrowed
+their devices (the list is inside) and for `cudawrap status`.
+
+Entry name: ``<arrival ns, 20 digits>.<pid>.<count><placement><a|n>.<reserve s|inf>.wait``.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import stat
 import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Iterator, List, Optional
+    from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from .errors import NoDeviceError, SetupError
-from .leases import SYNC_HINT
+from .leases import SYNC_HINT, proc_locks
+from .schedule import Waiter
 
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_SUFFIX = ".wait"
+SUFFIX = ".wait"
+# A user may have this many runs waiting at once: bounds what one user adds to every scan.
+MAX_ENTRIES_PER_USER = 1000
+# An entry whose ctime is more than this after its claimed arrival arrived at its ctime.
+CLOCK_SLACK_NS = 2 * 10**9
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_PLACEMENT_CODES = {"spread": "s", "pack": "k", "random": "r"}
+_PLACEMENTS = {v: k for k, v in _PLACEMENT_CODES.items()}
+_MAX_INFO = 64 << 10
 
 
-class Mutex:
-    """The queue's global mutex: a root-created file every user may flock read-only.
+def entry_name(key_ns: int, pid: int, count: int, placement: str, narrowed: bool,
+               reserve_after: float) -> str:
+    reserve = "inf" if reserve_after == float("inf") else str(int(reserve_after))
+    return (f"{key_ns:020d}.{pid}.{count}{_PLACEMENT_CODES.get(placement, 's')}"
+            f"{'n' if narrowed else 'a'}.{reserve}{SUFFIX}")
 
-    Anyone can therefore hold it, on purpose or not; it is normally held for milliseconds.
-    With a finite LIMIT_S a launch gives up after that long instead of hanging forever.
+
+def parse_name(name: str) -> Optional[Tuple[int, int, int, str, bool, float]]:
+    """(key ns, pid, count, placement, narrowed, reserve_after) from an entry NAME, or None.
+
+    ASCII digits only: anyone can create names here, and int() accepts "²" and "1_000".
     """
+    if not name.endswith(SUFFIX):
+        return None
+    parts = name[:-len(SUFFIX)].split(".")
+    if len(parts) != 4:
+        return None
+    key, pid, req, reserve = parts
+    digits = req[:-2]
+    if not (len(key) == 20 and _digits(key) and _digits(pid) and len(pid) <= 9 and digits
+            and _digits(digits) and len(digits) <= 3 and req[-2] in _PLACEMENTS and req[-1] in "an"):
+        return None
+    if reserve == "inf":
+        reserve_s = float("inf")
+    elif _digits(reserve) and len(reserve) <= 12:
+        reserve_s = float(reserve)
+    else:
+        return None
+    count = int(digits)
+    if count < 1:
+        return None
+    return int(key), int(pid), count, _PLACEMENTS[req[-2]], req[-1] == "n", reserve_s
 
-    def __init__(self, path: str, limit_s: float = float("inf")) -> None:
-        self.path = path
-        self.limit_s = limit_s
-        self.fd = -1
 
-    def __enter__(self) -> Mutex:
-        try:
-            self.fd = os.open(self.path, _OPEN_FLAGS)
-        except OSError as exc:
-            raise SetupError(f"cannot open the queue lock {self.path}: {exc.strerror}", hint=SYNC_HINT) from None
-        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
-            os.close(self.fd)
-            raise SetupError(f"the queue lock {self.path} is not a regular file", hint=SYNC_HINT)
-        if self.limit_s == float("inf"):
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-            return self
-        deadline = time.monotonic() + self.limit_s
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(self.fd)
-                    self.fd = -1
-                    raise NoDeviceError(
-                        f"the wait queue's lock {self.path} was held by another process for "
-                        f"{self.limit_s:g} s", hint="`cudawrap status` shows who holds it") from None
-                time.sleep(0.002)
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()
 
-    def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)  # closing drops the lock
-        self.fd = -1
+
+def parse_info(data: bytes) -> Dict[str, str]:
+    """key=value lines of an entry's contents (untrusted text)."""
+    out: Dict[str, str] = {}
+    for line in data.decode("utf-8", "replace").splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key not in out:
+            out[key] = value
+    return out
 
 
 class Entry:
     """This process's place in the queue."""
 
-    def __init__(self, key: str, fd: int, path: str) -> None:
-        self.key = key
+    def __init__(self, name: str, fd: int, path: str) -> None:
+        self.name = name
         self.fd = fd
         self.path = path
+        self.size = os.fstat(fd).st_size
 
 
-def _is_entry(name: str) -> bool:
-    # ASCII digits only: anyone can create names here, and int() refuses "²²²…".
-    key = name[:20]
-    return name.endswith(_SUFFIX) and len(name) > 21 and name[20] == "." and key.isascii() and key.isdigit()
+class Scan:
+    """The live, valid waiters at one moment, and the lock table it was judged by."""
+
+    def __init__(self, waiters: List[Waiter], locks: Dict[Tuple[int, int], int],
+                 paths: Dict[str, str]) -> None:
+        self.waiters = waiters
+        self.locks = locks
+        self.paths = paths  # key -> entry path
 
 
 class WaitQueue:
-    def __init__(self, queue_dir: str, mutex_path: str) -> None:
+    def __init__(self, queue_dir: str) -> None:
         self.dir = queue_dir
-        self.mutex_path = mutex_path
         try:
             st = os.stat(queue_dir)
         except OSError:
@@ -97,108 +123,144 @@ class WaitQueue:
         if not stat.S_ISDIR(st.st_mode) or not st.st_mode & stat.S_ISVTX:
             raise SetupError(f"the queue directory {queue_dir} is not a sticky directory",
                              hint="run `cudawrap doctor --repair` as root")
+        self.dev = st.st_dev
+        self.uid = os.geteuid()
+        # Per entry inode: what was read once (entries never change what they claim).
+        self._candidates: Dict[int, Optional[FrozenSet[str]]] = {}
+        self._owner_ok: Dict[Tuple[int, int], bool] = {}
 
-    def mutex(self, limit_s: float = float("inf")) -> Mutex:
-        return Mutex(self.mutex_path, limit_s)
-
-    def _names(self) -> List[str]:
+    # -- reading ---------------------------------------------------------------------------
+    def scan(self, now_ns: Optional[int] = None, clean: bool = True) -> Scan:
+        """Every live and valid waiter; dead entries we may remove are removed (CLEAN)."""
+        locks = proc_locks()
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        waiters: List[Waiter] = []
+        paths: Dict[str, str] = {}
         try:
-            return sorted(n for n in os.listdir(self.dir) if _is_entry(n))
+            it = os.scandir(self.dir)
         except OSError:
-            return []
+            return Scan(waiters, locks, paths)
+        with it:
+            for item in it:
+                parsed = parse_name(item.name)
+                if parsed is None:
+                    continue
+                key_ns, pid, count, placement, narrowed, reserve_s = parsed
+                path = self.dir + "/" + item.name
+                holder = locks.get((self.dev, item.inode()))
+                if holder != pid:
+                    if holder is None and clean:
+                        self._remove_dead(path)
+                    continue
+                try:
+                    st = item.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not self._owns(st.st_uid, pid, st.st_ino):
+                    continue
+                candidates: Optional[FrozenSet[str]] = None
+                if narrowed:
+                    if st.st_ino not in self._candidates:
+                        self._candidates[st.st_ino] = self._read_candidates(path)
+                    candidates = self._candidates[st.st_ino]
+                    if candidates is None:
+                        continue
+                # Never earlier than the kernel's ctime allows (minus slack for slow creation).
+                arrival_ns = max(key_ns, st.st_ctime_ns - CLOCK_SLACK_NS)
+                waiters.append(Waiter(item.name, st.st_uid, pid, count, candidates, placement,
+                                      reserve_s, arrival_ns / 1e9))
+                paths[item.name] = path
+        return Scan(waiters, locks, paths)
 
-    def _open_live(self, name: str) -> int:
-        """A descriptor on entry NAME if its owner is alive (holds its lock), else -1."""
-        path = self.dir + "/" + name
+    def _owns(self, uid: int, pid: int, ino: int) -> bool:
+        """Whether UID owns process PID (the lock holder), remembered per inode and pid."""
+        known = self._owner_ok.get((ino, pid))
+        if known is None:
+            try:
+                known = os.stat(f"/proc/{pid}").st_uid == uid
+            except OSError:
+                known = False
+            if len(self._owner_ok) > 4 * MAX_ENTRIES_PER_USER:
+                self._owner_ok.clear()
+            self._owner_ok[(ino, pid)] = known
+        return known
+
+    def _read_candidates(self, path: str) -> Optional[FrozenSet[str]]:
+        info = self.read_info(path)
+        if info is None:
+            return None
+        return frozenset(u for u in info.get("candidates", "").split(",") if u)
+
+    @staticmethod
+    def read_info(path: str) -> Optional[Dict[str, str]]:
         try:
-            fd = os.open(path, _OPEN_FLAGS)
+            fd = os.open(path, _READ_FLAGS)
         except OSError:
-            return -1
+            return None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                return -1
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return fd  # locked: its owner is waiting
+                return None
+            return parse_info(os.read(fd, _MAX_INFO))
+        except OSError:
+            return None
+        finally:
             os.close(fd)
-            return -1
-        # Nobody holds it: its owner died. Remove it if we may (our own, or as root).
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+
+    def _remove_dead(self, path: str) -> None:
+        # Our own dead entries, or anyone's as root; the sticky bit refuses the rest.
         try:
-            os.unlink(path)
+            if self.uid == 0 or os.lstat(path).st_uid == self.uid:
+                os.unlink(path)
         except OSError:
             pass
-        return -1
 
-    def live(self, before: Optional[str] = None) -> List[str]:
-        """Keys of live entries in arrival order (only those ahead of BEFORE if given)."""
-        out = []
-        for name in self._names():
-            if before is not None and name >= before:
-                break
-            fd = self._open_live(name)
-            if fd >= 0:
-                os.close(fd)
-                out.append(name)
-        return out
-
-    def anyone_waiting(self) -> bool:
-        """Whether any live entry exists (stops at the first: newcomers ask this)."""
-        for name in self._names():
-            fd = self._open_live(name)
-            if fd >= 0:
-                os.close(fd)
-                return True
-        return False
-
-    def enqueue(self, info: bytes) -> Entry:
-        """Join the queue; the caller holds the mutex, which makes the key order arrival order."""
-        now = time.monotonic_ns()
-        # CLOCK_MONOTONIC is one clock for the whole machine, so a real waiter's key is never
-        # ahead of it: a key from the future was planted (anyone may create files here) and
-        # must not steer ours, which would make our names predictable and out of order.
-        keys = [int(n[:20]) for n in self._names()]
-        last = max((k for k in keys if k <= now + 10**9), default=0)
-        key_ns = max(now, last + 1)
+    # -- joining and leaving -----------------------------------------------------------------
+    def enqueue(self, count: int, placement: str, candidates: Optional[Iterable[str]],
+                reserve_after: float, info: bytes, mine: int = 0) -> Entry:
+        """Join the queue. MINE: this user's live entries already (for the per-user bound)."""
+        if mine >= MAX_ENTRIES_PER_USER:
+            raise NoDeviceError(f"you already have {mine} runs waiting, the most one user may have",
+                                hint="wait for some of them to start, or cancel some (`cudawrap cancel PID`)")
         pid = os.getpid()
+        body = info
+        if candidates is not None:
+            body += ("candidates=" + ",".join(candidates) + "\n").encode()
+        # Created 0600 and locked before anyone else may open it: a reader that took a
+        # shared lock first would otherwise stall us (and be blamed on us).
+        key_ns = time.time_ns()
         while True:
             tmp = f"{self.dir}/.new-{pid}-{key_ns}"
             try:
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
                 break
             except FileExistsError:  # planted by someone else: never opened, just avoided
                 key_ns += 1
+            except OSError as exc:
+                raise SetupError(f"cannot join the wait queue in {self.dir}: {exc.strerror}",
+                                 hint="ask an admin to check the runtime file system (`cudawrap doctor`)") from None
+        import fcntl
+
         try:
-            os.fchmod(fd, 0o644)  # readable whatever our umask, or others would not see us waiting
             fcntl.flock(fd, fcntl.LOCK_EX)
-            os.write(fd, info)
+            os.write(fd, body)
+            os.fchmod(fd, 0o644)  # now others may read what we ask for
             while True:
-                name = f"{key_ns:020d}.{pid}{_SUFFIX}"
+                name = entry_name(key_ns, pid, count, placement, candidates is not None, reserve_after)
                 try:
                     os.link(tmp, self.dir + "/" + name)  # link, unlike rename, never replaces
                     break
                 except FileExistsError:
                     key_ns += 1
+        except OSError as exc:
+            os.close(fd)
+            raise SetupError(f"cannot join the wait queue in {self.dir}: {exc.strerror}",
+                             hint="ask an admin to check the runtime file system (`cudawrap doctor`)") from None
         finally:
-            os.unlink(tmp)
-        return Entry(name, fd, self.dir + "/" + name)
-
-    def wait_turn(self, entry: Entry) -> None:
-        """Block until no live entry is ahead of ENTRY."""
-        while True:
-            ahead = self.live(before=entry.key)
-            if not ahead:
-                return
-            fd = self._open_live(ahead[-1])
-            if fd < 0:
-                continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH)  # sleeps until the one ahead leaves
-            finally:
-                os.close(fd)
+                os.unlink(tmp)
+            except OSError:
+                pass
+        return Entry(name, fd, self.dir + "/" + name)
 
     def leave(self, entry: Entry) -> None:
         try:
@@ -206,18 +268,34 @@ class WaitQueue:
         except OSError:
             pass
         if entry.fd >= 0:
-            os.close(entry.fd)  # wakes the waiter behind us
+            os.close(entry.fd)  # drops the lock
             entry.fd = -1
 
-    def entries(self) -> Iterator[tuple]:
-        """(key, owner uid, info bytes) of every live entry, for `cudawrap status`."""
-        for name in self._names():
-            fd = self._open_live(name)
-            if fd < 0:
-                continue
-            try:
-                uid = os.fstat(fd).st_uid
-                info = os.read(fd, 4096)
-            finally:
-                os.close(fd)
-            yield name, uid, info
+    def cancelled_by(self, entry: Entry) -> Optional[str]:
+        """Who cancelled ENTRY (`cudawrap cancel` appended a line), or None."""
+        try:
+            size = os.fstat(entry.fd).st_size
+        except OSError:
+            return None
+        if size == entry.size:
+            return None
+        data = os.pread(entry.fd, min(size, _MAX_INFO), 0)
+        by = parse_info(data).get("cancel")
+        return by if by else None
+
+
+def poke(path: str) -> None:
+    """Wake the waiter of entry PATH: it watches its entry for opens (see acquire.Watch)."""
+    try:
+        os.close(os.open(path, _READ_FLAGS))
+    except OSError:
+        pass
+
+
+def cancel(path: str, by: str) -> None:
+    """Ask the waiter of PATH to give up: only its owner and root can write its entry."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        os.write(fd, f"cancel={by}\n".encode("utf-8", "replace"))
+    finally:
+        os.close(fd)

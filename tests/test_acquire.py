@@ -101,7 +101,7 @@ def test_waiters_are_served_first_come_first_served(installed):
     for n in range(5):
         proc = inst.start("recon", "--hold", "0.1", "--log", str(inst.log))
         line = proc.stderr.readline().decode()  # said once, before it sleeps
-        assert "waiting" in line and f"{'nobody' if n == 0 else n}" in line, line
+        assert "waiting" in line and f"position {n + 1} in line" in line, line
         waiters.append(proc)
     holder.send_signal(signal.SIGTERM)
     holder.wait(timeout=10)
@@ -152,7 +152,7 @@ def test_wait_limit_ends_with_75_and_one_line(installed):
     assert r.returncode == 75
     lines = r.stderr.decode().splitlines()
     assert "waiting" in lines[0]
-    assert lines[1] == "recon: no device became free within 0.5 s"
+    assert lines[1] == "recon: no device within 0.5 s: every device it may use is busy; position 1 in line"
     assert 0.5 <= took < 5
     r = inst.run("recon", CUDAWRAP_WAIT="0")
     assert r.returncode == 75

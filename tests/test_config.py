@@ -261,6 +261,8 @@ def table(stdout: bytes) -> dict:
     starts = [lines[1].index(h) for h in ("SETTING", "VALUE", "SOURCE")]
     out = {}
     for line in lines[2:]:
+        if not line.strip():
+            break  # the limits table follows
         out[line[:starts[1]].strip()] = (line[starts[1]:starts[2]].strip(), line[starts[2]:].strip())
     return out
 

@@ -208,7 +208,7 @@ def test_readme_try_it_without_a_gpu_works_as_written(tmp_path, wheelhouse):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "exit 75" in r.stdout
-    assert "recon: all 4 usable devices are busy; waiting (nobody ahead, pid" in r.stderr
+    assert "recon: waiting for a device: every device it may use is busy; position 1 in line (pid" in r.stderr
     assert "recon: got GPU-" in r.stderr
     assert os.listdir(tmp_path) == []  # step 5 removed everything
 

@@ -172,8 +172,8 @@ def test_random_launches_and_kills_leave_nothing_behind(installed, tmp_path: Pat
             left.append((pid, cmdline))
     assert not left, (where, left)
     # No live entry in the queue; the dead ones of killed waiters are removed by anyone's next look.
-    queue = WaitQueue(str(inst.layout.queue_dir), str(inst.layout.queue_lock))
-    assert queue.live() == [], where
+    queue = WaitQueue(str(inst.layout.queue_dir))
+    assert queue.scan().waiters == [], where
     assert [n for n in os.listdir(inst.layout.queue_dir) if n.endswith(".wait")] == [], where
     # And never one device held by two jobs at once.
     assert _overlaps(inst.log, soak.jobs) == [], where

@@ -18,6 +18,7 @@ from .. import policy
 from ..config import DEFAULTS, format_wait
 from ..defaults import toml_value
 from ..errors import UsageError
+from ..limits import NO_LIMITS
 from ..paths import Layout, default_layout
 from . import Command
 
@@ -52,7 +53,7 @@ def resolve_program(layout: Layout, program: str) -> Tuple[str, Optional[str]]:
 
 
 def display(key: str, value: Any) -> str:
-    if key == "wait" and isinstance(value, (int, float)):
+    if key in ("wait", "reserve_after") and isinstance(value, (int, float)):
         return format_wait(value)
     if isinstance(value, (list, tuple)):
         return toml_value(list(value)) if value else "[] (all devices)"
@@ -86,13 +87,17 @@ class ConfigCommand(Command):
                 raise UsageError("--program: empty name", hint="give a wrapped program's name or path")
             link, note = resolve_program(layout, self.program)
         settings = policy.effective(os.fspath(layout.root), link)
+        limits = settings.pop("limits", (NO_LIMITS, ""))[0]
         keys = [k for k in DEFAULTS if k in settings] + sorted(k for k in settings if k not in DEFAULTS)
+        limit_rows = _limit_rows(limits)
         if self.as_json:
             out: Dict[str, Any] = {
                 "config_file": os.fspath(layout.config_file),
                 "program": link,
                 "settings": {k: {"value": _jsonable(settings[k][0]), "source": settings[k][1]}
                              for k in keys},
+                "limits": [{"applies_to": who, "max_devices": n, "source": src}
+                           for who, n, src in limit_rows],
             }
             print(json.dumps(out, indent=2))
             return 0
@@ -105,10 +110,23 @@ class ConfigCommand(Command):
         for key in keys:
             value, source = settings[key]
             rows.append((key, display(key, value), source_text(source)))
+        rows.append(("", "", ""))
+        rows.append(("LIMIT", "MAX DEVICES", "SOURCE"))
+        for who, n, src in limit_rows:
+            rows.append((who, str(n) if n else "0 (no limit)", source_text(src)))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         return 0
+
+
+def _limit_rows(limits: Dict[str, Any]) -> List[Tuple[str, int, str]]:
+    """(who, max devices, source) for every limit: everyone, then users, then groups."""
+    value, source = limits["default"]
+    rows = [("every user (max_devices_per_user)", value, source)]
+    rows += [(f"user {name}", v, src) for name, (v, src) in sorted(limits["users"].items())]
+    rows += [(f"group {name}", v, src) for name, (v, src) in sorted(limits["groups"].items())]
+    return rows
 
 
 def _jsonable(value: Any) -> Any:

@@ -86,13 +86,10 @@ class StatusCommand(Command):
         _table(rows)
         if status["waiting"]:
             print()
-            _table([("WAITING", "USER", "PID", "DEVICES", "PROGRAM")] + [
-                (str(n), w["user"], str(w["pid"]), str(w["count"]), w["program"])
-                for n, w in enumerate(status["waiting"], 1)])
-        holder = status.get("queue_lock_holder")
-        if holder:
-            print(f"\nqueue lock held by pid {holder['pid']} {holder['user']} {holder['command'][:30]} "
-                  f"since {holder['since']}")
+            _table([("POS", "USER", "PID", "N", "WAITED", "PROGRAM", "WHY")] + [
+                (str(w["position"] or "?"), w["user"], str(w["pid"]), str(w["count"]),
+                 f"{w['waiting_s']:.0f}s", w["program"][:20], w["reason"])
+                for w in status["waiting"]])
         return 0
 
 

@@ -1,0 +1,71 @@
+"""inotify through ctypes: the kernel tells a waiter when a lease or its queue entry changes.
+
+The standard library has no inotify binding, and this is the only reason a waiting run
+loads ctypes (never on a launch that does not wait).
+"""
+from __future__ import annotations
+
+import os
+
+TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
+if TYPE_CHECKING:
+    from typing import Optional
+
+IN_MODIFY = 0x2
+IN_CLOSE_WRITE = 0x8
+IN_CLOSE_NOWRITE = 0x10
+IN_OPEN = 0x20
+IN_MOVED_TO = 0x80
+IN_CREATE = 0x100
+IN_DELETE = 0x200
+_IN_NONBLOCK = 0o4000
+_IN_CLOEXEC = 0o2000000
+
+_libc = None
+
+
+def _lib():  # type: ignore[no-untyped-def]
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+class Watch:
+    """One inotify instance; fileno() for poll, drain() to consume what woke us."""
+
+    def __init__(self) -> None:
+        self.fd = _lib().inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        if self.fd < 0:
+            import ctypes
+
+            raise OSError(ctypes.get_errno(), "inotify_init1 failed")
+
+    def add(self, path: str, mask: int) -> bool:
+        """Watch PATH for MASK; False if it cannot be watched (the caller then polls)."""
+        return _lib().inotify_add_watch(self.fd, os.fsencode(path), mask) >= 0
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 65536):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def open_watch() -> Optional[Watch]:
+    """A Watch, or None where inotify is unavailable (out of instances, no ctypes)."""
+    try:
+        return Watch()
+    except (OSError, AttributeError, ImportError):
+        return None
