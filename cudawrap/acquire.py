@@ -38,6 +38,9 @@ POLL_S = 0.02
 # A run given devices that has not taken them after this long loses its turn for STALL_S.
 GRACE_S = 0.5
 STALL_S = 5.0
+# Within one user only arrival order is at stake, so a slow process of the same user (a
+# loaded machine) is given longer before its own later runs pass it.
+OWN_GRACE_S = 3.0
 # NVML data older than this is re-read before a device is judged occupied by a process
 # cudawrap did not start. A device whose lease was held at the last look is re-read at
 # once: the processes seen on it were probably that job's, now gone.
@@ -240,7 +243,7 @@ class Acquirer:
             first = self.offered.setdefault(key, now)
             if first == now:
                 poke(scan.paths[key])
-            elif now - first >= GRACE_S or _stopped(w.pid):
+            elif now - first >= (OWN_GRACE_S if w.uid == self.uid else GRACE_S) or _stopped(w.pid):
                 self.skip_keys[key] = now + STALL_S
                 if w.uid != self.uid:
                     self.skip_users[w.uid] = now + STALL_S

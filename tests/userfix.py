@@ -33,7 +33,7 @@ from cudawrap.paths import Layout
 from adminfix import Snapshot, diff, snapshot  # noqa: F401 - one tree snapshot for all tests
 from fakemachine import FAKECUDA, FakeMachine, build_fakenvml, preload, shutdown_nvml
 
-USER_NAMES = ("cwtest1", "cwtest2")
+USER_NAMES = ("cwtest1", "cwtest2", "cwtest3")
 GECOS = "cudawrap test user (removed by the test suite)"
 # Sessions running side by side share the accounts: each holds this lock shared while it
 # runs, and the last one out (the one that can take it exclusively) removes them.
@@ -120,6 +120,10 @@ class World:
     @property
     def bob(self) -> User:
         return self.users[USER_NAMES[1]]
+
+    @property
+    def carol(self) -> User:
+        return self.users[USER_NAMES[2]]
 
 
 def _reachable(path: str) -> bool:

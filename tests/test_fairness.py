@@ -1,0 +1,200 @@
+"""Fair turns between real users, limits, reservations and runs that do not take their turn.
+
+Run as root with real accounts (tests/userfix.py), on the simulated machine. Orders are read
+from the start records the stand-in programs log themselves; no assertion depends on timing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import time
+from typing import List
+
+from corefix import ready_line
+from test_multiuser import status, waiting_line
+from userfix import root_only
+
+pytestmark = root_only
+
+
+def starts(log) -> List[int]:  # type: ignore[no-untyped-def]
+    return [j["pid"] for j in map(json.loads, log.read_text().splitlines()) if j["event"] == "start"]
+
+
+def config(inst, text: str) -> None:  # type: ignore[no-untyped-def]
+    inst.layout.config_file.write_text(text)
+    inst.layout.config_file.chmod(0o644)
+
+
+def test_a_second_user_is_served_before_the_first_users_batch(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("four-gpus")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    d0, d1 = inst.machine.leaf_uuids()[:2]
+    inst.allow(d0, d1)
+    holders = [inst.start(alice, "recon", "--hold", "600") for _ in range(2)]
+    for h in holders:
+        ready_line(h)
+    batch = []
+    for n in range(3):
+        p = inst.start(alice, "recon", "--hold", "0.3", "--log", str(inst.log))
+        assert f"position {n + 1} in line" in waiting_line(p)
+        batch.append(p)
+    late = inst.start(bob, "recon", "--hold", "0.3", "--log", str(inst.log))
+    # Bob holds nothing and alice two: he is next although he came last.
+    assert "position 1 in line" in waiting_line(late)
+    seen = status(inst, bob)["waiting"]
+    assert [(w["user"], w["position"]) for w in seen] == [(bob.name, 1)] + [(alice.name, n) for n in (2, 3, 4)]
+    holders[0].kill()
+    assert late.wait(timeout=30) == 0
+    holders[1].kill()
+    for p in batch:
+        assert p.wait(timeout=30) == 0
+    assert starts(inst.log) == [late.pid] + [p.pid for p in batch]
+
+
+def test_three_users_the_fewest_held_goes_next(mu) -> None:  # type: ignore[no-untyped-def]
+    """Each freed device goes to the waiting user holding the fewest devices; ties to the
+    user whose oldest waiting run came first (README: Order of service)."""
+    inst = mu("four-gpus")
+    alice, bob, carol = inst.world.alice, inst.world.bob, inst.world.carol
+    inst.wrap("recon")
+    d0, d1 = inst.machine.leaf_uuids()[:2]
+    inst.allow(d0, d1)
+    holders = [inst.start(None, "recon", "--hold", "600") for _ in range(2)]
+    for h in holders:
+        ready_line(h)
+    runs = {}
+    for name, user, n in (("a", alice, 3), ("b", bob, 1), ("c", carol, 1)):
+        for i in range(n):
+            runs[f"{name}{i + 1}"] = p = inst.start(user, "recon", "--hold", "600")
+            waiting_line(p)
+
+    def next_to_start(kill: str) -> str:
+        victim = holders.pop(0) if kill == "root" else runs.pop(kill)
+        victim.kill()
+        victim.wait()
+        waiting = {p.stdout.fileno(): name for name, p in runs.items() if name not in started}
+        ready, _, _ = select.select(list(waiting), [], [], 30)
+        assert len(ready) == 1, [waiting[fd] for fd in ready]
+        name = waiting[ready[0]]
+        ready_line(runs[name])
+        started.append(name)
+        return name
+
+    started: List[str] = []
+    # all hold 0: alice's run is the oldest | alice 1, bob 0, carol 0: bob's is older than carol's
+    assert next_to_start("root") == "a1"
+    assert next_to_start("root") == "b1"
+    # alice 0, bob 1, carol 0: alice's a2 arrived before carol's c1
+    assert next_to_start("a1") == "a2"
+    # alice 1, bob 0 (nothing waiting), carol 0: carol
+    assert next_to_start("b1") == "c1"
+    assert next_to_start("a2") == "a3"
+
+
+def test_a_large_run_does_not_idle_devices_then_gets_them_reserved(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("four-gpus")
+    alice, bob, carol = inst.world.alice, inst.world.bob, inst.world.carol
+    inst.wrap("recon")
+    inst.wrap("big")
+    config(inst, '[policy]\nreserve_after = 1\n\n[programs."big"]\ngpus = 4\n')
+    holders = [inst.start(alice, "recon", "--hold", "600") for _ in range(4)]
+    for h in holders:
+        ready_line(h)
+    large = inst.start(bob, "big", "--log", str(inst.log))
+    assert "position 1 in line" in waiting_line(large)
+    small = [inst.start(carol, "recon", "--hold", "600", "--log", str(inst.log)) for _ in range(2)]
+    for p in small:
+        waiting_line(p)
+    # Bob waits for four; a freed device goes to carol's run instead of idling.
+    holders[0].kill()
+    ready_line(small[0])
+    time.sleep(1.5)  # bob has now waited longer than reserve_after
+    holders[1].kill()
+    holders[1].wait()
+    deadline = time.monotonic() + 30
+    while True:
+        why = {w["pid"]: w["reason"] for w in status(inst, None)["waiting"]}
+        if "kept for a run that has waited longer" in why.get(small[1].pid, ""):
+            break
+        assert time.monotonic() < deadline, (why, large.poll(), small[1].poll(), large.stderr.read(), small[1].stderr.read(), large.stdout.read(), small[1].stdout.read())
+        time.sleep(0.1)
+    assert "kept for this run, waiting for" in why[large.pid]
+    assert small[1].poll() is None
+    for p in holders[2:] + small[:1]:
+        p.kill()
+    assert ready_line(large)["devices"] and large.wait(timeout=30) == 0
+    assert len(json.loads(inst.log.read_text().splitlines()[-1])["devices"]) == 4
+    small[1].kill()
+
+
+def test_limits_per_user_and_their_messages(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("four-gpus")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    inst.wrap("big")
+    config(inst, '[limits]\nmax_devices_per_user = 1\n\n[limits.users."%s"]\nmax_devices = 2\n\n'
+                 '[programs."big"]\ngpus = 2\n' % bob.name)
+    shown = inst.cli(alice, "config").stdout.decode()
+    assert "every user (max_devices_per_user)  1" in shown and f"user {bob.name}" in shown
+    first = inst.start(alice, "recon", "--hold", "600")
+    ready_line(first)
+    second = inst.start(alice, "recon", "--log", str(inst.log))
+    line = waiting_line(second)
+    assert "you hold 1 device, your limit is 1; waiting for one of yours to end" in line, line
+    # Others are not held up by alice's limit, and bob's own limit is 2.
+    done = inst.run(bob, "big", CUDAWRAP_WAIT="0")
+    assert done.returncode == 0, done.stderr
+    never = inst.run(alice, "big", CUDAWRAP_WAIT="forever")
+    assert never.returncode == 75 and "your limit is 1" in never.stderr.decode()
+    first.kill()
+    assert second.wait(timeout=30) == 0
+
+
+def test_a_stopped_waiter_loses_its_turn_and_gets_it_back(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("four-gpus")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    inst.allow(inst.machine.leaf_uuids()[0])
+    holder = inst.start(None, "recon", "--hold", "600")
+    ready_line(holder)
+    stopped = inst.start(alice, "recon", "--log", str(inst.log))
+    assert "position 1 in line" in waiting_line(stopped)
+    patient = inst.start(bob, "recon", "--hold", "0.5", "--log", str(inst.log))
+    assert "position 2 in line" in waiting_line(patient)
+    os.kill(stopped.pid, signal.SIGSTOP)
+    holder.kill()
+    assert patient.wait(timeout=30) == 0  # alice's stopped run did not keep the device idle
+    os.kill(stopped.pid, signal.SIGCONT)
+    assert stopped.wait(timeout=30) == 0
+    assert starts(inst.log) == [patient.pid, stopped.pid]
+    assert status(inst, None)["waiting"] == []
+
+
+def test_the_api_waits_from_a_thread_and_leaves_nothing_behind(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("four-gpus")
+    alice = inst.world.alice
+    inst.allow(inst.machine.leaf_uuids()[0])
+    holder = inst.start(None, *inst.world.python.split(), "-I", "-c",
+                        "import cudawrap, time; cudawrap.acquire(); print('held', flush=True); time.sleep(60)")
+    assert holder.stdout.readline() == b"held\n"
+    code = ("import cudawrap, threading, json\n"
+            "out = {}\n"
+            "def work():\n"
+            "    try:\n"
+            "        out['got'] = cudawrap.acquire(wait=30)\n"
+            "    except Exception as exc:\n"
+            "        out['error'] = repr(exc)\n"
+            "t = threading.Thread(target=work); t.start(); t.join(); print(json.dumps(out))\n")
+    waiter = inst.py_start(alice, code)
+    deadline = time.monotonic() + 30
+    while not status(inst, None)["waiting"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    holder.kill()
+    assert waiter.wait(timeout=30) == 0, waiter.stderr.read()
+    assert json.loads(waiter.stdout.read()) == {"got": [inst.machine.leaf_uuids()[0]]}
+    assert status(inst, None)["waiting"] == []
