@@ -113,13 +113,32 @@ class Grant:
         return env
 
 
-def _narrow_inherited(lease: Lease, preset: Optional[str]) -> str:
-    """Within an inherited lease, keep what the caller narrowed CUDA_VISIBLE_DEVICES to."""
-    if preset:
-        kept = [t.strip() for t in preset.split(",") if t.strip() in lease.fds]
-        if kept:
-            return ",".join(kept)
-    return ",".join(lease.uuids)
+def _narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
+    """The part of an inherited LEASE that the caller's CUDA_VISIBLE_DEVICES names.
+
+    The child lives in its parent's devices: an index counts in the parent's list (the
+    order the parent was given them), a UUID (or a unique GPU- prefix) must be one of them,
+    and, as in CUDA, the first entry that is neither, or repeats one, ends the list. Unset
+    keeps the whole lease; None when nothing of the lease is named (set but empty: no device).
+    """
+    if preset is None:
+        return lease
+    from .selection import _by_prefix
+
+    uuids = lease.uuids
+    kept: List[str] = []
+    for token in preset.split(","):
+        token = token.strip()
+        if token.isascii() and token.isdigit():
+            uuid = uuids[int(token)] if len(token) <= 9 and int(token) < len(uuids) else None
+        elif token.startswith("GPU-") and len(token) > len("GPU-"):
+            uuid = _by_prefix(token, uuids)
+        else:
+            uuid = token if token in lease.fds else None
+        if uuid is None or uuid in kept:
+            break
+        kept.append(uuid)
+    return Lease({u: lease.fds[u] for u in kept}) if kept else None
 
 
 def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
@@ -134,7 +153,12 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     if marker:
         inherited = inherited_lease(lease_dir, marker)
         if inherited is not None:
-            return Grant(inherited, _narrow_inherited(inherited, preset))
+            if preset is not None and not preset.strip():
+                return Grant(None, None)  # the caller asked for no device at all
+            narrowed = _narrow_inherited(inherited, preset)
+            if narrowed is not None:
+                return Grant(narrowed, ",".join(narrowed.uuids))
+            # Devices outside the parent's lease: leased anew, like any run's.
 
     from . import nvml
     from .snapshot import SnapshotRefresh, read_fresh

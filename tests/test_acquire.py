@@ -220,6 +220,32 @@ def test_nested_wrapped_program_reuses_the_lease(installed, tmp_path):
     assert [x["devices"] for x in runs] == [[inst.machine.leaf_uuids()[0]]] * 2
 
 
+def test_nested_run_honours_its_own_visible_devices(installed, tmp_path):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    gpus = inst.machine.leaf_uuids()
+    outer = tmp_path / "pipeline"
+    # The parent holds two GPUs; each child narrows within them (README: an index counts in
+    # the parent's list, empty means no device).
+    outer.write_text('#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES"\n'
+                     'CUDA_VISIBLE_DEVICES= recon\n'
+                     'CUDA_VISIBLE_DEVICES=1 recon\n'
+                     'CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES%%,*}" recon\n'
+                     'recon\n')
+    outer.chmod(0o755)
+    inst.wrap("pipeline", outer)
+    only(inst, gpus[0], gpus[1])  # a child leasing anew would find nothing free
+    inst.write_config(inst.layout.config_file.read_text() + "[policy]\ngpus = 2\n")
+    r = inst.run("pipeline", CUDAWRAP_WAIT="0")
+    assert r.returncode == 0, r.stderr
+    first, *lines = r.stdout.decode().splitlines()
+    parent = first.split(",")
+    assert sorted(parent) == gpus[:2]
+    runs = [json.loads(line) for line in lines]
+    assert [x["devices"] for x in runs] == [[], [parent[1]], [parent[0]], parent]
+    assert runs[0]["cvd"] == ""
+
+
 def test_a_forged_lease_marker_gets_no_free_ride(installed):
     inst = installed("a100-mig7")
     inst.wrap("recon")
