@@ -1,4 +1,5 @@
 """Free, leased, fair: the guarantees cudawrap makes about who gets which device."""
+import fcntl
 import json
 import os
 import signal
@@ -254,6 +255,26 @@ def test_a_forged_lease_marker_gets_no_free_ride(installed):
     holder, _ = hold(inst)
     r = inst.run("recon", CUDAWRAP_WAIT="0", CUDAWRAP_LEASE=f"0:{first}")
     assert r.returncode == 75
+    holder.kill()
+
+
+def test_a_hand_opened_free_lease_file_is_no_inherited_lease(installed):
+    """A user opens a free lease file and passes the descriptor with a hand-made marker."""
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    gpus = inst.machine.leaf_uuids()
+    only(inst, gpus[0])
+    holder, _ = hold(inst)
+    forged = inst.layout.lease_dir / gpus[3]  # free, and outside the allow-list
+    r = inst.run("sh", "-c", f'exec 7<"{forged}"; CUDAWRAP_LEASE=7:{gpus[3]} exec recon',
+                 CUDAWRAP_WAIT="0")
+    assert r.returncode == 75, r.stdout  # neither the allow-list nor the queue was skipped
+    assert b"no free device" in r.stderr
+    fd = os.open(forged, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # and it was not left locked either
+    finally:
+        os.close(fd)
     holder.kill()
 
 
