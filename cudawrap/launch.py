@@ -13,6 +13,8 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
+    from .devices import Device
+
 from . import audit
 from . import locations as loc
 from .errors import (CannotExecute, CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound,
@@ -141,6 +143,11 @@ def _narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
     return Lease({u: lease.fds[u] for u in kept}) if kept else None
 
 
+def _unchanged(device: Device) -> Device:
+    """Re-reading a device nothing is known of (no NVML): it stays as it was."""
+    return device
+
+
 def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
            count: Optional[int] = None) -> Grant:
     """Lease devices for one run under SETTINGS (key -> (value, source))."""
@@ -171,9 +178,18 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         except NvmlUnavailable as exc:
             if value["no_driver"] == "fail":
                 raise
-            say(prog, f"warning: {exc}; running without a device lease")
+            from .leases import lease_file_inventory
+
+            # The lease files root made still name the devices (NVML may be broken only for
+            # us, a driver upgraded under a loaded module): one lease each, by UUID, rather
+            # than every run on device 0.
+            inventory = lease_file_inventory(lease_dir)
             audit.log("no-driver", "warning", program=prog, pid=os.getpid(), reason=str(exc))
-            return Grant(None, None)
+            if inventory is None:
+                say(prog, f"warning: {exc}; running without a device lease")
+                return Grant(None, None)
+            say(prog, f"warning: {exc}; leasing by the lease files alone (processes on the devices unseen)")
+            refresh = _unchanged
     checked_at = time.monotonic()
 
     from .selection import allowed, parse_visible, read_allow_file

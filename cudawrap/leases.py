@@ -16,6 +16,7 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Dict, Iterable, List, Optional, Tuple
 
+from .devices import Device, Gpu, Inventory
 from .errors import SetupError
 
 # The marker a granted program inherits, so a wrapped program that starts another wrapped
@@ -143,6 +144,24 @@ class LeaseFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def lease_file_inventory(lease_dir: str) -> Optional[Inventory]:
+    """The devices the lease files name, with nothing else known; None if there are none.
+
+    For launches while NVML is unusable (a driver upgraded under a loaded module): the
+    devices root last synced still get one lease each. A GPU- file stands for a whole GPU,
+    a MIG- file for an instance of an unknown GPU; no index, processes or memory.
+    """
+    try:
+        check_dir(lease_dir, "lease directory", SYNC_HINT)
+        names = sorted(os.listdir(lease_dir))
+    except (SetupError, OSError):
+        return None
+    gpus = [Gpu(n, -1, "?", False) for n in names if n.startswith("GPU-")]
+    devices = [Device(n, "?", n, -1, 0 if n.startswith("MIG-") else None, 0, 0, None)
+               for n in names if n.startswith(("GPU-", "MIG-"))]
+    return Inventory("", gpus, devices) if devices else None
 
 
 def _lock_fields(line: str) -> Optional[Tuple[int, int, int, bool]]:

@@ -12,7 +12,7 @@ import time
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from . import policy, snapshot
-from .errors import CudawrapError, NvmlUnavailable
+from .errors import CannotWrite, CudawrapError, NvmlUnavailable
 from .devices import Inventory
 from .leases import _proc_locks, fd_holders
 from .paths import Layout
@@ -39,7 +39,17 @@ def lessees(lease_dir: str, inventory: Inventory) -> Dict[str, List[int]]:
 
 
 def refresh_once(layout: Layout) -> Optional[str]:
-    """Write one snapshot; returns an error message instead when NVML is unavailable."""
+    """Write one snapshot; returns an error message instead when NVML is unavailable.
+
+    Raises CannotWrite when the runtime directory cannot take it (full, over quota).
+    """
+    try:
+        return _refresh(layout)
+    except OSError as exc:
+        raise CannotWrite.from_os_error(exc, str(layout.runtime_dir)) from None
+
+
+def _refresh(layout: Layout) -> Optional[str]:
     from . import nvml
 
     root = str(layout.root)
@@ -69,11 +79,16 @@ def run(layout: Layout, period: float = snapshot.PERIOD_S,
         should_stop: Callable[[], bool] = lambda: False) -> None:
     last_error: Optional[str] = None
     while not should_stop():
-        error = refresh_once(layout)
+        try:
+            error = refresh_once(layout)
+        except CudawrapError as exc:
+            # A full runtime filesystem or a broken driver: say so once and keep trying,
+            # rather than exit and be restarted in a loop by systemd.
+            error = exc.message
         if error != last_error:
             if error:
-                log.warning("%s; shims ask NVML themselves until it is back", error)
+                log.warning("%s; shims ask NVML themselves until this is resolved", error)
             elif last_error:
-                log.warning("NVML is back")
+                log.warning("the snapshot is written again")
             last_error = error
         time.sleep(period if error is None else max(period, 5.0))

@@ -391,20 +391,47 @@ def test_spread_and_pack_placement(installed):
         p.kill()
 
 
-def test_no_driver_runs_unchanged_after_one_warning(installed):
+def test_no_driver_and_no_lease_files_runs_unchanged_after_one_warning(installed):
     inst = installed("four-gpus")
     inst.wrap("recon")
+    for name in os.listdir(inst.layout.lease_dir):
+        os.unlink(inst.layout.lease_dir / name)  # never synced with a driver
     env = inst.machine.without_library()
     env["PATH"] = f"{inst.bindir}:{env['PATH']}"
     env.pop("CUDA_VISIBLE_DEVICES", None)
     r = subprocess.run(["recon"], env=env, capture_output=True, timeout=30)
     assert r.returncode == 0
     lines = r.stderr.decode().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("recon: warning: no NVIDIA driver")
+    assert lines == ["recon: warning: no NVIDIA driver: libnvidia-ml.so.1 was not found; "
+                     "running without a device lease"]
     assert json.loads(r.stdout.splitlines()[0])["cvd"] is None
     inst.write_config('[policy]\nno_driver = "fail"\n')
     r = subprocess.run(["recon"], env=env, capture_output=True, timeout=30)
     assert r.returncode == os.EX_UNAVAILABLE
+
+
+def test_unusable_nvml_leases_by_the_lease_files(installed):
+    """A driver upgraded under a loaded module: NVML refuses, the lease files still name the GPUs."""
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    gpus = inst.machine.leaf_uuids()
+    inst.machine.set_fault("version_mismatch")
+    procs = [hold(inst, CUDAWRAP_WAIT="0") for _ in range(4)]
+    for proc, _ in procs:
+        line = proc.stderr.readline().decode()
+        assert line.startswith("recon: warning: NVML could not start: ") and "lease files" in line, line
+    assert sorted(info["cvd"] for _, info in procs) == sorted(gpus)  # one UUID each
+    r = inst.run("recon", CUDAWRAP_WAIT="0")
+    assert r.returncode == 75, r.stdout  # all four leased: nobody lands on device 0 as well
+    r = inst.run("recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES="")
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[0])["cvd"] == ""
+    inst.write_config('[policy]\nno_driver = "fail"\n')
+    r = inst.run("recon")
+    assert r.returncode == os.EX_UNAVAILABLE
+    assert r.stderr.decode().splitlines()[0].startswith("recon: NVML could not start: ")
+    for proc, _ in procs:
+        proc.kill()
+        proc.wait()
 
 
 def test_driver_not_loaded_is_the_same_policy(installed):
