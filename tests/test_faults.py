@@ -182,10 +182,11 @@ def test_slow_nvml_init_is_paid_by_the_monitor_not_by_launches(installed) -> Non
     r = inst.run("recon", CUDAWRAP_WAIT="0")
     assert r.returncode == 0 and time.monotonic() - t0 >= 1.5  # without a snapshot: pays the wait
     assert refresh_once(inst.layout) is None  # the monitor pays it once
-    t0 = time.monotonic()
+    # Now an init would take ten minutes: a launch that ends at all within run()'s timeout
+    # never initialised NVML. (How fast it is, is bench/'s figure, not a test's.)
+    inst.machine.set_fault("slow_init", "600000")
     r = inst.run("recon", CUDAWRAP_WAIT="0")
     assert r.returncode == 0, r.stderr
-    assert time.monotonic() - t0 < 1.2
     assert r.stderr == b""
 
 
