@@ -116,7 +116,9 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
     if inventory is not None:
         for d in inventory.devices:
             holder = _holder(held, d.uuid)
-            foreign = None if d.pids is None else _foreign(lease_dir, d.uuid, d.pids)
+            # With the holder unknown its processes cannot be told from others': unknown too.
+            unknown = d.pids is None or (holder is not None and holder["pid"] is None)
+            foreign = None if unknown else _foreign(lease_dir, d.uuid, d.pids)
             devices.append({
                 "uuid": d.uuid, "name": d.name, "gpu_index": d.gpu_index, "parent": d.parent_uuid,
                 "mig_slot": d.mig_slot, "memory_used_mib": d.memory_used_mib,

@@ -230,8 +230,9 @@ def test_a_held_lease_cannot_be_taken_forged_or_released_by_another_user(mu) -> 
     # descriptors are closed to him), so no pid is named to him that might be someone else's.
     seen = {d["uuid"]: d["holder"] for d in status(inst, None)["devices"]}
     assert seen[device]["pid"] == job.pid and seen[device]["user"] == alice.name
-    seen = {d["uuid"]: d["holder"] for d in status(inst, bob)["devices"]}
-    assert seen[device] is not None and seen[device]["pid"] is None
+    seen = {d["uuid"]: d for d in status(inst, bob)["devices"]}
+    assert seen[device]["holder"] is not None and seen[device]["holder"]["pid"] is None
+    assert seen[device]["foreign_pids"] is None  # alice's job is not shown as someone else's
     job.send_signal(signal.SIGTERM)
     job.wait(timeout=10)
     done = inst.run(bob, "recon", CUDAWRAP_WAIT="0")
