@@ -9,8 +9,10 @@ STAMP := $(VENV)/.cudawrap-installed
 
 .PHONY: test venv packaging completion clean
 
+# -ra: the summary names every skip with its reason (CI must have none), besides failures and
+# xfails; a bare -rs would replace pyproject's -ra and drop the FAILED lines.
 test: $(STAMP)
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -ra $(PYTEST_ARGS)
 
 venv: $(STAMP)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from . import launch, policy
 from .config import parse_gpus, parse_wait
@@ -18,6 +18,9 @@ from .leases import LEASE_ENV
 from .paths import default_layout
 
 _held: Optional[launch.Grant] = None
+# The caller's values of the variables acquire() sets, put back by release(): a later
+# acquire() must choose from what the caller allowed, not from the devices given back.
+_saved: Dict[str, Optional[str]] = {}
 
 
 def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None) -> List[str]:
@@ -40,6 +43,8 @@ def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None) -> Lis
         settings["wait"] = (wait_s, "acquire(wait=…)")
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     grant = launch.obtain(root, prog, settings, os.environ, count=count)
+    _saved.clear()
+    _saved.update({name: os.environ.get(name) for name in (LEASE_ENV, launch.CVD)})
     if grant.lease is not None:
         # Inheritable, so a program this process execs (or a child that keeps its fds)
         # keeps the devices leased while it runs on them.
@@ -56,5 +61,10 @@ def release() -> None:
     global _held
     if _held is not None and _held.lease is not None:
         _held.lease.release()
-        os.environ.pop(LEASE_ENV, None)
+    for name, value in _saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _saved.clear()
     _held = None

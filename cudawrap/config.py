@@ -143,7 +143,7 @@ DESCRIPTIONS: Dict[str, str] = {
     "placement": "spread (across physical GPUs), pack (fill one GPU first) or random",
     "foreign": "avoid or ignore devices running processes cudawrap did not start",
     "busy_memory_mib": "where process lists are hidden, more memory used than this is busy",
-    "no_driver": "without an NVIDIA driver or NVML: run the program unchanged, or fail",
+    "no_driver": "without an NVIDIA driver or NVML: run the program (leased by its lease file where one exists), or fail",
     "multi_mig": "more than one MIG instance on a driver before R570: refuse, or whole-gpus",
     "reserve_after": "seconds a run waits before free devices are kept for it until it has enough, or \"forever\"",
     "allow": "device UUIDs (or prefixes) cudawrap may hand out; empty = all",

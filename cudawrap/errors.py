@@ -93,3 +93,15 @@ class SetupError(CudawrapError):
     """A directory or file the installation provides is missing or unsafe."""
 
     exit_code = os.EX_OSFILE  # 72
+
+
+class CannotWrite(CudawrapError):
+    """A file cudawrap keeps cannot be written: the filesystem is full, over quota or read-only."""
+
+    exit_code = os.EX_CANTCREAT  # 73
+
+    @classmethod
+    def from_os_error(cls, exc: OSError, where: str) -> CannotWrite:
+        path = exc.filename or where
+        return cls(f"cannot write {path}: {exc.strerror or exc}",
+                   hint=f"free space on the filesystem of {where} (`df {where}`), then try again")

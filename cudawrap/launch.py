@@ -13,6 +13,8 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
+    from .devices import Device
+
 from . import audit
 from . import locations as loc
 from .errors import (CannotExecute, CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound,
@@ -113,13 +115,37 @@ class Grant:
         return env
 
 
-def _narrow_inherited(lease: Lease, preset: Optional[str]) -> str:
-    """Within an inherited lease, keep what the caller narrowed CUDA_VISIBLE_DEVICES to."""
-    if preset:
-        kept = [t.strip() for t in preset.split(",") if t.strip() in lease.fds]
-        if kept:
-            return ",".join(kept)
-    return ",".join(lease.uuids)
+def _narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
+    """The part of an inherited LEASE that the caller's CUDA_VISIBLE_DEVICES names.
+
+    The child lives in its parent's devices: an index counts in the parent's list (the
+    order the parent was given them), a UUID (or a unique GPU- prefix) must be one of them,
+    and, as in CUDA, the first entry that is neither, or repeats one, ends the list. Unset
+    keeps the whole lease; None when nothing of the lease is named (set but empty: no device).
+    """
+    if preset is None:
+        return lease
+    from .selection import _by_prefix
+
+    uuids = lease.uuids
+    kept: List[str] = []
+    for token in preset.split(","):
+        token = token.strip()
+        if token.isascii() and token.isdigit():
+            uuid = uuids[int(token)] if len(token) <= 9 and int(token) < len(uuids) else None
+        elif token.startswith("GPU-") and len(token) > len("GPU-"):
+            uuid = _by_prefix(token, uuids)
+        else:
+            uuid = token if token in lease.fds else None
+        if uuid is None or uuid in kept:
+            break
+        kept.append(uuid)
+    return Lease({u: lease.fds[u] for u in kept}) if kept else None
+
+
+def _unchanged(device: Device) -> Device:
+    """Re-reading a device nothing is known of (no NVML): it stays as it was."""
+    return device
 
 
 def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
@@ -134,7 +160,12 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     if marker:
         inherited = inherited_lease(lease_dir, marker)
         if inherited is not None:
-            return Grant(inherited, _narrow_inherited(inherited, preset))
+            if preset is not None and not preset.strip():
+                return Grant(None, None)  # the caller asked for no device at all
+            narrowed = _narrow_inherited(inherited, preset)
+            if narrowed is not None:
+                return Grant(narrowed, ",".join(narrowed.uuids))
+            # Devices outside the parent's lease: leased anew, like any run's.
 
     from . import nvml
     from .snapshot import SnapshotRefresh, read_fresh
@@ -147,9 +178,18 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         except NvmlUnavailable as exc:
             if value["no_driver"] == "fail":
                 raise
-            say(prog, f"warning: {exc}; running without a device lease")
+            from .leases import lease_file_inventory
+
+            # The lease files root made still name the devices (NVML may be broken only for
+            # us, a driver upgraded under a loaded module): one lease each, by UUID, rather
+            # than every run on device 0.
+            inventory = lease_file_inventory(lease_dir)
             audit.log("no-driver", "warning", program=prog, pid=os.getpid(), reason=str(exc))
-            return Grant(None, None)
+            if inventory is None:
+                say(prog, f"warning: {exc}; running without a device lease")
+                return Grant(None, None)
+            say(prog, f"warning: {exc}; leasing by the lease files alone (processes on the devices unseen)")
+            refresh = _unchanged
     checked_at = time.monotonic()
 
     from .selection import allowed, parse_visible, read_allow_file

@@ -16,6 +16,7 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Dict, Iterable, List, Optional, Tuple
 
+from .devices import Device, Gpu, Inventory
 from .errors import SetupError
 
 # The marker a granted program inherits, so a wrapped program that starts another wrapped
@@ -153,12 +154,64 @@ class LeaseFiles:
         self._fds.clear()
 
 
-def inherited_lease(lease_dir: str, marker: str) -> Optional[Lease]:
-    """The lease a parent wrapped program passed down, if it is real and still held by us.
+def lease_file_inventory(lease_dir: str) -> Optional[Inventory]:
+    """The devices the lease files name, with nothing else known; None if there are none.
 
-    Each fd must be open on the lease file of its UUID, and flock on it must succeed
-    without blocking: a lock on the same open file description we inherited does, one held
-    by another process does not. A forged or stale marker yields None.
+    For launches while NVML is unusable (a driver upgraded under a loaded module): the
+    devices root last synced still get one lease each. A GPU- file stands for a whole GPU,
+    a MIG- file for an instance of an unknown GPU; no index, processes or memory.
+    """
+    try:
+        check_dir(lease_dir, "lease directory", SYNC_HINT)
+        names = sorted(os.listdir(lease_dir))
+    except (SetupError, OSError):
+        return None
+    gpus = [Gpu(n, -1, "?", False) for n in names if n.startswith("GPU-")]
+    devices = [Device(n, "?", n, -1, 0 if n.startswith("MIG-") else None, 0, 0, None)
+               for n in names if n.startswith(("GPU-", "MIG-"))]
+    return Inventory("", gpus, devices) if devices else None
+
+
+def _lock_fields(line: str) -> Optional[Tuple[int, int, int, bool]]:
+    """(pid, device, inode, exclusive) of one granted flock line of /proc/locks or fdinfo."""
+    parts = line.split()
+    if len(parts) < 6 or parts[1] != "FLOCK":  # "->" marks a blocked request, not a lock
+        return None
+    try:
+        major, minor, inode = parts[5].split(":")
+        return int(parts[4]), os.makedev(int(major, 16), int(minor, 16)), int(inode), parts[3] == "WRITE"
+    except ValueError:
+        return None
+
+
+def holds_lock(fd: int, pid: str = "self") -> bool:
+    """Whether the open file description behind PID's FD holds an exclusive flock now.
+
+    The kernel lists in /proc/PID/fdinfo/FD only the locks that this very open file
+    description owns, so this tells "locked through this descriptor" from "locked by
+    someone else" without trying the lock (which would take a free one).
+    """
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}", encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("lock:"):
+            fields = _lock_fields(line[len("lock:"):])
+            if fields is not None and fields[3]:
+                return True
+    return False
+
+
+def inherited_lease(lease_dir: str, marker: str) -> Optional[Lease]:
+    """The lease a parent wrapped program passed down, if it is real and already ours.
+
+    Each fd must be open on the lease file of its UUID and its open file description must
+    already hold the exclusive lock when we look: one we inherited from the run that was
+    granted it does. A descriptor a user opened on a free lease file and passed down with a
+    hand-made marker does not, and it is not locked for them here either (trying the lock
+    would take the device past the queue and the allow-list). Anything else yields None.
     """
     fds: Dict[str, int] = {}
     for item in marker.split(","):
@@ -173,18 +226,18 @@ def inherited_lease(lease_dir: str, marker: str) -> Optional[Lease]:
             current = os.stat(lease_dir + "/" + uuid, follow_symlinks=False)
         except OSError:
             return None
-        if (mine.st_ino, mine.st_dev) != (current.st_ino, current.st_dev):
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        if (mine.st_ino, mine.st_dev) != (current.st_ino, current.st_dev) or not holds_lock(fd):
             return None
         fds[uuid] = fd
     return Lease(fds) if fds else None
 
 
 def proc_locks() -> Dict[Tuple[int, int], int]:
-    """(device, inode) -> pid for every granted flock on this machine (from /proc/locks)."""
+    """(device, inode) -> pid that took each granted flock on this machine (/proc/locks).
+
+    The pid is the one that took the lock: it may have exited since (a child holding the
+    descriptor keeps the lock) or been reused. Check it with `fd_holders` before naming it.
+    """
     held: Dict[Tuple[int, int], int] = {}
     try:
         with open("/proc/locks", encoding="ascii", errors="replace") as f:
@@ -192,39 +245,70 @@ def proc_locks() -> Dict[Tuple[int, int], int]:
     except OSError:
         return held
     for line in lines:
-        parts = line.split()
-        if len(parts) < 6 or parts[1] == "->" or parts[1] != "FLOCK":
-            continue
-        try:
-            pid = int(parts[4])
-            major, minor, inode = parts[5].split(":")
-            dev = os.makedev(int(major, 16), int(minor, 16))
-            held[(dev, int(inode))] = pid
-        except ValueError:
-            continue
+        fields = _lock_fields(line)
+        if fields is not None:
+            pid, dev, inode, _exclusive = fields
+            held[(dev, inode)] = pid
     return held
 
 
 _proc_locks = proc_locks  # the older private name
 
 
-def holders(lease_dir: str) -> Dict[str, int]:
-    """uuid -> pid of the process that took each held lease (as the kernel records it)."""
+def fd_holders(files: Iterable[Tuple[int, int]], pids: Iterable[int]) -> Dict[Tuple[int, int], List[int]]:
+    """(device, inode) -> those of PIDS that hold the exclusive flock on that file now.
+
+    A process counts when one of its descriptors is open on the file and that descriptor's
+    open file description owns the lock: what holding a lease means. Processes whose
+    descriptors we may not read (another user's, for a user) are not counted.
+    """
+    wanted = set(files)
+    found: Dict[Tuple[int, int], List[int]] = {}
+    for pid in pids:
+        base = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(base)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"{base}/{fd}")
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key in wanted and pid not in found.get(key, ()) and holds_lock(int(fd), str(pid)):
+                found.setdefault(key, []).append(pid)
+    return found
+
+
+def holders(lease_dir: str) -> Dict[str, Optional[int]]:
+    """uuid -> pid of a process holding each held lease; None where none can be named.
+
+    /proc/locks says which lease files are locked and which pid took each lock, but that
+    process may be gone (its child holds the lease now) and the pid reused by an innocent
+    one: a pid is named only if it holds the lock through a descriptor now. Otherwise
+    every process is searched; None (held, holder unknown) where the holder's descriptors
+    cannot be read.
+    """
     locks = proc_locks()
-    out: Dict[str, int] = {}
+    files: Dict[Tuple[int, int], str] = {}
     try:
         names = os.listdir(lease_dir)
     except OSError:
-        return out
+        return {}
     for name in names:
         try:
             st = os.stat(lease_dir + "/" + name, follow_symlinks=False)
         except OSError:
             continue
-        pid = locks.get((st.st_dev, st.st_ino))
-        if pid is not None:
-            out[name] = pid
-    return out
+        if (st.st_dev, st.st_ino) in locks:
+            files[(st.st_dev, st.st_ino)] = name
+    found = fd_holders(files, {locks[key] for key in files})
+    missing = [key for key in files if key not in found]
+    if missing:
+        everyone = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+        found.update(fd_holders(missing, everyone))
+    return {name: min(found[key]) if key in found else None for key, name in files.items()}
 
 
 def sync_lease_files(lease_dir: str, present: Iterable[str], keep: Iterable[str] = ()) -> Tuple[List[str], List[str]]:

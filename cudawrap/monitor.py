@@ -9,19 +9,47 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from . import policy, snapshot
-from .errors import CudawrapError, NvmlUnavailable
-from .leases import holders
+from .errors import CannotWrite, CudawrapError, NvmlUnavailable
+from .devices import Inventory
+from .leases import _proc_locks, fd_holders
 from .paths import Layout
 from .sync import sync_leases
 
 log = logging.getLogger(__name__)
 
 
+def lessees(lease_dir: str, inventory: Inventory) -> Dict[str, List[int]]:
+    """uuid -> the processes NVML lists on that device that hold its lease right now."""
+    locked = _proc_locks()
+    files: Dict[Tuple[int, int], str] = {}
+    pids: Set[int] = set()
+    for device in inventory.devices:
+        try:
+            st = os.stat(f"{lease_dir}/{device.uuid}", follow_symlinks=False)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in locked and device.pids:
+            files[(st.st_dev, st.st_ino)] = device.uuid
+            pids.update(device.pids)
+    found = fd_holders(files, pids)
+    return {files[key]: holding for key, holding in found.items()}
+
+
 def refresh_once(layout: Layout) -> Optional[str]:
-    """Write one snapshot; returns an error message instead when NVML is unavailable."""
+    """Write one snapshot; returns an error message instead when NVML is unavailable.
+
+    Raises CannotWrite when the runtime directory cannot take it (full, over quota).
+    """
+    try:
+        return _refresh(layout)
+    except OSError as exc:
+        raise CannotWrite.from_os_error(exc, str(layout.runtime_dir)) from None
+
+
+def _refresh(layout: Layout) -> Optional[str]:
     from . import nvml
 
     root = str(layout.root)
@@ -37,7 +65,7 @@ def refresh_once(layout: Layout) -> Optional[str]:
     existing = set(os.listdir(lease_dir)) if os.path.isdir(lease_dir) else set()
     if set(inventory.uuids()) - existing:
         sync_leases(layout, inventory)  # a device appeared (MIG reconfigured)
-    snapshot.write(root, inventory, holders(lease_dir))
+    snapshot.write(root, inventory, lessees(lease_dir, inventory))
     if not policy.cache_is_current(root):
         # The config or registry changed: rebuild so launches stay off the slow path.
         try:
@@ -51,11 +79,16 @@ def run(layout: Layout, period: float = snapshot.PERIOD_S,
         should_stop: Callable[[], bool] = lambda: False) -> None:
     last_error: Optional[str] = None
     while not should_stop():
-        error = refresh_once(layout)
+        try:
+            error = refresh_once(layout)
+        except CudawrapError as exc:
+            # A full runtime filesystem or a broken driver: say so once and keep trying,
+            # rather than exit and be restarted in a loop by systemd.
+            error = exc.message
         if error != last_error:
             if error:
-                log.warning("%s; shims ask NVML themselves until it is back", error)
+                log.warning("%s; shims ask NVML themselves until this is resolved", error)
             elif last_error:
-                log.warning("NVML is back")
+                log.warning("the snapshot is written again")
             last_error = error
         time.sleep(period if error is None else max(period, 5.0))

@@ -103,11 +103,18 @@ def _mig_devices(nv: Any, gpu: Gpu, handle: Any) -> List[Device]:
 def inventory() -> Inventory:
     """Enumerate every leasable device with its current processes and memory."""
     nv = init()
-    driver = nv.nvmlSystemGetDriverVersion()
+    try:
+        driver = nv.nvmlSystemGetDriverVersion()
+        count = nv.nvmlDeviceGetCount()
+    except nv.NVMLError as exc:
+        # The machine as a whole cannot be read (no GPU to skip): as if NVML were missing,
+        # so the no_driver policy decides, and the monitor and status carry on.
+        raise NvmlUnavailable(f"NVML started but cannot list the devices: {exc}",
+                              hint="check `nvidia-smi`; a driver upgrade may need a reboot") from None
     gpus: List[Gpu] = []
     devices: List[Device] = []
     lost: List[str] = []
-    for index in range(nv.nvmlDeviceGetCount()):
+    for index in range(count):
         uuid = f"index {index}"
         try:
             handle = nv.nvmlDeviceGetHandleByIndex(index)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from .errors import NvmlUnavailable
-from .leases import holders
+from .leases import fd_holders, holders
 from .paths import Layout
 from .users import user_name
 from .waitqueue import WaitQueue
@@ -94,6 +94,28 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
     return out
 
 
+def _holder(held: Dict[str, Optional[int]], uuid: str) -> Optional[Dict[str, Any]]:
+    """Who holds UUID's lease: None if free; "?" fields where the holder cannot be named
+    (another user's process, seen by a user), rather than a pid that may be someone else."""
+    if uuid not in held:
+        return None
+    pid = held[uuid]
+    if pid is None:
+        return {"pid": None, "user": "?", "command": "unknown holder", "since": "?"}
+    return process_info(pid)
+
+
+def _foreign(lease_dir: str, uuid: str, pids: Iterable[int]) -> List[int]:
+    """PIDS on the device that do not hold its lease (children of the lessee hold it too)."""
+    pids = list(pids)
+    try:
+        st = os.stat(os.path.join(lease_dir, uuid), follow_symlinks=False)
+    except OSError:
+        return pids
+    lessees = fd_holders([(st.st_dev, st.st_ino)], pids).get((st.st_dev, st.st_ino), [])
+    return [p for p in pids if p not in lessees]
+
+
 def machine_status(layout: Layout) -> Dict[str, Any]:
     from . import nvml
 
@@ -109,8 +131,10 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
         inventory = None
     if inventory is not None:
         for d in inventory.devices:
-            holder = process_info(held[d.uuid]) if d.uuid in held else None
-            foreign = None if d.pids is None else [p for p in d.pids if not holder or p != holder["pid"]]
+            holder = _holder(held, d.uuid)
+            # With the holder unknown its processes cannot be told from others': unknown too.
+            unknown = d.pids is None or (holder is not None and holder["pid"] is None)
+            foreign = None if unknown else _foreign(lease_dir, d.uuid, d.pids)
             devices.append({
                 "uuid": d.uuid, "name": d.name, "gpu_index": d.gpu_index, "parent": d.parent_uuid,
                 "mig_slot": d.mig_slot, "memory_used_mib": d.memory_used_mib,
@@ -118,7 +142,7 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
                 "holder": holder, "foreign_pids": foreign})
     else:
         for uuid in sorted(lease_files):
-            holder = process_info(held[uuid]) if uuid in held else None
+            holder = _holder(held, uuid)
             devices.append({"uuid": uuid, "name": "?", "gpu_index": -1, "parent": "?", "mig_slot": None,
                             "memory_used_mib": 0, "memory_total_mib": 0, "lease_file": True,
                             "holder": holder, "foreign_pids": None})

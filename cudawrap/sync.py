@@ -7,14 +7,16 @@ them, dead waiters' queue entries are removed, and the shim's policy cache is re
 from __future__ import annotations
 
 import os
+import stat
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from . import policy
 from .devices import Inventory
-from .errors import NvmlUnavailable
+from .errors import CannotWrite, NvmlUnavailable
 from .installation import prepare_runtime
-from .leases import sync_lease_files
+from .leases import _proc_locks, sync_lease_files
 from .paths import Layout
 from .waitqueue import WaitQueue
 
@@ -35,7 +37,47 @@ def sync_leases(layout: Layout, inventory: Inventory) -> Tuple[List[str], List[s
     return sync_lease_files(str(layout.lease_dir), inventory.uuids(), keep)
 
 
+# A name in the queue directory changed less than this ago may be a waiter's entry being
+# made (created, then locked a moment later): never swept. Only its owner can backdate it.
+SWEEP_MIN_AGE_S = 10.0
+
+
+def sweep_queue(layout: Layout) -> List[str]:
+    """Remove what no live waiter holds from the queue directory; the names removed.
+
+    Anyone may create files there (it is sticky and world-writable like /tmp); a waiter
+    holds a lock on its entry for as long as it waits. Files nobody has locked for a while,
+    and links, FIFOs and the like, are not any waiter's: left there they would fill the
+    runtime filesystem. unlink never follows a link; directories are left alone.
+    """
+    locked = _proc_locks()
+    removed: List[str] = []
+    queue_dir = str(layout.queue_dir)
+    now = time.time()
+    for name in sorted(os.listdir(queue_dir)):
+        try:
+            st = os.lstat(os.path.join(queue_dir, name))
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) in locked or now - st.st_mtime < SWEEP_MIN_AGE_S:
+            continue
+        try:
+            os.unlink(os.path.join(queue_dir, name))
+        except FileNotFoundError:
+            continue
+        removed.append(name)
+    return removed
+
+
 def sync(layout: Layout) -> SyncReport:
+    """Bring the runtime area in step; a full or read-only filesystem is one CannotWrite."""
+    try:
+        return _sync(layout)
+    except OSError as exc:
+        raise CannotWrite.from_os_error(exc, str(layout.runtime_dir)) from None
+
+
+def _sync(layout: Layout) -> SyncReport:
     from . import nvml
 
     report = SyncReport()
@@ -55,5 +97,8 @@ def sync(layout: Layout) -> SyncReport:
             report.lines.append(f"warning: NVML reports GPU {gpu} lost or failing; its lease files are kept")
         report.lines.append(f"{len(inventory.devices)} devices, {len(report.created)} new, {len(report.removed)} removed")
     WaitQueue(str(layout.queue_dir)).scan()  # removes dead waiters' entries (root may)
+    swept = sweep_queue(layout)
+    if swept:
+        report.lines.append(f"removed {len(swept)} file(s) from the queue directory that no waiter holds")
     policy.write_cache(str(layout.root))
     return report

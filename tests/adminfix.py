@@ -26,24 +26,10 @@ REPO = str(Path(cudawrap.__file__).resolve().parent.parent)
 PROGRAM = '#!/bin/sh\necho "{name} $*"\n'
 
 
-def have_installation() -> bool:
-    try:
-        import cudawrap.installation  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def install(layout: Layout) -> None:
     """Lay out an install root with a working shim."""
-    try:
-        from cudawrap.installation import prepare
-    except ImportError:  # until the installation module exists: a stand-in shim
-        for d in (layout.etc_dir, layout.state_dir, layout.lease_dir, layout.shim.parent):
-            d.mkdir(parents=True, exist_ok=True)
-        layout.shim.write_text('#!/bin/sh\nexec "$(dirname "$0")/CUDAWRAP_$(basename "$0")" "$@"\n')
-        layout.shim.chmod(0o755)
-        return
+    from cudawrap.installation import prepare
+
     prepare(layout)
 
 

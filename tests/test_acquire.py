@@ -1,4 +1,5 @@
 """Free, leased, fair: the guarantees cudawrap makes about who gets which device."""
+import fcntl
 import json
 import os
 import signal
@@ -81,8 +82,8 @@ def test_partial_availability_takes_nothing(installed):
     inst.write_config('[policy]\ngpus = 2\n')
     r = inst.run("recon", CUDAWRAP_WAIT="0")
     assert r.returncode == 75
-    # The one free GPU was not kept by the failed request.
-    r = inst.run("recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=gpus[3])
+    assert r.stderr.decode().startswith("recon: no free device"), r.stderr
+    # The one free GPU was not kept by the failed request: a run may have it at once.
     inst.write_config("")
     r = inst.run("recon", CUDAWRAP_WAIT="0")
     assert r.returncode == 0, r.stderr
@@ -153,7 +154,7 @@ def test_wait_limit_ends_with_75_and_one_line(installed):
     lines = r.stderr.decode().splitlines()
     assert "waiting" in lines[0]
     assert lines[1] == "recon: no device within 0.5 s: every device it may use is busy; position 1 in line"
-    assert 0.5 <= took < 5
+    assert took >= 0.5  # how soon after its limit it gives up is a figure for bench/, not a test
     r = inst.run("recon", CUDAWRAP_WAIT="0")
     assert r.returncode == 75
     assert r.stderr.decode().splitlines()[0].startswith("recon: no free device")
@@ -220,6 +221,32 @@ def test_nested_wrapped_program_reuses_the_lease(installed, tmp_path):
     assert [x["devices"] for x in runs] == [[inst.machine.leaf_uuids()[0]]] * 2
 
 
+def test_nested_run_honours_its_own_visible_devices(installed, tmp_path):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    gpus = inst.machine.leaf_uuids()
+    outer = tmp_path / "pipeline"
+    # The parent holds two GPUs; each child narrows within them (README: an index counts in
+    # the parent's list, empty means no device).
+    outer.write_text('#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES"\n'
+                     'CUDA_VISIBLE_DEVICES= recon\n'
+                     'CUDA_VISIBLE_DEVICES=1 recon\n'
+                     'CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES%%,*}" recon\n'
+                     'recon\n')
+    outer.chmod(0o755)
+    inst.wrap("pipeline", outer)
+    only(inst, gpus[0], gpus[1])  # a child leasing anew would find nothing free
+    inst.write_config(inst.layout.config_file.read_text() + "[policy]\ngpus = 2\n")
+    r = inst.run("pipeline", CUDAWRAP_WAIT="0")
+    assert r.returncode == 0, r.stderr
+    first, *lines = r.stdout.decode().splitlines()
+    parent = first.split(",")
+    assert sorted(parent) == gpus[:2]
+    runs = [json.loads(line) for line in lines]
+    assert [x["devices"] for x in runs] == [[], [parent[1]], [parent[0]], parent]
+    assert runs[0]["cvd"] == ""
+
+
 def test_a_forged_lease_marker_gets_no_free_ride(installed):
     inst = installed("a100-mig7")
     inst.wrap("recon")
@@ -228,6 +255,26 @@ def test_a_forged_lease_marker_gets_no_free_ride(installed):
     holder, _ = hold(inst)
     r = inst.run("recon", CUDAWRAP_WAIT="0", CUDAWRAP_LEASE=f"0:{first}")
     assert r.returncode == 75
+    holder.kill()
+
+
+def test_a_hand_opened_free_lease_file_is_no_inherited_lease(installed):
+    """A user opens a free lease file and passes the descriptor with a hand-made marker."""
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    gpus = inst.machine.leaf_uuids()
+    only(inst, gpus[0])
+    holder, _ = hold(inst)
+    forged = inst.layout.lease_dir / gpus[3]  # free, and outside the allow-list
+    r = inst.run("sh", "-c", f'exec 7<"{forged}"; CUDAWRAP_LEASE=7:{gpus[3]} exec recon',
+                 CUDAWRAP_WAIT="0")
+    assert r.returncode == 75, r.stdout  # neither the allow-list nor the queue was skipped
+    assert b"no free device" in r.stderr
+    fd = os.open(forged, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # and it was not left locked either
+    finally:
+        os.close(fd)
     holder.kill()
 
 
@@ -344,20 +391,47 @@ def test_spread_and_pack_placement(installed):
         p.kill()
 
 
-def test_no_driver_runs_unchanged_after_one_warning(installed):
+def test_no_driver_and_no_lease_files_runs_unchanged_after_one_warning(installed):
     inst = installed("four-gpus")
     inst.wrap("recon")
+    for name in os.listdir(inst.layout.lease_dir):
+        os.unlink(inst.layout.lease_dir / name)  # never synced with a driver
     env = inst.machine.without_library()
     env["PATH"] = f"{inst.bindir}:{env['PATH']}"
     env.pop("CUDA_VISIBLE_DEVICES", None)
     r = subprocess.run(["recon"], env=env, capture_output=True, timeout=30)
     assert r.returncode == 0
     lines = r.stderr.decode().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("recon: warning: no NVIDIA driver")
+    assert lines == ["recon: warning: no NVIDIA driver: libnvidia-ml.so.1 was not found; "
+                     "running without a device lease"]
     assert json.loads(r.stdout.splitlines()[0])["cvd"] is None
     inst.write_config('[policy]\nno_driver = "fail"\n')
     r = subprocess.run(["recon"], env=env, capture_output=True, timeout=30)
     assert r.returncode == os.EX_UNAVAILABLE
+
+
+def test_unusable_nvml_leases_by_the_lease_files(installed):
+    """A driver upgraded under a loaded module: NVML refuses, the lease files still name the GPUs."""
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    gpus = inst.machine.leaf_uuids()
+    inst.machine.set_fault("version_mismatch")
+    procs = [hold(inst, CUDAWRAP_WAIT="0") for _ in range(4)]
+    for proc, _ in procs:
+        line = proc.stderr.readline().decode()
+        assert line.startswith("recon: warning: NVML could not start: ") and "lease files" in line, line
+    assert sorted(info["cvd"] for _, info in procs) == sorted(gpus)  # one UUID each
+    r = inst.run("recon", CUDAWRAP_WAIT="0")
+    assert r.returncode == 75, r.stdout  # all four leased: nobody lands on device 0 as well
+    r = inst.run("recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES="")
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[0])["cvd"] == ""
+    inst.write_config('[policy]\nno_driver = "fail"\n')
+    r = inst.run("recon")
+    assert r.returncode == os.EX_UNAVAILABLE
+    assert r.stderr.decode().splitlines()[0].startswith("recon: NVML could not start: ")
+    for proc, _ in procs:
+        proc.kill()
+        proc.wait()
 
 
 def test_driver_not_loaded_is_the_same_policy(installed):

@@ -5,7 +5,7 @@ from typing import List
 
 import pytest
 
-from adminfix import Admin, have_installation, make_program, needs_root, run_as, snapshot
+from adminfix import Admin, make_program, needs_root, run_as, snapshot
 from cudawrap import registry
 from cudawrap.inspect_wraps import facts_of
 from cudawrap.registry import Entry
@@ -244,7 +244,6 @@ def test_missing_runtime_directory_is_recreated(admin: Admin) -> None:
     assert admin.layout.lease_dir.is_dir()
 
 
-@pytest.mark.skipif(not have_installation(), reason="shim not installed yet")
 def test_missing_shim_is_reinstalled(admin: Admin) -> None:
     admin.layout.shim.unlink()
     assert doctor(admin).returncode == 65

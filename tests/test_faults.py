@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import List
@@ -132,10 +133,12 @@ def test_driver_unloaded_follows_the_policy_in_one_line(installed) -> None:
     inst.wrap("recon")
     holder, info = _hold(inst)
     inst.machine.set_fault("driver_not_loaded")
-    r = inst.run("recon")  # no_driver = "run" (the default): runs unchanged, one warning
+    r = inst.run("recon")  # no_driver = "run" (the default): one warning, a lease by the lease files
     assert r.returncode == 0
     assert [line for line in r.stderr.decode().splitlines()] == [
-        "recon: warning: the NVIDIA driver is not loaded; running without a device lease"]
+        "recon: warning: the NVIDIA driver is not loaded; "
+        "leasing by the lease files alone (processes on the devices unseen)"]
+    assert json.loads(r.stdout.splitlines()[0])["cvd"] != info["devices"][0]  # not the held one
     inst.write_config('[policy]\nno_driver = "fail"\n')
     r = inst.run("recon")
     assert r.returncode == os.EX_UNAVAILABLE
@@ -179,10 +182,11 @@ def test_slow_nvml_init_is_paid_by_the_monitor_not_by_launches(installed) -> Non
     r = inst.run("recon", CUDAWRAP_WAIT="0")
     assert r.returncode == 0 and time.monotonic() - t0 >= 1.5  # without a snapshot: pays the wait
     assert refresh_once(inst.layout) is None  # the monitor pays it once
-    t0 = time.monotonic()
+    # Now an init would take ten minutes: a launch that ends at all within run()'s timeout
+    # never initialised NVML. (How fast it is, is bench/'s figure, not a test's.)
+    inst.machine.set_fault("slow_init", "600000")
     r = inst.run("recon", CUDAWRAP_WAIT="0")
     assert r.returncode == 0, r.stderr
-    assert time.monotonic() - t0 < 1.2
     assert r.stderr == b""
 
 
@@ -269,3 +273,119 @@ def test_missing_runtime_directory_hints_at_sync_everywhere(installed) -> None:
     assert b"no lease file (run `cudawrap sync`)" in r.stdout
     assert inst.cli("sync").returncode == 0
     assert inst.run("recon").returncode == 0
+
+
+# --- NVML failing after a good init; a full runtime filesystem --------------------------------
+
+
+def _stderr_lines(proc) -> List[str]:  # type: ignore[no-untyped-def]
+    return proc.stderr.read().decode().splitlines()
+
+
+@pytest.mark.parametrize("call", ["device_count", "driver_version"])
+def test_nvml_failing_after_init_is_one_line_everywhere(installed, call: str) -> None:
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    inst.machine.set_fault("fails", call)
+    r = inst.run("recon")  # no_driver = "run": a lease by the lease files, one warning
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.decode().splitlines() == [
+        "recon: warning: NVML started but cannot list the devices: Unknown Error; "
+        "leasing by the lease files alone (processes on the devices unseen)"]
+    assert json.loads(r.stdout.splitlines()[0])["cvd"] in inst.machine.leaf_uuids()
+    inst.write_config('[policy]\nno_driver = "fail"\n')
+    r = inst.run("recon")
+    assert r.returncode == os.EX_UNAVAILABLE
+    assert r.stderr.decode().splitlines()[0] == "recon: NVML started but cannot list the devices: Unknown Error"
+    r = inst.cli("monitor", "--once")
+    assert r.returncode == os.EX_UNAVAILABLE
+    assert r.stderr.decode().splitlines() == [
+        "cudawrap monitor: NVML started but cannot list the devices: Unknown Error"]
+    for args in (["status"], ["sync"]):
+        r = inst.cli(*args)
+        assert b"Traceback" not in r.stderr and r.returncode in (0, os.EX_UNAVAILABLE), (args, r.stderr)
+
+
+def _monitor(inst: Installed, *strace: str):  # type: ignore[no-untyped-def]
+    code = "from cudawrap.cli import main; main()"
+    return inst.start(*strace, sys.executable, "-c", code, "monitor", "--period", "0.05",
+                      PYTHONDONTWRITEBYTECODE="1")
+
+
+def _until_fresh(inst: Installed, proc) -> None:  # type: ignore[no-untyped-def]
+    from cudawrap.snapshot import read_fresh
+
+    deadline = time.monotonic() + 30
+    while read_fresh(str(inst.layout.root), max_age=0.5) is None:
+        assert proc.poll() is None, _stderr_lines(proc)
+        assert time.monotonic() < deadline, "the monitor never wrote a snapshot"
+        time.sleep(0.05)
+
+
+def test_the_monitor_logs_an_nvml_failure_and_keeps_going(installed) -> None:
+    inst = installed("four-gpus")
+    inst.machine.set_fault("fails", "device_count")
+    proc = _monitor(inst)
+    try:
+        line = proc.stderr.readline().decode()
+        assert line.startswith("cudawrap: NVML started but cannot list the devices"), line
+        inst.machine.clear_fault("fails")
+        _until_fresh(inst, proc)  # it was still running, and picked up again
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert b"Traceback" not in proc.stderr.read()
+
+
+@needs_strace
+def test_a_full_runtime_filesystem_is_one_line_and_the_monitor_goes_on(installed) -> None:
+    inst = installed("four-gpus")
+    # The first three renames (the snapshot's replace) fail as on a full tmpfs; then it has room.
+    proc = _monitor(inst, "strace", "-f", "-o", "/dev/null", "-e", "trace=rename",
+                    "-e", "inject=rename:error=ENOSPC:when=1..3")
+    try:
+        line = proc.stderr.readline().decode()
+        assert "No space left on device" in line and str(inst.layout.runtime_dir) in line, line
+        _until_fresh(inst, proc)
+    finally:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:  # the monitor, under strace
+            for pid in f.read().split():
+                os.kill(int(pid), signal.SIGTERM)
+        proc.wait(timeout=10)
+    assert b"Traceback" not in proc.stderr.read()
+    for args in (["sync"], ["monitor", "--once"]):
+        code = "from cudawrap.cli import main; main()"
+        r = inst.run("strace", "-f", "-o", "/dev/null", "-e", "trace=rename",
+                     "-e", "inject=rename:error=ENOSPC", sys.executable, "-c", code, *args,
+                     PYTHONDONTWRITEBYTECODE="1")
+        lines = r.stderr.decode().splitlines()
+        assert r.returncode == os.EX_CANTCREAT, (args, lines)
+        assert lines[0].startswith("cudawrap: cannot write ") and lines[0].endswith(
+            ": No space left on device"), lines
+        assert b"Traceback" not in r.stderr
+
+
+def test_sync_removes_from_the_queue_directory_what_no_waiter_holds(installed) -> None:
+    import fcntl
+
+    inst = installed("four-gpus")
+    queue = inst.layout.queue_dir
+    old = time.time() - 3600
+    (queue / "junk").write_bytes(b"x" * 4096)
+    (queue / "link").symlink_to("/etc/passwd")
+    os.mkfifo(queue / "fifo")
+    os.link(inst.layout.lease_dir / inst.machine.leaf_uuids()[0], queue / "hardlink")
+    (queue / "held").write_bytes(b"")
+    (queue / "new").write_bytes(b"")  # just made: may be a waiter's entry about to be locked
+    for name in ("junk", "link", "fifo", "hardlink", "held"):
+        os.utime(queue / name, (old, old), follow_symlinks=False)
+    fd = os.open(queue / "held", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a live waiter's entry
+        r = inst.cli("sync")
+        assert r.returncode == 0, r.stderr
+        assert sorted(os.listdir(queue)) == ["held", "new"]
+        assert "removed 4 file(s) from the queue directory" in r.stdout.decode()
+        assert os.path.exists("/etc/passwd") and (inst.layout.lease_dir / inst.machine.leaf_uuids()[0]).exists()
+    finally:
+        os.close(fd)

@@ -157,17 +157,42 @@ def test_running_the_shim_directly_is_refused(installed):
     assert b"run a wrapped program by its own name" in r.stderr
 
 
-def test_shim_imports_only_what_it_needs(installed):
-    """The shim's import path, in a fresh interpreter as the shim runs it."""
+HEAVY = {"plumbum", "pathlib", "typing", "dataclasses", "json", "tomllib", "tomli", "filelock",
+         "logging", "re", "enum", "subprocess", "inspect", "argparse", "threading"}
+
+
+def shim_imports(inst, *argv: str, **env: str) -> set:  # type: ignore[no-untyped-def]
+    """Top-level modules the real shim imports on a real launch of ARGV, up to its exec.
+
+    The shim runs by its own shebang line (interpreter and flags) plus `-X importtime`, which
+    makes the interpreter list every import on stderr before the exec replaces it.
+    """
+    shebang = inst.layout.shim.read_text().split("\n", 1)[0][2:].split()
+    r = inst.run(shebang[0], "-X", "importtime", *shebang[1:], *argv, **env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[0])["devices"]  # it got through to the program
+    lines = [x for x in r.stderr.decode().splitlines() if x.startswith("import time:")][1:]
+    assert lines, r.stderr  # the header line, then one line per import
+    return {x.rsplit("|", 1)[1].strip().split(".")[0] for x in lines}
+
+
+def test_the_shim_imports_only_what_it_needs(installed):
+    from cudawrap.monitor import refresh_once
+
     inst = installed("four-gpus")
-    shim = inst.layout.shim.read_text()
-    syspath = shim.split("sys.path[:0] = ", 1)[1].split("\n", 1)[0]
-    code = f"import sys; sys.path[:0] = {syspath}; import cudawrap.launch; print(sorted(sys.modules))"
-    r = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
-    loaded = set(eval(r.stdout))
-    heavy = {"plumbum", "pathlib", "typing", "dataclasses", "json", "tomllib", "tomli", "filelock",
-             "pynvml", "ctypes", "logging", "re", "enum", "subprocess", "inspect"}
-    assert not loaded & heavy, sorted(loaded & heavy)
+    link = inst.wrap("recon")
+    # With `cudawrap monitor`'s snapshot fresh: not even NVML.
+    assert refresh_once(inst.layout) is None
+    loaded = shim_imports(inst, str(link))
+    assert "cudawrap" in loaded
+    assert not loaded & (HEAVY | {"pynvml", "ctypes"}), sorted(loaded & (HEAVY | {"pynvml", "ctypes"}))
+    # Without it, NVML through pynvml, which brings ctypes, subprocess, threading, re and
+    # enum of its own; nothing heavy comes from cudawrap's side.
+    inst.layout.usage_snapshot.unlink()
+    loaded = shim_imports(inst, str(link))
+    assert "pynvml" in loaded
+    ours = HEAVY - {"subprocess", "threading", "re", "enum"}
+    assert not loaded & ours, sorted(loaded & ours)
 
 
 def test_real_program_not_executable_reads_like_the_shell(installed):

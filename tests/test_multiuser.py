@@ -238,9 +238,13 @@ def test_a_held_lease_cannot_be_taken_forged_or_released_by_another_user(mu) -> 
         assert done.returncode == 75, (script, done.stdout, done.stderr)
         assert one_line(done).startswith("recon: no free device")
     assert inst.snapshot() == before
-    # Anyone can see who holds it.
-    seen = {d["uuid"]: d["holder"] for d in status(inst, bob)["devices"]}
+    # Root sees who holds it; bob sees that it is held, and cannot check by whom (alice's
+    # descriptors are closed to him), so no pid is named to him that might be someone else's.
+    seen = {d["uuid"]: d["holder"] for d in status(inst, None)["devices"]}
     assert seen[device]["pid"] == job.pid and seen[device]["user"] == alice.name
+    seen = {d["uuid"]: d for d in status(inst, bob)["devices"]}
+    assert seen[device]["holder"] is not None and seen[device]["holder"]["pid"] is None
+    assert seen[device]["foreign_pids"] is None  # alice's job is not shown as someone else's
     job.send_signal(signal.SIGTERM)
     job.wait(timeout=10)
     done = inst.run(bob, "recon", CUDAWRAP_WAIT="0")
@@ -258,11 +262,13 @@ def test_a_lease_held_forever_blocks_only_that_device_and_shows_its_holder(mu) -
         done = inst.run(alice, "recon", CUDAWRAP_WAIT="0")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout.splitlines()[0])["devices"] == [second]
-    seen = {d["uuid"]: d["holder"] for d in status(inst, alice)["devices"]}
+    seen = {d["uuid"]: d["holder"] for d in status(inst, None)["devices"]}
     assert seen[first]["pid"] == squatter.pid and seen[first]["user"] == bob.name
     assert seen[second] is None
-    table = inst.cli(alice, "status").stdout.decode()
+    table = inst.cli(None, "status").stdout.decode()
     assert f"pid {squatter.pid} {bob.name}" in table
+    seen = {d["uuid"]: d["holder"] for d in status(inst, alice)["devices"]}
+    assert seen[first]["pid"] is None and seen[second] is None  # held, by someone alice cannot check
     inst.allow(first)
     assert inst.run(alice, "recon", CUDAWRAP_WAIT="0").returncode == 75
     squatter.kill()

@@ -27,6 +27,36 @@ def test_status_shows_holder_and_foreign_processes(installed):
     holder.kill()
 
 
+HANDOVER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)   # the kernel records this pid as the lock's taker
+child = os.fork()
+if child == 0:
+    time.sleep(60)               # holds the lease through the inherited descriptor
+    os._exit(0)
+os.close(fd)                     # this process holds nothing any more, and lives on
+print(child, flush=True)
+sys.stdin.read()
+os.kill(child, 9)
+"""
+
+
+def test_status_names_the_process_that_holds_the_lock_now(installed):
+    inst = installed("four-gpus")
+    gpus = inst.machine.leaf_uuids()
+    taker = subprocess.Popen([sys.executable, "-c", HANDOVER, str(inst.layout.lease_dir / gpus[1])],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        child = int(taker.stdout.readline())
+        status = {d["uuid"]: d for d in json.loads(inst.cli("status", "--json").stdout)["devices"]}
+        assert status[gpus[1]]["holder"]["pid"] == child  # not the innocent taker
+        assert status[gpus[0]]["holder"] is None
+    finally:
+        taker.stdin.close()
+        taker.wait(timeout=10)
+
+
 def test_status_lists_waiters_in_order(installed):
     inst = installed("a100-mig7")
     inst.wrap("recon")

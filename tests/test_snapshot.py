@@ -1,4 +1,5 @@
 """The monitor's snapshot: launches without NVML while it is fresh, never trusting a stale or forged one."""
+import contextlib
 import json
 import marshal
 import os
@@ -51,7 +52,7 @@ def test_a_snapshot_not_written_by_root_is_ignored(installed):
     assert b"no NVIDIA driver" in r.stderr
 
 
-def test_snapshot_shows_foreign_processes_but_not_lessees(installed):
+def test_snapshot_shows_every_process_and_discounts_only_exited_lessees(installed):
     inst = installed("four-gpus")
     inst.wrap("recon")
     gpus = inst.machine.leaf_uuids()
@@ -60,34 +61,64 @@ def test_snapshot_shows_foreign_processes_but_not_lessees(installed):
     inst.machine.add_process(4242, gpus[1], 2048)
     refresh_once(inst.layout)
     seen = snapshot.read_fresh(str(inst.layout.root))
-    assert seen.by_uuid(gpus[0]).pids == ()  # the lessee's own process is not foreign
+    assert seen.by_uuid(gpus[0]).pids == (proc.pid,)  # held or not, nothing is hidden
     assert seen.by_uuid(gpus[1]).pids == (4242,)
     proc.kill()
     proc.wait()
+    seen = snapshot.read_fresh(str(inst.layout.root))
+    assert seen.by_uuid(gpus[0]).pids == ()  # the lessee has exited: it runs nowhere
     # Freed after the snapshot was taken: usable at once, without waiting for the next one.
     r = run_without_nvml(inst, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=f"{gpus[0]},{gpus[1]}")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[0])["devices"] == [gpus[0]]
 
 
-def test_burst_with_the_monitor_running_never_shares_a_device(installed):
-    inst = installed("a100-mig7")
-    inst.wrap("recon")
+@contextlib.contextmanager
+def monitoring(inst):  # type: ignore[no-untyped-def]
+    """A thread rewriting the snapshot meanwhile, as the monitor service would."""
     stop = threading.Event()
 
-    def monitor():
+    def loop() -> None:
         while not stop.is_set():
             refresh_once(inst.layout)
             time.sleep(0.1)
 
-    thread = threading.Thread(target=monitor)
+    thread = threading.Thread(target=loop)
     thread.start()
     try:
-        procs = [inst.start("recon", "--hold", "0.2", "--log", str(inst.log)) for _ in range(35)]
-        assert [p.wait(timeout=120) for p in procs] == [0] * 35
+        yield
     finally:
         stop.set()
         thread.join()
+
+
+def test_a_foreign_process_on_a_leased_device_still_counts_once_the_lease_is_free(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    gpus = inst.machine.leaf_uuids()
+    inst.write_config(f'[devices]\nallow = ["{gpus[0]}"]\n')
+    lessee = inst.start("recon", "--hold", "30")
+    ready_line(lessee)
+    inst.machine.add_process(4242, gpus[0], 2048)  # started by hand beside the lessee
+    with monitoring(inst):
+        waiter = inst.start("recon", "--log", str(inst.log), CUDAWRAP_WAIT="3")
+        assert b"waiting" in waiter.stderr.readline()
+        refresh_once(inst.layout)
+        lessee.kill()
+        lessee.wait()
+        # The device's lease is free, but 4242 still runs there: as without the monitor, wait.
+        assert waiter.wait(timeout=30) == 75, waiter.stderr.read()
+        r = run_without_nvml(inst, "recon", CUDAWRAP_WAIT="0")
+        assert r.returncode == 75, r.stdout
+    assert inst.jobs() == []
+
+
+def test_burst_with_the_monitor_running_never_shares_a_device(installed):
+    inst = installed("a100-mig7")
+    inst.wrap("recon")
+    with monitoring(inst):
+        procs = [inst.start("recon", "--hold", "0.2", "--log", str(inst.log)) for _ in range(35)]
+        assert [p.wait(timeout=120) for p in procs] == [0] * 35
     from test_acquire import overlaps
 
     assert overlaps(inst.jobs()) == []

@@ -168,10 +168,15 @@ struct fake_proc {
     unsigned long long memory_mib;
 };
 
+#define FAILS_DRIVER_VERSION 1
+#define FAILS_DEVICE_COUNT 2
+
 struct machine {
     char driver[VERSION_BUF];
     int cuda;
     int driver_not_loaded;
+    int version_mismatch;
+    int fails; /* FAILS_* bits: calls that answer NVML_ERROR_UNKNOWN after a good init */
     int perm;
     int util;
     unsigned long slow_init_ms;
@@ -456,6 +461,23 @@ static const char *parse_line(struct machine *m, char *line)
             if (arg)
                 FAIL("fault driver_not_loaded takes no value");
             m->driver_not_loaded = 1;
+        } else if (strcmp(name, "version_mismatch") == 0) {
+            if (arg)
+                FAIL("fault version_mismatch takes no value");
+            m->version_mismatch = 1;
+        } else if (strcmp(name, "fails") == 0) {
+            char list[256];
+            if (!arg || strlen(arg) >= sizeof list)
+                FAIL("fault fails takes driver_version and/or device_count, separated by commas");
+            strcpy(list, arg);
+            for (char *save = NULL, *c = strtok_r(list, ",", &save); c; c = strtok_r(NULL, ",", &save)) {
+                if (strcmp(c, "driver_version") == 0)
+                    m->fails |= FAILS_DRIVER_VERSION;
+                else if (strcmp(c, "device_count") == 0)
+                    m->fails |= FAILS_DEVICE_COUNT;
+                else
+                    FAIL("fault fails: unknown call '%s' (driver_version, device_count)", c);
+            }
         } else if (strcmp(name, "no_permission") == 0) {
             if (!arg || strcmp(arg, "parent") == 0)
                 m->perm = PERM_DENY_PARENT;
@@ -846,6 +868,8 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
     }
     if (m->driver_not_loaded)
         return finish(m, NVML_ERROR_DRIVER_NOT_LOADED);
+    if (m->version_mismatch)
+        return finish(m, NVML_ERROR_LIB_RM_VERSION_MISMATCH);
     __atomic_add_fetch(&init_refcount, 1, __ATOMIC_SEQ_CST);
     return finish(m, NVML_SUCCESS);
 }
@@ -908,6 +932,8 @@ nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
     struct machine *m = begin(&ret);
     if (!m)
         return ret;
+    if (m->fails & FAILS_DRIVER_VERSION)
+        return finish(m, NVML_ERROR_UNKNOWN);
     return finish(m, put_string(version, length, m->driver));
 }
 
@@ -950,6 +976,8 @@ nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount)
         return ret;
     if (!deviceCount)
         return finish(m, NVML_ERROR_INVALID_ARGUMENT);
+    if (m->fails & FAILS_DEVICE_COUNT)
+        return finish(m, NVML_ERROR_UNKNOWN);
     *deviceCount = (unsigned int)m->ngpus;
     return finish(m, NVML_SUCCESS);
 }
