@@ -8,6 +8,11 @@ order, so Slurm's GPU index N is the simulated machine's NVML index N.
 
 The fixture is skipped, with the reason, only where it cannot run: not root, or Slurm or
 munge not installed. CI runs as root and .ci/run installs both, so there it always runs.
+
+``slurm_cgroup`` is a second cluster with device cgroups (task/cgroup, ConstrainDevices):
+Slurm 22.05 drives them through cgroup v1 here; its cgroup v2 plugin needs systemd to
+delegate a subtree, which a container without systemd does not have, so that cluster is
+skipped (saying so) where /sys/fs/cgroup/devices is not a cgroup v1 devices hierarchy.
 """
 import os
 import re
@@ -25,6 +30,7 @@ DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "sallo
 GPUS = 4
 SHARDS_PER_GPU = 2
 CPUS = 8  # more than the machine may have: config_overrides makes slurmd believe the config
+CGROUP_V1 = Path("/sys/fs/cgroup")
 
 
 def missing() -> Optional[str]:
@@ -51,13 +57,17 @@ def _which(name: str) -> str:
 class Cluster:
     """The running cluster: its configuration, and helpers to submit and inspect jobs."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, constrain_devices: bool = False) -> None:
         self.root = root
+        self.constrain_devices = constrain_devices
         self.node = socket.gethostname().split(".")[0]  # `hostname -s`: slurmd finds itself by it
         self.conf = root / "etc" / "slurm.conf"
         self.devices = [root / "dev" / f"nvidia{i}" for i in range(GPUS)]
         self.munge_socket = root / "munge" / "munge.socket"
         self.procs: List[subprocess.Popen] = []
+        # Slurm's cgroup v1 plugins make slurm_<node> in each hierarchy and leave it behind.
+        self.cgroups = [CGROUP_V1 / c / f"slurm_{self.node}" for c in ("devices", "freezer")]
+        self.cgroups = [path for path in self.cgroups if not path.exists()] if constrain_devices else []
 
     @property
     def env(self) -> Dict[str, str]:
@@ -89,8 +99,8 @@ SlurmctldLogFile={self.root}/log/slurmctld.log
 SlurmdLogFile={self.root}/log/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+ProctrackType=proctrack/{"cgroup" if self.constrain_devices else "linuxproc"}
+TaskPlugin=task/{"cgroup" if self.constrain_devices else "none"}
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
@@ -113,7 +123,8 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         gres_lines += [f"NodeName={self.node} Name=shard Count={SHARDS_PER_GPU} File={path}" for path in self.devices]
         self.conf.write_text(slurm_conf)
         (self.conf.parent / "gres.conf").write_text("\n".join(gres_lines) + "\n")
-        (self.conf.parent / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
+        (self.conf.parent / "cgroup.conf").write_text(
+            f"CgroupPlugin=cgroup/v1\nCgroupMountpoint={CGROUP_V1}\nConstrainDevices=yes\n")
 
     def _start(self, *argv: str) -> subprocess.Popen:
         log = open(self.root / "log" / f"{Path(argv[0]).name}.out", "ab")
@@ -166,6 +177,9 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         # if a test failed mid-job; anything still running from our spool goes too.
         for path in self.devices:
             path.unlink(missing_ok=True)
+        for top in self.cgroups:  # deepest first: a cgroup directory goes only when empty
+            for directory in sorted(top.glob("**/"), key=lambda p: len(p.parts), reverse=True):
+                directory.rmdir()
 
     # ---- using it --------------------------------------------------------------------------
 
@@ -196,16 +210,29 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return indices
 
 
-@pytest.fixture(scope="session")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A running single-node cluster with four GPUs; stopped and its device nodes removed after."""
+def _running(tmp_path_factory: pytest.TempPathFactory, constrain_devices: bool) -> Iterator[Cluster]:
     why = missing()
     if why:
         pytest.skip(why)
-    cluster = Cluster(tmp_path_factory.mktemp("slurm"))
+    cluster = Cluster(tmp_path_factory.mktemp("slurm"), constrain_devices)
     cluster.write()
     try:
         cluster.start()
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A running single-node cluster with four GPUs; stopped and its device nodes removed after."""
+    yield from _running(tmp_path_factory, constrain_devices=False)
+
+
+@pytest.fixture(scope="module")
+def slurm_cgroup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The same with device cgroups: a job can open only its own GPUs' device nodes."""
+    if not (CGROUP_V1 / "devices" / "devices.allow").exists():
+        pytest.skip("device cgroups need a cgroup v1 devices hierarchy at /sys/fs/cgroup/devices here "
+                    "(Slurm 22.05's cgroup v2 plugin needs systemd to delegate one)")
+    yield from _running(tmp_path_factory, constrain_devices=True)

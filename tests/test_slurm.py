@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 import pytest
 
 from corefix import Installed
-from slurmfix import Cluster, slurm  # noqa: F401
+from slurmfix import Cluster, slurm, slurm_cgroup  # noqa: F401
 from test_acquire import intervals
 
 DONE_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
@@ -220,3 +220,28 @@ def test_user_narrowing_within_the_job_stays_within_it(jobs):
     assert "rc=75" in out  # a GPU outside the job, even by index: no device
     hello = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert hello[-1]["devices"] == [gpus[1]]  # the second of the job's GPUs, as the user narrowed
+
+
+def test_device_cgroups_renumber_and_cudawrap_follows(slurm_cgroup: Cluster, installed, tmp_path: Path):
+    """With ConstrainDevices Slurm numbers the job's GPUs from 0 (SLURM_JOB_GPUS keeps the
+    node's numbers) and the job can open only its own device nodes. NVML here lists the
+    whole node, so cudawrap must translate: the device it gives is one the cgroup allows."""
+    j = Jobs(slurm_cgroup, installed("four-gpus"), tmp_path)
+    try:
+        recon = j.inst.wrap("recon")
+        blocker = j.submit("sleep 600", "--gres=gpu:2")  # takes GPUs 0 and 1
+        wait_until(lambda: j.state(blocker) == "RUNNING", "the job holding two GPUs")
+        # Opening a node fails either way (no driver behind it): EPERM is the cgroup's refusal.
+        probe = "".join(f"head -c1 {d} 2>&1 | grep -q 'not permitted' && echo {i} >> {tmp_path}/blocked\n"
+                        for i, d in enumerate(slurm_cgroup.devices))
+        job = j.submit(f"echo \"$CUDA_VISIBLE_DEVICES $SLURM_JOB_GPUS\" > {tmp_path}/vars\n"
+                       f"{recon} --log {tmp_path}/cg.log\n{probe}true", "--gres=gpu:2")
+        assert j.wait(job) == "COMPLETED", j.output(job)
+    finally:
+        j.cancel_all()
+    uuids = j.inst.machine.gpu_uuids()
+    assert j.allocated(job) == [uuids[2], uuids[3]]
+    assert (tmp_path / "vars").read_text().split() == ["0,1", "2,3"]  # Slurm renumbered
+    assert (tmp_path / "blocked").read_text().split() == ["0", "1"]  # the cgroup is in force
+    got = [x["devices"] for x in started(tmp_path / "cg.log")]
+    assert len(got) == 1 and got[0][0] in (uuids[2], uuids[3]), got  # a GPU the job may open
