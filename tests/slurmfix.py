@@ -26,7 +26,7 @@ from typing import Dict, Iterator, List, Optional
 
 import pytest
 
-DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "salloc", "scontrol", "sinfo")
+PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scancel", "scontrol")
 GPUS = 4
 SHARDS_PER_GPU = 2
 CPUS = 8  # more than the machine may have: config_overrides makes slurmd believe the config
@@ -37,7 +37,7 @@ def missing() -> Optional[str]:
     """Why the cluster cannot run here, or None."""
     if os.geteuid() != 0:
         return "Slurm's daemons need root (CI runs the suite as root)"
-    absent = [name for name in DAEMONS if shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin")
+    absent = [name for name in PROGRAMS if shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin")
               is None]
     if absent:
         return f"Slurm or munge is not installed ({', '.join(absent)} missing): apt-get install slurm-wlm munge"
@@ -138,6 +138,8 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         munge = self.root / "munge"
         subprocess.run([_which("mungekey"), "--create", f"--keyfile={munge}/munge.key"], check=True,
                        capture_output=True)
+        # --force: the temporary directory lies under /tmp, writable by all, which munged
+        # otherwise refuses as a place for its socket.
         self._start(_which("munged"), "--foreground", "--force", f"--socket={self.munge_socket}",
                     f"--key-file={munge}/munge.key", f"--pid-file={munge}/munged.pid",
                     f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed")
@@ -165,6 +167,14 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return "\n".join(out)
 
     def stop(self) -> None:
+        # Jobs a failed test left running: slurmstepd would outlive slurmd, so end them first.
+        if self.node_state() not in ("", "idle"):
+            subprocess.run([_which("scancel"), "--full", f"--nodelist={self.node}"], env={**os.environ, **self.env},
+                           capture_output=True, timeout=30)
+            try:
+                self._wait(lambda: self.node_state() == "idle", "the node's jobs to end", timeout=30)
+            except RuntimeError:
+                pass  # stop the daemons all the same
         for proc in reversed(self.procs):  # slurmd, then slurmctld, then munged
             if proc.poll() is None:
                 proc.terminate()
@@ -173,8 +183,6 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-        # Jobs' processes: with proctrack/linuxproc slurmstepd may leave a straggler behind
-        # if a test failed mid-job; anything still running from our spool goes too.
         for path in self.devices:
             path.unlink(missing_ok=True)
         for top in self.cgroups:  # deepest first: a cgroup directory goes only when empty
@@ -198,16 +206,15 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         match = re.search(r"\bState=(\S+)", out)
         return match.group(1).lower() if match else ""
 
-    def job_gpu_indices(self, job_id: str) -> List[int]:
-        """The GPU indices Slurm allocated to JOB_ID, from `scontrol -d show job` (GRES=gpu:2(IDX:0-1))."""
-        out = self.scontrol("-d", "show", "job", job_id)
-        match = re.search(r"GRES=\S*?(?:gpu|shard)[^(\s]*\(IDX:([0-9,\-]+)", out)
-        assert match, f"no GPU allocation in: {out}"
-        indices: List[int] = []
-        for part in match.group(1).split(","):
-            low, _, high = part.partition("-")
-            indices.extend(range(int(low), int(high or low) + 1))
-        return indices
+
+def gres_indices(show_job: str) -> List[int]:
+    """The GPU indices in `scontrol -d show job` output (GRES=gpu:2(IDX:0-1), shard:1(IDX:3))."""
+    match = re.search(r"GRES=\S*?\(IDX:([0-9,\-]+)\)", show_job)
+    indices: List[int] = []
+    for part in match.group(1).split(",") if match else ():
+        low, _, high = part.partition("-")
+        indices.extend(range(int(low), int(high or low) + 1))
+    return indices
 
 
 def _running(tmp_path_factory: pytest.TempPathFactory, constrain_devices: bool) -> Iterator[Cluster]:

@@ -11,12 +11,12 @@ import re
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List
 
 import pytest
 
 from corefix import Installed
-from slurmfix import Cluster, slurm, slurm_cgroup  # noqa: F401
+from slurmfix import Cluster, gres_indices, slurm, slurm_cgroup  # noqa: F401
 from test_acquire import intervals
 
 DONE_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
@@ -64,15 +64,8 @@ class Jobs:
         """UUIDs of the GPUs Slurm gave the job: its GRES indices are NVML indices (slurmfix's gres.conf)."""
         path = self.tmp / f"alloc-{job_id}"
         wait_until(path.exists, f"job {job_id} to start", lambda: self.output(job_id))
-        text = path.read_text()
-        match = re.search(r"GRES=\S*?\(IDX:([0-9,\-]+)\)", text)
-        if not match:
-            return []
         uuids = [g.uuid for g in self.inst.machine.parse().gpus]
-        indices: List[int] = []
-        for part in match.group(1).split(","):
-            low, _, high = part.partition("-")
-            indices.extend(range(int(low), int(high or low) + 1))
+        indices = gres_indices(path.read_text())
         return [uuids[i] for i in indices]
 
     def cancel_all(self) -> None:
