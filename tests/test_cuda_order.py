@@ -44,6 +44,15 @@ def test_wrapped_run_gets_the_device_cuda_would_use(installed, topology: str, en
     assert len(got) == 1 and got[0] in cuda_gives, (got, cuda_gives)
 
 
+def test_stand_in_nvml_reports_compute_capability(machine, monkeypatch):
+    machine("two-models").activate(monkeypatch)
+    import pynvml
+
+    pynvml.nvmlInit()
+    caps = [pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(4)]
+    assert caps == [(8, 0), (8, 0), (9, 0), (9, 0)]
+
+
 def test_pre_r470_mig_spelling(installed):
     inst = installed("a100-mig7")
     inst.wrap("recon")
