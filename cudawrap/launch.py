@@ -167,6 +167,15 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
                 return Grant(narrowed, ",".join(narrowed.uuids))
             # Devices outside the parent's lease: leased anew, like any run's.
 
+    from .slurm import within_job
+
+    job = within_job(environ)  # None outside Slurm
+    if job is not None and job.shares:
+        return Grant(None, None)  # a --gres=shard job: Slurm shares this GPU; a lease would serialise
+    if job is not None and job.has_no_gpu:
+        say(prog, f"Slurm job {job.job_id} has no GPU: running without a device (submit with --gres=gpu:N)")
+        return Grant(None, "")
+
     from . import nvml
     from .snapshot import SnapshotRefresh, read_fresh
 
@@ -192,17 +201,21 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
             refresh = _unchanged
     checked_at = time.monotonic()
 
-    from .selection import allowed, parse_visible, read_allow_file
+    from .selection import PCI_ORDER, allowed, parse_visible, read_allow_file
 
     candidates = list(inventory.devices)
     allow = list(value["allow"])
     if value["allow_file"]:
         allow += read_allow_file(value["allow_file"])
     candidates = allowed(candidates, allow)
+    order = environ.get("CUDA_DEVICE_ORDER")
+    slurm_visible = job.visible({g.index for g in inventory.gpus}) if job is not None else None
+    if slurm_visible is not None:
+        preset, order = slurm_visible, PCI_ORDER  # Slurm's indices: its numbering, not CUDA's
     if preset is not None:
         if not preset.strip():
             return Grant(None, None)  # the caller asked for no device at all
-        visible = parse_visible(preset, inventory)
+        visible = parse_visible(preset, inventory, order, nvml.mig_by_ids)
         candidates = [d for d in candidates if d in visible]
     why = " (narrowed by CUDA_VISIBLE_DEVICES)" if preset is not None else (
         " (narrowed by the allow-list)" if allow else "")

@@ -136,6 +136,27 @@ def inventory() -> Inventory:
     return Inventory(driver, gpus, devices, lost)
 
 
+def mig_by_ids(gpu_uuid: str, gi: int, ci: int) -> Optional[str]:
+    """The UUID of GPU_UUID's MIG instance with GPU instance GI and compute instance CI, or None.
+
+    For CUDA_VISIBLE_DEVICES=MIG-GPU-<uuid>/<gi>/<ci>, the pre-R470 spelling; asked only
+    when someone uses it, so the ids need not be kept in every inventory.
+    """
+    nv = init()
+    try:
+        handle = nv.nvmlDeviceGetHandleByUUID(gpu_uuid)
+        for slot in range(nv.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+            except (nv.NVMLError_NotFound, nv.NVMLError_InvalidArgument):
+                continue
+            if (nv.nvmlDeviceGetGpuInstanceId(mig), nv.nvmlDeviceGetComputeInstanceId(mig)) == (gi, ci):
+                return nv.nvmlDeviceGetUUID(mig)
+    except nv.NVMLError:
+        pass  # an unknown or lost GPU: the entry names nothing, as for CUDA
+    return None
+
+
 def refresh(device: Device) -> Optional[Device]:
     """The same device with current processes and memory; None if NVML lost it."""
     nv = _pynvml()

@@ -5,14 +5,17 @@ It reads the same topology file as the fake NVML library (``$FAKENVML_TOPOLOGY``
 format in ``fakenvml/FORMAT.md``) and resolves ``CUDA_VISIBLE_DEVICES`` the way
 the CUDA runtime documents it, with these exact rules:
 
-* Unset: every device, in NVML order; a GPU in MIG mode contributes its MIG
-  instances in slot order (none if it has none); a lost GPU contributes none.
+* Unset: every device, in CUDA's order (below); a GPU in MIG mode contributes its
+  MIG instances in slot order (none if it has none); a lost GPU contributes none.
 * Set but empty (or only blanks): no device.
 * Otherwise a comma-separated list, each entry stripped of blanks:
 
-  - ``N`` (ASCII digits): the GPU with NVML index N (the order ``nvidia-smi``
-    shows, i.e. ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).  On a MIG-mode GPU it means
-    that GPU's MIG instances in slot order.
+  - ``N`` (ASCII digits): the GPU CUDA numbers N.  With
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` that is NVML index N (the order ``nvidia-smi``
+    shows); otherwise (CUDA's default, ``FASTEST_FIRST``) GPUs are numbered by
+    compute capability (the topology's ``cc``), highest first, ties in NVML order:
+    the stand-in's version of CUDA's undocumented "fastest" heuristic.  On a
+    MIG-mode GPU it means that GPU's MIG instances in slot order.
   - ``GPU-...``: the one GPU whose UUID starts with the entry (the full UUID
     or an abbreviation of at least one character after ``GPU-``).  A MIG-mode
     GPU expands as for ``N``.
@@ -87,6 +90,7 @@ class Gpu(NamedTuple):
     pci: str
     used_mib: int
     instances: Tuple[Mig, ...]  # by slot
+    cc: Tuple[int, int] = (8, 0)  # CUDA compute capability
 
 
 class Process(NamedTuple):
@@ -193,6 +197,7 @@ def parse_topology(text: str) -> Topology:
                     pci=kv.get("pci", f"0000:{len(gpus) + 1:02X}:00.0"),
                     used_mib=int(kv.get("used_mib", "0")),
                     instances={},
+                    cc=tuple(int(x) for x in kv.get("cc", "8.0").split(".", 1)),
                 )
                 gpus.append(gpu)
                 by_uuid[gpu["uuid"]] = gpu
@@ -228,6 +233,7 @@ def parse_topology(text: str) -> Topology:
             pci=g["pci"],
             used_mib=g["used_mib"],
             instances=tuple(g["instances"][s] for s in sorted(g["instances"])),
+            cc=g["cc"],
         )
         for g in gpus
     )
@@ -245,14 +251,21 @@ def _expand(gpu: Gpu) -> List[str]:
     return [gpu.uuid]
 
 
-def _lookup(topo: Topology, entry: str) -> Optional[List[str]]:
+def cuda_order(topo: Topology, device_order: str) -> Tuple[Gpu, ...]:
+    """The GPUs as CUDA numbers them under CUDA_DEVICE_ORDER=DEVICE_ORDER (PCI_BUS_ID, else FASTEST_FIRST)."""
+    if device_order == "PCI_BUS_ID":
+        return topo.gpus
+    return tuple(sorted(topo.gpus, key=lambda g: (-g.cc[0], -g.cc[1])))  # stable: ties keep NVML order
+
+
+def _lookup(topo: Topology, entry: str, order: Tuple[Gpu, ...]) -> Optional[List[str]]:
     """The devices one CUDA_VISIBLE_DEVICES entry names, or None when it is invalid."""
     lost = set(topo.lost_gpus())
     if entry and all(c in "0123456789" for c in entry):
         index = int(entry)
-        if index >= len(topo.gpus) or topo.gpus[index].uuid in lost:
+        if index >= len(order) or order[index].uuid in lost:
             return None
-        return _expand(topo.gpus[index])
+        return _expand(order[index])
     if entry.startswith("GPU-") and len(entry) > len("GPU-"):
         matches = [g for g in topo.gpus if g.uuid.startswith(entry)]
         if len(matches) != 1 or matches[0].uuid in lost:
@@ -276,19 +289,20 @@ def _lookup(topo: Topology, entry: str) -> Optional[List[str]]:
     return None
 
 
-def visible_devices(topo: Topology, cvd: Optional[str]) -> List[str]:
+def visible_devices(topo: Topology, cvd: Optional[str], device_order: str = "PCI_BUS_ID") -> List[str]:
     """UUIDs of the devices a CUDA process gets, in CUDA order (rules in the module docstring)."""
     if "driver_not_loaded" in topo.faults:
         return []
     lost = set(topo.lost_gpus())
     chosen: List[str] = []
+    order = cuda_order(topo, device_order)
     if cvd is None:
-        for gpu in topo.gpus:
+        for gpu in order:
             if gpu.uuid not in lost:
                 chosen.extend(_expand(gpu))
     elif cvd.strip():
         for raw in cvd.split(","):
-            devices = _lookup(topo, raw.strip())
+            devices = _lookup(topo, raw.strip(), order)
             if devices is None or any(d in chosen for d in devices):
                 break
             chosen.extend(devices)
@@ -373,7 +387,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"fakecuda: {path}: {e}", file=sys.stderr)
             return 2
         driver = topo.driver
-        devices = visible_devices(topo, cvd)
+        devices = visible_devices(topo, cvd, os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST"))
 
     if args.env_out:
         with open(args.env_out, "wb") as f:

@@ -158,6 +158,7 @@ struct fake_gpu {
     unsigned int domain, bus, dev, fn;
     unsigned int pci_device_id, pci_subsystem_id;
     unsigned int util, mem_util;
+    unsigned int cc_major, cc_minor; /* CUDA compute capability */
     int lost;
     struct fake_mig slot[MAX_SLOTS];
 };
@@ -425,7 +426,7 @@ static const char *parse_line(struct machine *m, char *line)
     static __thread char why[256];
     static const char *const gpu_fields[] = {"uuid", "name", "memory_mib", "mig", "pci", "used_mib",
                                              "reserved_mib", "util", "mem_util", "max_mig",
-                                             "pci_device_id", "pci_subsystem_id", NULL};
+                                             "pci_device_id", "pci_subsystem_id", "cc", NULL};
     static const char *const mig_fields[] = {"parent", "slot", "uuid", "profile", "gi", "ci",
                                              "memory_mib", "used_mib", NULL};
     static const char *const proc_fields[] = {"pid", "device", "memory_mib", NULL};
@@ -556,6 +557,21 @@ static const char *parse_line(struct machine *m, char *line)
         if (opt_uint(tok, n, "pci_device_id", 0, 0xFFFFFFFFULL, 0x10DE, &g->pci_device_id) ||
             opt_uint(tok, n, "pci_subsystem_id", 0, 0xFFFFFFFFULL, 0, &g->pci_subsystem_id))
             FAIL("gpu: pci_device_id= and pci_subsystem_id= want a 32-bit number, e.g. 0x20B210DE");
+        g->cc_major = 8;
+        g->cc_minor = 0;
+        if ((s = field(tok, n, "cc"))) {
+            char *dot;
+            unsigned long long major, minor;
+            if (strlen(s) >= 16 || !(dot = strchr(s, '.')))
+                FAIL("gpu: cc= wants MAJOR.MINOR, e.g. 9.0");
+            char head[16];
+            memcpy(head, s, (size_t)(dot - s));
+            head[dot - s] = '\0';
+            if (parse_u64(head, 10, 99, &major) || parse_u64(dot + 1, 10, 9, &minor))
+                FAIL("gpu: cc= wants MAJOR.MINOR, e.g. 9.0");
+            g->cc_major = (unsigned int)major;
+            g->cc_minor = (unsigned int)minor;
+        }
         m->ngpus++;
         return NULL;
     }
@@ -1079,6 +1095,22 @@ static nvmlReturn_t pci_of(nvmlDevice_t device, struct fake_gpu *out)
     if ((ret = resolve(m, device, &t, ASK_GPU)) == NVML_SUCCESS)
         *out = *t.gpu;
     return finish(m, ret);
+}
+
+nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
+{
+    nvmlReturn_t ret;
+    struct machine *m = begin(&ret);
+    struct target t;
+    if (!m)
+        return ret;
+    if ((ret = resolve(m, device, &t, ASK_GPU)) != NVML_SUCCESS)
+        return finish(m, ret);
+    if (!major || !minor)
+        return finish(m, NVML_ERROR_INVALID_ARGUMENT);
+    *major = (int)t.gpu->cc_major;
+    *minor = (int)t.gpu->cc_minor;
+    return finish(m, NVML_SUCCESS);
 }
 
 nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
