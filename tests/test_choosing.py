@@ -324,3 +324,15 @@ def test_fake_nvml_answers_the_status_readings(machine, monkeypatch):
     fake.write(fake.read() + "gpu uuid=GPU-bad name=x memory_mib=1 temp=500\n")
     with pytest.raises(pynvml.NVMLError_Unknown):
         pynvml.nvmlDeviceGetCount()
+
+
+def test_run_and_acquire_counts_are_held_to_max_gpus(installed):
+    inst = installed(MIXED)
+    inst.write_config("[policy]\nmax_gpus = 2\n")
+    r = inst.cli("run", "-n", "3", "--", "true")
+    assert r.returncode == 75
+    assert first_two_lines(r)[0].startswith("cudawrap: 3 devices asked for, but a run of this program may "
+                                            "have at most 2 (max_gpus, ")
+    code = "import cudawrap\ntry:\n    cudawrap.acquire(3)\nexcept Exception as exc:\n    print(exc.exit_code)"
+    assert inst.run(sys.executable, "-c", code).stdout == b"75\n"
+    assert inst.cli("run", "-n", "2", "--", "true").returncode == 0
