@@ -102,7 +102,8 @@ def _parse_ask(key: str, raw: Any) -> Any:
 
     if isinstance(raw, str) and key != "model":
         text = raw.strip()
-        if not text.lstrip("-").isdigit() or not text.isascii() or len(text) > 12:
+        digits = text[1:] if text.startswith("-") else text
+        if not (digits.isascii() and digits.isdigit()) or len(text) > 12:
             raise ValueError(f"{raw[:40]!r} is not a whole number")
         raw = int(text)
     return POLICY_KEYS[key](raw)

@@ -192,6 +192,7 @@ def test_count_within_max_gpus_or_refused_with_75():
     ("CUDAWRAP_GPUS", "0", "CUDAWRAP_GPUS='0': 0 is not between 1 and 64"),
     ("CUDAWRAP_MIN_FREE_MEMORY_MIB", "-1", "CUDAWRAP_MIN_FREE_MEMORY_MIB='-1': -1 is not a whole number >= 0"),
     ("CUDAWRAP_MIN_MEMORY_MIB", "12.5", "CUDAWRAP_MIN_MEMORY_MIB='12.5': '12.5' is not a whole number"),
+    ("CUDAWRAP_MIN_MEMORY_MIB", "--5", "CUDAWRAP_MIN_MEMORY_MIB='--5': '--5' is not a whole number"),
     ("CUDAWRAP_MAX_UTILIZATION", "101", "CUDAWRAP_MAX_UTILIZATION='101': 101 is not a whole percentage"),
     ("CUDAWRAP_MODEL", "H100\x1b[2J", "CUDAWRAP_MODEL='H100\\x1b[2J': 'H100\\x1b[2J' is not a model name"),
 ])
