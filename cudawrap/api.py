@@ -23,8 +23,14 @@ _held: Optional[launch.Grant] = None
 _saved: Dict[str, Optional[str]] = {}
 
 
-def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None) -> List[str]:
+def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None, *,
+            model: Optional[str] = None, min_memory_mib: Optional[int] = None,
+            min_free_memory_mib: Optional[int] = None,
+            max_utilization: Optional[int] = None) -> List[str]:
     """Lease COUNT devices (waiting up to WAIT seconds; None = the config's wait).
+
+    MODEL, MIN_MEMORY_MIB, MIN_FREE_MEMORY_MIB and MAX_UTILIZATION narrow the choice as
+    the settings of those names do (a user can narrow the admin's, never widen them).
 
     Sets CUDA_VISIBLE_DEVICES and returns the leased UUIDs; a second call returns the
     same lease. Raises cudawrap.errors.NoDeviceError (and other CudawrapError) on failure.
@@ -41,6 +47,11 @@ def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None) -> Lis
     settings = policy.effective(root, None)
     if wait_s is not None:
         settings["wait"] = (wait_s, "acquire(wait=…)")
+    asks = {"model": model, "min_memory_mib": min_memory_mib,
+            "min_free_memory_mib": min_free_memory_mib, "max_utilization": max_utilization}
+    for key, raw in asks.items():
+        if raw is not None:
+            policy.ask(settings, key, raw, f"acquire({key}=…)", f"{key}={raw!r}")
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     grant = launch.obtain(root, prog, settings, os.environ, count=count)
     _saved.clear()

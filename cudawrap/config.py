@@ -98,6 +98,38 @@ def _uuid_list(value: Any) -> Tuple[str, ...]:
     return tuple(v.strip() for v in value)
 
 
+def _percent(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100:
+        raise ValueError(f"{_shown(value)} is not a whole percentage from 0 to 100")
+    return value
+
+
+def parse_model(value: Any) -> str:
+    """A model filter: words each found, case-insensitively, in the product name ("" = any)."""
+    if not isinstance(value, str) or len(value) > 200 or not value.isprintable():
+        raise ValueError(f"{_shown(value)} is not a model name such as \"H100\" or \"A100 1g.10gb\"")
+    return " ".join(value.split())
+
+
+def parse_devices(value: Any) -> Tuple[Any, ...]:
+    """Devices to choose among: GPU-/MIG- UUIDs or prefixes, and NVML indices (nvidia-smi's)."""
+    if isinstance(value, str):  # the environment's and the switches' comma list
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list):
+        raise ValueError(f"{_shown(value)} is not a list of device UUIDs and indices")
+    out: List[Any] = []
+    for item in value:
+        if isinstance(item, str) and item.isascii() and item.isdigit() and len(item) <= 4:
+            item = int(item)
+        if isinstance(item, int) and not isinstance(item, bool) and 0 <= item <= 9999:
+            out.append(item)
+        elif isinstance(item, str) and re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]+", item.strip()):
+            out.append(item.strip())
+        else:
+            raise ValueError(f"{_shown(item)} is not a GPU-… or MIG-… UUID (or prefix) or an index")
+    return tuple(out)
+
+
 def _path_or_empty(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{_shown(value)} is not a path string")
@@ -117,6 +149,12 @@ POLICY_KEYS: Dict[str, Callable[[Any], Any]] = {
     "no_driver": _choice(NO_DRIVER_RULES),
     "multi_mig": _choice(MULTI_MIG_RULES),
     "reserve_after": parse_wait,
+    "max_gpus": parse_gpus,
+    "model": parse_model,
+    "min_memory_mib": _non_negative_int,
+    "min_free_memory_mib": _non_negative_int,
+    "max_utilization": _percent,
+    "devices": parse_devices,
 }
 
 DEVICE_KEYS: Dict[str, Callable[[Any], Any]] = {
@@ -133,6 +171,12 @@ DEFAULTS: Dict[str, Any] = {
     "no_driver": "run",
     "multi_mig": "refuse",
     "reserve_after": 300.0,
+    "max_gpus": MAX_GPUS,
+    "model": "",
+    "min_memory_mib": 0,
+    "min_free_memory_mib": 0,
+    "max_utilization": 100,
+    "devices": (),
     "allow": (),
     "allow_file": "",
 }
@@ -146,8 +190,21 @@ DESCRIPTIONS: Dict[str, str] = {
     "no_driver": "without an NVIDIA driver or NVML: run the program (leased by its lease file where one exists), or fail",
     "multi_mig": "more than one MIG instance on a driver before R570: refuse, or whole-gpus",
     "reserve_after": "seconds a run waits before free devices are kept for it until it has enough, or \"forever\"",
+    "max_gpus": "the most devices one run may ask for (CUDAWRAP_GPUS, run -n, acquire(N))",
+    "model": "only devices whose product name holds these words, e.g. \"H100\", \"A100 1g.10gb\"",
+    "min_memory_mib": "only devices with at least this much memory in all (MiB)",
+    "min_free_memory_mib": "only devices with at least this much memory free (MiB)",
+    "max_utilization": "only devices busy at most this % (MIG: not reported, never excluded)",
+    "devices": "only these devices: UUIDs, prefixes, NVML indices; empty = all",
     "allow": "device UUIDs (or prefixes) cudawrap may hand out; empty = all",
     "allow_file": "file with one allowed UUID a line (the getgpu ids format), or \"\"",
+}
+
+
+# What `cudawrap config` adds below the table when a setting is in force.
+NOTES: Dict[str, str] = {
+    "max_utilization": "NVML reports no utilisation for MIG instances (nor for a GPU in MIG mode), "
+                       "so max_utilization never excludes them; it applies to whole GPUs only",
 }
 
 

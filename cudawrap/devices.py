@@ -20,7 +20,7 @@ class Device:
 
     __slots__ = (
         "uuid", "name", "parent_uuid", "gpu_index", "mig_slot",
-        "memory_total_mib", "memory_used_mib", "pids",
+        "memory_total_mib", "memory_used_mib", "pids", "utilization",
     )
 
     def __init__(
@@ -33,6 +33,7 @@ class Device:
         memory_total_mib: int,
         memory_used_mib: int,
         pids: Optional[Tuple[int, ...]],
+        utilization: Optional[int] = None,
     ) -> None:
         self.uuid = uuid
         self.name = name  # GPU product name, or MIG profile such as "1g.10gb"
@@ -42,6 +43,9 @@ class Device:
         self.memory_total_mib = memory_total_mib
         self.memory_used_mib = memory_used_mib
         self.pids = pids  # compute processes; None where NVML answered NoPermission
+        # GPU utilisation in %, read only when asked for (a filter, status); None where
+        # not read or not reported (MIG instances and GPUs in MIG mode never report it).
+        self.utilization = utilization
 
     @property
     def is_mig(self) -> bool:
@@ -49,7 +53,7 @@ class Device:
 
     def to_tuple(self) -> tuple:
         return (self.uuid, self.name, self.parent_uuid, self.gpu_index, self.mig_slot,
-                self.memory_total_mib, self.memory_used_mib, self.pids)
+                self.memory_total_mib, self.memory_used_mib, self.pids, self.utilization)
 
     @classmethod
     def from_tuple(cls, t: tuple) -> Device:

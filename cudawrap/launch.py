@@ -176,6 +176,10 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         say(prog, f"Slurm job {job.job_id} has no GPU: running without a device (submit with --gres=gpu:N)")
         return Grant(None, "")
 
+    from .policy import check_count
+
+    check_count(settings, count)
+
     from . import nvml
     from .snapshot import SnapshotRefresh, read_fresh
 
@@ -219,6 +223,17 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         candidates = [d for d in candidates if d in visible]
     why = " (narrowed by CUDA_VISIBLE_DEVICES)" if preset is not None else (
         " (narrowed by the allow-list)" if allow else "")
+    from .filters import Request, explain, split
+
+    # Model, memory and device filters: only what can never fit is dropped here; free
+    # memory and utilisation change as jobs end, and are for whoever waits to re-check.
+    request = Request.from_settings(value, count)
+    if request.filtered and candidates:
+        kept, _why_not = split(request, candidates, inventory)
+        if len(kept) < count:
+            raise NoDeviceError(explain(request, candidates, inventory),
+                                hint="`cudawrap status` lists the devices; `cudawrap config` the filters")
+        candidates = kept
 
     if count > 1 and not inventory.multi_mig and any(d.is_mig for d in candidates):
         if value["multi_mig"] == "refuse":

@@ -70,6 +70,14 @@ def _usage(nv: Any, handle: Any) -> Tuple[Optional[Tuple[int, ...]], int, int]:
     return pids, int(memory.used) // MIB, int(memory.total) // MIB
 
 
+def _utilization(nv: Any, handle: Any) -> Optional[int]:
+    """GPU utilisation in %, None where NVML does not report it (MIG, some boards)."""
+    try:
+        return int(nv.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except _unknown_errors(nv):
+        return None
+
+
 def _profile(name: str) -> str:
     # NVML names a MIG device "NVIDIA A100-SXM4-80GB MIG 1g.10gb"; the profile is what
     # tells two instances of one GPU apart for people.
@@ -100,8 +108,12 @@ def _mig_devices(nv: Any, gpu: Gpu, handle: Any) -> List[Device]:
     return devices
 
 
-def inventory() -> Inventory:
-    """Enumerate every leasable device with its current processes and memory."""
+def inventory(utilization: bool = False) -> Inventory:
+    """Enumerate every leasable device with its current processes and memory.
+
+    UTILIZATION: also read whole GPUs' utilisation (one more query each), for a filter
+    that needs it; the launch path otherwise never pays for it.
+    """
     nv = init()
     try:
         driver = nv.nvmlSystemGetDriverVersion()
@@ -125,7 +137,8 @@ def inventory() -> Inventory:
             else:
                 pids, used, total = _usage(nv, handle)
                 _handles[uuid] = handle
-                found = [Device(uuid, gpu.name, uuid, index, None, total, used, pids)]
+                util = _utilization(nv, handle) if utilization else None
+                found = [Device(uuid, gpu.name, uuid, index, None, total, used, pids, util)]
         except nv.NVMLError:
             # A GPU fallen off the bus (or its driver state broken) must not take the
             # whole machine down with it: skip it, report it, hand out the others.
@@ -172,7 +185,57 @@ def refresh(device: Device) -> Optional[Device]:
         if nv.nvmlDeviceGetUUID(handle) != device.uuid:
             return None
         pids, used, total = _usage(nv, handle)
+        # Utilisation only where it was read before: someone filters on it.
+        util = None if device.utilization is None else _utilization(nv, handle)
     except nv.NVMLError:
         return None
     return Device(device.uuid, device.name, device.parent_uuid, device.gpu_index,
-                  device.mig_slot, total, used, pids)
+                  device.mig_slot, total, used, pids, util)
+
+
+def _reading(nv: Any, ask: Any, *args: Any) -> Any:
+    """One status reading; None where NVML cannot say (NotSupported, NoPermission, lost)."""
+    try:
+        return ask(*args)
+    except nv.NVMLError:
+        return None
+
+
+def readings(uuid: str) -> Dict[str, Any]:
+    """What `cudawrap status` shows beyond the inventory, for the GPU or MIG device UUID:
+    utilisation, temperature, power, performance state and each process's memory.
+
+    Status only: these are a dozen more queries per device, which the launch path never
+    makes. Every value is None where the driver does not report it (most of them on MIG
+    instances).
+    """
+    nv = init()
+    try:
+        handle = nv.nvmlDeviceGetHandleByUUID(uuid)
+    except nv.NVMLError:
+        return {}
+    rates = _reading(nv, nv.nvmlDeviceGetUtilizationRates, handle)
+    memory = _reading(nv, nv.nvmlDeviceGetMemoryInfo, handle)
+    temperature = _reading(nv, nv.nvmlDeviceGetTemperature, handle,
+                           getattr(nv, "NVML_TEMPERATURE_GPU", 0))
+    power = _reading(nv, nv.nvmlDeviceGetPowerUsage, handle)
+    limit = _reading(nv, nv.nvmlDeviceGetEnforcedPowerLimit, handle)
+    pstate = _reading(nv, nv.nvmlDeviceGetPerformanceState, handle)
+    procs = _reading(nv, nv.nvmlDeviceGetComputeRunningProcesses, handle)
+    memory_of: Optional[Dict[int, Optional[int]]] = None
+    if procs is not None:
+        memory_of = {}
+        for proc in procs:
+            used = getattr(proc, "usedGpuMemory", None)  # None where the driver hides it
+            memory_of[int(proc.pid)] = None if used is None else int(used) // MIB
+    return {
+        "utilization": None if rates is None else int(rates.gpu),
+        "memory_utilization": None if rates is None else int(rates.memory),
+        "memory_free_mib": None if memory is None else int(memory.free) // MIB,
+        "temperature_c": None if temperature is None else int(temperature),
+        "power_w": None if power is None else round(power / 1000, 1),
+        "power_limit_w": None if limit is None else round(limit / 1000, 1),
+        # NVML_PSTATE_UNKNOWN (32) is as good as no answer.
+        "performance_state": None if pstate is None or not 0 <= pstate <= 15 else f"P{pstate}",
+        "process_memory_mib": memory_of,
+    }

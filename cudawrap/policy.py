@@ -3,6 +3,10 @@
 Order, later wins: built-in defaults, the config's [policy], its [programs."NAME"], the
 wrap's own flags (kept in the registry), then CUDAWRAP_WAIT for this run only.
 
+A user's per-run asks (CUDAWRAP_GPUS, CUDAWRAP_MODEL, ... or the same as switches and
+keyword arguments) only narrow: each filter becomes the stricter of the admin's and the
+user's, and a count above the program's max_gpus is refused.
+
 Parsing TOML and JSON costs ~25 ms of imports, more than everything else a launch does,
 so root (sync, wrap, unwrap, config) compiles the result into a ``marshal`` cache keyed
 by the inode, size and mtime of both files. The shim uses it only when both keys still
@@ -18,9 +22,9 @@ if TYPE_CHECKING:
     from typing import Any, Dict, Optional, Tuple
 
 from . import locations as loc, rootfile
-from .errors import UsageError
+from .errors import ConfigError, NoDeviceError, UsageError
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 2: the filter keys (model, min_memory_mib, ...) and max_gpus; 3: [limits], reserve_after
 
 
 def _signature(path: str) -> Optional[Tuple[int, int, int, int]]:
@@ -86,6 +90,75 @@ def _read_cache(root: str) -> Optional[Dict[str, Any]]:
     return data
 
 
+# key -> the environment variable a user sets to ask for it in one run.
+RUN_ENV = (
+    ("gpus", "CUDAWRAP_GPUS"),
+    ("model", "CUDAWRAP_MODEL"),
+    ("min_memory_mib", "CUDAWRAP_MIN_MEMORY_MIB"),
+    ("min_free_memory_mib", "CUDAWRAP_MIN_FREE_MEMORY_MIB"),
+    ("max_utilization", "CUDAWRAP_MAX_UTILIZATION"),
+)
+
+
+def _parse_ask(key: str, raw: Any) -> Any:
+    """RAW (text from the environment or a switch, or a Python value) checked as KEY."""
+    from .config import POLICY_KEYS
+
+    if isinstance(raw, str) and key != "model":
+        text = raw.strip()
+        digits = text[1:] if text.startswith("-") else text
+        if not (digits.isascii() and digits.isdigit()) or len(text) > 12:
+            raise ValueError(f"{raw[:40]!r} is not a whole number")
+        raw = int(text)
+    return POLICY_KEYS[key](raw)
+
+
+def check_count(settings: Dict[str, Tuple[Any, str]], count: int) -> None:
+    """Refuse (75) a run asking for more devices than its program's max_gpus allows."""
+    ceiling, source = settings.get("max_gpus", (count, ""))
+    if count > ceiling:
+        raise NoDeviceError(f"{count} devices asked for, but a run of this program may have at most "
+                            f"{ceiling} (max_gpus, {source})",
+                            hint="ask for fewer devices, or ask an admin to raise max_gpus")
+
+
+def narrow(settings: Dict[str, Tuple[Any, str]], key: str, raw: Any, source: str) -> None:
+    """Apply a user's ask RAW for KEY, made by SOURCE, to SETTINGS; ValueError if malformed.
+
+    The count replaces the program's (within max_gpus); a filter becomes the stricter of
+    the admin's and the user's, so a user can never widen what the admin set.
+    """
+    value = _parse_ask(key, raw)
+    if key == "gpus":
+        check_count(settings, value)
+        settings[key] = (value, source)
+        return
+    from .filters import UNFILTERED, narrowed
+
+    admin, admin_source = settings.get(key, (UNFILTERED[key], "default"))
+    combined = narrowed(key, admin, value)
+    if combined == admin and admin != UNFILTERED[key]:
+        return  # the admin's is already as strict
+    both = admin != UNFILTERED[key] and combined != value
+    settings[key] = (combined, f"{admin_source} and {source}" if both else source)
+
+
+def ask(settings: Dict[str, Tuple[Any, str]], key: str, raw: Any, source: str, shown: str) -> None:
+    """narrow(), with a malformed RAW refused as a usage error (64) that names SHOWN."""
+    try:
+        narrow(settings, key, raw, source)
+    except ValueError as exc:
+        raise UsageError(f"{shown}: {exc}",
+                         hint="`cudawrap config` lists the settings and what they take") from None
+
+
+def _check_ceiling(merged: Dict[str, Tuple[Any, str]]) -> None:
+    if "max_gpus" in merged and merged["gpus"][0] > merged["max_gpus"][0]:
+        (gpus, where), (ceiling, ceiling_where) = merged["gpus"], merged["max_gpus"]
+        raise ConfigError(f"{where}: gpus = {gpus} is above max_gpus = {ceiling} ({ceiling_where})",
+                          hint="a program's own count must be within its max_gpus")
+
+
 def effective(root: str, link: Optional[str], environ: Any = None) -> Dict[str, Tuple[Any, str]]:
     """key -> (value, source) for a run of LINK (a wrapped program's path, or None)."""
     data = _read_cache(root) or _compile(root)
@@ -106,4 +179,9 @@ def effective(root: str, link: Optional[str], environ: Any = None) -> Dict[str, 
         except ValueError as exc:
             raise UsageError(f"CUDAWRAP_WAIT={raw[:40]!r}: {exc}",
                              hint="use a number of seconds (0 = do not wait) or 'forever'") from None
+    _check_ceiling(merged)
+    for key, name in RUN_ENV:
+        raw = env.get(name)
+        if raw is not None and raw != "":
+            ask(merged, key, raw, f"environment ({name})", f"{name}={raw[:40]!r}")
     return merged

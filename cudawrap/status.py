@@ -1,15 +1,38 @@
-"""What `cudawrap status` shows: each device, who leases it, what else runs there, who waits."""
+"""What `cudawrap status` shows: each device, who leases it, what else runs there, who waits.
+
+Besides the inventory the launch path uses, status reads what gpustatus shows
+(utilisation, temperature, power, performance state, each process's memory): more NVML
+queries that only this command makes.
+"""
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from .errors import NvmlUnavailable
 from .leases import fd_holders, holders
 from .paths import Layout
 from .users import user_name
 from .waitqueue import WaitQueue
+
+
+def parse_watch(seconds: Any, count: Optional[str]) -> Tuple[float, Optional[int]]:
+    """`--watch [SECONDS] [--count N]` as (period, refreshes or None); ValueError if bad."""
+    if len(seconds) > 1:
+        raise ValueError(f"one refresh period, not {len(seconds)} values")
+    try:
+        period = float(seconds[0]) if seconds else 2.0
+    except ValueError:
+        raise ValueError(f"{printable(seconds[0], 40)!r} is not a number of seconds") from None
+    if not 0.1 <= period <= 3600:  # NaN fails this too
+        raise ValueError(f"{printable(seconds[0], 40)!r}: choose between 0.1 and 3600 seconds")
+    if count is None:
+        return period, None
+    text = count.strip()
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text[:9]) <= 10**6:
+        raise ValueError(f"--count {printable(count, 40)!r} is not a number of refreshes (1 or more)")
+    return period, int(count)
 
 
 def printable(text: str, limit: int = 200) -> str:
@@ -116,6 +139,45 @@ def _foreign(lease_dir: str, uuid: str, pids: Iterable[int]) -> List[int]:
     return [p for p in pids if p not in lessees]
 
 
+# Readings a device has when NVML cannot be asked, or does not say.
+_NO_READINGS: Dict[str, Any] = {
+    "memory_free_mib": None, "utilization": None, "memory_utilization": None, "temperature_c": None,
+    "power_w": None, "power_limit_w": None, "performance_state": None,
+}
+
+
+def _readings(uuid: str) -> Tuple[Dict[str, Any], Optional[Dict[int, Optional[int]]]]:
+    """(the readings of _NO_READINGS' keys, pid -> memory MiB of its processes or None)."""
+    from . import nvml
+
+    got = nvml.readings(uuid)
+    return {key: got.get(key) for key in _NO_READINGS}, got.get("process_memory_mib")
+
+
+def _processes(pids: Optional[Any], holder: Optional[Dict[str, Any]],
+               memory: Optional[Dict[int, Optional[int]]]) -> Optional[List[Dict[str, Any]]]:
+    """Every compute process on a device: who, what, how much memory, and whether it holds the lease."""
+    if pids is None:
+        return None  # the driver hides them from this user
+    out = []
+    for pid in pids:
+        info = process_info(pid)
+        out.append({"pid": pid, "user": info["user"], "command": info["command"],
+                    "memory_mib": (memory or {}).get(pid),
+                    "lease_holder": bool(holder) and holder["pid"] == pid})
+    return out
+
+
+def _gpus(inventory: Any) -> List[Dict[str, Any]]:
+    """The physical GPUs with their board readings (a MIG instance has none of its own)."""
+    out = []
+    for gpu in inventory.gpus:
+        readings, _memory = _readings(gpu.uuid)
+        out.append({"uuid": gpu.uuid, "index": gpu.index, "name": gpu.name, "mig_mode": gpu.mig_mode,
+                    **readings})
+    return out
+
+
 def machine_status(layout: Layout) -> Dict[str, Any]:
     from . import nvml
 
@@ -130,22 +192,31 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
         nvml_error = str(exc)
         inventory = None
     if inventory is not None:
+        from .filters import product
+
         for d in inventory.devices:
             holder = _holder(held, d.uuid)
             # With the holder unknown its processes cannot be told from others': unknown too.
             unknown = d.pids is None or (holder is not None and holder["pid"] is None)
             foreign = None if unknown else _foreign(lease_dir, d.uuid, d.pids)
+            readings, memory = _readings(d.uuid)
             devices.append({
                 "uuid": d.uuid, "name": d.name, "gpu_index": d.gpu_index, "parent": d.parent_uuid,
                 "mig_slot": d.mig_slot, "memory_used_mib": d.memory_used_mib,
                 "memory_total_mib": d.memory_total_mib, "lease_file": d.uuid in lease_files,
-                "holder": holder, "foreign_pids": foreign})
+                "holder": holder, "foreign_pids": foreign,
+                "index": d.gpu_index, "product": product(d, inventory),
+                "mig_profile": d.name if d.is_mig else None, **readings,
+                "processes": _processes(d.pids, holder, memory), "waiters": [], "drains": []})
     else:
         for uuid in sorted(lease_files):
             holder = _holder(held, uuid)
             devices.append({"uuid": uuid, "name": "?", "gpu_index": -1, "parent": "?", "mig_slot": None,
                             "memory_used_mib": 0, "memory_total_mib": 0, "lease_file": True,
-                            "holder": holder, "foreign_pids": None})
+                            "holder": holder, "foreign_pids": None,
+                            "index": None, "product": None, "mig_profile": None, **_NO_READINGS,
+                            "processes": None, "waiters": [], "drains": []})
     return {"devices": devices, "waiting": _waiting(layout, inventory),
             "nvml_error": nvml_error,
-            "lost": list(inventory.lost) if inventory else []}
+            "lost": list(inventory.lost) if inventory else [],
+            "gpus": _gpus(inventory) if inventory else []}

@@ -355,9 +355,9 @@ def test_absent_functions_are_not_found_as_with_an_old_driver(nvml: Any) -> None
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
 
     with pytest.raises(pynvml.NVMLError_FunctionNotFound):
-        pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+        pynvml.nvmlDeviceGetFanSpeed(handle)
     with pytest.raises(pynvml.NVMLError_FunctionNotFound):
-        pynvml.nvmlDeviceGetPowerUsage(handle)
+        pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)
 
 
 # ---- faults ----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from ..config import (
 from ..errors import ConfigError, StateError, UsageError
 from ..paths import default_layout
 from . import Command, report
+from .filterswitches import FilterSwitches
 
 
 def _prog(command: Command) -> str:
@@ -59,7 +60,7 @@ def _raw_int(switch: str, text: str) -> Any:
         raise UsageError(f"{switch}: {text!r} is not a whole number") from None
 
 
-class CreateCudawrap(Command):
+class CreateCudawrap(FilterSwitches, Command):
     """Wrap CUDA programs: each run then gets its own free GPU or MIG instance.
 
     PROGRAM is renamed to CUDAWRAP_<name> in the same directory and PROGRAM becomes a
@@ -84,6 +85,8 @@ class CreateCudawrap(Command):
                                help=DESCRIPTIONS["no_driver"])
     multi_mig = cli.SwitchAttr(["--multi-mig"], str, argname="|".join(MULTI_MIG_RULES),
                                help=DESCRIPTIONS["multi_mig"])
+    max_gpus = cli.SwitchAttr(["--max-gpus"], str, argname="N", help=DESCRIPTIONS["max_gpus"])
+    devices = cli.SwitchAttr(["--devices"], str, argname="UUID|INDEX,...", help=DESCRIPTIONS["devices"])
 
     def policy(self) -> Dict[str, Any]:
         """The per-program policy from the switches, raw (as the registry stores it), checked."""
@@ -94,6 +97,13 @@ class CreateCudawrap(Command):
             raw["wait"] = _raw_wait(self.wait)
         if self.busy_memory is not None:
             raw["busy_memory_mib"] = _raw_int("--busy-memory-mib", self.busy_memory)
+        for key, text in dict(self.filter_asks(), max_gpus=self.max_gpus).items():
+            if text is not None:
+                raw[key] = text if key == "model" else _raw_int("--" + key.replace("_", "-"), text)
+        if self.devices is not None:
+            # The registry keeps JSON: indices as numbers, UUIDs as strings.
+            raw["devices"] = [int(d) if d.isascii() and d.isdigit() else d
+                              for d in (part.strip() for part in self.devices.split(",")) if d]
         for key in ("placement", "foreign", "no_driver", "multi_mig"):
             value = getattr(self, key)
             if value is not None:
@@ -103,6 +113,8 @@ class CreateCudawrap(Command):
                 validate_policy({key: value}, "--" + key.replace("_", "-"))
             except ConfigError as exc:
                 raise UsageError(exc.message) from None
+        if raw.get("gpus", 1) > raw.get("max_gpus", raw.get("gpus", 1)):
+            raise UsageError(f"--gpus {raw['gpus']} is above --max-gpus {raw['max_gpus']}")
         return raw
 
     def main(self, *programs: str) -> int:

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from plumbum import cli
 
 from .. import policy
-from ..config import DEFAULTS, format_wait
+from ..config import DEFAULTS, NOTES, format_wait
 from ..defaults import toml_value
 from ..errors import UsageError
 from ..limits import NO_LIMITS
@@ -117,6 +117,9 @@ class ConfigCommand(Command):
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        for key, note in NOTES.items():
+            if key in settings and settings[key][0] != DEFAULTS[key]:
+                print(f"# note: {key}: {note}")
         return 0
 
 

@@ -5,7 +5,7 @@ import json
 import os
 import shutil
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from plumbum import cli
 
@@ -15,6 +15,7 @@ from ..errors import ProgramNotFound, UsageError
 from ..paths import default_layout
 from ..status import machine_status
 from . import Command
+from .filterswitches import FilterSwitches
 
 
 class SyncCommand(Command):
@@ -62,13 +63,31 @@ class MonitorCommand(Command):
 class StatusCommand(Command):
     """Every device with its lease holder, other processes and memory; then who is waiting."""
 
-    as_json = cli.Flag(["--json"], help="machine-readable output")
+    USAGE = "    {progname} [--json] [--watch [SECONDS] [--count N]]\n"
 
-    def main(self) -> int:
+    as_json = cli.Flag(["--json"], help="machine-readable output (with --watch: one line per refresh)")
+    watch = cli.Flag(["-w", "--watch"], help="refresh every SECONDS (default 2) until Ctrl-C")
+    count = cli.SwitchAttr(["--count"], str, argname="N", help="with --watch: stop after N refreshes")
+
+    def main(self, *seconds: str) -> int:
+        if not self.watch:
+            if seconds or self.count is not None:
+                raise UsageError(f"{_shown(seconds[0]) if seconds else '--count'}: only with --watch",
+                                 hint="cudawrap status --watch [SECONDS] [--count N]")
+            return self.show()
+        from ..status import parse_watch
+
+        try:
+            period, count = parse_watch(seconds, self.count)
+        except ValueError as exc:
+            raise UsageError(f"--watch: {exc}", hint="cudawrap status --watch [SECONDS] [--count N]") from None
+        return _watch(self, period, count)
+
+    def show(self) -> int:
         layout = default_layout()
         status = machine_status(layout)
         if self.as_json:
-            print(json.dumps(status, indent=2))
+            print(json.dumps(status, indent=None if self.watch else 2))
             return 0
         if status["nvml_error"]:
             print(f"warning: {status['nvml_error']}", file=sys.stderr)
@@ -93,6 +112,39 @@ class StatusCommand(Command):
         return 0
 
 
+def _watch(command: StatusCommand, period: float, count: Optional[int]) -> int:
+    """Show the status every PERIOD seconds, COUNT times (None: until Ctrl-C).
+
+    On a terminal each refresh is drawn over the last (cursor home, clear to the end);
+    otherwise, and with --json, refreshes follow one another, as `watch` would log them.
+    """
+    import io
+    import time
+    from contextlib import redirect_stdout
+
+    in_place = sys.stdout.isatty() and not command.as_json
+    shown = 0
+    try:
+        while True:
+            frame = io.StringIO()
+            with redirect_stdout(frame):
+                command.show()
+            text = frame.getvalue()
+            if in_place:
+                head = f"every {period:g} s, {time.strftime('%H:%M:%S')}; Ctrl-C to stop"
+                lines = [head, ""] + text.splitlines()
+                sys.stdout.write("\x1b[H" + "".join(line + "\x1b[K\n" for line in lines) + "\x1b[J")
+            else:
+                sys.stdout.write(text if command.as_json or shown == 0 else "\n" + text)
+            sys.stdout.flush()
+            shown += 1
+            if count is not None and shown >= count:
+                return 0
+            time.sleep(period)
+    except KeyboardInterrupt:  # the way out of a watch, not a failure
+        return 0
+
+
 def _shown(value: str) -> str:
     """A switch's value for a one-line message: control characters replaced, cut short."""
     text = "".join(c if c.isprintable() else "?" for c in value[:40])
@@ -105,11 +157,13 @@ def _table(rows: List[tuple]) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
-class RunCommand(Command):
+class RunCommand(FilterSwitches, Command):
     """Run any command on free device(s), as a wrapped program would: cudawrap run [-n N] -- CMD ARGS…"""
 
     gpus = cli.SwitchAttr(["-n", "--gpus"], str, help="devices to lease (default: the config's gpus)")
     wait = cli.SwitchAttr(["--wait"], str, help="seconds to wait for a free device, or 'forever'")
+    substitute = cli.Flag(["--substitute"], help="replace {index}, {indices}, {uuid}, {uuids}, {nvml_index}, "
+                                                 "{nvml_indices} in CMD's arguments with the leased devices")
 
     def main(self, *command: str) -> int:
         if not command:
@@ -127,10 +181,46 @@ class RunCommand(Command):
                 settings["wait"] = (parse_wait(self.wait), "--wait")
             except ValueError as exc:
                 raise UsageError(f"--wait {_shown(self.wait)}: {exc}") from None
+        for key, raw in self.filter_asks().items():
+            if raw is not None:
+                switch = "--" + key.replace("_", "-")
+                policy.ask(settings, key, raw, switch, f"{switch} {_shown(raw)}")
         path = command[0] if "/" in command[0] else shutil.which(command[0])
         if not path or not os.path.exists(path):
             raise ProgramNotFound(f"{command[0]}: command not found")
         prog = os.path.basename(command[0])
         grant = launch.obtain(str(layout.root), prog, settings, os.environ, count=count)
-        launch.exec_program(path, list(command), grant.apply(launch.original_environ()), grant)
+        argv = list(command)
+        if self.substitute:
+            argv = argv[:1] + _substituted(str(layout.root), argv[1:], grant)
+        launch.exec_program(path, argv, grant.apply(launch.original_environ()), grant)
         return 0  # not reached: exec_program replaces this process
+
+
+def _substituted(root: str, args: List[str], grant: launch.Grant) -> List[str]:
+    """ARGS with the placeholders filled in from GRANT (held already: no race)."""
+    from ..errors import NvmlUnavailable
+    from ..placeholders import substitute
+
+    if grant.visible is None or grant.lease is None:
+        if os.environ.get(launch.CVD, None) is not None and not os.environ[launch.CVD].strip():
+            raise UsageError("--substitute: CUDA_VISIBLE_DEVICES is empty, so no device was leased",
+                             hint="unset CUDA_VISIBLE_DEVICES, or drop --substitute")
+        raise NvmlUnavailable("--substitute: no device was leased (no NVIDIA driver)")
+    uuids = grant.visible.split(",")
+
+    def nvml_index(uuid: str) -> Optional[int]:
+        from .. import nvml
+        from ..snapshot import read_fresh
+
+        if not seen:
+            seen.append(read_fresh(root) or nvml.inventory())
+        device = seen[0].by_uuid(uuid)
+        return None if device is None or device.is_mig else device.gpu_index
+
+    seen: List[Any] = []
+
+    args, warnings = substitute(args, uuids, nvml_index)
+    for warning in warnings:
+        print(f"cudawrap: warning: {warning}", file=sys.stderr)
+    return args

@@ -159,6 +159,7 @@ struct fake_gpu {
     unsigned int pci_device_id, pci_subsystem_id;
     unsigned int util, mem_util;
     unsigned int cc_major, cc_minor; /* CUDA compute capability */
+    unsigned int temp_c, power_mw, power_limit_mw, pstate; /* status readings */
     int lost;
     struct fake_mig slot[MAX_SLOTS];
 };
@@ -180,6 +181,7 @@ struct machine {
     int fails; /* FAILS_* bits: calls that answer NVML_ERROR_UNKNOWN after a good init */
     int perm;
     int util;
+    int readings_not_supported;
     unsigned long slow_init_ms;
     int ngpus;
     struct fake_gpu gpu[MAX_GPUS];
@@ -425,6 +427,7 @@ static const char *parse_line(struct machine *m, char *line)
 {
     static __thread char why[256];
     static const char *const gpu_fields[] = {"uuid", "name", "memory_mib", "mig", "pci", "used_mib",
+                                             "temp", "power_w", "power_limit_w", "pstate",
                                              "reserved_mib", "util", "mem_util", "max_mig",
                                              "pci_device_id", "pci_subsystem_id", "cc", NULL};
     static const char *const mig_fields[] = {"parent", "slot", "uuid", "profile", "gi", "ci",
@@ -493,6 +496,10 @@ static const char *parse_line(struct machine *m, char *line)
                 m->util = UTIL_DENY_MIG;
             else
                 FAIL("fault utilization_not_supported takes 'mig' or 'all', not '%s'", arg);
+        } else if (strcmp(name, "readings_not_supported") == 0) {
+            if (arg)
+                FAIL("fault readings_not_supported takes no value");
+            m->readings_not_supported = 1;
         } else if (strcmp(name, "slow_init") == 0) {
             if (!arg || parse_u64(arg, 10, 600000, &v))
                 FAIL("fault slow_init takes milliseconds (0..600000)");
@@ -551,6 +558,13 @@ static const char *parse_line(struct machine *m, char *line)
             FAIL("gpu: used_mib= and reserved_mib= want a number of MiB");
         if (opt_uint(tok, n, "util", 10, 100, 0, &g->util) || opt_uint(tok, n, "mem_util", 10, 100, 0, &g->mem_util))
             FAIL("gpu: util= and mem_util= want a percentage, 0..100");
+        if (opt_uint(tok, n, "temp", 10, 200, 34, &g->temp_c) || opt_uint(tok, n, "pstate", 10, 15, 0, &g->pstate))
+            FAIL("gpu: temp= wants degrees C (0..200), pstate= a performance state 0..15");
+        if (opt_uint(tok, n, "power_w", 10, 4000, 70, &g->power_mw) ||
+            opt_uint(tok, n, "power_limit_w", 10, 4000, 700, &g->power_limit_mw))
+            FAIL("gpu: power_w= and power_limit_w= want watts (0..4000)");
+        g->power_mw *= 1000;
+        g->power_limit_mw *= 1000;
         if (opt_uint(tok, n, "max_mig", 10, MAX_SLOTS, g->mig == MIG_UNSUPPORTED ? 0 : 7, &g->max_mig))
             FAIL("gpu: max_mig= wants 0..%d", MAX_SLOTS);
         /* NVML packs the vendor (NVIDIA, 0x10DE) into the low half of the device id. */
@@ -1434,4 +1448,59 @@ nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
 nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
 {
     return instance_id(device, id, 1);
+}
+
+/* ---- status readings: temperature, power, performance state ------------- */
+
+#define READING_TEMPERATURE 0
+#define READING_POWER 1
+#define READING_POWER_LIMIT 2
+#define READING_PSTATE 3
+
+/*
+ * Board sensors answer for whole GPUs (MIG mode or not); a MIG device handle
+ * gets NOT_SUPPORTED, as do all boards under `fault readings_not_supported`.
+ */
+static nvmlReturn_t reading(nvmlDevice_t device, int what, unsigned int *out)
+{
+    nvmlReturn_t ret;
+    struct machine *m = begin(&ret);
+    struct target t;
+    if (!m)
+        return ret;
+    if ((ret = resolve(m, device, &t, ASK_GPU)) != NVML_SUCCESS)
+        return finish(m, ret);
+    if (t.mig || m->readings_not_supported)
+        return finish(m, NVML_ERROR_NOT_SUPPORTED);
+    if (!out)
+        return finish(m, NVML_ERROR_INVALID_ARGUMENT);
+    switch (what) {
+    case READING_TEMPERATURE: *out = t.gpu->temp_c; break;
+    case READING_POWER: *out = t.gpu->power_mw; break;
+    case READING_POWER_LIMIT: *out = t.gpu->power_limit_mw; break;
+    default: *out = t.gpu->pstate; break;
+    }
+    return finish(m, NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensorType, unsigned int *temp)
+{
+    if (sensorType != 0) /* NVML_TEMPERATURE_GPU is the only sensor there is */
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return reading(device, READING_TEMPERATURE, temp);
+}
+
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power)
+{
+    return reading(device, READING_POWER, power);
+}
+
+nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, unsigned int *limit)
+{
+    return reading(device, READING_POWER_LIMIT, limit);
+}
+
+nvmlReturn_t nvmlDeviceGetPerformanceState(nvmlDevice_t device, int *pState)
+{
+    return reading(device, READING_PSTATE, (unsigned int *)pState);
 }
