@@ -90,6 +90,8 @@ class Acquirer:
         reserve_after: float = 300.0,
         limit_of: Optional[Callable[[int], int]] = None,
         unavailable: Sequence[str] = (),
+        min_free_mib: int = 0,
+        max_util: int = 100,
     ) -> None:
         self.leases = leases
         self.queue = queue
@@ -102,6 +104,8 @@ class Acquirer:
         self.reserve_after = reserve_after
         self.limit_of = limit_of or (lambda uid: 0)
         self.unavailable = set(unavailable)  # drained: never granted
+        self.min_free_mib = min_free_mib
+        self.max_util = max_util
         self.uid = os.geteuid()
         self.current: Dict[str, Device] = {d.uuid: d for d in all_devices}
         self.parents = {d.uuid: d.parent_uuid for d in all_devices}
@@ -201,7 +205,9 @@ class Acquirer:
             waiters.append(me)
         free, held, busy = self.machine(scan.locks)
         limits = {w.uid: self._limit(w.uid) for w in waiters}
-        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy)
+        fit = {u: (d.memory_total_mib - d.memory_used_mib, getattr(d, "utilization", None))
+               for u, d in self.current.items() if u in free}
+        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit)
         return verdicts, free
 
     def _take(self, uuids: Sequence[str]) -> Optional[Lease]:
@@ -220,9 +226,15 @@ class Acquirer:
             self.leases.unlock(uuid)
         return None
 
+    def _fits(self, uuid: str) -> bool:
+        d = self.current[uuid]
+        util = getattr(d, "utilization", None)
+        return (d.memory_total_mib - d.memory_used_mib >= self.min_free_mib
+                and (util is None or util <= self.max_util))
+
     def _me(self, key: str) -> Waiter:
         return Waiter(key, self.uid, os.getpid(), self.count, self.wanted, self.placement,
-                      self.reserve_after, time.time())
+                      self.reserve_after, time.time(), "?", self.min_free_mib, self.max_util)
 
     def _watch_others(self, verdicts: Dict[str, Verdict], scan: Scan, me: str) -> bool:
         """Note who was given devices and has not taken them; poke those to wake.
@@ -272,7 +284,7 @@ class Acquirer:
             lease = self._take(verdict.devices)
             if lease is not None:
                 return lease
-        if wait_s <= 0 and any(probe.can_use(u) for u in _free):
+        if wait_s <= 0 and any(probe.can_use(u) and self._fits(u) for u in _free):
             # A device it could use is free but offered to a run ahead: wait long enough to
             # see that run take it, or be passed over for not taking it.
             wait_s = 2 * GRACE_S
@@ -283,7 +295,7 @@ class Acquirer:
         mine = sum(1 for w in scan.waiters if w.uid == self.uid)
         entry = self.queue.enqueue(self.count, self.placement,
                                    None if self.wanted is None else sorted(self.wanted),
-                                   self.reserve_after, info, mine)
+                                   self.reserve_after, info, mine, self.min_free_mib, self.max_util)
         return self._wait(entry, deadline, wait_s, on_wait)
 
     def _wait(self, entry: Entry, deadline: float, wait_s: float,

@@ -234,6 +234,11 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
             raise NoDeviceError(explain(request, candidates, inventory),
                                 hint="`cudawrap status` lists the devices; `cudawrap config` the filters")
         candidates = kept
+    if request.max_utilization < 100 and not any(d.utilization is not None for d in inventory.devices):
+        try:  # the snapshot and the plain inventory skip utilisation: read it for this filter
+            inventory = nvml.inventory(utilization=True)
+        except NvmlUnavailable:
+            pass
 
     if count > 1 and not inventory.multi_mig and any(d.is_mig for d in candidates):
         if value["multi_mig"] == "refuse":
@@ -274,7 +279,8 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         placement=value["placement"], foreign=value["foreign"],
         busy_memory_mib=value["busy_memory_mib"], refresh=refresh, checked_at=checked_at,
         reserve_after=value.get("reserve_after", 300.0),
-        limit_of=(lambda uid: limit_for(uid, limits)) if limits else None)
+        limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
+        min_free_mib=request.min_free_memory_mib, max_util=request.max_utilization)
     wait_s = value["wait"]
     info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={prog}\n".encode()
     waited = {"yes": False}

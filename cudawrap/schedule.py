@@ -35,11 +35,12 @@ class Waiter:
     """One waiting run as the queue shows it."""
 
     __slots__ = ("key", "uid", "pid", "count", "candidates", "placement", "reserve_after",
-                 "arrival", "program")
+                 "arrival", "program", "min_free_mib", "max_util")
 
     def __init__(self, key: str, uid: int, pid: int, count: int,
                  candidates: Optional[FrozenSet[str]], placement: str = "spread",
-                 reserve_after: float = 300.0, arrival: float = 0.0, program: str = "?") -> None:
+                 reserve_after: float = 300.0, arrival: float = 0.0, program: str = "?",
+                 min_free_mib: int = 0, max_util: int = 100) -> None:
         self.key = key  # sorts in arrival order; unique
         self.uid = uid
         self.pid = pid
@@ -49,9 +50,18 @@ class Waiter:
         self.reserve_after = reserve_after
         self.arrival = arrival  # seconds, the clock of `now`
         self.program = program
+        # Filters on what changes as jobs come and go (README "Choosing devices").
+        self.min_free_mib = min_free_mib
+        self.max_util = max_util
 
-    def can_use(self, uuid: str) -> bool:
-        return self.candidates is None or uuid in self.candidates
+    def can_use(self, uuid: str, fit: Optional[Mapping[str, Tuple[int, Optional[int]]]] = None) -> bool:
+        """Whether this run may be given UUID; FIT: uuid -> (free MiB, utilisation % or None)."""
+        if self.candidates is not None and uuid not in self.candidates:
+            return False
+        if fit is None or (self.min_free_mib <= 0 and self.max_util >= 100):
+            return True
+        free_mib, util = fit.get(uuid, (0, None))
+        return free_mib >= self.min_free_mib and (util is None or util <= self.max_util)
 
     def __repr__(self) -> str:
         return f"Waiter({self.key!r}, uid={self.uid}, count={self.count})"
@@ -136,11 +146,13 @@ def place(eligible: Sequence[str], count: int, placement: str, parents: Mapping[
 
 def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, int],
            limits: Mapping[int, int], now: float, parents: Optional[Mapping[str, str]] = None,
-           busy: Optional[Set[str]] = None) -> Dict[str, Verdict]:
+           busy: Optional[Set[str]] = None,
+           fit: Optional[Mapping[str, Tuple[int, Optional[int]]]] = None) -> Dict[str, Verdict]:
     """A Verdict for every waiter: what it may take now (FREE, in the machine's order), or why not.
 
     HELD: devices each uid holds now; LIMITS: uid -> most devices (absent or 0: no limit).
-    PARENTS and BUSY feed the placement (physical GPU of each device, devices in use).
+    PARENTS and BUSY feed the placement (physical GPU of each device, devices in use); FIT
+    has the readings that free-memory and utilisation filters are judged by.
     """
     parents = parents if parents is not None else {u: u for u in free}
     busy = set(busy or ())
@@ -156,7 +168,7 @@ def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, in
                 f"you hold {_plural(mine, 'device')}, your limit is {limit}; "
                 f"waiting for one of yours to end"))
             continue
-        usable = [u for u in avail if w.can_use(u)]
+        usable = [u for u in avail if w.can_use(u, fit)]
         open_ = [u for u in usable if u not in reserved]
         if len(open_) >= w.count:
             chosen = place(open_, w.count, w.placement, parents, busy, seed=w.key)

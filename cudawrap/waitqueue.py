@@ -126,7 +126,7 @@ class WaitQueue:
         self.dev = st.st_dev
         self.uid = os.geteuid()
         # Per entry inode: what was read once (entries never change what they claim).
-        self._candidates: Dict[int, Optional[FrozenSet[str]]] = {}
+        self._asks: Dict[int, Optional[Tuple[Optional[FrozenSet[str]], int, int]]] = {}
         self._owner_ok: Dict[Tuple[int, int], bool] = {}
 
     # -- reading ---------------------------------------------------------------------------
@@ -158,17 +158,17 @@ class WaitQueue:
                     continue
                 if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not self._owns(st.st_uid, pid, st.st_ino):
                     continue
-                candidates: Optional[FrozenSet[str]] = None
+                asks: Optional[Tuple[Optional[FrozenSet[str]], int, int]] = (None, 0, 100)
                 if narrowed:
-                    if st.st_ino not in self._candidates:
-                        self._candidates[st.st_ino] = self._read_candidates(path)
-                    candidates = self._candidates[st.st_ino]
-                    if candidates is None:
+                    if st.st_ino not in self._asks:
+                        self._asks[st.st_ino] = self._read_asks(path)
+                    asks = self._asks[st.st_ino]
+                    if asks is None:
                         continue
                 # Never earlier than the kernel's ctime allows (minus slack for slow creation).
                 arrival_ns = max(key_ns, st.st_ctime_ns - CLOCK_SLACK_NS)
-                waiters.append(Waiter(item.name, st.st_uid, pid, count, candidates, placement,
-                                      reserve_s, arrival_ns / 1e9))
+                waiters.append(Waiter(item.name, st.st_uid, pid, count, asks[0], placement,
+                                      reserve_s, arrival_ns / 1e9, "?", asks[1], asks[2]))
                 paths[item.name] = path
         return Scan(waiters, locks, paths)
 
@@ -185,11 +185,20 @@ class WaitQueue:
             self._owner_ok[(ino, pid)] = known
         return known
 
-    def _read_candidates(self, path: str) -> Optional[FrozenSet[str]]:
+    def _read_asks(self, path: str) -> Optional[Tuple[Optional[FrozenSet[str]], int, int]]:
+        """(devices it may use or None for any, min free MiB, max utilisation %) from PATH."""
         info = self.read_info(path)
         if info is None:
             return None
-        return frozenset(u for u in info.get("candidates", "").split(",") if u)
+        listed = info.get("candidates")
+        candidates = None if listed is None else frozenset(u for u in listed.split(",") if u)
+        numbers = []
+        for key, default in (("min_free_mib", 0), ("max_util", 100)):
+            text = info.get(key, str(default))
+            if not (_digits(text) and len(text) <= 9):
+                return None
+            numbers.append(int(text))
+        return candidates, numbers[0], numbers[1]
 
     @staticmethod
     def read_info(path: str) -> Optional[Dict[str, str]]:
@@ -216,7 +225,8 @@ class WaitQueue:
 
     # -- joining and leaving -----------------------------------------------------------------
     def enqueue(self, count: int, placement: str, candidates: Optional[Iterable[str]],
-                reserve_after: float, info: bytes, mine: int = 0) -> Entry:
+                reserve_after: float, info: bytes, mine: int = 0, min_free_mib: int = 0,
+                max_util: int = 100) -> Entry:
         """Join the queue. MINE: this user's live entries already (for the per-user bound)."""
         if mine >= MAX_ENTRIES_PER_USER:
             raise NoDeviceError(f"you already have {mine} runs waiting, the most one user may have",
@@ -225,6 +235,9 @@ class WaitQueue:
         body = info
         if candidates is not None:
             body += ("candidates=" + ",".join(candidates) + "\n").encode()
+        dynamic = min_free_mib > 0 or max_util < 100
+        if dynamic:
+            body += f"min_free_mib={min_free_mib}\nmax_util={max_util}\n".encode()
         # Created 0600 and locked before anyone else may open it: a reader that took a
         # shared lock first would otherwise stall us (and be blamed on us).
         key_ns = time.time_ns()
@@ -245,7 +258,8 @@ class WaitQueue:
             os.write(fd, body)
             os.fchmod(fd, 0o644)  # now others may read what we ask for
             while True:
-                name = entry_name(key_ns, pid, count, placement, candidates is not None, reserve_after)
+                name = entry_name(key_ns, pid, count, placement, candidates is not None or dynamic,
+                                  reserve_after)
                 try:
                     os.link(tmp, self.dir + "/" + name)  # link, unlike rename, never replaces
                     break
