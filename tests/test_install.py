@@ -290,15 +290,94 @@ def test_unwritable_prefix(public_dir, tmp_path):
     assert os.listdir(locked) == []
 
 
-def test_no_python3_on_path(tmp_path):
+def tools_without_python(tmp_path: Path) -> Path:
+    """A PATH directory with every system tool except python*."""
     tools = tmp_path / "bin"
     tools.mkdir()
     for top in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
         for name in (os.listdir(top) if os.path.isdir(top) else []):
             if not name.startswith("python") and not (tools / name).exists():
                 (tools / name).symlink_to(os.path.join(top, name))
-    r = install_sh("--prefix", str(tmp_path / "cw"), env=clean_env(PATH=str(tools)))
-    one_error(r, 69, "no python3 on PATH", "apt-get install python3 python3-venv", "--python PATH")
+    return tools
+
+
+def without_system_python() -> List[str]:
+    """A command prefix under which /usr/bin/python3 is /bin/true (a private mount namespace),
+    as on a machine with no system Python; this machine's /usr/bin is untouched."""
+    if not IS_ROOT or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare (util-linux) to hide /usr/bin/python3")
+    if not os.path.exists("/usr/bin/python3"):
+        return []
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount --bind /bin/true /usr/bin/python3 && exec "$@"', "sh"]
+
+
+def private_python(tmp_path: Path) -> Path:
+    """A working python3 in a directory only its owner may enter (like root's pyenv build)."""
+    hidden = tmp_path / "private"
+    hidden.mkdir(mode=0o700)
+    real = hidden / "python-real"
+    shutil.copy2(os.path.realpath("/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable),
+                 real)
+    return fake_python(hidden / "python3", f"""\
+case "$*" in
+    *realpath*) echo "$0"; exit 0 ;;
+esac
+exec {real} "$@"
+""")
+
+
+def test_no_python_at_all(tmp_path):
+    tools = tools_without_python(tmp_path)
+    r = run(*without_system_python(), "bash", INSTALL_SH, "--prefix", tmp_path / "cw", env=clean_env(PATH=str(tools)))
+    one_error(r, 69, "no Python 3.9 or newer", "no python3 on PATH", "/usr/bin/python3 does not run as a Python",
+              "apt-get install python3 python3-venv", "--python PATH")
+    assert not (tmp_path / "cw").exists()
+
+
+def test_path_python_every_user_can_run_is_taken(tmp_path):
+    tools = tools_without_python(tmp_path)
+    system = os.path.realpath("/usr/bin/python3")
+    (tools / "python3").symlink_to(system)
+    empty = tmp_path / "no-wheels"  # pip fails at once: the choice is what this test is about
+    empty.mkdir()
+    r = install_sh("--prefix", str(tmp_path / "cw"), "--wheelhouse", str(empty), env=clean_env(PATH=str(tools)))
+    assert r.returncode == 1, r.stdout + r.stderr
+    ver = "%d.%d" % sys.version_info[:2]
+    lines = [line for line in r.stdout.splitlines() if line.startswith("==> Python: ")]
+    assert lines and lines[0].startswith(f"==> Python: {system} (Python "), r.stdout
+    assert lines[0].endswith(", python3 on PATH)"), lines
+    assert not (tmp_path / "cw").exists()
+
+
+def test_private_path_python_gives_way_to_the_system_one(tmp_path):
+    """Root's PATH with a pyenv build first: the README's commands still work, and say why."""
+    private = private_python(tmp_path)
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    path = f"{private.parent}:{os.environ['PATH']}"
+    r = install_sh("--prefix", str(tmp_path / "cw"), "--wheelhouse", str(empty), env=clean_env(PATH=path))
+    assert r.returncode == 1, r.stdout + r.stderr
+    system = os.path.realpath("/usr/bin/python3")
+    assert (f"==> Python: {system} (Python " in r.stdout and "the system's /usr/bin/python3), because "
+            f"{private} cannot be run by other users ({private.parent} is not open to them)" in r.stdout), r.stdout
+    assert f"creating the virtual environment {tmp_path}/cw/opt/cudawrap/venv with {system} " in r.stdout
+    assert "warning" not in r.stderr.split("    pip: ")[0]
+    assert not (tmp_path / "cw").exists()
+
+
+def test_prefix_install_takes_a_private_python_when_there_is_no_other(tmp_path):
+    """Nobody else can run it: a prefix install (one person's) goes ahead and says so; a system
+    install refuses (test_system_install_refuses_an_interpreter_users_cannot_run)."""
+    private = private_python(tmp_path)
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    r = run(*without_system_python(), "bash", INSTALL_SH, "--prefix", tmp_path / "cw", "--wheelhouse", empty,
+            env=clean_env(PATH=f"{private.parent}:{tools_without_python(tmp_path)}"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert (f"install.sh: warning: {private} cannot be run by other users ({private.parent} is not open to "
+            f"them): only you can run the programs wrapped in {tmp_path}/cw") in r.stderr
+    assert f"==> Python: {private} (Python " in r.stdout
     assert not (tmp_path / "cw").exists()
 
 
