@@ -427,9 +427,13 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
     elif layout.is_system:
         say(f"==> {UNIT_NAME} not enabled: systemd is not running here; run `cudawrap sync` "
             f"after every boot (the runtime directory is on /run)")
+        say(f"==> {MONITOR_UNIT} not enabled: systemd is not running here; start `cudawrap monitor` "
+            f"some other way if launches should skip NVML")
     else:
         say(f"==> {UNIT_NAME} not enabled (a --prefix install); run `cudawrap sync` after a reboot "
             f"or a MIG change")
+        say(f"==> {MONITOR_UNIT} not enabled (a --prefix install); run `cudawrap monitor` yourself "
+            f"if launches should skip NVML")
 
 
 def _wrapped(layout: Layout, environ: Dict[str, str]) -> List[str]:
