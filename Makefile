@@ -1,5 +1,6 @@
 # make test: the test suite in a private virtual environment (.venv), created on first use.
-# make packaging: regenerate packaging/ from the code (completion, boot unit, tmpfiles entry).
+# make packaging: regenerate packaging/ from the code (completion, boot unit, tmpfiles entry,
+# man pages).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -29,6 +30,10 @@ packaging: $(STAMP)
 	$(VPY) -m cudawrap.installation render-tmpfiles > packaging/cudawrap.tmpfiles.tmp
 	for f in cudawrap.bash-completion cudawrap-sync.service cudawrap-monitor.service cudawrap.tmpfiles; do \
 		mv packaging/$$f.tmp packaging/$$f; done
+	mkdir -p packaging/man
+	for page in cudawrap.1 create-cudawrap.8 cudawrap.toml.5; do \
+		$(VPY) -m cudawrap.installation render-man-$$page > packaging/man/$$page.tmp && \
+		mv packaging/man/$$page.tmp packaging/man/$$page; done
 
 completion: packaging
 

@@ -387,6 +387,9 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
     files: List[Tuple[Path, str, str]] = [
         (tmpfiles_file(layout), render_tmpfiles(layout), "runtime directory at boot (systemd-tmpfiles)"),
     ] + [(unit_file(layout, name), render(layout), f"unit {name}") for name, render in UNITS.items()]
+    from .manpages import PAGES, man_path, render as render_man
+
+    files += [(man_path(layout.root, page), render_man(page), f"man page {page}") for page in PAGES]
     completion = source / COMPLETION_SOURCE if source else None
     if completion is not None and completion.is_file():
         files.append((completion_file(layout), completion.read_text(encoding="utf-8"), "bash completion"))
@@ -566,6 +569,10 @@ def _render(action: str, layout: Layout) -> str:
         return render_config()
     if action == "render-completion":
         return render_bash_completion()
+    if action.startswith("render-man-"):
+        from .manpages import render as render_man
+
+        return render_man(action[len("render-man-"):])
     if action == "render-unit":
         return render_unit(layout)
     if action == "render-monitor-unit":
@@ -596,6 +603,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "render-monitor-unit": f"packaging/{MONITOR_UNIT} (for --root, default /)",
         "render-tmpfiles": "packaging/cudawrap.tmpfiles (for --root, default /)",
     }
+    from .manpages import PAGES
+
+    renderers.update({f"render-man-{page}": f"the man page packaging/man/{page}" for page in PAGES})
     for name, what in renderers.items():
         sub.add_parser(name, help=f"print {what}").add_argument("--root", type=Path, default=Path("/"))
     args = parser.parse_args(argv)
