@@ -58,7 +58,11 @@ class Command(cli.Application):
         text = io.StringIO()
         with contextlib.redirect_stdout(text):
             super().help()
-        sys.stdout.write(tidy_help(text.getvalue()))
+        sys.stdout.write(tidy_help(text.getvalue()) + self.epilogue())
+
+    def epilogue(self) -> str:
+        """Text after the switches in --help."""
+        return ""
 
     def _usage(self, exc: Exception) -> Exception:
         from ..errors import UsageError
@@ -93,6 +97,14 @@ class Cudawrap(Command):
     SUBCOMMAND_HELPMSG = False  # said once, above, instead of after every command's line
 
     debug = cli.Flag(["--debug"], help="show tracebacks and debug logging")
+
+    def epilogue(self) -> str:
+        import textwrap
+
+        from ..manpages import exit_codes
+
+        codes = " ".join(f"{code}: {'; or '.join(m if i == 0 else m[0].lower() + m[1:] for i, m in enumerate(meanings))}." for code, meanings in exit_codes().items())
+        return "\n" + textwrap.fill(f"Exit codes: 0: done. {codes}", 80) + "\n"
 
     def main(self, *args: str) -> int:
         if args:
