@@ -327,11 +327,24 @@ if ! (cd "$tmp" && "$vpy" -I -c 'import cudawrap.cli, cudawrap.launch, cudawrap.
     die $EX_SOFTWARE "the package pip installed is incomplete ($(tail -n 1 "$tmp/check.log")): the source's packaging is broken"
 fi
 
+# The same package as a wheel, for users to pip-install into their own environments
+# (`import cudawrap; cudawrap.acquire()` from their venv or conda env). Optional: a failure
+# to build it is a warning.
+wheel_args=()
+index_args=()
+[ -n "$wheelhouse" ] && index_args=(--no-index --find-links "$wheelhouse")
+if (cd "$tmp" && "$vpy" -I -m pip wheel -q --no-deps ${index_args[@]+"${index_args[@]}"} -w "$tmp/wheel" "$tmp/src") \
+        >"$tmp/wheel.log" 2>&1 && [ -n "$(ls "$tmp"/wheel/cudawrap-*.whl 2>/dev/null)" ]; then
+    wheel_args=(--wheel "$(ls "$tmp"/wheel/cudawrap-*.whl | head -n 1)")
+else
+    warn "could not build the client wheel for users (pip wheel: $(tail -n 1 "$tmp/wheel.log")); the install goes on without it"
+fi
+
 # ---- the rest, from the installed package -------------------------------------------------
 created_args=()
 for dir in ${created[@]+"${created[@]}"}; do created_args+=(--created "$dir"); done
 (cd "$tmp" && "$vpy" -I -m cudawrap.installation install --root "$root" --python "$vpy" --source "$SRC" \
-    ${created_args[@]+"${created_args[@]}"}) || exit $?
+    ${created_args[@]+"${created_args[@]}"} ${wheel_args[@]+"${wheel_args[@]}"}) || exit $?
 
 step "cudawrap sync: a lease file for every GPU and MIG instance"
 set +e

@@ -153,6 +153,11 @@ def unit_wants_link(layout: Layout, name: str = UNIT_NAME) -> Path:
     return layout.root / "etc" / "systemd" / "system" / "multi-user.target.wants" / name
 
 
+def wheel_dir(layout: Layout) -> Path:
+    """Where the client wheel lies for users to pip-install (root/opt/cudawrap/wheels)."""
+    return layout.lib_dir / "wheels"
+
+
 def completion_file(layout: Layout) -> Path:
     return layout.root / "etc" / "bash_completion.d" / "cudawrap"
 
@@ -339,7 +344,7 @@ def check_command_links(layout: Layout) -> None:
 
 
 def install(layout: Layout, python: str, source: Optional[Path], created: List[Path],
-            say: Callable[[str], None] = _say) -> None:
+            say: Callable[[str], None] = _say, wheel: Optional[Path] = None) -> None:
     """Everything after pip: the install root, config, boot files, commands on PATH.
 
     CREATED are the directories install.sh made for the virtual environment. Idempotent:
@@ -354,6 +359,8 @@ def install(layout: Layout, python: str, source: Optional[Path], created: List[P
     manifest.add(TREE, layout.venv_dir)
     try:
         _install(layout, python, source, manifest, say)
+        if wheel is not None:
+            _install_wheel(layout, wheel, manifest, say)
     finally:
         if layout.state_dir.is_dir():
             manifest.save(layout)
@@ -437,6 +444,27 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
             f"or a MIG change")
         say(f"==> {MONITOR_UNIT} not enabled (a --prefix install); run `cudawrap monitor` yourself "
             f"if launches should skip NVML")
+
+
+def _install_wheel(layout: Layout, wheel: Path, manifest: Manifest, say: Callable[[str], None]) -> None:
+    """Put WHEEL in wheel_dir, in place of the wheels of earlier versions."""
+    import shutil
+
+    target = wheel_dir(layout)
+    for parent in missing_dirs(target):
+        manifest.add(DIR, parent)
+    _dir(target, 0o755)
+    for old in target.glob("cudawrap-*.whl"):
+        if old.name != wheel.name:
+            old.unlink()
+            manifest.entries = [e for e in manifest.entries if e["path"] != str(old)]
+    dest = target / wheel.name
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    shutil.copyfile(wheel, tmp)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, dest)
+    manifest.add(FILE, dest)
+    say(f"==> client wheel for users' own environments: {dest} (pip install it; see README)")
 
 
 def _wrapped(layout: Layout, environ: Dict[str, str]) -> List[str]:
@@ -593,6 +621,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     inst.add_argument("--source", type=Path, help="the source directory (for packaging/ files)")
     inst.add_argument("--created", type=Path, action="append", default=[],
                       help="a directory install.sh created for the virtual environment")
+    inst.add_argument("--wheel", type=Path, help="the client wheel to leave for users")
     rem = sub.add_parser("uninstall")
     rem.add_argument("--root", required=True, type=Path)
     rem.add_argument("--unwrap-all", action="store_true")
@@ -615,7 +644,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     layout = Layout(args.root.absolute())
     try:
         if args.action == "install":
-            install(layout, args.python, args.source, args.created)
+            install(layout, args.python, args.source, args.created, wheel=args.wheel)
         else:
             uninstall(layout, args.unwrap_all)
     except InstallError as exc:

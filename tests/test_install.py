@@ -7,6 +7,7 @@ CUDAWRAP_SYSTEM_TESTS=1) changes this machine's /opt, /etc, /var, /run and /usr/
 import json
 import os
 import pwd
+import re
 import shutil
 import stat
 import subprocess
@@ -22,8 +23,9 @@ from cudawrap import __version__
 from cudawrap.config import DEFAULTS, load_config
 from cudawrap.installation import (
     Layout, MONITOR_UNIT, UNIT_NAME, completion_file, manifest_file, prepare_runtime, render_bash_completion,
-    render_monitor_unit, render_tmpfiles, render_unit, shim_version, tmpfiles_file, unit_file,
+    render_monitor_unit, render_tmpfiles, render_unit, shim_version, tmpfiles_file, unit_file, wheel_dir,
 )
+from cudawrap.manpages import PAGES, man_path, render as render_man
 from fakemachine import FAKECUDA, LIBNAME, FakeMachine
 from installfix import INSTALL_SH, SOURCE, clean_env, install_sh, snapshot, wheel_args
 
@@ -123,6 +125,9 @@ def test_prefix_install_wrap_upgrade_uninstall(tmp_path, machine, wheelhouse):
     for path in (tmpfiles_file(layout), unit_file(layout), completion_file(layout), manifest_file(layout)):
         assert path.is_file(), path
     assert str(prefix / "run/cudawrap/leases") in tmpfiles_file(layout).read_text()
+    for page in PAGES:
+        assert man_path(prefix, page).read_text() == render_man(page), page
+    assert [w.name for w in wheel_dir(layout).iterdir()] == [f"cudawrap-{__version__}-py3-none-any.whl"]
 
     # The prefix's own command finds its root through the marker, with no variable.
     cudawrap = layout.bin_dir / "cudawrap"
@@ -208,6 +213,13 @@ def test_readme_try_it_without_a_gpu_works_as_written(tmp_path, wheelhouse):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "exit 75" in r.stdout
+    # What the text after the walk-through quotes is what the commands said.
+    after = text.split("<!-- try:end -->", 1)[1].split("\n## ", 1)[0]
+    quoted = re.findall(r"`(recon: [^`]*)`", after)
+    assert len(quoted) >= 2, after
+    for line in quoted:
+        assert line.split("…")[0] in r.stderr, line
+    assert re.search(r"^0 GPU-\w+ .* pid \d+ \S+ recon ", r.stdout, re.M), r.stdout
     assert "recon: all 4 usable devices are busy; waiting (nobody ahead, pid" in r.stderr
     assert "recon: got GPU-" in r.stderr
     assert os.listdir(tmp_path) == []  # step 5 removed everything
@@ -518,6 +530,27 @@ def test_system_install_wrap_run_as_user_uninstall(public_dir, fakenvml_lib, whe
         assert json.loads(r.stdout.splitlines()[0])["cvd"] in fake.leaf_uuids()
         r = run(*as_user, "/usr/local/bin/create-cudawrap", public_dir / "apps" / "other", env=env)
         assert r.returncode == 77, r.stderr  # users may not wrap
+
+        # The user's own venv with the client wheel install.sh left: it leases from the system
+        # install with no CUDAWRAP_ROOT, queued with the wrapped programs.
+        (wheel,) = wheel_dir(system).glob("cudawrap-*.whl")
+        mine = public_dir / "user-venv"
+        mine.mkdir()
+        os.chown(mine, user.pw_uid, user.pw_gid)
+        links = []
+        if wheelhouse:
+            shutil.copytree(wheelhouse, public_dir / "wheels")
+            links = ["--no-index", "--find-links", str(public_dir / "wheels")]
+        user_env = dict(env, HOME=str(mine))
+        r = run(*as_user, python, "-m", "venv", mine / "venv", env=user_env)
+        assert r.returncode == 0, r.stderr
+        r = run(*as_user, mine / "venv" / "bin" / "pip", "install", "-q", *links, wheel, env=user_env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        code = "import os, cudawrap; print(cudawrap.acquire()[0], os.environ['CUDA_VISIBLE_DEVICES'])"
+        r = run(*as_user, mine / "venv" / "bin" / "python", "-c", code, env=user_env, cwd=mine)
+        assert r.returncode == 0, r.stderr
+        uuid_, cvd = r.stdout.split()
+        assert uuid_ == cvd and uuid_ in fake.leaf_uuids()
 
         r = install_sh("--uninstall", "--unwrap-all", env=env)
         installed = r.returncode != 0
