@@ -1,4 +1,5 @@
 # make test: the test suite in a private virtual environment (.venv), created on first use.
+# make deb: build dist/cudawrap_VERSION_all.deb (dh + dh-virtualenv; see debian/rules).
 # make packaging: regenerate packaging/ from the code (completion, boot unit, tmpfiles entry,
 # man pages).
 
@@ -8,7 +9,7 @@ PYTEST_ARGS ?=
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.cudawrap-installed
 
-.PHONY: test venv packaging completion clean
+.PHONY: test venv packaging completion deb clean
 
 test: $(STAMP)
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
@@ -36,6 +37,17 @@ packaging: $(STAMP)
 		mv packaging/man/$$page.tmp packaging/man/$$page; done
 
 completion: packaging
+
+# Built in a copy under build/deb, so the checkout is never changed (dpkg-buildpackage
+# writes next to the source directory). Needs debhelper, dh-virtualenv, python3-venv.
+deb:
+	rm -rf build/deb && mkdir -p build/deb/cudawrap dist
+	tar -cf - --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./dist \
+		--exclude='*.egg-info' --exclude=__pycache__ --exclude=./.pytest_cache --exclude=./.whl \
+		--exclude=./bench/results . | tar -C build/deb/cudawrap -xf -
+	cd build/deb/cudawrap && dpkg-buildpackage -b -us -uc
+	cp build/deb/cudawrap_*.deb dist/
+	@ls dist/cudawrap_*.deb
 
 clean:
 	rm -rf build dist .pytest_cache

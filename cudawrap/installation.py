@@ -622,6 +622,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     inst.add_argument("--created", type=Path, action="append", default=[],
                       help="a directory install.sh created for the virtual environment")
     inst.add_argument("--wheel", type=Path, help="the client wheel to leave for users")
+    prep = sub.add_parser("prepare", help="directories, runtime area and shim of an install root (the .deb's "
+                                           "postinst)")
+    prep.add_argument("--root", required=True, type=Path)
+    prep.add_argument("--python", required=True, help="the interpreter baked into the shim")
     rem = sub.add_parser("uninstall")
     rem.add_argument("--root", required=True, type=Path)
     rem.add_argument("--unwrap-all", action="store_true")
@@ -642,6 +646,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.stdout.write(_render(args.action, Layout(args.root.absolute())))
         return 0
     layout = Layout(args.root.absolute())
+    if args.action == "prepare":
+        prepare(layout, args.python)
+        return 0
     try:
         if args.action == "install":
             install(layout, args.python, args.source, args.created, wheel=args.wheel)

@@ -5,7 +5,6 @@ Offline: the wheel is built from this tree (`pip wheel --no-deps`), its dependen
 from the session's wheelhouse (tests/installfix.py).
 """
 import json
-import os
 import subprocess
 import sys
 import textwrap

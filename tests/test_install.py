@@ -474,6 +474,30 @@ def system_python() -> str:
     pytest.skip("no system python3 (3.9+ with venv) that every user can run")
 
 
+def wrap_and_run_as_user(create: str, prog: Path, user: pwd.struct_passwd, fake: FakeMachine,
+                         env: dict) -> List[str]:
+    """Wrap PROG with CREATE (root), run it as USER on a device; the command prefix for USER."""
+    r = run(create, prog, env=env)
+    assert r.returncode == 0, r.stderr
+    as_user = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups"]
+    r = run(*as_user, prog, env=dict(env, HOME="/nonexistent"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[0])["cvd"] in fake.leaf_uuids()
+    return as_user
+
+
+def public_machine(public_dir: Path, fakenvml_lib: Path) -> FakeMachine:
+    """A simulated four-GPU machine every user can reach: library and topology in PUBLIC_DIR."""
+    (public_dir / "lib").mkdir()
+    shutil.copy2(fakenvml_lib / LIBNAME, public_dir / "lib" / LIBNAME)
+    fake = FakeMachine(public_dir / "machine", public_dir / "lib")
+    fake.load("four-gpus")
+    for path in (fake.root, fake.state_dir):
+        path.chmod(0o755)
+    fake.topology.chmod(0o644)  # written through mkstemp: 0600
+    return fake
+
+
 @pytest.fixture
 def throwaway_user() -> Iterator[pwd.struct_passwd]:
     name = "cwtest" + uuid.uuid4().hex[:8]
@@ -497,14 +521,7 @@ def test_system_install_wrap_run_as_user_uninstall(public_dir, fakenvml_lib, whe
                Path("/etc/tmpfiles.d"), Path("/etc/systemd/system")]
     existed = {p: os.path.lexists(p) for p in watched}
 
-    # A simulated machine every user can reach: library and topology in a public directory.
-    (public_dir / "lib").mkdir()
-    shutil.copy2(fakenvml_lib / LIBNAME, public_dir / "lib" / LIBNAME)
-    fake = FakeMachine(public_dir / "machine", public_dir / "lib")
-    fake.load("four-gpus")
-    for path in (fake.root, fake.state_dir):
-        path.chmod(0o755)
-    fake.topology.chmod(0o644)  # written through mkstemp: 0600
+    fake = public_machine(public_dir, fakenvml_lib)
     env = clean_env(fake.environ())
     prog = stand_in(public_dir / "apps" / "recon", python)
     original = prog.read_bytes()
@@ -520,14 +537,7 @@ def test_system_install_wrap_run_as_user_uninstall(public_dir, fakenvml_lib, whe
         else:
             assert f"{UNIT_NAME} not enabled: systemd is not running here" in r.stdout
 
-        r = run("/usr/local/bin/create-cudawrap", prog, env=env)
-        assert r.returncode == 0, r.stderr
-
-        user = throwaway_user
-        as_user = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups"]
-        r = run(*as_user, prog, env=dict(env, HOME="/nonexistent"))
-        assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout.splitlines()[0])["cvd"] in fake.leaf_uuids()
+        as_user = wrap_and_run_as_user("/usr/local/bin/create-cudawrap", prog, throwaway_user, fake, env)
         r = run(*as_user, "/usr/local/bin/create-cudawrap", public_dir / "apps" / "other", env=env)
         assert r.returncode == 77, r.stderr  # users may not wrap
 
@@ -536,10 +546,11 @@ def test_system_install_wrap_run_as_user_uninstall(public_dir, fakenvml_lib, whe
         (wheel,) = wheel_dir(system).glob("cudawrap-*.whl")
         mine = public_dir / "user-venv"
         mine.mkdir()
-        os.chown(mine, user.pw_uid, user.pw_gid)
+        os.chown(mine, throwaway_user.pw_uid, throwaway_user.pw_gid)
         links = []
         if wheelhouse:
             shutil.copytree(wheelhouse, public_dir / "wheels")
+            (public_dir / "wheels").chmod(0o755)  # a copy of a private directory
             links = ["--no-index", "--find-links", str(public_dir / "wheels")]
         user_env = dict(env, HOME=str(mine))
         r = run(*as_user, python, "-m", "venv", mine / "venv", env=user_env)
