@@ -175,7 +175,7 @@ def holder_text(holder: Optional[Dict[str, Any]]) -> str:
     """pid, user and program of a lock's holder, as one cell."""
     if holder is None:
         return "free"
-    return f"pid {holder['pid']} {_cut(holder['user'], 10)} {_cut(holder.get('program', '?'), 12)}"
+    return f"pid {holder['pid']} {_cut(holder['user'], 8)} {_cut(holder.get('program', '?'), 10)}"
 
 
 def _lease(d: Dict[str, Any]) -> str:
@@ -192,7 +192,7 @@ DEVICE_COLUMNS: List[Column] = [
     ("MEMORY MiB", _memory, 0),
     ("LEASE", _lease, 0),
     ("SINCE", lambda d: _short_time(d["holder"]["since"]) if d["holder"] else "", 5),
-    ("OTHERS", _others, 12),
+    ("OTHERS", _others, 8),
 ]
 
 WAITING_COLUMNS: List[Column] = [

@@ -110,6 +110,7 @@ def test_prefix_install_wrap_upgrade_uninstall(tmp_path, machine, wheelhouse):
     r = install_sh("--prefix", str(prefix), "--python", sys.executable, *wheel_args(wheelhouse), env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("==> ") and "==> done" in r.stdout
+    assert f"{MONITOR_UNIT} not enabled (a --prefix install)" in r.stdout
 
     # What is where.
     assert (layout.venv_dir / "cudawrap-root").read_text().strip() == str(prefix)
@@ -536,6 +537,7 @@ def test_system_install_wrap_run_as_user_uninstall(public_dir, fakenvml_lib, whe
             assert f"enabled {UNIT_NAME}" in r.stdout
         else:
             assert f"{UNIT_NAME} not enabled: systemd is not running here" in r.stdout
+            assert f"{MONITOR_UNIT} not enabled: systemd is not running here" in r.stdout
 
         as_user = wrap_and_run_as_user("/usr/local/bin/create-cudawrap", prog, throwaway_user, fake, env)
         r = run(*as_user, "/usr/local/bin/create-cudawrap", public_dir / "apps" / "other", env=env)
