@@ -90,3 +90,16 @@ def test_exit_status_lists_every_error_class():
     for code in exit_codes():
         assert f" {code} " in section, code
     assert {64, 65, 69, 72, 75, 77, 78, 126, 127} <= set(exit_codes())
+
+
+def test_help_has_no_plumbum_glitches():
+    top = cli("--help")
+    assert ".;" not in top and "for more info" not in top
+    assert "cudawrap COMMAND --help" in top
+    assert ":str" not in cli("run", "--help") and ":str" not in cli("create-cudawrap", "--help")
+    assert "--help-all" in top
+    leaf = cli("list", "--help")
+    assert "--help-all" not in leaf
+    r = subprocess.run([sys.executable, "-c", "from cudawrap.cli import main; main()", "list", "--help-all"],
+                       capture_output=True, text=True)
+    assert r.returncode == 64 and "--help-all" in r.stderr
