@@ -41,7 +41,8 @@ Install cudawrap from this source directory, or upgrade an existing install in p
   --prefix DIR      install everything under DIR instead of / (no root needed);
                     the commands are then DIR/usr/local/bin/cudawrap and create-cudawrap
   --python PATH     the Python (3.9 or newer) for cudawrap's private virtual
-                    environment (default: python3 on PATH)
+                    environment (default: python3 on PATH if every user can run
+                    it, else /usr/bin/python3; the first step line says which)
   --wheelhouse DIR  install offline from the wheels in DIR (pip --no-index --find-links);
                     DIR needs cudawrap's dependencies and setuptools
   --uninstall       remove what install.sh installed; refused while programs are wrapped

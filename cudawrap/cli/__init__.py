@@ -103,7 +103,7 @@ class Cudawrap(Command):
 
         from ..manpages import exit_codes
 
-        codes = " ".join(f"{code}: {'; or '.join(m if i == 0 else m[0].lower() + m[1:] for i, m in enumerate(meanings))}." for code, meanings in exit_codes().items())
+        codes = " ".join(f"{code}: {'; '.join(meanings)}." for code, meanings in exit_codes().items())
         return "\n" + textwrap.fill(f"Exit codes: 0: done. {codes}", 80) + "\n"
 
     def main(self, *args: str) -> int:
