@@ -36,6 +36,7 @@ def run(*argv: object, env: dict, timeout: float = 600) -> subprocess.CompletedP
 @pytest.fixture(scope="module")
 def deb(wheelhouse) -> Path:
     """dist/cudawrap_VERSION_all.deb, built by `make deb` (offline from the wheelhouse)."""
+    system_tests_allowed()  # the build alone takes a minute: only where the test will run
     env = clean_env()
     if wheelhouse:
         env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(wheelhouse))
