@@ -1,5 +1,7 @@
 # make test: the test suite in a private virtual environment (.venv), created on first use.
-# make packaging: regenerate packaging/ from the code (completion, boot unit, tmpfiles entry).
+# make deb: build dist/cudawrap_VERSION_all.deb (dh + dh-virtualenv; see debian/rules).
+# make packaging: regenerate packaging/ from the code (completion, boot unit, tmpfiles entry,
+# man pages).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,7 +9,7 @@ PYTEST_ARGS ?=
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.cudawrap-installed
 
-.PHONY: test venv packaging completion clean
+.PHONY: test venv packaging completion deb clean
 
 # -ra: the summary names every skip with its reason (CI must have none), besides failures and
 # xfails; a bare -rs would replace pyproject's -ra and drop the FAILED lines.
@@ -31,8 +33,23 @@ packaging: $(STAMP)
 	$(VPY) -m cudawrap.installation render-tmpfiles > packaging/cudawrap.tmpfiles.tmp
 	for f in cudawrap.bash-completion cudawrap-sync.service cudawrap-monitor.service cudawrap.tmpfiles; do \
 		mv packaging/$$f.tmp packaging/$$f; done
+	mkdir -p packaging/man
+	for page in cudawrap.1 create-cudawrap.8 cudawrap.toml.5; do \
+		$(VPY) -m cudawrap.installation render-man-$$page > packaging/man/$$page.tmp && \
+		mv packaging/man/$$page.tmp packaging/man/$$page; done
 
 completion: packaging
+
+# Built in a copy under build/deb, so the checkout is never changed (dpkg-buildpackage
+# writes next to the source directory). Needs debhelper, dh-virtualenv, python3-venv.
+deb:
+	rm -rf build/deb && mkdir -p build/deb/cudawrap dist
+	tar -cf - --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./dist \
+		--exclude='*.egg-info' --exclude=__pycache__ --exclude=./.pytest_cache --exclude=./.whl \
+		--exclude=./bench/results . | tar -C build/deb/cudawrap -xf -
+	cd build/deb/cudawrap && dpkg-buildpackage -b -us -uc
+	cp build/deb/cudawrap_*.deb dist/
+	@ls dist/cudawrap_*.deb
 
 clean:
 	rm -rf build dist .pytest_cache

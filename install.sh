@@ -41,7 +41,8 @@ Install cudawrap from this source directory, or upgrade an existing install in p
   --prefix DIR      install everything under DIR instead of / (no root needed);
                     the commands are then DIR/usr/local/bin/cudawrap and create-cudawrap
   --python PATH     the Python (3.9 or newer) for cudawrap's private virtual
-                    environment (default: python3 on PATH)
+                    environment (default: python3 on PATH if every user can run
+                    it, else /usr/bin/python3; the first step line says which)
   --wheelhouse DIR  install offline from the wheels in DIR (pip --no-index --find-links);
                     DIR needs cudawrap's dependencies and setuptools
   --uninstall       remove what install.sh installed; refused while programs are wrapped
@@ -146,6 +147,64 @@ for name in cudawrap create-cudawrap; do
     fi
 done
 
+# The interpreter: every user's wrapped programs start with it, so it must be one they can
+# run. --python is taken as given; otherwise python3 on PATH if it qualifies, else the
+# system's /usr/bin/python3 (root's PATH often has a private build first: pyenv, conda).
+SYSTEM_PYTHON=/usr/bin/python3
+
+probe() { # PY: a Python $MIN_PYTHON+ with venv? Sets ver, pyreal and blocked; else why.
+    local py=$1 major minor
+    why="" blocked="" pyreal=""
+    # The version test is written so that even Python 2 can run it and answer.
+    ver=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || ver=""
+    if ! [[ $ver =~ ^[0-9]+\.[0-9]+$ ]]; then
+        why="$py does not run as a Python interpreter"
+        return 1
+    fi
+    major=${ver%%.*} minor=${ver#*.}
+    if [ "$major" -lt 3 ] || { [ "$major" -eq 3 ] && [ "$minor" -lt 9 ]; }; then
+        why="$py is Python $ver; cudawrap needs $MIN_PYTHON or newer"
+        return 1
+    fi
+    # The real interpreter, not a pyenv shim or an alias that may point elsewhere tomorrow.
+    if ! pyreal=$("$py" -c 'import os, sys; print(os.path.realpath(sys.executable or sys.argv[0]))' 2>/dev/null) ||
+        [ -z "$pyreal" ]; then
+        why="$py does not run as a Python interpreter"
+        return 1
+    fi
+    if ! "$pyreal" -I -c 'import venv, ensurepip' 2>/dev/null; then
+        if [ -r /etc/debian_version ]; then
+            why="$pyreal (Python $ver) has no venv/ensurepip module: install python3-venv (apt-get install python3-venv, or python$ver-venv)"
+        else
+            why="$pyreal (Python $ver) has no venv/ensurepip module: install your distribution's venv support for Python $ver"
+        fi
+        return 1
+    fi
+    # The first directory on the way to it (or the file) that other users may not enter.
+    blocked=$("$pyreal" -I -c '
+import os, stat, sys
+path = sys.argv[1]
+while True:
+    if not os.stat(path).st_mode & stat.S_IXOTH:
+        print(path)
+        break
+    if path == "/":
+        break
+    path = os.path.dirname(path)
+' "$pyreal")
+}
+
+closed() { # why other users cannot run $pyreal, from probe's $blocked
+    printf '%s cannot be run by other users (%s is not open to them)' "$pyreal" "$blocked"
+}
+
+joined() { # ITEM...: the items separated by "; "
+    local out=$1
+    shift
+    for item in "$@"; do out+="; $item"; done
+    printf '%s' "$out"
+}
+
 if [ -n "$python" ]; then
     py=$python
     if [ "${py#*/}" = "$py" ]; then
@@ -153,47 +212,54 @@ if [ -n "$python" ]; then
         [ -n "$py" ] || die $EX_UNAVAILABLE "--python $python: not found on PATH"
     fi
     [ -e "$py" ] || die $EX_UNAVAILABLE "--python $python: no such file"
-else
-    py=$(command -v python3 || true)
-    [ -n "$py" ] || die $EX_UNAVAILABLE "no python3 on PATH: install Python $MIN_PYTHON or newer (Debian/Ubuntu: apt-get install python3 python3-venv; RHEL family: dnf install python3), or name one with --python PATH"
-fi
-# The version test is written so that even Python 2 can run it and answer.
-ver=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) ||
-    die $EX_UNAVAILABLE "$py does not run as a Python interpreter; name one with --python PATH"
-if ! [[ $ver =~ ^[0-9]+\.[0-9]+$ ]]; then
-    die $EX_UNAVAILABLE "$py does not run as a Python interpreter; name one with --python PATH"
-fi
-major=${ver%%.*} minor=${ver#*.}
-if [ "$major" -lt 3 ] || { [ "$major" -eq 3 ] && [ "$minor" -lt 9 ]; }; then
-    die $EX_UNAVAILABLE "$py is Python $ver; cudawrap needs $MIN_PYTHON or newer: install one and name it with --python PATH"
-fi
-# The real interpreter, not a pyenv shim or an alias that may point elsewhere tomorrow.
-pyreal=$("$py" -c 'import os, sys; print(os.path.realpath(sys.executable or sys.argv[0]))') ||
-    die $EX_UNAVAILABLE "$py does not run as a Python interpreter; name one with --python PATH"
-if ! "$pyreal" -I -c 'import venv, ensurepip' 2>/dev/null; then
-    if [ -r /etc/debian_version ]; then
-        die $EX_UNAVAILABLE "$pyreal (Python $ver) has no venv/ensurepip module: install python3-venv (apt-get install python3-venv, or python$ver-venv), then run install.sh again"
-    fi
-    die $EX_UNAVAILABLE "$pyreal (Python $ver) has no venv/ensurepip module: install your distribution's venv support for Python $ver, or name another Python with --python PATH"
-fi
-if [ "$root" = / ]; then
-    # Every user runs the shim with this interpreter: /root/.pyenv and the like will not do.
-    blocked=$("$pyreal" -I -c '
-import os, stat, sys
-path = sys.argv[1]
-while True:
-    mode = os.stat(path).st_mode
-    if not mode & stat.S_IXOTH:
-        print(path)
-        break
-    if path == "/":
-        break
-    path = os.path.dirname(path)
-' "$pyreal")
+    probe "$py" || die $EX_UNAVAILABLE "$why; name another Python with --python PATH"
     if [ -n "$blocked" ]; then
-        die $EX_UNAVAILABLE "$pyreal cannot be run by other users ($blocked is not open to them), but every user runs wrapped programs with it: name a system Python with --python, e.g. --python /usr/bin/python3"
+        if [ "$root" = / ]; then
+            die $EX_UNAVAILABLE "$(closed), but every user runs wrapped programs with it: name a system Python with --python, e.g. --python $SYSTEM_PYTHON"
+        fi
+        warn "$(closed): only you can run the programs wrapped in $root"
+    fi
+    chosen="$pyreal (Python $ver, from --python)"
+else
+    # Candidates in order; the first every user can run wins. Failing that, a prefix
+    # install (often one person's) takes the first that works at all, and says so.
+    reasons=() fallback="" chosen=""
+    path_py=$(command -v python3 || true)
+    [ -n "$path_py" ] || reasons+=("no python3 on PATH")
+    for py in ${path_py:+"$path_py"} "$SYSTEM_PYTHON"; do
+        if [ "$py" = "$SYSTEM_PYTHON" ]; then
+            [ -n "$path_py" ] && [ "$path_py" -ef "$py" ] && continue  # the same file, tried already
+            if [ ! -e "$py" ]; then
+                reasons+=("no $SYSTEM_PYTHON")
+                continue
+            fi
+        fi
+        if ! probe "$py"; then
+            reasons+=("$why")
+            continue
+        fi
+        if [ -n "$blocked" ]; then
+            reasons+=("$(closed)")
+            [ -n "$fallback" ] || fallback=$py
+            continue
+        fi
+        chosen="$pyreal (Python $ver"
+        if [ "$py" = "$path_py" ]; then chosen+=", python3 on PATH)"; else chosen+=", the system's $SYSTEM_PYTHON)"; fi
+        break
+    done
+    if [ -z "$chosen" ] && [ -n "$fallback" ] && [ "$root" != / ]; then
+        probe "$fallback"
+        warn "$(closed): only you can run the programs wrapped in $root; name a Python everyone can run with --python PATH to share them"
+        chosen="$pyreal (Python $ver; no Python every user can run was found)"
+    fi
+    if [ -z "$chosen" ]; then
+        die $EX_UNAVAILABLE "no Python $MIN_PYTHON or newer with venv that every user can run ($(joined "${reasons[@]}")): install one (Debian/Ubuntu: apt-get install python3 python3-venv; RHEL family: dnf install python3), or name one with --python PATH"
+    fi
+    if [ ${#reasons[@]} -gt 0 ]; then
+        chosen+=", because $(joined "${reasons[@]}")"
     fi
 fi
+step "Python: $chosen"
 
 # ---- the virtual environment -------------------------------------------------------------
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/cudawrap-install.XXXXXX")
@@ -262,11 +328,24 @@ if ! (cd "$tmp" && "$vpy" -I -c 'import cudawrap.cli, cudawrap.launch, cudawrap.
     die $EX_SOFTWARE "the package pip installed is incomplete ($(tail -n 1 "$tmp/check.log")): the source's packaging is broken"
 fi
 
+# The same package as a wheel, for users to pip-install into their own environments
+# (`import cudawrap; cudawrap.acquire()` from their venv or conda env). Optional: a failure
+# to build it is a warning.
+wheel_args=()
+index_args=()
+[ -n "$wheelhouse" ] && index_args=(--no-index --find-links "$wheelhouse")
+if (cd "$tmp" && "$vpy" -I -m pip wheel -q --no-deps ${index_args[@]+"${index_args[@]}"} -w "$tmp/wheel" "$tmp/src") \
+        >"$tmp/wheel.log" 2>&1 && [ -n "$(ls "$tmp"/wheel/cudawrap-*.whl 2>/dev/null)" ]; then
+    wheel_args=(--wheel "$(ls "$tmp"/wheel/cudawrap-*.whl | head -n 1)")
+else
+    warn "could not build the client wheel for users (pip wheel: $(tail -n 1 "$tmp/wheel.log")); the install goes on without it"
+fi
+
 # ---- the rest, from the installed package -------------------------------------------------
 created_args=()
 for dir in ${created[@]+"${created[@]}"}; do created_args+=(--created "$dir"); done
 (cd "$tmp" && "$vpy" -I -m cudawrap.installation install --root "$root" --python "$vpy" --source "$SRC" \
-    ${created_args[@]+"${created_args[@]}"}) || exit $?
+    ${created_args[@]+"${created_args[@]}"} ${wheel_args[@]+"${wheel_args[@]}"}) || exit $?
 
 step "cudawrap sync: a lease file for every GPU and MIG instance"
 set +e

@@ -153,6 +153,11 @@ def unit_wants_link(layout: Layout, name: str = UNIT_NAME) -> Path:
     return layout.root / "etc" / "systemd" / "system" / "multi-user.target.wants" / name
 
 
+def wheel_dir(layout: Layout) -> Path:
+    """Where the client wheel lies for users to pip-install (root/opt/cudawrap/wheels)."""
+    return layout.lib_dir / "wheels"
+
+
 def completion_file(layout: Layout) -> Path:
     return layout.root / "etc" / "bash_completion.d" / "cudawrap"
 
@@ -339,7 +344,7 @@ def check_command_links(layout: Layout) -> None:
 
 
 def install(layout: Layout, python: str, source: Optional[Path], created: List[Path],
-            say: Callable[[str], None] = _say) -> None:
+            say: Callable[[str], None] = _say, wheel: Optional[Path] = None) -> None:
     """Everything after pip: the install root, config, boot files, commands on PATH.
 
     CREATED are the directories install.sh made for the virtual environment. Idempotent:
@@ -354,6 +359,8 @@ def install(layout: Layout, python: str, source: Optional[Path], created: List[P
     manifest.add(TREE, layout.venv_dir)
     try:
         _install(layout, python, source, manifest, say)
+        if wheel is not None:
+            _install_wheel(layout, wheel, manifest, say)
     finally:
         if layout.state_dir.is_dir():
             manifest.save(layout)
@@ -387,6 +394,9 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
     files: List[Tuple[Path, str, str]] = [
         (tmpfiles_file(layout), render_tmpfiles(layout), "runtime directory at boot (systemd-tmpfiles)"),
     ] + [(unit_file(layout, name), render(layout), f"unit {name}") for name, render in UNITS.items()]
+    from .manpages import PAGES, man_path, render as render_man
+
+    files += [(man_path(layout.root, page), render_man(page), f"man page {page}") for page in PAGES]
     completion = source / COMPLETION_SOURCE if source else None
     if completion is not None and completion.is_file():
         files.append((completion_file(layout), completion.read_text(encoding="utf-8"), "bash completion"))
@@ -427,9 +437,34 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
     elif layout.is_system:
         say(f"==> {UNIT_NAME} not enabled: systemd is not running here; run `cudawrap sync` "
             f"after every boot (the runtime directory is on /run)")
+        say(f"==> {MONITOR_UNIT} not enabled: systemd is not running here; start `cudawrap monitor` "
+            f"some other way if launches should skip NVML")
     else:
         say(f"==> {UNIT_NAME} not enabled (a --prefix install); run `cudawrap sync` after a reboot "
             f"or a MIG change")
+        say(f"==> {MONITOR_UNIT} not enabled (a --prefix install); run `cudawrap monitor` yourself "
+            f"if launches should skip NVML")
+
+
+def _install_wheel(layout: Layout, wheel: Path, manifest: Manifest, say: Callable[[str], None]) -> None:
+    """Put WHEEL in wheel_dir, in place of the wheels of earlier versions."""
+    import shutil
+
+    target = wheel_dir(layout)
+    for parent in missing_dirs(target):
+        manifest.add(DIR, parent)
+    _dir(target, 0o755)
+    for old in target.glob("cudawrap-*.whl"):
+        if old.name != wheel.name:
+            old.unlink()
+            manifest.entries = [e for e in manifest.entries if e["path"] != str(old)]
+    dest = target / wheel.name
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    shutil.copyfile(wheel, tmp)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, dest)
+    manifest.add(FILE, dest)
+    say(f"==> client wheel for users' own environments: {dest} (pip install it; see README)")
 
 
 def _wrapped(layout: Layout, environ: Dict[str, str]) -> List[str]:
@@ -562,6 +597,10 @@ def _render(action: str, layout: Layout) -> str:
         return render_config()
     if action == "render-completion":
         return render_bash_completion()
+    if action.startswith("render-man-"):
+        from .manpages import render as render_man
+
+        return render_man(action[len("render-man-"):])
     if action == "render-unit":
         return render_unit(layout)
     if action == "render-monitor-unit":
@@ -582,6 +621,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     inst.add_argument("--source", type=Path, help="the source directory (for packaging/ files)")
     inst.add_argument("--created", type=Path, action="append", default=[],
                       help="a directory install.sh created for the virtual environment")
+    inst.add_argument("--wheel", type=Path, help="the client wheel to leave for users")
+    prep = sub.add_parser("prepare", help="directories, runtime area and shim of an install root (the .deb's "
+                                           "postinst)")
+    prep.add_argument("--root", required=True, type=Path)
+    prep.add_argument("--python", required=True, help="the interpreter baked into the shim")
     rem = sub.add_parser("uninstall")
     rem.add_argument("--root", required=True, type=Path)
     rem.add_argument("--unwrap-all", action="store_true")
@@ -592,6 +636,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "render-monitor-unit": f"packaging/{MONITOR_UNIT} (for --root, default /)",
         "render-tmpfiles": "packaging/cudawrap.tmpfiles (for --root, default /)",
     }
+    from .manpages import PAGES
+
+    renderers.update({f"render-man-{page}": f"the man page packaging/man/{page}" for page in PAGES})
     for name, what in renderers.items():
         sub.add_parser(name, help=f"print {what}").add_argument("--root", type=Path, default=Path("/"))
     args = parser.parse_args(argv)
@@ -599,9 +646,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.stdout.write(_render(args.action, Layout(args.root.absolute())))
         return 0
     layout = Layout(args.root.absolute())
+    if args.action == "prepare":
+        prepare(layout, args.python)
+        return 0
     try:
         if args.action == "install":
-            install(layout, args.python, args.source, args.created)
+            install(layout, args.python, args.source, args.created, wheel=args.wheel)
         else:
             uninstall(layout, args.unwrap_all)
     except InstallError as exc:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import NvmlUnavailable
 from .leases import fd_holders, holders
+from .locations import REAL_PREFIX
 from .paths import Layout
 from .users import user_name
 from .waitqueue import WaitQueue
@@ -52,13 +53,33 @@ def _boot_time() -> float:
     return 0.0
 
 
+# Programs that run another named on their command line: the program is that one.
+INTERPRETERS = ("python", "perl", "ruby", "node", "bash", "sh", "dash", "zsh", "Rscript", "julia", "env")
+
+
+def program_name(argv: Sequence[str]) -> str:
+    """What a person calls the program of ARGV: the script an interpreter runs (train.py for
+    `python3 -u train.py`), under its wrapped name (recon for CUDAWRAP_recon)."""
+    args = [a for a in argv if a]
+    name = os.path.basename(args[0]) if args else "?"
+    base = name.rstrip("0123456789.")
+    if base in INTERPRETERS or (base.startswith("python") and base[6:].rstrip("dmu") == ""):
+        for arg in args[1:]:
+            if not arg.startswith("-") and "=" not in arg:
+                name = os.path.basename(arg)
+                break
+    return name[len(REAL_PREFIX):] if name.startswith(REAL_PREFIX) and len(name) > len(REAL_PREFIX) else name
+
+
 def process_info(pid: int) -> Dict[str, Any]:
     """User, command line and start time of PID from /proc (what `ps` would say)."""
-    info: Dict[str, Any] = {"pid": pid, "user": "?", "command": "?", "since": "?"}
+    info: Dict[str, Any] = {"pid": pid, "user": "?", "command": "?", "program": "?", "since": "?"}
     try:
         info["user"] = user_name(os.stat(f"/proc/{pid}").st_uid)
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            info["command"] = printable(f.read(4096).replace(b"\0", b" ").decode("utf-8", "replace").strip(), 4096)
+            argv = f.read(4096).decode("utf-8", "replace").split("\0")
+        info["command"] = printable(" ".join(argv).strip(), 4096)
+        info["program"] = printable(program_name(argv), 200)
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         started = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
@@ -124,7 +145,7 @@ def _holder(held: Dict[str, Optional[int]], uuid: str) -> Optional[Dict[str, Any
         return None
     pid = held[uuid]
     if pid is None:
-        return {"pid": None, "user": "?", "command": "unknown holder", "since": "?"}
+        return {"pid": None, "user": "?", "command": "unknown holder", "program": "unknown holder", "since": "?"}
     return process_info(pid)
 
 
@@ -216,7 +237,95 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
                             "holder": holder, "foreign_pids": None,
                             "index": None, "product": None, "mig_profile": None, **_NO_READINGS,
                             "processes": None, "waiters": [], "drains": []})
-    return {"devices": devices, "waiting": _waiting(layout, inventory),
+    return {"root": str(layout.root), "devices": devices, "waiting": _waiting(layout, inventory),
             "nvml_error": nvml_error,
             "lost": list(inventory.lost) if inventory else [],
             "gpus": _gpus(inventory) if inventory else []}
+
+
+# --- the table `cudawrap status` prints ------------------------------------------------------
+#
+# A column is (header, cell, widest): cell(row) gives the text, cut to WIDEST characters
+# (0: never cut). The default table fits 80 columns with typical names; --json has it all.
+
+Column = Tuple[str, Callable[[Dict[str, Any]], str], int]
+
+
+def _cut(text: str, width: int) -> str:
+    return text if not width or len(text) <= width else text[:width - 1] + "~"
+
+
+def _short_time(stamp: str) -> str:
+    """HH:MM for today, MM-DD before (process_info's ISO time)."""
+    if len(stamp) < 16:
+        return stamp
+    return stamp[11:16] if stamp[:10] == time.strftime("%Y-%m-%d") else stamp[5:10]
+
+
+def _device(d: Dict[str, Any]) -> str:
+    where = "?" if d["gpu_index"] < 0 else str(d["gpu_index"])
+    if d.get("mig_slot") is not None:
+        where += f"/{d['mig_slot']}"
+    return f"{where} {d['uuid'][:12]}"
+
+
+def _memory(d: Dict[str, Any]) -> str:
+    return "?" if not d["memory_total_mib"] else f"{d['memory_used_mib']}/{d['memory_total_mib']}"
+
+
+def holder_text(holder: Optional[Dict[str, Any]]) -> str:
+    """pid, user and program of a lock's holder, as one cell."""
+    if holder is None:
+        return "free"
+    if holder["pid"] is None:
+        return "held (holder not visible to you)"
+    return f"pid {holder['pid']} {_cut(holder['user'], 8)} {_cut(holder.get('program', '?'), 10)}"
+
+
+def _lease(d: Dict[str, Any]) -> str:
+    return holder_text(d["holder"]) if d["lease_file"] else "no lease file (run `cudawrap sync`)"
+
+
+def _others(d: Dict[str, Any]) -> str:
+    pids = d["foreign_pids"]
+    return "unknown" if pids is None else (",".join(map(str, pids)) or "-")
+
+
+DEVICE_COLUMNS: List[Column] = [
+    ("DEVICE", _device, 0),
+    ("MEMORY MiB", _memory, 0),
+    ("LEASE", _lease, 0),
+    ("SINCE", lambda d: _short_time(d["holder"]["since"]) if d["holder"] else "", 5),
+    ("OTHERS", _others, 8),
+]
+
+WAITING_COLUMNS: List[Column] = [
+    ("POS", lambda w: str(w["position"] or "?"), 0),
+    ("USER", lambda w: w["user"], 8),
+    ("PID", lambda w: str(w["pid"]), 0),
+    ("N", lambda w: str(w["count"]), 0),
+    ("PROGRAM", lambda w: w["program"], 12),
+    ("WHY", lambda w: w["reason"], 0),
+]
+
+
+def table(rows: Sequence[Dict[str, Any]], columns: Sequence[Column]) -> List[str]:
+    """ROWS as aligned lines under COLUMNS' headers."""
+    cells = [[header for header, _, _ in columns]]
+    cells += [[_cut(cell(row), widest) for _, cell, widest in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
+
+
+def render(status: Dict[str, Any]) -> List[str]:
+    """`cudawrap status` as text: which install, the devices, who waits, who holds the queue."""
+    held = sum(1 for d in status["devices"] if d["holder"])
+    count = (f"devices unknown, {len(status['devices'])} lease files" if status["nvml_error"]
+             else f"{len(status['devices'])} devices")
+    lines = [f"install root {status['root']}: {count}, {held} leased, {len(status['waiting'])} waiting"]
+    if status["devices"]:
+        lines += table(status["devices"], DEVICE_COLUMNS)
+    if status["waiting"]:
+        lines.append("")
+        lines += table(status["waiting"], WAITING_COLUMNS)
+    return lines

@@ -86,7 +86,9 @@ def _sync(layout: Layout) -> SyncReport:
         inventory = nvml.inventory()
     except NvmlUnavailable as exc:
         report.nvml_error = str(exc)
-        report.lines.append(f"warning: {exc}; lease files left as they are")
+        # Without the driver nobody can tell which devices exist: removing "vanished" ones
+        # would mean all of them. They go at the first sync with the driver back, or at reboot.
+        report.lines.append(f"warning: {exc}; lease files left as they are (which devices exist is unknown)")
     else:
         report.created, report.removed = sync_leases(layout, inventory)
         for uuid in report.created:

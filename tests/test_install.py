@@ -7,6 +7,7 @@ CUDAWRAP_SYSTEM_TESTS=1) changes this machine's /opt, /etc, /var, /run and /usr/
 import json
 import os
 import pwd
+import re
 import shutil
 import stat
 import subprocess
@@ -22,8 +23,9 @@ from cudawrap import __version__
 from cudawrap.config import DEFAULTS, load_config
 from cudawrap.installation import (
     Layout, MONITOR_UNIT, UNIT_NAME, completion_file, manifest_file, prepare_runtime, render_bash_completion,
-    render_monitor_unit, render_tmpfiles, render_unit, shim_version, tmpfiles_file, unit_file,
+    render_monitor_unit, render_tmpfiles, render_unit, shim_version, tmpfiles_file, unit_file, wheel_dir,
 )
+from cudawrap.manpages import PAGES, man_path, render as render_man
 from fakemachine import FAKECUDA, LIBNAME, FakeMachine
 from installfix import INSTALL_SH, SOURCE, clean_env, install_sh, snapshot, wheel_args
 
@@ -108,6 +110,7 @@ def test_prefix_install_wrap_upgrade_uninstall(tmp_path, machine, wheelhouse):
     r = install_sh("--prefix", str(prefix), "--python", sys.executable, *wheel_args(wheelhouse), env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("==> ") and "==> done" in r.stdout
+    assert f"{MONITOR_UNIT} not enabled (a --prefix install)" in r.stdout
 
     # What is where.
     assert (layout.venv_dir / "cudawrap-root").read_text().strip() == str(prefix)
@@ -123,6 +126,9 @@ def test_prefix_install_wrap_upgrade_uninstall(tmp_path, machine, wheelhouse):
     for path in (tmpfiles_file(layout), unit_file(layout), completion_file(layout), manifest_file(layout)):
         assert path.is_file(), path
     assert str(prefix / "run/cudawrap/leases") in tmpfiles_file(layout).read_text()
+    for page in PAGES:
+        assert man_path(prefix, page).read_text() == render_man(page), page
+    assert [w.name for w in wheel_dir(layout).iterdir()] == [f"cudawrap-{__version__}-py3-none-any.whl"]
 
     # The prefix's own command finds its root through the marker, with no variable.
     cudawrap = layout.bin_dir / "cudawrap"
@@ -208,6 +214,13 @@ def test_readme_try_it_without_a_gpu_works_as_written(tmp_path, wheelhouse):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "exit 75" in r.stdout
+    # What the text after the walk-through quotes is what the commands said.
+    after = text.split("<!-- try:end -->", 1)[1].split("\n## ", 1)[0]
+    quoted = re.findall(r"`(recon: [^`]*)`", after)
+    assert len(quoted) >= 2, after
+    for line in quoted:
+        assert line.split("…")[0] in r.stderr, line
+    assert re.search(r"^0 GPU-\w+ .* pid \d+ \S+ recon ", r.stdout, re.M), r.stdout
     assert "recon: waiting for a device: every device it may use is busy; position 1 in line (pid" in r.stderr
     assert "recon: got GPU-" in r.stderr
     assert os.listdir(tmp_path) == []  # step 5 removed everything
@@ -290,15 +303,94 @@ def test_unwritable_prefix(public_dir, tmp_path):
     assert os.listdir(locked) == []
 
 
-def test_no_python3_on_path(tmp_path):
+def tools_without_python(tmp_path: Path) -> Path:
+    """A PATH directory with every system tool except python*."""
     tools = tmp_path / "bin"
     tools.mkdir()
     for top in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
         for name in (os.listdir(top) if os.path.isdir(top) else []):
             if not name.startswith("python") and not (tools / name).exists():
                 (tools / name).symlink_to(os.path.join(top, name))
-    r = install_sh("--prefix", str(tmp_path / "cw"), env=clean_env(PATH=str(tools)))
-    one_error(r, 69, "no python3 on PATH", "apt-get install python3 python3-venv", "--python PATH")
+    return tools
+
+
+def without_system_python() -> List[str]:
+    """A command prefix under which /usr/bin/python3 is /bin/true (a private mount namespace),
+    as on a machine with no system Python; this machine's /usr/bin is untouched."""
+    if not IS_ROOT or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare (util-linux) to hide /usr/bin/python3")
+    if not os.path.exists("/usr/bin/python3"):
+        return []
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount --bind /bin/true /usr/bin/python3 && exec "$@"', "sh"]
+
+
+def private_python(tmp_path: Path) -> Path:
+    """A working python3 in a directory only its owner may enter (like root's pyenv build)."""
+    hidden = tmp_path / "private"
+    hidden.mkdir(mode=0o700)
+    real = hidden / "python-real"
+    shutil.copy2(os.path.realpath("/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable),
+                 real)
+    return fake_python(hidden / "python3", f"""\
+case "$*" in
+    *realpath*) echo "$0"; exit 0 ;;
+esac
+exec {real} "$@"
+""")
+
+
+def test_no_python_at_all(tmp_path):
+    tools = tools_without_python(tmp_path)
+    r = run(*without_system_python(), "bash", INSTALL_SH, "--prefix", tmp_path / "cw", env=clean_env(PATH=str(tools)))
+    one_error(r, 69, "no Python 3.9 or newer", "no python3 on PATH", "/usr/bin/python3 does not run as a Python",
+              "apt-get install python3 python3-venv", "--python PATH")
+    assert not (tmp_path / "cw").exists()
+
+
+def test_path_python_every_user_can_run_is_taken(tmp_path):
+    tools = tools_without_python(tmp_path)
+    system = os.path.realpath("/usr/bin/python3")
+    (tools / "python3").symlink_to(system)
+    empty = tmp_path / "no-wheels"  # pip fails at once: the choice is what this test is about
+    empty.mkdir()
+    r = install_sh("--prefix", str(tmp_path / "cw"), "--wheelhouse", str(empty), env=clean_env(PATH=str(tools)))
+    assert r.returncode == 1, r.stdout + r.stderr
+    ver = "%d.%d" % sys.version_info[:2]
+    lines = [line for line in r.stdout.splitlines() if line.startswith("==> Python: ")]
+    assert lines and lines[0].startswith(f"==> Python: {system} (Python "), r.stdout
+    assert lines[0].endswith(", python3 on PATH)"), lines
+    assert not (tmp_path / "cw").exists()
+
+
+def test_private_path_python_gives_way_to_the_system_one(tmp_path):
+    """Root's PATH with a pyenv build first: the README's commands still work, and say why."""
+    private = private_python(tmp_path)
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    path = f"{private.parent}:{os.environ['PATH']}"
+    r = install_sh("--prefix", str(tmp_path / "cw"), "--wheelhouse", str(empty), env=clean_env(PATH=path))
+    assert r.returncode == 1, r.stdout + r.stderr
+    system = os.path.realpath("/usr/bin/python3")
+    assert (f"==> Python: {system} (Python " in r.stdout and "the system's /usr/bin/python3), because "
+            f"{private} cannot be run by other users ({private.parent} is not open to them)" in r.stdout), r.stdout
+    assert f"creating the virtual environment {tmp_path}/cw/opt/cudawrap/venv with {system} " in r.stdout
+    assert "warning" not in r.stderr.split("    pip: ")[0]
+    assert not (tmp_path / "cw").exists()
+
+
+def test_prefix_install_takes_a_private_python_when_there_is_no_other(tmp_path):
+    """Nobody else can run it: a prefix install (one person's) goes ahead and says so; a system
+    install refuses (test_system_install_refuses_an_interpreter_users_cannot_run)."""
+    private = private_python(tmp_path)
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    r = run(*without_system_python(), "bash", INSTALL_SH, "--prefix", tmp_path / "cw", "--wheelhouse", empty,
+            env=clean_env(PATH=f"{private.parent}:{tools_without_python(tmp_path)}"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert (f"install.sh: warning: {private} cannot be run by other users ({private.parent} is not open to "
+            f"them): only you can run the programs wrapped in {tmp_path}/cw") in r.stderr
+    assert f"==> Python: {private} (Python " in r.stdout
     assert not (tmp_path / "cw").exists()
 
 
@@ -383,6 +475,30 @@ def system_python() -> str:
     pytest.skip("no system python3 (3.9+ with venv) that every user can run")
 
 
+def wrap_and_run_as_user(create: str, prog: Path, user: pwd.struct_passwd, fake: FakeMachine,
+                         env: dict) -> List[str]:
+    """Wrap PROG with CREATE (root), run it as USER on a device; the command prefix for USER."""
+    r = run(create, prog, env=env)
+    assert r.returncode == 0, r.stderr
+    as_user = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups"]
+    r = run(*as_user, prog, env=dict(env, HOME="/nonexistent"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[0])["cvd"] in fake.leaf_uuids()
+    return as_user
+
+
+def public_machine(public_dir: Path, fakenvml_lib: Path) -> FakeMachine:
+    """A simulated four-GPU machine every user can reach: library and topology in PUBLIC_DIR."""
+    (public_dir / "lib").mkdir()
+    shutil.copy2(fakenvml_lib / LIBNAME, public_dir / "lib" / LIBNAME)
+    fake = FakeMachine(public_dir / "machine", public_dir / "lib")
+    fake.load("four-gpus")
+    for path in (fake.root, fake.state_dir):
+        path.chmod(0o755)
+    fake.topology.chmod(0o644)  # written through mkstemp: 0600
+    return fake
+
+
 @pytest.fixture
 def throwaway_user() -> Iterator[pwd.struct_passwd]:
     name = "cwtest" + uuid.uuid4().hex[:8]
@@ -406,14 +522,7 @@ def test_system_install_wrap_run_as_user_uninstall(public_dir, fakenvml_lib, whe
                Path("/etc/tmpfiles.d"), Path("/etc/systemd/system")]
     existed = {p: os.path.lexists(p) for p in watched}
 
-    # A simulated machine every user can reach: library and topology in a public directory.
-    (public_dir / "lib").mkdir()
-    shutil.copy2(fakenvml_lib / LIBNAME, public_dir / "lib" / LIBNAME)
-    fake = FakeMachine(public_dir / "machine", public_dir / "lib")
-    fake.load("four-gpus")
-    for path in (fake.root, fake.state_dir):
-        path.chmod(0o755)
-    fake.topology.chmod(0o644)  # written through mkstemp: 0600
+    fake = public_machine(public_dir, fakenvml_lib)
     env = clean_env(fake.environ())
     prog = stand_in(public_dir / "apps" / "recon", python)
     original = prog.read_bytes()
@@ -428,17 +537,33 @@ def test_system_install_wrap_run_as_user_uninstall(public_dir, fakenvml_lib, whe
             assert f"enabled {UNIT_NAME}" in r.stdout
         else:
             assert f"{UNIT_NAME} not enabled: systemd is not running here" in r.stdout
+            assert f"{MONITOR_UNIT} not enabled: systemd is not running here" in r.stdout
 
-        r = run("/usr/local/bin/create-cudawrap", prog, env=env)
-        assert r.returncode == 0, r.stderr
-
-        user = throwaway_user
-        as_user = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups"]
-        r = run(*as_user, prog, env=dict(env, HOME="/nonexistent"))
-        assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout.splitlines()[0])["cvd"] in fake.leaf_uuids()
+        as_user = wrap_and_run_as_user("/usr/local/bin/create-cudawrap", prog, throwaway_user, fake, env)
         r = run(*as_user, "/usr/local/bin/create-cudawrap", public_dir / "apps" / "other", env=env)
         assert r.returncode == 77, r.stderr  # users may not wrap
+
+        # The user's own venv with the client wheel install.sh left: it leases from the system
+        # install with no CUDAWRAP_ROOT, queued with the wrapped programs.
+        (wheel,) = wheel_dir(system).glob("cudawrap-*.whl")
+        mine = public_dir / "user-venv"
+        mine.mkdir()
+        os.chown(mine, throwaway_user.pw_uid, throwaway_user.pw_gid)
+        links = []
+        if wheelhouse:
+            shutil.copytree(wheelhouse, public_dir / "wheels")
+            (public_dir / "wheels").chmod(0o755)  # a copy of a private directory
+            links = ["--no-index", "--find-links", str(public_dir / "wheels")]
+        user_env = dict(env, HOME=str(mine))
+        r = run(*as_user, python, "-m", "venv", mine / "venv", env=user_env)
+        assert r.returncode == 0, r.stderr
+        r = run(*as_user, mine / "venv" / "bin" / "pip", "install", "-q", *links, wheel, env=user_env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        code = "import os, cudawrap; print(cudawrap.acquire()[0], os.environ['CUDA_VISIBLE_DEVICES'])"
+        r = run(*as_user, mine / "venv" / "bin" / "python", "-c", code, env=user_env, cwd=mine)
+        assert r.returncode == 0, r.stderr
+        uuid_, cvd = r.stdout.split()
+        assert uuid_ == cvd and uuid_ in fake.leaf_uuids()
 
         r = install_sh("--uninstall", "--unwrap-all", env=env)
         installed = r.returncode != 0

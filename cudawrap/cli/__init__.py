@@ -5,8 +5,11 @@ only the one that runs. Errors are caught here and printed as one line.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
+import re
 import sys
 from typing import List, Optional
 
@@ -22,8 +25,44 @@ log = logging.getLogger(__name__)
 _META = ("ShowHelp", "ShowHelpAll", "ShowVersion", "ShowCompletion")
 
 
+def tidy_help(text: str) -> str:
+    """plumbum's help without the ":str" it shows after every value switch's NAME (every value
+    here is text; the NAME says what it is), the help column kept aligned."""
+    lines = text.splitlines(keepends=True)
+    # The help column: where plumbum indents a switch's wrapped help lines.
+    column = min((len(line) - len(line.lstrip(" ")) for line in lines
+                  if line.startswith(" " * 20) and line.strip()), default=36)
+    out = []
+    for line in lines:
+        head, sep, rest = line.partition(":str")
+        if sep and line.startswith("    -") and rest[:1] in (" ", "\n"):
+            rest = rest.lstrip(" ")
+            line = head.ljust(column - 1) + " " + rest if rest.strip() else head + rest
+        out.append(line)
+    return "".join(out)
+
+
 class Command(cli.Application):
     """Base of every command: a bad switch or argument is one line and exit 64, not a help page."""
+
+    def __init__(self, executable: str) -> None:
+        super().__init__(executable)
+        if not self._subcommands:  # --help-all lists subcommands: none here
+            self._switches_by_name.pop("help-all", None)
+        # A switch whose every name was taken over (--help, below) or removed is not shown.
+        self._switches_by_func = {func: info for func, info in self._switches_by_func.items()
+                                  if any(self._switches_by_name.get(n) is info for n in info.names)}
+
+    @cli.switch(["-h", "--help"], overridable=True, group="Meta-switches", help="Prints this help message and quits")
+    def help(self) -> None:  # noqa: A003 - plumbum's name
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            super().help()
+        sys.stdout.write(tidy_help(text.getvalue()) + self.epilogue())
+
+    def epilogue(self) -> str:
+        """Text after the switches in --help."""
+        return ""
 
     def _usage(self, exc: Exception) -> Exception:
         from ..errors import UsageError
@@ -48,12 +87,24 @@ class Command(cli.Application):
 
 
 class Cudawrap(Command):
-    """Share the GPUs and MIG instances of this server fairly among wrapped programs."""
+    """Share the GPUs and MIG instances of this server fairly among wrapped programs.
+
+    Run 'cudawrap COMMAND --help' for a command's switches, 'man cudawrap' for more.
+    """
 
     PROGNAME = "cudawrap"
     VERSION = __version__
+    SUBCOMMAND_HELPMSG = False  # said once, above, instead of after every command's line
 
     debug = cli.Flag(["--debug"], help="show tracebacks and debug logging")
+
+    def epilogue(self) -> str:
+        import textwrap
+
+        from ..manpages import exit_codes
+
+        codes = " ".join(f"{code}: {'; '.join(meanings)}." for code, meanings in exit_codes().items())
+        return "\n" + textwrap.fill(f"Exit codes: 0: done. {codes}", 80) + "\n"
 
     def main(self, *args: str) -> int:
         if args:

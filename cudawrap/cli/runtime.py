@@ -5,13 +5,13 @@ import json
 import os
 import shutil
 import sys
-from typing import Any, List, Optional
+from typing import Optional
 
 from plumbum import cli
 
 from .. import launch, policy
 from ..config import parse_gpus, parse_wait
-from ..errors import ProgramNotFound, UsageError
+from ..errors import NvmlUnavailable, ProgramNotFound, UsageError
 from ..paths import default_layout
 from ..status import machine_status
 from . import Command
@@ -84,31 +84,20 @@ class StatusCommand(Command):
         return _watch(self, period, count)
 
     def show(self) -> int:
+        from ..status import render
+
         layout = default_layout()
         status = machine_status(layout)
         if self.as_json:
-            print(json.dumps(status, indent=None if self.watch else 2))
+            print(json.dumps(status, indent=None if self.watch else 2))  # nvml_error says when there is no driver
             return 0
+        for line in render(status):
+            print(line)
         if status["nvml_error"]:
-            print(f"warning: {status['nvml_error']}", file=sys.stderr)
-        rows = [("DEVICE", "NAME", "GPU", "MEMORY", "LEASE", "OTHER PROCESSES")]
-        for d in status["devices"]:
-            holder = d["holder"]
-            lease = "free" if holder is None else (
-                f"pid {holder['pid']} {holder['user']} {holder['command'][:30]} since {holder['since']}")
-            if not d["lease_file"]:
-                lease = "no lease file (run `cudawrap sync`)"
-            others = d["foreign_pids"]
-            other = "unknown" if others is None else (",".join(map(str, others)) or "-")
-            rows.append((d["uuid"], d["name"], str(d["gpu_index"]),
-                         f"{d['memory_used_mib']}/{d['memory_total_mib']} MiB", lease, other))
-        _table(rows)
-        if status["waiting"]:
-            print()
-            _table([("POS", "USER", "PID", "N", "WAITED", "PROGRAM", "WHY")] + [
-                (str(w["position"] or "?"), w["user"], str(w["pid"]), str(w["count"]),
-                 f"{w['waiting_s']:.0f}s", w["program"][:20], w["reason"])
-                for w in status["waiting"]])
+            # The devices are unknown: the table shows at most the lease files of the last sync.
+            raise NvmlUnavailable(f"cannot list the devices: {status['nvml_error']}",
+                                  "install or load the NVIDIA driver (`nvidia-smi` should work), then run "
+                                  "`cudawrap sync`")
         return 0
 
 
@@ -151,17 +140,11 @@ def _shown(value: str) -> str:
     return text + ("..." if len(value) > 40 else "")
 
 
-def _table(rows: List[tuple]) -> None:
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
-
-
 class RunCommand(FilterSwitches, Command):
     """Run any command on free device(s), as a wrapped program would: cudawrap run [-n N] -- CMD ARGS…"""
 
-    gpus = cli.SwitchAttr(["-n", "--gpus"], str, help="devices to lease (default: the config's gpus)")
-    wait = cli.SwitchAttr(["--wait"], str, help="seconds to wait for a free device, or 'forever'")
+    gpus = cli.SwitchAttr(["-n", "--gpus"], str, argname="N", help="devices to lease (default: the config's gpus)")
+    wait = cli.SwitchAttr(["--wait"], str, argname="SECONDS|forever", help="seconds to wait for a free device, or 'forever'")
     substitute = cli.Flag(["--substitute"], help="replace {index}, {indices}, {uuid}, {uuids}, {nvml_index}, "
                                                  "{nvml_indices} in CMD's arguments with the leased devices")
 
