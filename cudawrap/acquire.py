@@ -284,7 +284,8 @@ class Acquirer:
             lease = self._take(verdict.devices)
             if lease is not None:
                 return lease
-        if wait_s <= 0 and any(probe.can_use(u) and self._fits(u) for u in _free):
+        offered = {u for k, v in verdicts.items() if k != probe.key and v.kind == GRANTED for u in v.devices}
+        if wait_s <= 0 and any(probe.can_use(u) and self._fits(u) for u in offered):
             # A device it could use is free but offered to a run ahead: wait long enough to
             # see that run take it, or be passed over for not taking it.
             wait_s = 2 * GRACE_S

@@ -305,7 +305,7 @@ WAITING_COLUMNS: List[Column] = [
     ("PID", lambda w: str(w["pid"]), 0),
     ("N", lambda w: str(w["count"]), 0),
     ("PROGRAM", lambda w: w["program"], 12),
-    ("WHY", lambda w: w["reason"], 0),
+    ("WHY", lambda w: w["reason"], 38),  # all of it in --json
 ]
 
 

@@ -29,7 +29,8 @@ def test_default_table_fits_80_columns():
               "/home/annabelle/projects/segmentation/train_segmentation.py", "program": "train_segmentation.py",
               "since": "2026-01-02T03:04:05"}
     status = {"root": "/", "devices": [_device(n, holder if n % 2 else None) for n in range(7)],
-              "waiting": [{"user": "bob", "pid": 4194300, "count": 2, "program": "recon"}],
+              "waiting": [{"user": "bob", "pid": 4194300, "count": 2, "program": "recon", "position": 1,
+                           "reason": "1 usable device free, 1 more needed; position 1 in line"}],
               "queue_lock_holder": None, "nvml_error": None}
     lines = render(status)
     assert lines[0] == "install root /: 7 devices, 3 leased, 1 waiting"
