@@ -109,8 +109,12 @@ def test_a_large_run_does_not_idle_devices_then_gets_them_reserved(mu) -> None: 
     small = [inst.start(carol, "recon", "--hold", "600", "--log", str(inst.log)) for _ in range(2)]
     for p in small:
         waiting_line(p)
-    # Bob waits for four; a freed device goes to carol's run instead of idling.
+    # Bob waits for four; a freed device goes to carol's first run instead of idling.
     holders[0].kill()
+    holders[0].wait()
+    fds = {p.stdout.fileno(): n for n, p in enumerate(small)}
+    ready, _, _ = select.select(list(fds), [], [], 30)
+    assert [fds[fd] for fd in ready] == [0], (status(inst, None)["waiting"], [fds[fd] for fd in ready])
     ready_line(small[0])
     time.sleep(1.5)  # bob has now waited longer than reserve_after
     holders[1].kill()
