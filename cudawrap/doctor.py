@@ -23,6 +23,7 @@ from .inspect_wraps import (
 )
 from .paths import REAL_PREFIX, Layout
 from .registry import Registry
+from .text import printable
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,9 @@ class Finding:
     message: str
 
     def line(self) -> str:
-        return f"{self.level}: {self.subject}: {self.message}"
+        """One line for the admin's terminal: names found on disk are chosen by users, so
+        control characters are escaped (a planted name cannot fake or hide a finding)."""
+        return printable(f"{self.level}: {self.subject}: {self.message}")
 
 
 def healthy(findings: Iterable[Finding]) -> bool:

@@ -22,6 +22,7 @@ from ..config import (
 )
 from ..errors import ConfigError, StateError, UsageError
 from ..paths import default_layout
+from ..text import printable
 from . import Command, report
 
 
@@ -117,7 +118,7 @@ class CreateCudawrap(Command):
         outcome = wrap_programs(layout, programs, policy)
         for entry in outcome.wrapped:
             how = f"diverted from package {entry.package}" if entry.diversion else "renamed"
-            print(f"wrapped {entry.link} (real program: {entry.real}, {how})")
+            print(printable(f"wrapped {entry.link} (real program: {entry.real}, {how})"))
         return _report_failures(_prog(self), outcome.failed)
 
 
@@ -162,14 +163,14 @@ class ListCommand(Command):
         table = [("STATE", "PROGRAM", "POLICY", "PACKAGE", "WRAPPED BY", "WRAPPED AT")]
         for s in statuses:
             e = s.entry
-            table.append((s.state, e.link, _policy_text(dict(e.policy)), e.package or "-", e.wrapped_by,
-                          e.wrapped_at))
+            table.append(tuple(printable(cell) for cell in (
+                s.state, e.link, _policy_text(dict(e.policy)), e.package or "-", e.wrapped_by, e.wrapped_at)))
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         for row in table:
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         for s in statuses:
             if s.detail:
-                print(f"{s.entry.link}: {s.detail}", file=sys.stderr)
+                print(printable(f"{s.entry.link}: {s.detail}"), file=sys.stderr)
         return 0
 
 
@@ -201,7 +202,7 @@ class UnwrapCommand(Command):
         if self.everything and not outcome.unwrapped and not outcome.failed:
             print("no programs are wrapped", file=sys.stderr)
         for done in outcome.unwrapped:
-            print(done.message)
+            print(printable(done.message))
         return _report_failures(_prog(self), outcome.failed)
 
 
