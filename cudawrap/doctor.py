@@ -18,11 +18,12 @@ from .devices import Inventory
 from .divert import PACKAGE, Dpkg, real_name
 from .errors import CudawrapError
 from .inspect_wraps import (
-    BINARY_CHANGED, INTERRUPTED, LINK_MISSING, NOT_A_LINK, OK, REAL_MISSING, SHIM_REPLACED, inspect_all,
-    is_shim_link, same_file, symlink_chain,
+    BINARY_CHANGED, INTERRUPTED, LINK_MISSING, LINK_SHIM, NOT_A_LINK, OK, REAL_MISSING, SHIM_OVERWRITTEN,
+    SHIM_REPLACED, inspect_all, is_shim_link, own_shim_state, same_file, symlink_chain,
 )
 from .paths import REAL_PREFIX, Layout
 from .registry import Registry
+from .safepath import unsafe_reason
 from .text import printable
 
 log = logging.getLogger(__name__)
@@ -203,8 +204,13 @@ class _Doctor:
         layout, dpkg = self.layout, self.dpkg
         for status in inspect_all(layout, reg):
             entry, state, link = status.entry, status.state, status.entry.link
-            if state == OK:
-                self._check_diversion(entry)
+            why = wrap.unsafe_dir(entry)
+            if why is not None:  # never repaired: its owner could redirect whatever root does there
+                self.add(LEVEL_ERROR, link, f"{why}: cudawrap no longer acts there; 'cudawrap unwrap --force "
+                                            f"{link}' drops its entry and leaves the files to their owner")
+            elif state == OK:
+                if self._check_own_shim(entry):
+                    self._check_diversion(entry)
             elif state == BINARY_CHANGED:
                 # Expected after a package upgrade through the diversion: not broken.
                 self.problem(link, status.detail, partial(wrap.accept, layout, entry), LEVEL_WARNING)
@@ -212,15 +218,34 @@ class _Doctor:
                 self.problem(link, status.detail, partial(wrap.finish, layout, entry, dpkg))
             elif state == SHIM_REPLACED:
                 self.problem(link, status.detail, partial(wrap.rewrap, layout, entry, dpkg))
+            elif state == SHIM_OVERWRITTEN:
+                self.problem(link, status.detail, partial(wrap.adopt_build, layout, entry))
             elif state == REAL_MISSING or (state == NOT_A_LINK and not status.real_present):
                 self.problem(link, status.detail + ("" if state == REAL_MISSING else
                                                     f", and {entry.real} is gone"),
                              partial(wrap.forget, layout, entry, dpkg))
-            elif state == NOT_A_LINK and status.link == LINK_MISSING:
+            elif state == NOT_A_LINK and status.link in (LINK_MISSING, LINK_SHIM):
                 self.problem(link, status.detail, partial(wrap.relink, layout, entry))
             else:
                 self.add(LEVEL_ERROR, link, f"{status.detail}; decide by hand: 'cudawrap unwrap --force {link}' "
                                             "keeps both it and the wrapped program")
+
+    def _check_own_shim(self, entry: registry.Entry) -> bool:
+        """Whether ENTRY's link leads to its own, current shim (else a finding is added)."""
+        from .installation import shim_version
+
+        link, own = entry.link, self.layout.program_shim(entry.link)
+        if own_shim_state(self.layout, link) == "shared":
+            self.problem(link, "leads to the shim that every wrapped program shared before each got its own: a `cp` "
+                               "through any one link would replace them all",
+                         partial(wrap.own_shim, self.layout, entry), LEVEL_WARNING)
+            return False
+        found = shim_version(own)
+        if found != __version__:
+            self.problem(link, f"its shim {own} is version {found}, not {__version__}",
+                         partial(wrap.own_shim, self.layout, entry))
+            return False
+        return True
 
     def _check_diversion(self, entry: registry.Entry) -> None:
         link = entry.link
@@ -265,6 +290,8 @@ class _Doctor:
             diversions = []
         known = {e.link for e in reg}
         for directory in self._directories(reg, [p for p, _ in diversions]):
+            if unsafe_reason(directory) is not None:
+                continue  # a user's directory: what is there is theirs, never adopted or moved
             try:
                 names = sorted(os.listdir(directory))
             except OSError:

@@ -441,3 +441,77 @@ def test_a_held_queue_lock_stalls_launches_only_as_long_as_they_agreed_to_wait(m
     squatter.kill()
     assert patient.wait(timeout=10) == 0
     assert status(inst, alice)["queue_lock_holder"] is None
+
+
+def test_root_refuses_to_wrap_in_a_users_directory(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("four-gpus")
+    alice = inst.world.alice
+    home = inst.dir / "home-alice"
+    home.mkdir()
+    os.chown(home, alice.uid, alice.gid)
+    mine = sh_program(home / "mine", "#!/bin/sh\necho mine\n")
+    os.chown(mine, 0, 0)  # even a root-owned program: alice can rename her directory's entries
+    before = snapshot(home)
+    done = inst.cli(None, str(mine), prog="create-cudawrap")
+    assert done.returncode == 65
+    assert one_line(done) == (
+        f"create-cudawrap: {mine}: {home} is owned by {alice.name}, not root, so they could swap it for a "
+        "symlink that root's commands would follow; put the program where only root can write (such as "
+        "/opt/app/bin) and wrap it there")
+    assert snapshot(home) == before
+    # A program root's directory holds but a user may write is refused the same way.
+    theirs = sh_program(inst.bindir / "theirs", "#!/bin/sh\necho theirs\n")
+    theirs.chmod(0o757)
+    done = inst.cli(None, str(theirs), prog="create-cudawrap")
+    assert done.returncode == 65 and "is writable by its group and others (mode 0757)" in one_line(done)
+
+
+def test_a_user_swapping_a_wrapped_directory_for_a_symlink_redirects_nothing(mu) -> None:  # type: ignore[no-untyped-def]
+    """A wrap made where a user now has control (~/bin handed over, or wrapped by an older
+    version): alice swaps the directory for a symlink to a root-owned one; root's doctor
+    --repair and unwrap must not follow it to wrap or move the program there."""
+    inst = mu("four-gpus")
+    alice = inst.world.alice
+    home = inst.dir / "home-alice"
+    (home / "bin").mkdir(parents=True)
+    prog = sh_program(home / "bin" / "recon", '#!/bin/sh\necho "recon $*"\n')
+    assert inst.cli(None, str(prog), prog="create-cudawrap").returncode == 0
+    os.chown(home, alice.uid, alice.gid)  # handed over after it was wrapped
+    os.chown(home / "bin", alice.uid, alice.gid)
+    victim = inst.dir / "victim"
+    victim.mkdir()
+    sh_program(victim / "recon", '#!/bin/sh\necho "root\'s own recon $*"\n')
+    done = inst.run(alice, "sh", "-c", 'mv "$1/bin" "$1/bin.old" && ln -s "$2" "$1/bin"', "sh", str(home),
+                    str(victim))
+    assert done.returncode == 0, done.stderr
+    before = {**snapshot(victim), **inst.snapshot()}
+    repaired = inst.cli(None, "doctor", "--repair")
+    assert repaired.returncode == 65
+    out = repaired.stdout.decode()
+    assert f"error: {prog}: {home} is owned by {alice.name}, not root: cudawrap no longer acts there" in out, out
+    assert "fixed:" not in out
+    assert inst.cli(None, "unwrap", str(prog)).returncode == 65
+    assert {**snapshot(victim), **inst.snapshot()} == before, diff(before, {**snapshot(victim), **inst.snapshot()})
+    # --force lets go of the wrap without touching anything in alice's directory (or the victim's).
+    done = inst.cli(None, "unwrap", "--force", str(prog))
+    assert done.returncode == 0, done.stderr
+    assert "its files were left as they are" in done.stdout.decode()
+    assert snapshot(victim) == {k: v for k, v in before.items() if k.startswith(str(victim))}
+    assert inst.cli(None, "list", "--json").stdout.strip() == b"[]"
+
+
+def test_doctor_moves_no_file_a_user_planted_in_a_sticky_directory(mu) -> None:  # type: ignore[no-untyped-def]
+    """bob names his own file CUDAWRAP_notes in a /tmp-like directory on root's PATH: doctor
+    --repair must not take it for a program cudawrap renamed, and move it."""
+    inst = mu("four-gpus")
+    bob = inst.world.bob
+    shared = inst.dir / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    done = inst.run(bob, "sh", "-c", 'printf "#!/bin/sh\\necho notes\\n" > "$1/CUDAWRAP_notes" && chmod 755 '
+                    '"$1/CUDAWRAP_notes"', "sh", str(shared))
+    assert done.returncode == 0, done.stderr
+    before = snapshot(shared)
+    repaired = inst.cli(None, "doctor", "--repair", PATH=f"{shared}:/usr/bin:/bin")
+    assert "CUDAWRAP_notes" not in repaired.stdout.decode()
+    assert snapshot(shared) == before, diff(before, snapshot(shared))

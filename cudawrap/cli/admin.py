@@ -85,6 +85,8 @@ class CreateCudawrap(Command):
                                help=DESCRIPTIONS["no_driver"])
     multi_mig = cli.SwitchAttr(["--multi-mig"], str, argname="|".join(MULTI_MIG_RULES),
                                help=DESCRIPTIONS["multi_mig"])
+    force = cli.Flag(["--force"], help="wrap a program an RPM package owns although an update of that "
+                                       "package silently unwraps it (refused otherwise); nothing else")
 
     def policy(self) -> Dict[str, Any]:
         """The per-program policy from the switches, raw (as the registry stores it), checked."""
@@ -115,10 +117,12 @@ class CreateCudawrap(Command):
         policy = self.policy()
         layout = default_layout()
         require_admin(layout)
-        outcome = wrap_programs(layout, programs, policy)
+        outcome = wrap_programs(layout, programs, policy, force=self.force)
         for entry in outcome.wrapped:
             how = f"diverted from package {entry.package}" if entry.diversion else "renamed"
             print(printable(f"wrapped {entry.link} (real program: {entry.real}, {how})"))
+        for warning in outcome.warnings:
+            print(printable(f"{_prog(self)}: {warning}"), file=sys.stderr)
         return _report_failures(_prog(self), outcome.failed)
 
 
