@@ -170,7 +170,14 @@ class _Doctor:
         self.add(LEVEL_OK, "runtime", os.fspath(lease_dir))
         if devices is None:
             return
+        from .claims import elsewhere
+
         present = devices.uuids()
+        others = elsewhere(str(self.layout.root), present)
+        if others:
+            self.add(LEVEL_NOTE, "leases", f"{len(others)} device(s) managed by another cudawrap install: "
+                     + ", ".join(f"{u} by {root}" for u, root in sorted(others.items())))
+        present = [u for u in present if u not in others]
         missing_uuids = [u for u in present if not (lease_dir / u).is_file()]
         if missing_uuids:
             self.problem("leases", f"no lease file for {len(missing_uuids)} device(s): {', '.join(missing_uuids)} "

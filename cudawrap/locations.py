@@ -28,6 +28,10 @@ SHIM = LIB_DIR + "/bin/cudawrap-shim"
 SHIM_DIR = LIB_DIR + "/shims"
 
 
+# Machine-wide, not below an install root: which install manages each device (claims.py).
+CLAIMS_DIR = "/run/cudawrap-devices"
+
+
 def under(root: str, rel: str) -> str:
     """ROOT joined with a relative location from this module."""
     return root.rstrip("/") + "/" + rel

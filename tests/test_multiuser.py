@@ -515,3 +515,31 @@ def test_doctor_moves_no_file_a_user_planted_in_a_sticky_directory(mu) -> None: 
     repaired = inst.cli(None, "doctor", "--repair", PATH=f"{shared}:/usr/bin:/bin")
     assert "CUDAWRAP_notes" not in repaired.stdout.decode()
     assert snapshot(shared) == before, diff(before, snapshot(shared))
+
+
+def test_claims_a_user_plants_keep_root_from_no_device(mu) -> None:  # type: ignore[no-untyped-def]
+    """The machine-wide claims directory is writable by all (a user's prefix install claims
+    there too); alice claims every GPU for a 'install' of her own, with lease files to look
+    live. Root's sync takes no notice: the system install keeps its devices."""
+    inst = mu("four-gpus")
+    alice = inst.world.alice
+    claims = inst.machine.claims_dir
+    uuids = inst.machine.leaf_uuids()
+    for uuid in uuids:  # as after a reboot: no claims yet
+        (claims / uuid).unlink()
+    fake_root = inst.dir / "alice-root"
+    fake_root.mkdir()
+    os.chown(fake_root, alice.uid, alice.gid)
+    script = ('import os, sys\nroot, claims, *uuids = sys.argv[1:]\nos.makedirs(root + "/run/cudawrap/leases")\n'
+              'for u in uuids:\n    open(root + "/run/cudawrap/leases/" + u, "w").close()\n'
+              '    open(os.path.join(claims, u), "w").write(root + "\\n")\n')
+    done = inst.py(alice, script, str(fake_root), str(claims), *uuids)
+    assert done.returncode == 0, done.stderr
+    done = inst.cli(None, "sync")
+    assert done.returncode == 0, done.stderr
+    assert b"managed by" not in done.stdout, done.stdout
+    for uuid in uuids:
+        assert (claims / uuid).read_text() == f"{inst.layout.root}\n" and (claims / uuid).stat().st_uid == 0
+    inst.wrap("recon")
+    r = inst.run(alice, str(inst.bindir / "recon"))
+    assert r.returncode == 0, r.stderr
