@@ -414,10 +414,16 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
     if not shim_existed:
         manifest.add(FILE, layout.shim)
     say(f"==> shim {layout.shim} (interpreter {python}, version {shim_version(layout.shim)})")
+    from .errors import CudawrapError
     from .wrap import refresh_shims
 
-    for done in refresh_shims(layout):  # an upgrade: each wrapped program's own shim
-        say(f"==> {done}")
+    try:
+        for done in refresh_shims(layout):  # an upgrade: each wrapped program's own shim
+            say(f"==> {done}")
+    except (CudawrapError, OSError) as exc:
+        why = exc.message if isinstance(exc, CudawrapError) else exc.strerror
+        say(f"{PROG}: warning: the wrapped programs' shims were not refreshed ({why}); "
+            "run `cudawrap doctor --repair` once that is fixed")
 
     config = layout.config_file
     if os.path.lexists(config):

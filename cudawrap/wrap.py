@@ -125,7 +125,12 @@ def _remove_own_shim(layout: Layout, link: str) -> None:
 
     shim = layout.program_shim(link)
     if shim_version(shim):
-        os.unlink(shim)
+        try:
+            os.unlink(shim)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # a leftover shim is harmless: nothing leads to it any more
+            log.warning("could not remove the shim %s: %s", shim, exc.strerror)
 
 
 def _why(exc: BaseException) -> str:
