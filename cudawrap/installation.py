@@ -105,12 +105,6 @@ def install_program_shim(layout: Layout, link: str) -> bool:
     return _write_shim(layout.program_shim(link), render_shim(layout, shim_python(layout), link))
 
 
-def is_shim_text(path: Path) -> bool:
-    """Whether the file at PATH is a cudawrap shim of any version (not, say, a new build a
-    deploy copied through a program's link)."""
-    return bool(shim_version(path))
-
-
 def _dir(path: Path, mode: int) -> None:
     path.mkdir(parents=True, exist_ok=True)
     st = os.lstat(path)

@@ -64,7 +64,7 @@ class CreateCudawrap(Command):
     """Wrap CUDA programs: each run then gets its own free GPU or MIG instance.
 
     PROGRAM is renamed to CUDAWRAP_<name> in the same directory and PROGRAM becomes a
-    link to the cudawrap shim; dpkg-owned programs are diverted so upgrades land at the
+    link to its own cudawrap shim; dpkg-owned programs are diverted so upgrades land at the
     new name. The switches set this program's policy (otherwise the config's applies).
     """
 
