@@ -543,3 +543,25 @@ def test_claims_a_user_plants_keep_root_from_no_device(mu) -> None:  # type: ign
     inst.wrap("recon")
     r = inst.run(alice, str(inst.bindir / "recon"))
     assert r.returncode == 0, r.stderr
+
+
+def test_a_users_prefix_install_leaves_the_system_installs_devices_alone(mu) -> None:  # type: ignore[no-untyped-def]
+    """alice's own prefix install, synced by her, honours the claims of root's install while
+    it manages the devices; a device root's install no longer has is hers to lease."""
+    inst = mu("four-gpus")
+    alice = inst.world.alice
+    uuids = sorted(inst.machine.leaf_uuids())
+    (inst.layout.lease_dir / uuids[0]).unlink()  # root's install lost this one: its claim is stale
+    mine = inst.dir / "alice-prefix"
+    mine.mkdir()
+    os.chown(mine, alice.uid, alice.gid)
+    code = (f"import json, sys; sys.path[:0] = {inst.world.path!r}\nfrom cudawrap.claims import claim\n"
+            "c = claim(sys.argv[1], sys.argv[2:]); print(json.dumps([c.mine, c.others, c.warning]))")
+    done = inst.py(alice, code, str(mine), *uuids)
+    assert done.returncode == 0, done.stderr
+    leased, others, warning = json.loads(done.stdout)
+    assert leased == [uuids[0]] and warning is None
+    assert others == {u: str(inst.layout.root) for u in uuids[1:]}
+    # Her sync could not take over root's stale claim file (sticky directory), and took nothing else.
+    claims = inst.machine.claims_dir
+    assert all((claims / u).stat().st_uid == 0 for u in uuids)
