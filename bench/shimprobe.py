@@ -34,7 +34,8 @@ def _shim_settings(link):
             if line.startswith("sys.path[:0] = "):
                 syspath = eval(line.split("=", 1)[1])  # a list literal we generated
             elif line.startswith("main("):
-                root = eval(line[len("main("):line.rindex(")")])
+                # main(ROOT) or main(ROOT, LINK): literals we generated; the root is first
+                root = eval("(" + line[len("main("):line.rindex(")")] + ",)")[0]
     if syspath is None or root is None:
         raise SystemExit(f"shimprobe: {link} does not lead to a cudawrap shim")
     return syspath, root

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from .text import printable
 from .users import user_name
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
@@ -14,6 +15,16 @@ if TYPE_CHECKING:
     from typing import Any
 
 _opened = False
+
+
+def field(value: object) -> str:
+    """VALUE as one token of an audit line: program names and reasons come from users, so
+    control characters are escaped (a newline cannot forge a second line) and a value with
+    spaces or quotes is double-quoted."""
+    text = printable(str(value))
+    if text and not any(c in text for c in ' "\''):
+        return text
+    return '"' + text.replace('"', '\\"') + '"'
 
 
 def log(event: str, priority: str = "info", **fields: Any) -> None:
@@ -28,8 +39,7 @@ def log(event: str, priority: str = "info", **fields: Any) -> None:
         _opened = True
     parts = [event, f"user={user_name(os.getuid())}", f"uid={os.getuid()}"]
     for key, value in fields.items():
-        text = str(value).replace("\n", " ")
-        parts.append(f"{key}={text!r}" if " " in text or not text else f"{key}={text}")
+        parts.append(f"{key}={field(value)}")
     level = syslog.LOG_WARNING if priority == "warning" else (
         syslog.LOG_ERR if priority == "error" else syslog.LOG_INFO)
     syslog.syslog(level, " ".join(parts))

@@ -165,6 +165,23 @@ class Dpkg:
         return found
 
 
+def rpm_package(path: str) -> Optional[str]:
+    """The RPM package that owns PATH, or None (also where there is no rpm).
+
+    rpm has nothing like dpkg-divert: an update of the package writes the new binary over
+    the shim link, which silently unwraps the program, so wrapping refuses such programs.
+    """
+    rpm = shutil.which("rpm")
+    if rpm is None:
+        return None
+    from plumbum import local
+
+    rc, out, _ = local[rpm].with_env(LC_ALL="C.UTF-8").run(
+        ["-qf", "--queryformat", "%{NAME}\\n", "--", path], retcode=None, cwd="/")
+    names = out.split()
+    return names[0] if rc == 0 and names else None
+
+
 def real_name(path: str) -> str:
     """The name the real program of PATH gets: same directory, ``CUDAWRAP_`` prefix."""
     head, tail = os.path.split(path)

@@ -18,11 +18,13 @@ from .devices import Inventory
 from .divert import PACKAGE, Dpkg, real_name
 from .errors import CudawrapError
 from .inspect_wraps import (
-    BINARY_CHANGED, INTERRUPTED, LINK_MISSING, NOT_A_LINK, OK, REAL_MISSING, SHIM_REPLACED, inspect_all,
-    is_shim_link, same_file, symlink_chain,
+    BINARY_CHANGED, INTERRUPTED, LINK_MISSING, LINK_SHIM, NOT_A_LINK, OK, REAL_MISSING, SHIM_OVERWRITTEN,
+    SHIM_REPLACED, inspect_all, is_shim_link, own_shim_state, same_file, symlink_chain,
 )
 from .paths import REAL_PREFIX, Layout
 from .registry import Registry
+from .safepath import unsafe_reason
+from .text import printable
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,9 @@ class Finding:
     message: str
 
     def line(self) -> str:
-        return f"{self.level}: {self.subject}: {self.message}"
+        """One line for the admin's terminal: names found on disk are chosen by users, so
+        control characters are escaped (a planted name cannot fake or hide a finding)."""
+        return printable(f"{self.level}: {self.subject}: {self.message}")
 
 
 def healthy(findings: Iterable[Finding]) -> bool:
@@ -166,7 +170,14 @@ class _Doctor:
         self.add(LEVEL_OK, "runtime", os.fspath(lease_dir))
         if devices is None:
             return
+        from .claims import elsewhere
+
         present = devices.uuids()
+        others = elsewhere(str(self.layout.root), present)
+        if others:
+            self.add(LEVEL_NOTE, "leases", f"{len(others)} device(s) managed by another cudawrap install: "
+                     + ", ".join(f"{u} by {root}" for u, root in sorted(others.items())))
+        present = [u for u in present if u not in others]
         missing_uuids = [u for u in present if not (lease_dir / u).is_file()]
         if missing_uuids:
             self.problem("leases", f"no lease file for {len(missing_uuids)} device(s): {', '.join(missing_uuids)} "
@@ -200,8 +211,13 @@ class _Doctor:
         layout, dpkg = self.layout, self.dpkg
         for status in inspect_all(layout, reg):
             entry, state, link = status.entry, status.state, status.entry.link
-            if state == OK:
-                self._check_diversion(entry)
+            why = wrap.unsafe_dir(entry)
+            if why is not None:  # never repaired: its owner could redirect whatever root does there
+                self.add(LEVEL_ERROR, link, f"{why}: cudawrap no longer acts there; 'cudawrap unwrap --force "
+                                            f"{link}' drops its entry and leaves the files to their owner")
+            elif state == OK:
+                if self._check_own_shim(entry):
+                    self._check_diversion(entry)
             elif state == BINARY_CHANGED:
                 # Expected after a package upgrade through the diversion: not broken.
                 self.problem(link, status.detail, partial(wrap.accept, layout, entry), LEVEL_WARNING)
@@ -209,15 +225,34 @@ class _Doctor:
                 self.problem(link, status.detail, partial(wrap.finish, layout, entry, dpkg))
             elif state == SHIM_REPLACED:
                 self.problem(link, status.detail, partial(wrap.rewrap, layout, entry, dpkg))
+            elif state == SHIM_OVERWRITTEN:
+                self.problem(link, status.detail, partial(wrap.adopt_build, layout, entry))
             elif state == REAL_MISSING or (state == NOT_A_LINK and not status.real_present):
                 self.problem(link, status.detail + ("" if state == REAL_MISSING else
                                                     f", and {entry.real} is gone"),
                              partial(wrap.forget, layout, entry, dpkg))
-            elif state == NOT_A_LINK and status.link == LINK_MISSING:
+            elif state == NOT_A_LINK and status.link in (LINK_MISSING, LINK_SHIM):
                 self.problem(link, status.detail, partial(wrap.relink, layout, entry))
             else:
                 self.add(LEVEL_ERROR, link, f"{status.detail}; decide by hand: 'cudawrap unwrap --force {link}' "
                                             "keeps both it and the wrapped program")
+
+    def _check_own_shim(self, entry: registry.Entry) -> bool:
+        """Whether ENTRY's link leads to its own, current shim (else a finding is added)."""
+        from .installation import shim_version
+
+        link, own = entry.link, self.layout.program_shim(entry.link)
+        if own_shim_state(self.layout, link) == "shared":
+            self.problem(link, "leads to the shim that every wrapped program shared before each got its own: a `cp` "
+                               "through any one link would replace them all",
+                         partial(wrap.own_shim, self.layout, entry), LEVEL_WARNING)
+            return False
+        found = shim_version(own)
+        if found != __version__:
+            self.problem(link, f"its shim {own} is version {found}, not {__version__}",
+                         partial(wrap.own_shim, self.layout, entry))
+            return False
+        return True
 
     def _check_diversion(self, entry: registry.Entry) -> None:
         link = entry.link
@@ -262,6 +297,8 @@ class _Doctor:
             diversions = []
         known = {e.link for e in reg}
         for directory in self._directories(reg, [p for p, _ in diversions]):
+            if unsafe_reason(directory) is not None:
+                continue  # a user's directory: what is there is theirs, never adopted or moved
             try:
                 names = sorted(os.listdir(directory))
             except OSError:

@@ -21,7 +21,8 @@ SHIM_REPLACED = "shim-replaced"  # the name is a regular file again (an upgrade 
 BINARY_CHANGED = "binary-changed"  # the real program differs from when it was wrapped
 NOT_A_LINK = "not-a-cudawrap-link"  # the name is missing or leads somewhere other than the shim
 INTERRUPTED = "interrupted"  # a create or unwrap stopped half-way; doctor --repair finishes it
-STATES = (OK, REAL_MISSING, SHIM_REPLACED, BINARY_CHANGED, NOT_A_LINK, INTERRUPTED)
+SHIM_OVERWRITTEN = "shim-overwritten"  # a file was copied through the link into the program's own shim
+STATES = (OK, REAL_MISSING, SHIM_REPLACED, BINARY_CHANGED, NOT_A_LINK, INTERRUPTED, SHIM_OVERWRITTEN)
 
 # What stands at a wrap's link path.
 LINK_SHIM = "shim"  # a symlink that leads to the shim
@@ -64,10 +65,22 @@ def facts_of(path: str) -> Facts:
 
 
 def is_shim_link(layout: Layout, path: str) -> bool:
-    """Whether PATH is a symlink that leads (possibly through others) to LAYOUT's shim."""
-    if not os.path.islink(path):
-        return False
-    return os.path.realpath(path) == os.path.realpath(layout.shim)
+    """Whether PATH is a symlink that leads (possibly through others) to a shim of LAYOUT."""
+    return os.path.islink(path) and layout.is_shim_path(path)
+
+
+def own_shim_state(layout: Layout, link: str) -> str:
+    """How the shim LINK leads to stands: "own" (its own shim, intact), "shared" (the
+    prototype: wrapped by a version before per-program shims), "missing", or "overwritten"
+    (its own shim file holds something else: a build copied through the link)."""
+    from .installation import shim_version
+
+    own = layout.program_shim(link)
+    if os.path.realpath(link) != os.path.realpath(own):
+        return "shared"
+    if not os.path.lexists(own):
+        return "missing"
+    return "own" if shim_version(own) else "overwritten"
 
 
 def canonical(path: str) -> str:
@@ -189,9 +202,17 @@ def inspect_entry(layout: Layout, entry: Entry) -> WrapStatus:
         return status(SHIM_REPLACED, _describe_link(entry, kind))
     if kind != LINK_SHIM:
         return status(NOT_A_LINK, _describe_link(entry, kind))
+    shim = own_shim_state(layout, entry.link)
+    if shim == "overwritten":
+        return status(SHIM_OVERWRITTEN, f"the shim of {entry.link} ({layout.program_shim(entry.link)}) was "
+                                        "overwritten by another file: a deploy copied a new build through the "
+                                        "link? It now runs without a lease")
+    if shim == "missing":
+        return status(NOT_A_LINK, f"{entry.link} leads to its shim {layout.program_shim(entry.link)}, "
+                                  "which is missing")
     if not real_present:
         return status(REAL_MISSING, f"the real program {entry.real} is gone (its package removed?)")
-    if os.path.realpath(entry.real) == os.path.realpath(layout.shim):
+    if layout.is_shim_path(entry.real):
         # Only reachable by hand: cudawrap refuses to wrap the target of a wrapped symlink.
         return status(REAL_MISSING, f"{entry.real} leads back to the cudawrap shim (the program it "
                                     "pointed to was wrapped as well), so it cannot run")

@@ -19,10 +19,15 @@ SHIM_STAMP = "# cudawrap shim, version "
 
 
 def _template() -> str:
-    # shims/ ships as the package cudawrap.shims (see pyproject.toml), installed or editable.
-    from . import shims
-
-    return (Path(shims.__file__).parent / SHIM_TEMPLATE).read_text(encoding="utf-8")
+    # shims/ ships as the package cudawrap.shims (see pyproject.toml), installed or editable;
+    # run straight from a source checkout (PYTHONPATH), it is shims/ beside the package.
+    try:
+        from . import shims
+    except ImportError:
+        where = Path(__file__).resolve().parent.parent / "shims"
+    else:
+        where = Path(shims.__file__).parent
+    return (where / SHIM_TEMPLATE).read_text(encoding="utf-8")
 
 
 def _import_dirs() -> List[str]:
@@ -36,10 +41,12 @@ def _import_dirs() -> List[str]:
     return dirs
 
 
-def render_shim(layout: Layout, python: str = sys.executable) -> str:
+def render_shim(layout: Layout, python: str = sys.executable, link: Optional[str] = None) -> str:
+    """The shim prototype, or with LINK the own shim of the program wrapped there."""
     text = _template()
     for key, value in (("@PYTHON@", python), ("@VERSION@", __version__),
-                       ("@SYSPATH@", repr(_import_dirs())), ("@ROOT@", repr(str(layout.root)))):
+                       ("@SYSPATH@", repr(_import_dirs())), ("@ROOT@", repr(str(layout.root))),
+                       ("@LINK@", repr(link))):
         text = text.replace(key, value)
     return text
 
@@ -57,20 +64,45 @@ def shim_version(path: Path) -> str:
     return ""
 
 
-def install_shim(layout: Layout, python: str = sys.executable) -> bool:
-    """Write the shim atomically if it differs; True if it changed."""
-    text = render_shim(layout, python)
-    layout.shim.parent.mkdir(parents=True, exist_ok=True)
+def _write_shim(path: Path, text: str) -> bool:
+    """Write a shim atomically if it differs; True if it changed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        if layout.shim.read_text(encoding="utf-8") == text:
+        if path.read_text(encoding="utf-8") == text:
             return False
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         pass
-    tmp = layout.shim.with_name(f".{layout.shim.name}.{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, layout.shim)  # a running launch keeps the old file; a new one gets the new
+    tmp = path.with_name(f".new.{os.getpid()}.{path.name[-16:]}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)  # a running launch keeps the old file; a new one gets the new
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return True
+
+
+def install_shim(layout: Layout, python: str = sys.executable) -> bool:
+    """Write the shim prototype if it differs; True if it changed."""
+    return _write_shim(layout.shim, render_shim(layout, python))
+
+
+def shim_python(layout: Layout) -> str:
+    """The interpreter install.sh baked into the prototype (this one if there is none)."""
+    try:
+        with open(layout.shim, "rb") as f:
+            first = f.readline(4096).decode("utf-8", "surrogateescape")
+    except OSError:
+        return sys.executable
+    words = first[2:].split() if first.startswith("#!") and shim_version(layout.shim) else []
+    return words[0] if words else sys.executable
+
+
+def install_program_shim(layout: Layout, link: str) -> bool:
+    """Write the own shim of the program wrapped at LINK (its interpreter: the prototype's)."""
+    layout.shim_dir.mkdir(parents=True, exist_ok=True)
+    return _write_shim(layout.program_shim(link), render_shim(layout, shim_python(layout), link))
 
 
 def _dir(path: Path, mode: int) -> None:
@@ -99,6 +131,7 @@ def prepare(layout: Layout, python: str = sys.executable) -> None:
     _dir(layout.state_dir, 0o755)
     prepare_runtime(layout)
     install_shim(layout, python)
+    _dir(layout.shim_dir, 0o755)
 
 
 # --- install.sh's second half -----------------------------------------------------------
@@ -374,7 +407,7 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
 
     (layout.venv_dir / ROOT_MARKER).write_text(f"{layout.root}\n", encoding="utf-8")
     trees = (layout.state_dir, layout.runtime_dir)
-    for target in (layout.etc_dir, layout.state_dir, layout.runtime_dir, layout.shim.parent):
+    for target in (layout.etc_dir, layout.state_dir, layout.runtime_dir, layout.shim.parent, layout.shim_dir):
         for path in missing_dirs(target):
             manifest.add(TREE if path in trees else DIR, path)
     shim_existed = layout.shim.exists()
@@ -382,6 +415,16 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
     if not shim_existed:
         manifest.add(FILE, layout.shim)
     say(f"==> shim {layout.shim} (interpreter {python}, version {shim_version(layout.shim)})")
+    from .errors import CudawrapError
+    from .wrap import refresh_shims
+
+    try:
+        for done in refresh_shims(layout):  # an upgrade: each wrapped program's own shim
+            say(f"==> {done}")
+    except (CudawrapError, OSError) as exc:
+        why = exc.message if isinstance(exc, CudawrapError) else exc.strerror
+        say(f"{PROG}: warning: the wrapped programs' shims were not refreshed ({why}); "
+            "run `cudawrap doctor --repair` once that is fixed")
 
     config = layout.config_file
     if os.path.lexists(config):

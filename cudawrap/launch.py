@@ -81,8 +81,16 @@ def find_link(invoked: str, shim: str) -> str:
     return chain[-1]
 
 
-def real_program(link: str, shim: str) -> str:
-    """CUDAWRAP_<name> beside LINK; refuses anything that would lead back to the shim."""
+def _is_shim(path: str, root: str) -> bool:
+    """Whether PATH resolves to a shim of the install at ROOT (the prototype or a program's own)."""
+    target = os.path.realpath(path)
+    return (target == os.path.realpath(loc.under(root, loc.SHIM))
+            or os.path.dirname(target) == os.path.realpath(loc.under(root, loc.SHIM_DIR)))
+
+
+def real_program(link: str, shim: str, root: str = "") -> str:
+    """CUDAWRAP_<name> beside LINK; refuses anything that would lead back to a shim: SHIM
+    (the file running now) or, given the install ROOT, any shim of that install."""
     directory, name = os.path.split(link)
     real = os.path.join(directory, loc.REAL_PREFIX + name)
     try:
@@ -90,13 +98,15 @@ def real_program(link: str, shim: str) -> str:
     except OSError:
         raise ProgramNotFound(f"the real program {real} is missing",
                               hint="ask an admin to run `cudawrap doctor`") from None
+    looped = False  # a hard link of the shim would not show in its path
     try:
         shim_st = os.stat(shim)
-        if (st.st_dev, st.st_ino) == (shim_st.st_dev, shim_st.st_ino):
-            raise ProgramNotFound(f"{real} leads back to the shim itself",
-                                  hint="ask an admin to run `cudawrap doctor --repair`")
-    except FileNotFoundError:
+        looped = (st.st_dev, st.st_ino) == (shim_st.st_dev, shim_st.st_ino)
+    except OSError:
         pass
+    if looped or (root and _is_shim(real, root)):
+        raise ProgramNotFound(f"{real} leads back to the shim itself",
+                              hint="ask an admin to run `cudawrap doctor --repair`")
     return real
 
 
@@ -325,41 +335,51 @@ def exec_program(path: str, argv: Sequence[str], env: Dict[bytes, bytes], grant:
         raise CannotExecute(f"{path}: cannot execute: {exc.strerror}") from None
 
 
-def run_shim(root: str, argv: List[str]) -> NoReturn:
+def run_shim(root: str, argv: List[str], link: Optional[str] = None) -> NoReturn:
+    """Run the program wrapped at LINK (baked into its own shim); without LINK (the shared
+    shim that links made before per-program shims lead to), find it from how we were invoked."""
     from .policy import effective
 
     if not argv or not argv[0]:
         raise UsageError("started without a program name")
     invoked = argv[0]
-    shim = loc.under(root, loc.SHIM)
-    link = find_link(invoked, shim)
+    if link is None:
+        shim = loc.under(root, loc.SHIM)
+        link = find_link(invoked, shim)
+    else:
+        shim = os.path.realpath(invoked)  # the script the kernel ran: this program's own shim
     prog = os.path.basename(link)
-    real = real_program(link, shim)
+    real = real_program(link, shim, root)
     settings = effective(root, os.path.abspath(link))
     grant = obtain(root, prog, settings, os.environ)
     if os.environ.get("CUDAWRAP_VERBOSE"):
         say(prog, f"{CVD}={grant.visible if grant.visible is not None else '(unchanged)'} -> {real}")
     if not os.path.lexists(real):
-        real = _unwrapped_meanwhile(link, shim) or real
+        real = _unwrapped_meanwhile(link, shim, root) or real
     exec_program(real, [invoked] + argv[1:], grant.apply(original_environ()), grant)
 
 
-def _unwrapped_meanwhile(link: str, shim: str) -> Optional[str]:
+def _unwrapped_meanwhile(link: str, shim: str, root: str) -> Optional[str]:
     """LINK itself if an unwrap put the real program back there while we were starting or waiting."""
     try:
-        if os.path.exists(link) and not os.path.samefile(link, shim):
-            return link
+        st = os.stat(link)
     except OSError:
-        pass
-    return None
+        return None
+    try:
+        shim_st = os.stat(shim)
+        if (st.st_dev, st.st_ino) == (shim_st.st_dev, shim_st.st_ino):
+            return None
+    except OSError:
+        pass  # the unwrap removed the program's own shim
+    return None if _is_shim(link, root) else link
 
 
-def main(root: str) -> NoReturn:
+def main(root: str, link: Optional[str] = None) -> NoReturn:
     """The shim's entry point: errors become one line and the documented exit code."""
     argv = sys.argv
-    prog = os.path.basename(argv[0]) if argv and argv[0] else "cudawrap"
+    prog = os.path.basename(link or (argv[0] if argv and argv[0] else "cudawrap"))
     try:
-        run_shim(root, argv)
+        run_shim(root, argv, link)
     except CudawrapError as exc:
         say(prog, exc.message)
         if exc.hint:

@@ -316,37 +316,41 @@ def sync_lease_files(lease_dir: str, present: Iterable[str], keep: Iterable[str]
 
     Root runs this (install, boot, `cudawrap sync`). KEEP lists devices whose GPU is lost
     or failing: their files stay, so a job still holding one keeps excluding others.
-    Returns (created, removed).
+    Every file is made, opened and removed relative to the directory, itself opened with
+    O_NOFOLLOW. Returns (created, removed).
     """
     os.makedirs(lease_dir, mode=0o755, exist_ok=True)
-    os.chmod(lease_dir, 0o755)
-    present = set(present)
-    keep = set(keep) | present
-    created: List[str] = []
-    removed: List[str] = []
-    for uuid in sorted(present):
-        path = lease_dir + "/" + uuid
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except FileExistsError:
-            continue
-        os.fchmod(fd, 0o644)  # the umask must not make leases unreadable for users
-        os.close(fd)
-        created.append(uuid)
-    for name in sorted(os.listdir(lease_dir)):
-        if name in keep or not (name.startswith("GPU-") or name.startswith("MIG-")):
-            continue
-        path = lease_dir + "/" + name
-        try:
-            fd = os.open(path, _OPEN_FLAGS)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)  # still held by a running job: remove it on a later sync
-            continue
-        os.unlink(path)  # while holding the lock, so nobody can win it on the dead inode
-        os.close(fd)
-        removed.append(name)
-    return created, removed
+    dfd = os.open(lease_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(dfd, 0o755)
+        present = set(present)
+        keep = set(keep) | present
+        created: List[str] = []
+        removed: List[str] = []
+        for uuid in sorted(present):
+            try:
+                fd = os.open(uuid, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                             dir_fd=dfd)
+            except FileExistsError:
+                continue
+            os.fchmod(fd, 0o644)  # the umask must not make leases unreadable for users
+            os.close(fd)
+            created.append(uuid)
+        for name in sorted(os.listdir(dfd)):
+            if name in keep or not (name.startswith("GPU-") or name.startswith("MIG-")):
+                continue
+            try:
+                fd = os.open(name, _OPEN_FLAGS, dir_fd=dfd)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)  # still held by a running job: remove it on a later sync
+                continue
+            os.unlink(name, dir_fd=dfd)  # while holding the lock, so nobody can win it on the dead inode
+            os.close(fd)
+            removed.append(name)
+        return created, removed
+    finally:
+        os.close(dfd)

@@ -20,7 +20,16 @@ QUEUE_LOCK = RUNTIME_DIR + "/queue.lock"
 LAUNCH_CACHE = RUNTIME_DIR + "/launch.cache"
 USAGE_SNAPSHOT = RUNTIME_DIR + "/usage.snapshot"
 LIB_DIR = "opt/cudawrap"
+# The shim prototype: install.sh bakes the interpreter into it, and links made by cudawrap
+# before each program had its own shim still lead to it.
 SHIM = LIB_DIR + "/bin/cudawrap-shim"
+# One shim file per wrapped program (as pyenv gives each name its own): a deploy that copies
+# a new build through one program's link overwrites that program's shim and no other.
+SHIM_DIR = LIB_DIR + "/shims"
+
+
+# Machine-wide, not below an install root: which install manages each device (claims.py).
+CLAIMS_DIR = "/run/cudawrap-devices"
 
 
 def under(root: str, rel: str) -> str:

@@ -5,6 +5,7 @@ DIR, so the same code paths run inside a temporary directory without root.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from . import locations as loc
 # entry points know where they were installed without any environment variable.
 ROOT_MARKER = "cudawrap-root"
 REAL_PREFIX = loc.REAL_PREFIX
+# Room for a temporary name's prefix and the digest within NAME_MAX (255 bytes).
+SHIM_NAME_BYTES = 200
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,23 @@ class Layout:
     @property
     def shim(self) -> Path:
         return self.root / loc.SHIM
+
+    @property
+    def shim_dir(self) -> Path:
+        return self.root / loc.SHIM_DIR
+
+    def program_shim(self, link: str) -> Path:
+        """The shim file of the program wrapped at LINK: its name, cut short, and a digest of
+        the whole path (two programs may share a name in different directories)."""
+        digest = hashlib.sha256(os.fsencode(link)).hexdigest()[:16]
+        name = os.fsencode(os.path.basename(link))[:SHIM_NAME_BYTES].decode("utf-8", "surrogateescape")
+        return self.shim_dir / f"{name}.{digest}"
+
+    def is_shim_path(self, path: str) -> bool:
+        """Whether PATH resolves to a shim of this install: the prototype, or any program's own."""
+        real = os.path.realpath(path)
+        return (real == os.path.realpath(self.shim)
+                or os.path.dirname(real) == os.path.realpath(self.shim_dir))
 
     @property
     def bin_dir(self) -> Path:

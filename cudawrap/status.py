@@ -39,7 +39,9 @@ def parse_watch(seconds: Any, count: Optional[str]) -> Tuple[float, Optional[int
 def printable(text: str, limit: int = 200) -> str:
     """TEXT cut to LIMIT with control characters replaced: command lines and queue entries are
     written by users, and must not send escape sequences to an admin's terminal."""
-    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+    from .text import printable as escape
+
+    return escape(text, limit)
 
 
 def _boot_time() -> float:

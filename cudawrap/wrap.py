@@ -38,15 +38,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 from . import __version__, audit, registry
-from .divert import PACKAGE, Dpkg, real_name
+from .divert import PACKAGE, Dpkg, real_name, rpm_package
 from .errors import CudawrapError, NotPermitted, StateError, UsageError
 from .inspect_wraps import (
     INTERRUPTED, LINK_FILE, LINK_MISSING, LINK_SAME, LINK_SHIM, LINK_SYMLINK,
-    OK, WrapStatus, canonical, facts_of, inspect_entry, is_original, is_shim_link, link_kind, same_file,
+    OK, WrapStatus, canonical, facts_of, inspect_entry, is_original, is_shim_link, link_kind, own_shim_state,
+    same_file,
     stamp_of, symlink_chain,
 )
 from .paths import REAL_PREFIX, Layout
 from .registry import UNWRAPPING, WRAPPED, WRAPPING, Entry, Registry
+from .safepath import trusted_uids, unsafe_reason
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +111,26 @@ def _replace_with_link(source: str, dest: str) -> None:
 
 
 def _replace_with_shim_link(layout: Layout, dest: str) -> None:
-    """Make DEST a symlink to the shim."""
-    _replace(dest, lambda tmp: os.symlink(os.fspath(layout.shim), tmp))
+    """Make DEST a symlink to its own shim (written first)."""
+    from .installation import install_program_shim
+
+    install_program_shim(layout, dest)
+    _replace(dest, lambda tmp: os.symlink(os.fspath(layout.program_shim(dest)), tmp))
+
+
+def _remove_own_shim(layout: Layout, link: str) -> None:
+    """Remove LINK's own shim once nothing leads to it; a file that is no longer a shim (a
+    build copied through the link) is kept."""
+    from .installation import shim_version
+
+    shim = layout.program_shim(link)
+    if shim_version(shim):
+        try:
+            os.unlink(shim)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # a leftover shim is harmless: nothing leads to it any more
+            log.warning("could not remove the shim %s: %s", shim, exc.strerror)
 
 
 def _why(exc: BaseException) -> str:
@@ -160,6 +180,7 @@ class Candidate:
     symlink: Optional[str]  # the link text, when the name is a symlink to the program
     package: Optional[str]  # the dpkg package shipping it
     diversion: Optional[str]  # the name to divert (as dpkg knows it), when a package ships it
+    rpm: Optional[str] = None  # the RPM package owning it, when wrapped with --force anyway
 
 
 @dataclass(frozen=True)
@@ -172,10 +193,12 @@ class Failure:
 class WrapOutcome:
     wrapped: Tuple[Entry, ...]
     failed: Tuple[Failure, ...]
+    warnings: Tuple[str, ...] = ()
 
 
-def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg) -> Candidate:
-    """Check that PATH can be wrapped; raise a CudawrapError naming it if not."""
+def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg, force: bool = False) -> Candidate:
+    """Check that PATH can be wrapped; raise a CudawrapError naming it if not. FORCE wraps a
+    program an RPM package owns (which an update of the package silently unwraps)."""
     if not path:
         raise UsageError("an empty path cannot be wrapped")
     if "\n" in path:
@@ -191,6 +214,11 @@ def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg) -> Candidat
         raise StateError(f"{link}: no such file; give the path of an installed program") from None
     except OSError as exc:
         raise StateError(f"{link}: cannot examine it: {exc.strerror}") from None
+    why = unsafe_reason(link, file=True)
+    if why is not None:
+        raise StateError(f"{link}: {why}, so they could swap it for a symlink that root's commands would "
+                         f"follow; put the program where only {_trusted_names()} can write (such as "
+                         "/opt/app/bin) and wrap it there")
     found = reg.find(link)
     if found is not None and found.phase != WRAPPED:
         raise StateError(f"{link}: an earlier create or unwrap of it was interrupted; "
@@ -203,8 +231,8 @@ def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg) -> Candidat
                              "wrapped through it (see 'cudawrap list')")
         raise StateError(f"{link}: already wrapped by cudawrap (see 'cudawrap list'); "
                          f"run 'cudawrap unwrap {link}' first to wrap it anew")
-    if os.path.realpath(link) == os.path.realpath(layout.shim):
-        raise StateError(f"{link}: this is the cudawrap shim itself; wrap a CUDA program instead")
+    if layout.is_shim_path(link):
+        raise StateError(f"{link}: this is a cudawrap shim itself; wrap a CUDA program instead")
     symlink = None
     if stat.S_ISLNK(st.st_mode):
         symlink = os.readlink(link)
@@ -247,7 +275,24 @@ def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg) -> Candidat
         if diverter is not None:
             raise StateError(f"{link}: already diverted by {diverter} (dpkg-divert --list); "
                              "cudawrap cannot divert it a second time")
-    return Candidate(link, real, symlink, package, diversion)
+    rpm = rpm_package(link) if owner is None else None
+    if rpm is not None and not force:
+        raise StateError(f"{link}: belongs to the RPM package {rpm}, and rpm cannot divert files: an update "
+                         f"of {rpm} would silently unwrap it; wrap a copy outside the package's files, or "
+                         "give --force and wrap it again after every update")
+    return Candidate(link, real, symlink, package, diversion, rpm)
+
+
+def _trusted_names() -> str:
+    from .users import user_name
+
+    return " or ".join(sorted(user_name(u) for u in trusted_uids()))
+
+
+def unsafe_dir(entry: Entry) -> Optional[str]:
+    """Why ENTRY's directory is no longer safe for root to act in (made before wrapping
+    refused such places, or handed to a user since), or None."""
+    return unsafe_reason(os.path.dirname(entry.link))
 
 
 def wrap_one(layout: Layout, cand: Candidate, policy: Mapping[str, Any], dpkg: Dpkg, user: str) -> Entry:
@@ -282,6 +327,7 @@ def wrap_one(layout: Layout, cand: Candidate, policy: Mapping[str, Any], dpkg: D
         if cand.diversion is not None:
             dpkg.add(cand.diversion)
             undo.append(lambda: dpkg.remove(cand.diversion, rename=False))  # type: ignore[arg-type]
+        undo.append(lambda: _remove_own_shim(layout, cand.link))
         _replace_with_shim_link(layout, cand.link)
     except BaseException as exc:
         try:
@@ -316,6 +362,7 @@ def wrap_programs(
     *,
     dpkg: Optional[Dpkg] = None,
     user: Optional[str] = None,
+    force: bool = False,
 ) -> WrapOutcome:
     """Wrap each of PATHS with POLICY (raw, already validated).
 
@@ -334,7 +381,7 @@ def wrap_programs(
         seen = set()
         for path in paths:
             try:
-                cand = check_wrap(layout, path, reg, dpkg)
+                cand = check_wrap(layout, path, reg, dpkg, force)
                 if cand.link in seen:
                     raise UsageError(f"{cand.link}: given twice")
                 seen.add(cand.link)
@@ -368,7 +415,11 @@ def wrap_programs(
                 failed.append(Failure(cand.link, exc))
         if wrapped:
             refresh_launch_cache(layout)
-    return WrapOutcome(tuple(wrapped), tuple(failed))
+    warnings = tuple(
+        f"warning: {c.link} belongs to the RPM package {c.rpm}: an update of {c.rpm} silently unwraps it; "
+        f"run 'create-cudawrap --force {c.link}' again after every update"
+        for c in good if c.rpm is not None and any(e.link == c.link for e in wrapped))
+    return WrapOutcome(tuple(wrapped), tuple(failed), warnings)
 
 
 # --- unwrap ------------------------------------------------------------------------
@@ -412,6 +463,13 @@ def _force_effect(status: WrapStatus) -> str:
 def check_unwrap(layout: Layout, entry: Entry, force: bool) -> WrapStatus:
     """Raise StateError unless ENTRY can be unwrapped (with FORCE: unless it can at all)."""
     status = inspect_entry(layout, entry)
+    why = unsafe_dir(entry)
+    if why is not None:
+        if force:
+            return status
+        raise StateError(f"{entry.link}: {why}; nothing was changed: cudawrap no longer acts there; "
+                         "'cudawrap unwrap --force' drops its entry and shim and leaves the files there "
+                         "to their owner")
     if status.state == OK or force:
         return status
     if status.state == INTERRUPTED:
@@ -434,6 +492,8 @@ def unwrap_one(layout: Layout, entry: Entry, dpkg: Dpkg) -> Unwrapped:
     """Put ENTRY's real program back under its name; the caller holds the lock and has
     called :func:`check_unwrap`. Never deletes a real program: when the name now holds
     something else, both are kept and the message says where."""
+    if unsafe_dir(entry) is not None:
+        return _let_go(layout, entry, dpkg)
     original = entry
     entry = entry.replace(phase=UNWRAPPING)
     try:
@@ -473,6 +533,8 @@ def unwrap_one(layout: Layout, entry: Entry, dpkg: Dpkg) -> Unwrapped:
                 message = f"unwrapped {link}: dropped the entry; there was no real program to restore"
             _drop_diversion(entry, dpkg, rename=False)
         _fsync_dir(os.path.dirname(link))
+        if link_kind(layout, entry) != LINK_SHIM:
+            _remove_own_shim(layout, link)
     except (OSError, CudawrapError) as exc:
         if not started and original.phase == WRAPPED:
             try:
@@ -491,6 +553,18 @@ def unwrap_one(layout: Layout, entry: Entry, dpkg: Dpkg) -> Unwrapped:
     log.info("unwrapped %s (%s)", link, message)
     audit.log("unwrap", program=link, by=invoking_user(), result=message)
     return Unwrapped(link, message, saved)
+
+
+def _let_go(layout: Layout, entry: Entry, dpkg: Dpkg) -> Unwrapped:
+    """Forget ENTRY without touching its directory, which another user controls (unwrap --force)."""
+    _remove_own_shim(layout, entry.link)
+    _drop_diversion(entry, dpkg, rename=False)
+    registry.update(layout, lambda reg: reg.drop(entry.link))
+    message = (f"unwrapped {entry.link}: dropped its entry and shim; {os.path.dirname(entry.link)} is not "
+               f"root's, so its files were left as they are ({entry.real} is the real program)")
+    log.info("%s", message)
+    audit.log("unwrap", program=entry.link, by=invoking_user(), result=message)
+    return Unwrapped(entry.link, message)
 
 
 def unwrap_programs(
@@ -582,29 +656,93 @@ def finish(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
                          f"{inspect_entry(layout, entry.replace(phase=WRAPPED)).detail}; "
                          f"'cudawrap unwrap --force {link}' gives up the wrap")
     entry, _ = _ensure_diversion(entry, dpkg)
-    if kind != LINK_SHIM:
+    if kind != LINK_SHIM or own_shim_state(layout, link) != "own":
         _replace_with_shim_link(layout, link)
     _record(layout, entry, phase=WRAPPED)
     log.info("finished the interrupted wrap of %s", link)
     return f"finished the interrupted wrap of {link}"
 
 
+def _keep_old_real(entry: Entry) -> str:
+    """A second name for ENTRY's real program before a new build replaces it; returns it."""
+    saved = saved_name(entry.link)
+    os.link(entry.real, saved, follow_symlinks=False)  # fails rather than overwrite
+    return saved
+
+
 def rewrap(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
-    """The name holds a new binary (an upgrade replaced the shim link): make the new binary
-    the real program, replacing the old one, and put the shim link back."""
+    """The name holds a new binary (an upgrade or `install` replaced the shim link): make the
+    new binary the real program, keep the old one beside it, and put the shim link back."""
     link, real = entry.link, entry.real
     old = entry.sha256
-    _replace_with_link(link, real)  # the new binary is now also CUDAWRAP_x; the old one is gone
+    saved = _keep_old_real(entry) if os.path.lexists(real) else None
+    _replace_with_link(link, real)  # the new binary is now also CUDAWRAP_x
     entry, _ = _ensure_diversion(entry, dpkg)
     _replace_with_shim_link(layout, link)
     entry = _record(layout, entry)
-    log.info("re-wrapped %s: new binary %s replaced %s", link, entry.sha256, old)
+    log.info("re-wrapped %s: new binary %s replaced %s (kept as %s)", link, entry.sha256, old, saved)
+    audit.log("rewrap", program=link, sha256=entry.sha256, previous=old, kept=saved or "none")
+    kept = f"; the previous real program (sha256 {old[:12]}...) was kept as {saved}" if saved else ""
     return (f"re-wrapped {link}: the new binary there became {real}, replacing the one wrapped "
-            f"on {entry.wrapped_at} (sha256 {old[:12]}...)")
+            f"on {entry.wrapped_at}{kept}")
+
+
+def adopt_build(layout: Layout, entry: Entry) -> str:
+    """A deploy copied a new build through ENTRY's link into its own shim: make that build the
+    real program (the old one kept beside it) and write the shim anew."""
+    link, real = entry.link, entry.real
+    shim = os.fspath(layout.program_shim(link))
+    old = entry.sha256
+    saved = _keep_old_real(entry) if os.path.lexists(real) else None
+
+    def copy(tmp: str) -> None:
+        import shutil
+
+        # A copy, not a link: the shim directory may be on another file system.
+        shutil.copyfile(shim, tmp, follow_symlinks=False)
+        shutil.copymode(shim, tmp)
+
+    _replace(real, copy)
+    from .installation import install_program_shim
+
+    install_program_shim(layout, link)
+    entry = _record(layout, entry)
+    log.info("adopted the build copied through %s as %s (kept the old one as %s)", link, real, saved)
+    audit.log("adopt-build", program=link, sha256=entry.sha256, previous=old, kept=saved or "none")
+    kept = f"; the previous real program (sha256 {old[:12]}...) was kept as {saved}" if saved else ""
+    return f"made the new build {real} and restored the shim{kept}"
+
+
+def own_shim(layout: Layout, entry: Entry) -> str:
+    """Give ENTRY its own shim (it leads to the shared one, or its own is stale or missing)."""
+    _replace_with_shim_link(layout, entry.link)
+    log.info("gave %s its own shim %s", entry.link, layout.program_shim(entry.link))
+    return f"wrote its own shim {layout.program_shim(entry.link)} and pointed {entry.link} at it"
+
+
+def refresh_shims(layout: Layout) -> List[str]:
+    """After an upgrade: rewrite every wrapped program's own shim and give programs wrapped
+    by older versions (a link to the shared shim) their own. A shim a deploy overwrote is
+    left for `cudawrap doctor --repair`, which adopts the build. Returns what was done."""
+    from .installation import install_program_shim, shim_version
+
+    done: List[str] = []
+    if not layout.registry_file.exists():
+        return done
+    with registry.lock(layout):
+        for entry in registry.load(layout):
+            if entry.phase != WRAPPED or link_kind(layout, entry) != LINK_SHIM:
+                continue
+            own = layout.program_shim(entry.link)
+            if os.path.realpath(entry.link) != os.path.realpath(own):
+                done.append(own_shim(layout, entry))
+            elif shim_version(own) and install_program_shim(layout, entry.link):
+                done.append(f"refreshed the shim of {entry.link}")
+    return done
 
 
 def relink(layout: Layout, entry: Entry) -> str:
-    """Recreate a missing shim link."""
+    """Recreate a missing shim link (or the missing shim it leads to)."""
     _replace_with_shim_link(layout, entry.link)
     log.info("recreated the shim link %s", entry.link)
     return f"recreated the shim link {entry.link}"
@@ -617,6 +755,7 @@ def forget(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
     if link_kind(layout, entry) == LINK_SHIM:
         os.unlink(entry.link)
         removed = " and the shim link"
+    _remove_own_shim(layout, entry.link)
     _drop_diversion(entry, dpkg, rename=False)
     registry.update(layout, lambda reg: reg.drop(entry.link))
     log.info("forgot %s: real program %s is gone", entry.link, entry.real)

@@ -97,7 +97,13 @@ class FakeMachine:
             "LD_LIBRARY_PATH": str(lib_dir),
             "FAKENVML_TOPOLOGY": str(self.topology),
             "FAKENVML_STATE": str(self.state_dir),
+            # Its GPUs are its own, not the host's: the installs on it claim them here.
+            "CUDAWRAP_DEVICE_CLAIMS": str(self.claims_dir),
         }
+
+    @property
+    def claims_dir(self) -> Path:
+        return self.root / "claims"
 
     @property
     def procs_dir(self) -> Path:

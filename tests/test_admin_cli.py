@@ -155,7 +155,7 @@ REFUSED = [
     pytest.param(_not_executable, 65, "not executable", id="not-executable"),
     pytest.param(_already_wrapped, 65, "already wrapped", id="already-wrapped"),
     pytest.param(_real_name, 65, "prefix marks a program cudawrap already renamed", id="cudawrap-prefix"),
-    pytest.param(_the_shim, 65, "the cudawrap shim itself", id="the-shim"),
+    pytest.param(_the_shim, 65, "a cudawrap shim itself", id="the-shim"),
     pytest.param(_real_name_taken, 65, "CUDAWRAP_recon already exists", id="real-name-taken"),
     pytest.param(_broken_symlink, 65, "broken symlink", id="broken-symlink"),
     pytest.param(_symlink_to_dir, 65, "not a regular file (a symlink to /usr)", id="symlink-to-dir"),
@@ -368,7 +368,7 @@ def test_others_may_list_but_not_change(shared_tmp: Path) -> None:
 def test_owner_of_a_prefix_install_may_wrap(shared_tmp: Path) -> None:
     admin = Admin(shared_tmp)
     prog = admin.program("recon")
-    for path in (admin.layout.state_dir, admin.bindir, prog):
+    for path in (admin.layout.state_dir, admin.layout.shim_dir, admin.bindir, prog):
         os.chown(path, NOBODY, NOBODY)
     code, out, err = run_as(NOBODY, NOBODY, ["create-cudawrap", str(prog)], admin.environ())
     assert code == 0, err
@@ -405,3 +405,30 @@ def test_layout_helper_matches_install(tmp_path: Path) -> None:
     layout = Layout(tmp_path / "r")
     install(layout)
     assert os.access(layout.shim, os.X_OK) and layout.state_dir.is_dir()
+
+
+FAKERPM = Path(__file__).resolve().parent / "fakerpm"
+
+
+def test_rpm_owned_programs_are_refused_unless_forced(admin: Admin) -> None:
+    """rpm has no diversions: an update would silently put the unwrapped program back."""
+    prog, other = admin.program("recon"), admin.program("train")
+    db = admin.tmp / "rpm-files"
+    db.write_text(f"{prog} recon-tools\n")
+    env = {"PATH": f"{FAKERPM}:{os.environ['PATH']}", "FAKERPM_DB": str(db)}
+    before = admin.snapshot()
+    refused = admin.create(str(prog), **env)
+    assert refused.returncode == 65
+    assert one_line(refused) == (
+        f"create-cudawrap: {prog}: belongs to the RPM package recon-tools, and rpm cannot divert files: "
+        "an update of recon-tools would silently unwrap it; wrap a copy outside the package's files, or "
+        "give --force and wrap it again after every update")
+    assert admin.snapshot() == before
+    plain = admin.create(str(other), **env)  # a program no package owns wraps as always
+    assert plain.returncode == 0 and plain.stderr == ""
+    forced = admin.create("--force", str(prog), **env)
+    assert forced.returncode == 0, forced.stderr
+    assert one_line(forced) == (
+        f"create-cudawrap: warning: {prog} belongs to the RPM package recon-tools: an update of recon-tools "
+        f"silently unwraps it; run 'create-cudawrap --force {prog}' again after every update")
+    assert os.readlink(prog) == str(admin.layout.program_shim(str(prog)))

@@ -53,7 +53,7 @@ def state(admin: AdminRoot, prog: Path, original: dict) -> str:
         return "unwrapped" if snapshot(admin.bindir) == original else "inconsistent"
     if entry.phase == WRAPPED and inspect_entry(admin.layout, entry).state == OK and not strays:
         real = admin.bindir / f"CUDAWRAP_{prog.name}"
-        if real.stat().st_ino == original[str(prog)][2] and os.readlink(prog) == str(admin.layout.shim):
+        if real.stat().st_ino == original[str(prog)][2] and os.readlink(prog) == str(admin.layout.program_shim(str(prog))):
             return "wrapped"
     return "inconsistent"
 

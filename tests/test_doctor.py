@@ -1,12 +1,16 @@
 """cudawrap doctor: one line per finding, exit 0 only when healthy; --repair fixes what it can."""
 import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import List
 
 import pytest
 
 from adminfix import Admin, make_program, needs_root, run_as, snapshot
+import cudawrap
 from cudawrap import registry
+from cudawrap.installation import shim_version
 from cudawrap.inspect_wraps import facts_of
 from cudawrap.registry import Entry
 
@@ -51,8 +55,11 @@ def test_shim_replaced_by_an_upgrade_is_rewrapped(admin: Admin) -> None:
     (fixed,) = lines(repaired, "fixed")
     assert f"re-wrapped {prog}: the new binary there became {admin.bindir / 'CUDAWRAP_recon'}" in fixed
     assert "replacing the one wrapped" in fixed
-    assert os.readlink(prog) == str(admin.layout.shim)
+    assert os.readlink(prog) == str(admin.layout.program_shim(str(prog)))
     assert (admin.bindir / "CUDAWRAP_recon").read_text() == '#!/bin/sh\necho "recon v2 $*"\n'
+    # The build it replaced is kept, never overwritten silently.
+    assert f"the previous real program (sha256 " in fixed and f"was kept as {prog}.cudawrap-saved" in fixed
+    assert Path(f"{prog}.cudawrap-saved").read_text() == '#!/bin/sh\necho "recon $*"\n'
     assert doctor(admin).returncode == 0
 
 
@@ -63,7 +70,7 @@ def test_missing_link_is_recreated(admin: Admin) -> None:
     assert doctor(admin).returncode == 65
     repaired = doctor(admin, "--repair")
     assert f"recreated the shim link {prog}" in repaired.stdout and repaired.returncode == 0
-    assert os.readlink(prog) == str(admin.layout.shim)
+    assert os.readlink(prog) == str(admin.layout.program_shim(str(prog)))
 
 
 def test_entry_whose_program_is_gone_is_removed_after_saying_so(admin: Admin) -> None:
@@ -133,7 +140,7 @@ def test_interrupted_create_is_finished(admin: Admin, interrupt) -> None:
     assert doctor(admin).returncode == 0
     (e,) = registry.load(admin.layout)
     assert e.phase == "wrapped" and dict(e.policy) == {"gpus": 1}
-    assert os.readlink(prog) == str(admin.layout.shim)
+    assert os.readlink(prog) == str(admin.layout.program_shim(str(prog)))
     assert not (prog.parent / ".cudawrap-tmp-recon").exists()
 
 
@@ -284,3 +291,53 @@ def test_anyone_may_check_only_admins_repair(shared_tmp: Path) -> None:
     assert code in (0, 65) and f"ok: {prog}: wrapped" in out, out + err
     code, out, err = run_as(65534, 65534, ["cudawrap", "doctor", "--repair"], admin.environ())
     assert code == 77 and out == ""
+
+
+def run_plain(path: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDAWRAP_")}
+    return subprocess.run([str(path)], capture_output=True, text=True, env=env, timeout=60).stdout
+
+
+def test_a_build_copied_through_one_link_stays_with_that_program(admin: Admin) -> None:
+    recon, train = admin.program("recon"), admin.program("train")
+    assert admin.create(str(recon), str(train)).returncode == 0
+    build = make_program(admin.tmp / "build", "recon", '#!/bin/sh\necho "recon v2 $*"\n')
+    shutil.copyfile(build, recon)  # what `cp newbuild /opt/app/bin/recon` does: writes through the link
+    assert run_plain(train) == "train \n"  # every other wrapped program is untouched
+    result = doctor(admin)
+    assert result.returncode == 65
+    (error,) = lines(result, "error")
+    own = admin.layout.program_shim(str(recon))
+    assert error == (f"error: {recon}: the shim of {recon} ({own}) was overwritten by another file: a deploy "
+                     "copied a new build through the link? It now runs without a lease")
+    assert admin.cli("list").stdout.count("shim-overwritten") == 1
+    repaired = doctor(admin, "--repair")
+    assert repaired.returncode == 0, repaired.stdout
+    (fixed,) = lines(repaired, "fixed")
+    assert f"made the new build {admin.bindir / 'CUDAWRAP_recon'} and restored the shim" in fixed
+    assert f"was kept as {recon}.cudawrap-saved" in fixed
+    assert (admin.bindir / "CUDAWRAP_recon").read_bytes() == build.read_bytes()
+    assert os.access(admin.bindir / "CUDAWRAP_recon", os.X_OK)
+    assert Path(f"{recon}.cudawrap-saved").read_text() == '#!/bin/sh\necho "recon $*"\n'
+    assert os.readlink(recon) == str(own) and shim_version(own) == cudawrap.__version__
+    assert run_plain(recon) == "recon v2 \n" and run_plain(train) == "train \n"
+    assert doctor(admin).returncode == 0
+
+
+def test_links_to_the_shared_shim_get_their_own(admin: Admin) -> None:
+    """Programs wrapped before each had its own shim lead to the shared one: doctor says what
+    that risks, and --repair moves them over."""
+    prog = admin.program("recon")
+    assert admin.create(str(prog)).returncode == 0
+    prog.unlink()
+    prog.symlink_to(admin.layout.shim)
+    admin.layout.program_shim(str(prog)).unlink()
+    result = doctor(admin)
+    assert result.returncode == 0  # it works: a warning, not an error
+    (warning,) = lines(result, "warning")
+    assert "shared before each got its own" in warning
+    repaired = doctor(admin, "--repair")
+    assert f"wrote its own shim {admin.layout.program_shim(str(prog))}" in repaired.stdout
+    assert os.readlink(prog) == str(admin.layout.program_shim(str(prog)))
+    assert run_plain(prog) == "recon \n"
+    assert lines(doctor(admin), "warning") == []

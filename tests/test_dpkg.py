@@ -99,7 +99,7 @@ def test_upgrade_lands_at_the_real_name_and_unwrap_removes_the_diversion(sandbox
     assert run(sandbox.prog) == "fakeprog v1 \n"
 
     sandbox.dpkg("-i", str(debs["2"]))  # the upgrade writes through the diversion
-    assert os.readlink(sandbox.prog) == str(admin.layout.shim)
+    assert os.readlink(sandbox.prog) == str(admin.layout.program_shim(str(sandbox.prog)))
     assert sandbox.real.read_text() == '#!/bin/sh\necho "fakeprog v2 $*"\n'
     assert run(sandbox.prog) == "fakeprog v2 \n"
     assert '"state": "binary-changed"' in admin.cli("list", "--json").stdout

@@ -141,14 +141,18 @@ def test_prefix_install_wrap_upgrade_uninstall(tmp_path, machine, wheelhouse):
     original, mode = prog.read_bytes(), stat.S_IMODE(prog.stat().st_mode)
     r = run(layout.bin_dir / "create-cudawrap", prog, env=env)
     assert r.returncode == 0, r.stderr
-    assert prog.is_symlink() and prog.resolve() == layout.shim
+    assert prog.is_symlink() and prog.resolve() == layout.program_shim(str(prog))
     r = run(prog, "--exit", "0", env=env)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[0])["cvd"] in fake.leaf_uuids()
 
-    # Upgrade: a stale shim is refreshed, the edited config is kept, the wrap still works.
+    # Upgrade: a stale shim is refreshed, the edited config is kept, the wrap still works; a
+    # program wrapped before each had its own shim (its link leads to the shared one) gets one.
     layout.shim.write_text(layout.shim.read_text().replace(f"version {__version__}", "version 0.0.1"))
     assert shim_version(layout.shim) == "0.0.1"
+    prog.unlink()
+    prog.symlink_to(layout.shim)
+    layout.program_shim(str(prog)).unlink()
     written = layout.config_file.read_bytes()
     edited = written.replace(b'#wait = "forever"', b"wait = 30")
     assert edited != written
@@ -157,6 +161,9 @@ def test_prefix_install_wrap_upgrade_uninstall(tmp_path, machine, wheelhouse):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "upgrading in place" in r.stdout and "kept the configuration" in r.stdout
     assert shim_version(layout.shim) == __version__
+    assert f"==> wrote its own shim {layout.program_shim(str(prog))} and pointed {prog} at it" in r.stdout
+    assert prog.resolve() == layout.program_shim(str(prog))
+    assert shim_version(layout.program_shim(str(prog))) == __version__
     assert layout.config_file.read_bytes() == edited
     r = run(prog, env=env)
     assert r.returncode == 0, r.stderr

@@ -456,3 +456,127 @@ def test_no_lock_a_user_can_take_stalls_a_launch(mu) -> None:  # type: ignore[no
     assert "position 1 in line" in waiting_line(patient)
     holder.kill()
     assert patient.wait(timeout=10) == 0
+
+
+def test_root_refuses_to_wrap_in_a_users_directory(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("four-gpus")
+    alice = inst.world.alice
+    home = inst.dir / "home-alice"
+    home.mkdir()
+    os.chown(home, alice.uid, alice.gid)
+    mine = sh_program(home / "mine", "#!/bin/sh\necho mine\n")
+    os.chown(mine, 0, 0)  # even a root-owned program: alice can rename her directory's entries
+    before = snapshot(home)
+    done = inst.cli(None, str(mine), prog="create-cudawrap")
+    assert done.returncode == 65
+    assert one_line(done) == (
+        f"create-cudawrap: {mine}: {home} is owned by {alice.name}, not root, so they could swap it for a "
+        "symlink that root's commands would follow; put the program where only root can write (such as "
+        "/opt/app/bin) and wrap it there")
+    assert snapshot(home) == before
+    # A program root's directory holds but a user may write is refused the same way.
+    theirs = sh_program(inst.bindir / "theirs", "#!/bin/sh\necho theirs\n")
+    theirs.chmod(0o757)
+    done = inst.cli(None, str(theirs), prog="create-cudawrap")
+    assert done.returncode == 65 and "is writable by its group and others (mode 0757)" in one_line(done)
+
+
+def test_a_user_swapping_a_wrapped_directory_for_a_symlink_redirects_nothing(mu) -> None:  # type: ignore[no-untyped-def]
+    """A wrap made where a user now has control (~/bin handed over, or wrapped by an older
+    version): alice swaps the directory for a symlink to a root-owned one; root's doctor
+    --repair and unwrap must not follow it to wrap or move the program there."""
+    inst = mu("four-gpus")
+    alice = inst.world.alice
+    home = inst.dir / "home-alice"
+    (home / "bin").mkdir(parents=True)
+    prog = sh_program(home / "bin" / "recon", '#!/bin/sh\necho "recon $*"\n')
+    assert inst.cli(None, str(prog), prog="create-cudawrap").returncode == 0
+    os.chown(home, alice.uid, alice.gid)  # handed over after it was wrapped
+    os.chown(home / "bin", alice.uid, alice.gid)
+    victim = inst.dir / "victim"
+    victim.mkdir()
+    sh_program(victim / "recon", '#!/bin/sh\necho "root\'s own recon $*"\n')
+    done = inst.run(alice, "sh", "-c", 'mv "$1/bin" "$1/bin.old" && ln -s "$2" "$1/bin"', "sh", str(home),
+                    str(victim))
+    assert done.returncode == 0, done.stderr
+    before = {**snapshot(victim), **inst.snapshot()}
+    repaired = inst.cli(None, "doctor", "--repair")
+    assert repaired.returncode == 65
+    out = repaired.stdout.decode()
+    assert f"error: {prog}: {home} is owned by {alice.name}, not root: cudawrap no longer acts there" in out, out
+    assert "fixed:" not in out
+    assert inst.cli(None, "unwrap", str(prog)).returncode == 65
+    assert {**snapshot(victim), **inst.snapshot()} == before, diff(before, {**snapshot(victim), **inst.snapshot()})
+    # --force lets go of the wrap without touching anything in alice's directory (or the victim's).
+    done = inst.cli(None, "unwrap", "--force", str(prog))
+    assert done.returncode == 0, done.stderr
+    assert "its files were left as they are" in done.stdout.decode()
+    assert snapshot(victim) == {k: v for k, v in before.items() if k.startswith(str(victim))}
+    assert inst.cli(None, "list", "--json").stdout.strip() == b"[]"
+
+
+def test_doctor_moves_no_file_a_user_planted_in_a_sticky_directory(mu) -> None:  # type: ignore[no-untyped-def]
+    """bob names his own file CUDAWRAP_notes in a /tmp-like directory on root's PATH: doctor
+    --repair must not take it for a program cudawrap renamed, and move it."""
+    inst = mu("four-gpus")
+    bob = inst.world.bob
+    shared = inst.dir / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    done = inst.run(bob, "sh", "-c", 'printf "#!/bin/sh\\necho notes\\n" > "$1/CUDAWRAP_notes" && chmod 755 '
+                    '"$1/CUDAWRAP_notes"', "sh", str(shared))
+    assert done.returncode == 0, done.stderr
+    before = snapshot(shared)
+    repaired = inst.cli(None, "doctor", "--repair", PATH=f"{shared}:/usr/bin:/bin")
+    assert "CUDAWRAP_notes" not in repaired.stdout.decode()
+    assert snapshot(shared) == before, diff(before, snapshot(shared))
+
+
+def test_claims_a_user_plants_keep_root_from_no_device(mu) -> None:  # type: ignore[no-untyped-def]
+    """The machine-wide claims directory is writable by all (a user's prefix install claims
+    there too); alice claims every GPU for a 'install' of her own, with lease files to look
+    live. Root's sync takes no notice: the system install keeps its devices."""
+    inst = mu("four-gpus")
+    alice = inst.world.alice
+    claims = inst.machine.claims_dir
+    uuids = inst.machine.leaf_uuids()
+    for uuid in uuids:  # as after a reboot: no claims yet
+        (claims / uuid).unlink()
+    fake_root = inst.dir / "alice-root"
+    fake_root.mkdir()
+    os.chown(fake_root, alice.uid, alice.gid)
+    script = ('import os, sys\nroot, claims, *uuids = sys.argv[1:]\nos.makedirs(root + "/run/cudawrap/leases")\n'
+              'for u in uuids:\n    open(root + "/run/cudawrap/leases/" + u, "w").close()\n'
+              '    open(os.path.join(claims, u), "w").write(root + "\\n")\n')
+    done = inst.py(alice, script, str(fake_root), str(claims), *uuids)
+    assert done.returncode == 0, done.stderr
+    done = inst.cli(None, "sync")
+    assert done.returncode == 0, done.stderr
+    assert b"managed by" not in done.stdout, done.stdout
+    for uuid in uuids:
+        assert (claims / uuid).read_text() == f"{inst.layout.root}\n" and (claims / uuid).stat().st_uid == 0
+    inst.wrap("recon")
+    r = inst.run(alice, str(inst.bindir / "recon"))
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_users_prefix_install_leaves_the_system_installs_devices_alone(mu) -> None:  # type: ignore[no-untyped-def]
+    """alice's own prefix install, synced by her, honours the claims of root's install while
+    it manages the devices; a device root's install no longer has is hers to lease."""
+    inst = mu("four-gpus")
+    alice = inst.world.alice
+    uuids = sorted(inst.machine.leaf_uuids())
+    (inst.layout.lease_dir / uuids[0]).unlink()  # root's install lost this one: its claim is stale
+    mine = inst.dir / "alice-prefix"
+    mine.mkdir()
+    os.chown(mine, alice.uid, alice.gid)
+    code = (f"import json, sys; sys.path[:0] = {inst.world.path!r}\nfrom cudawrap.claims import claim\n"
+            "c = claim(sys.argv[1], sys.argv[2:]); print(json.dumps([c.mine, c.others, c.warning]))")
+    done = inst.py(alice, code, str(mine), *uuids)
+    assert done.returncode == 0, done.stderr
+    leased, others, warning = json.loads(done.stdout)
+    assert leased == [uuids[0]] and warning is None
+    assert others == {u: str(inst.layout.root) for u in uuids[1:]}
+    # Her sync could not take over root's stale claim file (sticky directory), and took nothing else.
+    claims = inst.machine.claims_dir
+    assert all((claims / u).stat().st_uid == 0 for u in uuids)

@@ -34,19 +34,19 @@ def run(path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_wrap_keeps_the_real_program_intact(admin: Admin) -> None:
     prog = admin.program("recon")
-    os.chown(prog, 1234, 5678)
+    os.chown(prog, 0, 5678)  # another owner than root is refused (test_multiuser.py)
     prog.chmod(0o750)
     before = os.stat(prog)
     outcome = wrap(admin, prog, policy={"gpus": 2, "wait": "forever"})
     assert not outcome.failed
     real = admin.bindir / "CUDAWRAP_recon"
-    assert os.readlink(prog) == str(admin.layout.shim)
+    assert os.readlink(prog) == str(admin.layout.program_shim(str(prog)))
     after = os.stat(real)
     # The very same inode: contents, mode and owner cannot have changed.
     assert (after.st_ino, after.st_mode, after.st_uid, after.st_gid) == (
         before.st_ino, before.st_mode, before.st_uid, before.st_gid)
     (e,) = registry.load(admin.layout)
-    assert (e.link, e.real, e.mode, e.uid, e.gid) == (str(prog), str(real), 0o750, 1234, 5678)
+    assert (e.link, e.real, e.mode, e.uid, e.gid) == (str(prog), str(real), 0o750, 0, 5678)
     assert e.wrapped_by == "alice" and e.wrapped_at.endswith("Z") and e.phase == "wrapped"
     assert dict(e.policy) == {"gpus": 2, "wait": "forever"} and e.diversion is None
     assert registry.read_policy(admin.layout, str(prog)) == {"gpus": 2, "wait": "forever"}
@@ -279,8 +279,11 @@ def test_kill_9_at_any_step_leaves_a_runnable_program_and_doctor_finishes(admin:
 # rename 4 and 5 (registry: "wrapped", and its copy), rename 6 (the launch cache).
 @needs_strace
 @pytest.mark.parametrize("syscall, when, outcome", [
+    # renames: 1-2 the registry (and its backup), 3 the program's own shim, 4 the link,
+    # 5-6 the registry again, 7 the launch cache
     ("rename", 1, "undone"), ("linkat", 1, "undone"), ("symlink", 1, "undone"), ("rename", 3, "undone"),
-    ("rename", 4, "doctor"), ("rename", 2, "wrapped"), ("rename", 5, "wrapped"), ("rename", 6, "wrapped"),
+    ("rename", 4, "undone"), ("rename", 5, "doctor"), ("rename", 2, "wrapped"), ("rename", 6, "wrapped"),
+    ("rename", 7, "wrapped"),
 ])
 def test_a_failing_step(admin: Admin, syscall: str, when: int, outcome: str) -> None:
     """An I/O error at one step of create: undone with one line, or (after the wrap is in
@@ -294,6 +297,7 @@ def test_a_failing_step(admin: Admin, syscall: str, when: int, outcome: str) -> 
         assert result.returncode != 0 and str(prog) in result.stderr
         assert "nothing was changed" in result.stderr
         assert snapshot(admin.bindir) == before
+        assert list(admin.layout.shim_dir.iterdir()) == []
         assert len(registry.load(admin.layout)) == 0
     elif outcome == "doctor":
         assert result.returncode != 0 and "cudawrap doctor --repair" in result.stderr

@@ -138,9 +138,11 @@ def raise_usage(message: str, hint: Optional[str] = None) -> None:
 
 def report(prog: str, exc: CudawrapError, debug: bool) -> int:
     """Print EXC as one line (and a hint line); return its exit code."""
-    print(f"{prog}: {exc.message}", file=sys.stderr)
+    from ..text import printable  # messages name paths, and file names are chosen by users
+
+    print(printable(f"{prog}: {exc.message}"), file=sys.stderr)
     if exc.hint:
-        print(f"hint: {exc.hint}", file=sys.stderr)
+        print(printable(f"hint: {exc.hint}"), file=sys.stderr)
     if debug:
         log.exception("traceback")
     return exc.exit_code

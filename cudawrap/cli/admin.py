@@ -22,6 +22,7 @@ from ..config import (
 )
 from ..errors import ConfigError, StateError, UsageError
 from ..paths import default_layout
+from ..text import printable
 from . import Command, report
 from .filterswitches import FilterSwitches
 
@@ -64,7 +65,7 @@ class CreateCudawrap(FilterSwitches, Command):
     """Wrap CUDA programs: each run then gets its own free GPU or MIG instance.
 
     PROGRAM is renamed to CUDAWRAP_<name> in the same directory and PROGRAM becomes a
-    link to the cudawrap shim; dpkg-owned programs are diverted so upgrades land at the
+    link to its own cudawrap shim; dpkg-owned programs are diverted so upgrades land at the
     new name. The switches set this program's policy (otherwise the config's applies).
     """
 
@@ -87,6 +88,8 @@ class CreateCudawrap(FilterSwitches, Command):
                                help=DESCRIPTIONS["multi_mig"])
     max_gpus = cli.SwitchAttr(["--max-gpus"], str, argname="N", help=DESCRIPTIONS["max_gpus"])
     devices = cli.SwitchAttr(["--devices"], str, argname="UUID|INDEX,...", help=DESCRIPTIONS["devices"])
+    force = cli.Flag(["--force"], help="wrap a program an RPM package owns although an update of that "
+                                       "package silently unwraps it (refused otherwise); nothing else")
 
     def policy(self) -> Dict[str, Any]:
         """The per-program policy from the switches, raw (as the registry stores it), checked."""
@@ -126,10 +129,12 @@ class CreateCudawrap(FilterSwitches, Command):
         policy = self.policy()
         layout = default_layout()
         require_admin(layout)
-        outcome = wrap_programs(layout, programs, policy)
+        outcome = wrap_programs(layout, programs, policy, force=self.force)
         for entry in outcome.wrapped:
             how = f"diverted from package {entry.package}" if entry.diversion else "renamed"
-            print(f"wrapped {entry.link} (real program: {entry.real}, {how})")
+            print(printable(f"wrapped {entry.link} (real program: {entry.real}, {how})"))
+        for warning in outcome.warnings:
+            print(printable(f"{_prog(self)}: {warning}"), file=sys.stderr)
         return _report_failures(_prog(self), outcome.failed)
 
 
@@ -174,14 +179,14 @@ class ListCommand(Command):
         table = [("STATE", "PROGRAM", "POLICY", "PACKAGE", "WRAPPED BY", "WRAPPED AT")]
         for s in statuses:
             e = s.entry
-            table.append((s.state, e.link, _policy_text(dict(e.policy)), e.package or "-", e.wrapped_by,
-                          e.wrapped_at))
+            table.append(tuple(printable(cell) for cell in (
+                s.state, e.link, _policy_text(dict(e.policy)), e.package or "-", e.wrapped_by, e.wrapped_at)))
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         for row in table:
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         for s in statuses:
             if s.detail:
-                print(f"{s.entry.link}: {s.detail}", file=sys.stderr)
+                print(printable(f"{s.entry.link}: {s.detail}"), file=sys.stderr)
         return 0
 
 
@@ -213,7 +218,7 @@ class UnwrapCommand(Command):
         if self.everything and not outcome.unwrapped and not outcome.failed:
             print("no programs are wrapped", file=sys.stderr)
         for done in outcome.unwrapped:
-            print(done.message)
+            print(printable(done.message))
         return _report_failures(_prog(self), outcome.failed)
 
 

@@ -136,7 +136,9 @@ def _watch(command: StatusCommand, period: float, count: Optional[int]) -> int:
 
 def _shown(value: str) -> str:
     """A switch's value for a one-line message: control characters replaced, cut short."""
-    text = "".join(c if c.isprintable() else "?" for c in value[:40])
+    from ..text import printable
+
+    text = printable(value, 40)
     return text + ("..." if len(value) > 40 else "")
 
 
