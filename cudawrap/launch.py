@@ -122,46 +122,13 @@ def _narrow_inherited(lease: Lease, preset: Optional[str]) -> str:
     return ",".join(lease.uuids)
 
 
-def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
-           count: Optional[int] = None) -> Grant:
-    """Lease devices for one run under SETTINGS (key -> (value, source))."""
-    value = {k: v for k, (v, _src) in settings.items()}
-    count = value["gpus"] if count is None else count
-    lease_dir = loc.under(root, loc.LEASE_DIR)
-    preset = environ.get(CVD)
+def _candidates(inventory: Any, value: Dict[str, Any], allow: List[str], preset: Optional[str],
+                count: int) -> List[Any]:
+    """The devices of INVENTORY this run may be given; NoDeviceError if fewer than COUNT."""
+    from .selection import allowed, parse_visible
 
-    marker = environ.get(LEASE_ENV)
-    if marker:
-        inherited = inherited_lease(lease_dir, marker)
-        if inherited is not None:
-            return Grant(inherited, _narrow_inherited(inherited, preset))
-
-    from . import nvml
-    from .snapshot import SnapshotRefresh, read_fresh
-
-    inventory = read_fresh(root)  # kept by `cudawrap monitor`; spares us pynvml
-    refresh = SnapshotRefresh(root) if inventory is not None else nvml.refresh
-    if inventory is None:
-        try:
-            inventory = nvml.inventory()
-        except NvmlUnavailable as exc:
-            if value["no_driver"] == "fail":
-                raise
-            say(prog, f"warning: {exc}; running without a device lease")
-            audit.log("no-driver", "warning", program=prog, pid=os.getpid(), reason=str(exc))
-            return Grant(None, None)
-    checked_at = time.monotonic()
-
-    from .selection import allowed, parse_visible, read_allow_file
-
-    candidates = list(inventory.devices)
-    allow = list(value["allow"])
-    if value["allow_file"]:
-        allow += read_allow_file(value["allow_file"])
-    candidates = allowed(candidates, allow)
+    candidates = allowed(inventory.devices, allow)
     if preset is not None:
-        if not preset.strip():
-            return Grant(None, None)  # the caller asked for no device at all
         visible = parse_visible(preset, inventory)
         candidates = [d for d in candidates if d in visible]
     why = " (narrowed by CUDA_VISIBLE_DEVICES)" if preset is not None else (
@@ -179,6 +146,70 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
             f"{count} device{'s' if count > 1 else ''} asked for, but only "
             f"{len(candidates)} can be used here{why}",
             hint="`cudawrap status` lists the devices")
+    return candidates
+
+
+def _with_usage(layout: Any, live: List[Any]) -> Any:
+    """LAYOUT with LIVE's devices in place of theirs (the others' usage stays unknown)."""
+    from .devices import Inventory
+
+    fresh = {d.uuid: d for d in live}
+    return Inventory(layout.driver_version, layout.gpus, [fresh.get(d.uuid, d) for d in layout.devices])
+
+
+def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
+           count: Optional[int] = None) -> Grant:
+    """Lease devices for one run under SETTINGS (key -> (value, source))."""
+    value = {k: v for k, (v, _src) in settings.items()}
+    count = value["gpus"] if count is None else count
+    lease_dir = loc.under(root, loc.LEASE_DIR)
+    preset = environ.get(CVD)
+
+    marker = environ.get(LEASE_ENV)
+    if marker:
+        inherited = inherited_lease(lease_dir, marker)
+        if inherited is not None:
+            return Grant(inherited, _narrow_inherited(inherited, preset))
+
+    from . import nvml
+    from .snapshot import SnapshotRefresh, read_fresh
+
+    if preset is not None and not preset.strip():
+        return Grant(None, None)  # the caller asked for no device at all
+    allow = list(value["allow"])
+    if value["allow_file"]:
+        from .selection import read_allow_file
+
+        allow += read_allow_file(value["allow_file"])
+
+    inventory = read_fresh(root)  # kept by `cudawrap monitor`; spares us NVML
+    refresh = SnapshotRefresh(root) if inventory is not None else nvml.refresh
+    live = None
+    try:
+        if inventory is None:
+            from . import invcache
+
+            # Without the monitor: the layout `cudawrap sync` saw, and NVML read for the
+            # candidates alone; the whole machine only if that layout is out of date.
+            layout = invcache.read(root)
+            try:
+                candidates = _candidates(layout, value, allow, preset, count) if layout else None
+            except CudawrapError:
+                candidates = None  # perhaps an old layout's fault: the enumeration below decides
+            if candidates is not None:
+                live = nvml.current(layout, candidates)
+                if live is not None:
+                    inventory = _with_usage(layout, live)
+        if inventory is None:
+            inventory = nvml.inventory(direct=True)  # ctypes, not pynvml: see nvmldirect
+    except NvmlUnavailable as exc:
+        if value["no_driver"] == "fail":
+            raise
+        say(prog, f"warning: {exc}; running without a device lease")
+        audit.log("no-driver", "warning", program=prog, pid=os.getpid(), reason=str(exc))
+        return Grant(None, None)
+    checked_at = time.monotonic()
+    candidates = live if live is not None else _candidates(inventory, value, allow, preset, count)
 
     from .acquire import Acquirer, describe_wait
     from .waitqueue import WaitQueue

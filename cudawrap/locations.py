@@ -19,6 +19,7 @@ QUEUE_LOCK = RUNTIME_DIR + "/queue.lock"
 # Derived state written by root (sync, wrap, unwrap, the monitor) for the shim's fast path.
 LAUNCH_CACHE = RUNTIME_DIR + "/launch.cache"
 USAGE_SNAPSHOT = RUNTIME_DIR + "/usage.snapshot"
+INVENTORY_CACHE = RUNTIME_DIR + "/inventory.cache"
 LIB_DIR = "opt/cudawrap"
 SHIM = LIB_DIR + "/bin/cudawrap-shim"
 

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Callable, Optional
 
-from . import policy, snapshot
+from . import invcache, policy, snapshot
 from .errors import CudawrapError, NvmlUnavailable
 from .leases import holders
 from .paths import Layout
@@ -38,6 +38,7 @@ def refresh_once(layout: Layout) -> Optional[str]:
     if set(inventory.uuids()) - existing:
         sync_leases(layout, inventory)  # a device appeared (MIG reconfigured)
     snapshot.write(root, inventory, holders(lease_dir))
+    invcache.write(root, inventory)  # rewritten only when the layout changed
     if not policy.cache_is_current(root):
         # The config or registry changed: rebuild so launches stay off the slow path.
         try:

@@ -2,7 +2,8 @@
 
 Run by root at install, at boot (the runtime directory is on tmpfs) and after MIG is
 reconfigured: new devices get lease files, vanished ones lose theirs once nobody holds
-them, dead waiters' queue entries are removed, and the shim's policy cache is rebuilt.
+them, dead waiters' queue entries are removed, and the shim's policy cache and device
+layout cache (``invcache``) are rebuilt.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from . import policy
+from . import invcache, policy
 from .devices import Inventory
 from .errors import NvmlUnavailable
 from .installation import prepare_runtime
@@ -47,6 +48,7 @@ def sync(layout: Layout) -> SyncReport:
         report.lines.append(f"warning: {exc}; lease files left as they are")
     else:
         report.created, report.removed = sync_leases(layout, inventory)
+        invcache.write(str(layout.root), inventory)  # launches without the monitor start from it
         for uuid in report.created:
             report.lines.append(f"lease file created for {uuid}")
         for uuid in report.removed:
