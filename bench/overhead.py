@@ -51,8 +51,8 @@ def peak_rss_kib(maxrss: Path, argv: List[str], env: Dict[str, str]) -> Optional
 def methods(sim: Sim, tools: List[str]) -> Dict[str, List[str]]:
     out = {
         "direct": sim.argv("direct", "true", []),
-        BARE: [sys.executable, "-I", "-c", "pass"],
-        BARE_S: [sys.executable, "-IS", "-c", "pass"],
+        BARE: [sim.install.python, "-I", "-c", "pass"],
+        BARE_S: [sim.install.python, "-IS", "-c", "pass"],
     }
     for tool in tools:
         if tool != MONITORED:
@@ -127,7 +127,7 @@ def breakdown(sim: Sim, reps: int) -> dict:
     totals: List[float] = []
     modules = 0
     for _ in range(reps):
-        done = subprocess.run([sys.executable, "-IS", str(PROBE), "phases", link], env=env,
+        done = subprocess.run([sim.install.python, "-IS", str(PROBE), "phases", link], env=env,
                               capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
             return {"error": done.stderr[-2000:]}
@@ -138,19 +138,19 @@ def breakdown(sim: Sim, reps: int) -> dict:
     per_package: List[Dict[str, float]] = []
     first_level: List[Dict[str, float]] = []
     for _ in range(reps):
-        done = subprocess.run([sys.executable, "-IS", "-X", "importtime", link], env=env,
+        done = subprocess.run([sim.install.python, "-IS", "-X", "importtime", link], env=env,
                               capture_output=True, text=True, timeout=60)
         own, cum = parse_importtime(done.stderr)
         per_package.append(own)
         first_level.append(cum)
-    whatif: Dict[str, List[float]] = {"ctypes": [], "pynvml": [], "pynvml-no-util": []}
+    whatif: Dict[str, List[float]] = {"ctypes": [], "nvmldirect": [], "pynvml": [], "pynvml-no-util": []}
     for _ in range(reps):
         for variant, samples in whatif.items():
-            done = subprocess.run([sys.executable, "-IS", str(PROBE), "import-cost", link, variant], env=env,
+            done = subprocess.run([sim.install.python, "-IS", str(PROBE), "import-cost", link, variant], env=env,
                                   capture_output=True, text=True, timeout=60)
             if done.returncode == 0:
                 samples.append(json.loads(done.stdout)["seconds"])
-    done = subprocess.run([sys.executable, "-IS", str(PROBE), "cprofile", link], env=env,
+    done = subprocess.run([sim.install.python, "-IS", str(PROBE), "cprofile", link], env=env,
                           capture_output=True, text=True, timeout=60)
     profile = json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-2000:]}
     for key in ("by_own", "by_cumulative"):
@@ -208,13 +208,13 @@ def run_nvml(bench: Bench, topology: str, delays_ms: List[int], reps: int) -> di
         n = reps if delay < 1000 else max(1, reps // 2)
         warmup = 1 if delay < 500 else 0
         result = measure(dict(cmds, direct=sim.argv("direct", "true", []),
-                              **{BARE: [sys.executable, "-I", "-c", "pass"]}),
+                              **{BARE: [sim.install.python, "-I", "-c", "pass"]}),
                          sim.environ(), n, warmup=warmup)
         if MONITORED in tools:
             with sim.monitor():
                 result[MONITORED] = measure({MONITORED: sim.argv(MONITORED, "true", []),
                                              "direct": sim.argv("direct", "true", []),
-                                             BARE: [sys.executable, "-I", "-c", "pass"]},
+                                             BARE: [sim.install.python, "-I", "-c", "pass"]},
                                             sim.environ(), n, warmup=warmup)[MONITORED]
         for tool in tools:
             rows[tool][str(delay)] = result[tool]["median_ms"]

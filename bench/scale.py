@@ -48,7 +48,7 @@ def probe(sim: Sim, reps: int) -> Optional[dict]:
     totals: List[float] = []
     obtain: List[float] = []
     for _ in range(reps):
-        done = subprocess.run([sys.executable, "-IS", str(PROBE), "phases", str(sim.true_wrapped)],
+        done = subprocess.run([sim.install.python, "-IS", str(PROBE), "phases", str(sim.true_wrapped)],
                               env=sim.environ(), capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
             return None

@@ -1,15 +1,16 @@
 """The simulated machine the benchmark runs on, with cudawrap installed and the peers beside it.
 
 Everything lives under one work directory: the fake ``libnvidia-ml.so.1`` built from
-``tests/fakenvml``, one FakeMachine per topology, a cudawrap install root laid out by the
-product's own ``installation.prepare`` and ``sync.sync`` (as ``tests/corefix.py`` does),
-and a bin directory with the programs the tools launch:
+``tests/fakenvml``, one FakeMachine per topology, cudawrap installed once by its own
+``install.sh --prefix`` (so launches run the shim, interpreter and package an admin
+gets; every machine re-syncs that install with the installed ``cudawrap sync``), and a
+bin directory per machine with the programs the tools launch, wrapped by the installed
+``create-cudawrap``:
 
 * ``true`` -- a tiny C program (``bench/true.c``) that exits at once: launch overhead and
   the shim's peak RSS (exec keeps the process, so its max RSS is the shim's);
 * ``fakecuda`` -- the stand-in CUDA program (``tests/fakecuda.py``), run directly;
-* ``true-w`` and ``job`` -- the same two, wrapped: symlinks to the shim beside
-  ``CUDAWRAP_true-w`` / ``CUDAWRAP_job``;
+* ``true-w`` and ``job`` -- the same two, wrapped by ``create-cudawrap``;
 * ``nvidia-smi`` and ``getgpu`` -- the stand-ins for the seed's script (``bench/peers``).
 
 The peers are launched the way their documentation says:
@@ -37,7 +38,6 @@ if str(TESTS) not in sys.path:
 
 from fakemachine import FAKECUDA, FakeMachine, build_fakenvml, preload  # noqa: E402
 
-from cudawrap.installation import prepare  # noqa: E402
 from cudawrap.paths import Layout  # noqa: E402
 
 # "cudawrap+monitor" is cudawrap with `cudawrap monitor` running beside it, keeping the
@@ -121,23 +121,62 @@ def _install_script(src: Path, dst: Path, shebang: Optional[str] = None) -> Path
     return dst
 
 
+class Install:
+    """cudawrap installed by ``install.sh --prefix ROOT``, and the interpreter its shim runs.
+
+    The interpreter is read from the installed shim's ``#!`` line: that is what every
+    launch really starts, so every ratio is taken against it. install.sh makes its venv
+    with PYTHON (default: ``python3`` on PATH, as install.sh itself picks).
+    """
+
+    def __init__(self, root: Path, python: Optional[str] = None) -> None:
+        self.root = root
+        self.layout = Layout(root)
+        cmd = ["bash", str(REPO / "install.sh"), "--prefix", str(root)]
+        if python:
+            cmd += ["--python", python]
+        env = {k: v for k, v in os.environ.items() if k not in _SCRUB and k != "VIRTUAL_ENV"}
+        started = time.monotonic()
+        done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"install.sh --prefix {root} failed ({done.returncode}): {done.stderr[-2000:]}")
+        self.install_s = round(time.monotonic() - started, 1)
+        self.cudawrap = str(root / "usr/local/bin/cudawrap")
+        self.create = str(root / "usr/local/bin/create-cudawrap")
+        with open(self.layout.shim, encoding="utf-8") as f:
+            first = f.readline()
+        self.python = shlex.split(first[2:])[0]  # "#!/…/venv/bin/python -IS"
+        picked = python or shutil.which("python3") or "python3"
+        version = subprocess.run([self.python, "-IS", "-c", "import sys; print(sys.version.split()[0])"],
+                                 capture_output=True, text=True).stdout.strip()
+        self.describe = {
+            "python": self.python, "resolves_to": os.path.realpath(self.python), "version": version,
+            "how_found": f"the `#!` line of the installed shim {self.layout.shim}; install.sh made that venv "
+                         f"with {'--python ' + python if python else 'python3 on PATH'} ({picked})",
+            "install_sh_s": self.install_s,
+        }
+
+
 class Sim:
     """One simulated machine with cudawrap installed and every tool ready to launch."""
 
-    def __init__(self, work: Path, lib_dir: Path, true_exe: Path, topology: str, peers: Peers) -> None:
+    def __init__(self, work: Path, lib_dir: Path, true_exe: Path, topology: str, peers: Peers,
+                 install: Install) -> None:
         self.work = work
         self.topology_name = topology
         self.peers = peers
+        self.install = install
         work.mkdir(parents=True, exist_ok=True)
         self.machine = FakeMachine(work / "machine", lib_dir)
         self.machine.load(topology)
-        self.layout = Layout(work / "root")
-        prepare(self.layout, sys.executable)
+        # One install serves every machine in turn: sync makes its lease files this
+        # machine's (the last machine's devices vanished, nobody holds them).
+        self.layout = install.layout
         self.bindir = work / "bin"
         self.bindir.mkdir(exist_ok=True)
         self.sync()
-        # Python programs get this interpreter baked in, as tests/corefix.py does.
-        shebang = f"#!{sys.executable} -IS"
+        # The stand-in runs with the shim's interpreter; it needs only the standard library.
+        shebang = f"#!{install.python} -IS"
         self.true = self.bindir / "true"
         shutil.copy2(true_exe, self.true)
         self.fakecuda = _install_script(FAKECUDA, self.bindir / "fakecuda", shebang)
@@ -161,25 +200,26 @@ class Sim:
     # ---- cudawrap --------------------------------------------------------------
 
     def _wrap(self, name: str, program: Path) -> Path:
-        real = self.bindir / f"CUDAWRAP_{name}"
-        shutil.copy2(program, real)
-        real.chmod(0o755)
+        """A copy of PROGRAM named NAME, wrapped by the installed create-cudawrap."""
         link = self.bindir / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(self.layout.shim)
+        shutil.copy2(program, link)
+        link.chmod(0o755)
+        self._admin([self.install.create, str(link)])
         return link
 
+    def _admin(self, argv: List[str]) -> None:
+        done = subprocess.run(argv, env=self.machine.environ(), capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr[-1000:]}")
+
     def activate(self) -> None:
-        """Point this process at the machine (for sync, and for holding leases by hand)."""
+        """Point this process at the machine (for holding leases by hand)."""
         os.environ.update(self.machine.environ())
         preload(self.machine.lib_dir)
 
     def sync(self) -> None:
-        from cudawrap.sync import sync
-
         self.activate()
-        sync(self.layout)
+        self._admin([self.install.cudawrap, "sync"])
 
     @contextlib.contextmanager
     def monitor(self, enabled: bool = True) -> Iterator[None]:
@@ -195,9 +235,9 @@ class Sim:
             snap.unlink()
         except FileNotFoundError:
             pass
-        env = dict(self.machine.environ(), CUDAWRAP_ROOT=str(self.layout.root))
-        proc = subprocess.Popen([sys.executable, "-c", "from cudawrap.cli import main; main()", "monitor"],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen([self.install.cudawrap, "monitor"], env=self.machine.environ(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.monitor_pid = proc.pid
         try:
             deadline = time.monotonic() + 60
             while not snap.exists():
@@ -265,8 +305,9 @@ class Sim:
 class Bench:
     """Shared state of one benchmark run: the work directory, the library, the peers."""
 
-    def __init__(self, work: Path, peers: Peers) -> None:
+    def __init__(self, work: Path, peers: Peers, install: Optional[Install] = None) -> None:
         self.work = work
+        self.install = install or Install(work / "install")
         self.lib_dir = build_fakenvml(work / "fakenvml")
         self.true_exe = build_c(work / "cbin", "true")
         self.maxrss = build_c(work / "cbin", "maxrss")
@@ -276,4 +317,5 @@ class Bench:
     def sim(self, topology: str) -> Sim:
         """A fresh machine and install root (nothing held, nothing queued)."""
         self._count += 1
-        return Sim(self.work / f"sim{self._count}-{topology}", self.lib_dir, self.true_exe, topology, self.peers)
+        return Sim(self.work / f"sim{self._count}-{topology}", self.lib_dir, self.true_exe, topology, self.peers,
+                   self.install)
