@@ -20,6 +20,9 @@ QUEUE_LOCK = RUNTIME_DIR + "/queue.lock"
 LAUNCH_CACHE = RUNTIME_DIR + "/launch.cache"
 USAGE_SNAPSHOT = RUNTIME_DIR + "/usage.snapshot"
 INVENTORY_CACHE = RUNTIME_DIR + "/inventory.cache"
+# `cudawrap monitor --daemon` (installs without systemd): its flock-held pid file and log.
+MONITOR_PID = RUNTIME_DIR + "/monitor.pid"
+MONITOR_LOG = RUNTIME_DIR + "/monitor.log"
 LIB_DIR = "opt/cudawrap"
 SHIM = LIB_DIR + "/bin/cudawrap-shim"
 
