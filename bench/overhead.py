@@ -81,9 +81,11 @@ def measure(cmds: Dict[str, List[str]], env: Dict[str, str], reps: int, warmup: 
             row["max_rss_mib"] = round(median(rss) / 1024.0, 1) if rss else None
         out[name] = row
     bare = out[BARE]["median_ms"]
+    bare_s = out[BARE_S]["median_ms"] if BARE_S in out else None
     direct = out["direct"]["median_ms"]
     for row in out.values():
         row["x_bare_python"] = round(row["median_ms"] / bare, 2) if bare else None
+        row["x_bare_python_S"] = round(row["median_ms"] / bare_s, 2) if bare_s else None
         row["x_direct"] = round(row["median_ms"] / direct, 1) if direct else None
         row["minus_direct_ms"] = round(row["median_ms"] - direct, 2) if direct is not None else None
     return out
@@ -172,7 +174,7 @@ def breakdown(sim: Sim, reps: int) -> dict:
 
 
 def run_launch(bench: Bench, topologies: List[str], reps: int, warmup: int, rss_reps: int,
-               breakdown_reps: int) -> dict:
+               breakdown_reps: int, monitor_s: float = 10.0) -> dict:
     out: Dict[str, dict] = {}
     for topology in topologies:
         sim = bench.sim(topology)
@@ -181,16 +183,43 @@ def run_launch(bench: Bench, topologies: List[str], reps: int, warmup: int, rss_
         found = measure(cmds, sim.environ(), reps, warmup, maxrss=bench.maxrss, rss_reps=rss_reps)
         result = {"devices": sim.devices, "reps": reps, "methods": found,
                   "commands": {k: " ".join(v) for k, v in cmds.items()}}
+        if "nvisel" in tools:
+            result["nvisel_threshold"] = sim.nvisel_threshold()
         result["breakdown"] = breakdown(sim, breakdown_reps)
         if MONITORED in tools:
             # A second block with the monitor running; its ratios are to this block's bare start.
             with sim.monitor():
-                block = measure({BARE: cmds[BARE], "direct": cmds["direct"], MONITORED: cmds["cudawrap"]},
+                block = measure({BARE: cmds[BARE], BARE_S: cmds[BARE_S], "direct": cmds["direct"],
+                                 MONITORED: cmds["cudawrap"]},
                                 sim.environ(), reps, warmup, maxrss=bench.maxrss, rss_reps=rss_reps)
                 result["breakdown_with_monitor"] = breakdown(sim, breakdown_reps)
             found[MONITORED] = block[MONITORED]
+            result["monitor_cpu"] = monitor_cpu(sim, monitor_s)
         out[topology] = result
     return out
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds PID has used (/proc/PID/stat, fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def monitor_cpu(sim: Sim, seconds: float) -> dict:
+    """The monitor's own CPU while it runs SECONDS at its default period, nothing launching."""
+    from cudawrap.snapshot import PERIOD_S
+
+    with sim.monitor():
+        time.sleep(PERIOD_S)  # past its first cycle, which also loads pynvml
+        pid = sim.monitor_pid
+        cpu0, wall0 = _cpu_s(pid), time.monotonic()
+        time.sleep(seconds)
+        cpu1, wall1 = _cpu_s(pid), time.monotonic()
+    cycles = (wall1 - wall0) / PERIOD_S
+    return {"devices": sim.devices, "seconds": round(wall1 - wall0, 1), "period_s": PERIOD_S,
+            "cpu_ms_per_cycle": round(1000.0 * (cpu1 - cpu0) / cycles, 1),
+            "pct_of_one_core": round(100.0 * (cpu1 - cpu0) / (wall1 - wall0), 2)}
 
 
 def run_nvml(bench: Bench, topology: str, delays_ms: List[int], reps: int) -> dict:

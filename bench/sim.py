@@ -42,7 +42,7 @@ from cudawrap.paths import Layout  # noqa: E402
 
 # "cudawrap+monitor" is cudawrap with `cudawrap monitor` running beside it, keeping the
 # snapshot that lets launches skip pynvml and NVML; plain "cudawrap" has no monitor.
-TOOLS = ("cudawrap", "cudawrap+monitor", "gpuselect", "nvisel", "getgpu")
+TOOLS = ("cudawrap", "cudawrap+monitor", "gpuselect", "gpuselect-in-script", "nvisel", "getgpu")
 MONITORED = "cudawrap+monitor"
 # Environment variables that must not leak from the caller into a measured launch.
 _SCRUB = ("CUDA_VISIBLE_DEVICES", "CUDAWRAP_LEASE", "CUDAWRAP_WAIT", "CUDAWRAP_VERBOSE",
@@ -64,7 +64,7 @@ class Peers:
     def available(self) -> List[str]:
         out = ["cudawrap", MONITORED, "getgpu"]
         if self.gpuselect_python:
-            out.append("gpuselect")
+            out += ["gpuselect", "gpuselect-in-script"]
         if self.nvisel:
             out.append("nvisel")
         return [t for t in TOOLS if t in out]
@@ -192,10 +192,11 @@ class Sim:
                 leaves.extend(gpu.instances)
             else:
                 leaves.append(gpu)
+        self._leaves = leaves
         self.devices = len(leaves)
         self.leaf_uuids = topo.leaf_uuids()
         # Free means "less than half a job's memory in use" for nvisel.
-        self.nvisel_free_mib = min(leaf.memory_mib for leaf in leaves) - JOB_MEM_MIB // 2
+        self.nvisel_free_mib = min(leaf.memory_mib - leaf.used_mib for leaf in leaves) - JOB_MEM_MIB // 2
 
     # ---- cudawrap --------------------------------------------------------------
 
@@ -288,14 +289,42 @@ class Sim:
             if not self.peers.gpuselect_python:
                 raise LookupError("gpuselect is not available")
             return [self.peers.gpuselect_python, str(PEERS_DIR / "gpuselect_compat.py"), "--", plain] + args
+        if tool == "gpuselect-in-script":
+            # The job's own script calls gpuselect() first; `true` is then an empty script.
+            if not self.peers.gpuselect_python:
+                raise LookupError("gpuselect is not available")
+            job = [] if program == "true" else [plain] + args
+            return [self.peers.gpuselect_python, str(PEERS_DIR / "gpuselect_inscript.py")] + job
         if tool == "nvisel":
             if not self.peers.nvisel:
                 raise LookupError("nvisel is not available")
-            pick = f"{shlex.quote(self.peers.nvisel)} -n 1 -f {self.nvisel_free_mib}MiB 2>/dev/null"
-            return ["/bin/sh", "-c", f'CUDA_VISIBLE_DEVICES=$({pick}) exec "$@"', "sh", plain] + args
+            return ["/bin/sh", "-c", f'{self.nvisel_command()} exec "$@"', "sh", plain] + args
         if tool == "getgpu":
             return ["/bin/sh", "-c", 'CUDA_VISIBLE_DEVICES=$(getgpu) exec "$@"', "sh", plain] + args
         raise ValueError(f"unknown tool {tool}")
+
+    def nvisel_command(self) -> str:
+        """nvisel as its documentation's example: `export CUDA_DEVICE_ORDER="PCI_BUS_ID"
+        CUDA_VISIBLE_DEVICES="$(nvisel -c 1 -f 10GiB)"`, with -f between idle and busy.
+
+        -C 1 as well: -c 1 alone prints every device that qualifies, and a one-device job
+        (the stand-in takes every device it is shown) must be given the one it will use.
+        --tolerance stays 0 (strict): see nvisel_threshold for the tolerance that would
+        let a busy device pass.
+        """
+        pick = f"{shlex.quote(str(self.peers.nvisel))} -c 1 -C 1 -f {self.nvisel_free_mib}MiB 2>/dev/null"
+        return f'CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES="$({pick})"'
+
+    def nvisel_threshold(self) -> dict:
+        """Whether nvisel's -f threshold separates an idle device from one running a job."""
+        idle = [leaf.memory_mib - leaf.used_mib for leaf in self._leaves]
+        busy = [m - JOB_MEM_MIB for m in idle]
+        f = self.nvisel_free_mib
+        # nvisel accepts free >= f × (1 - tolerance/100): the smallest tolerance that would
+        # let the busiest-looking busy device through.
+        tolerance = min(100.0 * (1 - b / f) for b in busy)
+        return {"min_free_mib": f, "idle_free_mib_min": min(idle), "busy_free_mib_max": max(busy),
+                "separates": min(idle) >= f > max(busy), "tolerance_that_breaks_it_pct": round(tolerance, 1)}
 
     def job_args(self, hold: float, log: Path) -> List[str]:
         """The stand-in's arguments in bursts: it fails (exit 100, no log) without a device."""
