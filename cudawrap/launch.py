@@ -11,7 +11,7 @@ import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, NoReturn, Optional, Sequence
+    from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from . import audit
 from . import locations as loc
@@ -157,6 +157,26 @@ def _with_usage(layout: Any, live: List[Any]) -> Any:
     return Inventory(layout.driver_version, layout.gpus, [fresh.get(d.uuid, d) for d in layout.devices])
 
 
+def _read_nvml(root: str, value: Dict[str, Any], allow: List[str], preset: Optional[str],
+               count: int) -> Tuple[Any, Optional[List[Any]]]:
+    """(inventory, its candidates with live usage, or None) for a launch without the monitor.
+
+    The layout `cudawrap sync` saw, and NVML read for the candidates alone; the whole
+    machine (candidates None) only if there is no layout or it is out of date.
+    """
+    from . import invcache, nvml
+
+    layout = invcache.read(root)
+    try:
+        candidates = _candidates(layout, value, allow, preset, count) if layout else None
+    except CudawrapError:
+        candidates = None  # perhaps an old layout's fault: the enumeration decides
+    live = nvml.current(layout, candidates) if candidates is not None else None
+    if live is not None:
+        return _with_usage(layout, live), live
+    return nvml.inventory(direct=True), None  # ctypes, not pynvml: see nvmldirect
+
+
 def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
            count: Optional[int] = None) -> Grant:
     """Lease devices for one run under SETTINGS (key -> (value, source))."""
@@ -187,21 +207,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     live = None
     try:
         if inventory is None:
-            from . import invcache
-
-            # Without the monitor: the layout `cudawrap sync` saw, and NVML read for the
-            # candidates alone; the whole machine only if that layout is out of date.
-            layout = invcache.read(root)
-            try:
-                candidates = _candidates(layout, value, allow, preset, count) if layout else None
-            except CudawrapError:
-                candidates = None  # perhaps an old layout's fault: the enumeration below decides
-            if candidates is not None:
-                live = nvml.current(layout, candidates)
-                if live is not None:
-                    inventory = _with_usage(layout, live)
-        if inventory is None:
-            inventory = nvml.inventory(direct=True)  # ctypes, not pynvml: see nvmldirect
+            inventory, live = _read_nvml(root, value, allow, preset, count)
     except NvmlUnavailable as exc:
         if value["no_driver"] == "fail":
             raise
