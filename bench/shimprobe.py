@@ -91,6 +91,7 @@ def phases(link, args):
     timed(nvml, "_binding", "_import binding")
     timed(nvml, "init", "_nvml.init")
     timed(nvml, "inventory", "_nvml.inventory")
+    timed(nvml, "current", "_nvml.current")
     timed(acquire.Acquirer, "acquire", "acquire (queue mutex, flock leases)")
     timed(launch, "obtain", "_obtain")
     timed(launch, "original_environ", "original_environ (/proc/self/environ)")
@@ -102,11 +103,15 @@ def phases(link, args):
         pyimp = out.pop("_import binding", 0.0)
         init = out.pop("_nvml.init", 0.0)
         inv = out.pop("_nvml.inventory", 0.0)
+        cur = out.pop("_nvml.current", 0.0)
         obtain = out.pop("_obtain", 0.0)
         out["import the NVML binding (nvmldirect: ctypes)"] = pyimp
         out["nvmlInit"] = init - pyimp
-        out["NVML enumeration (nvml.inventory minus init)"] = inv - init
-        out["rest of obtain (selection, lease dir, queue)"] = obtain - inv - out.get("acquire (queue mutex, flock leases)", 0.0)
+        # Each of these includes its own init(); at most one of the two normally runs.
+        out["NVML: candidates by UUID from sync's layout (nvml.current minus init)"] = cur - (init if cur else 0.0)
+        out["NVML enumeration (nvml.inventory minus init)"] = inv - (init if inv and not cur else 0.0)
+        out["rest of obtain (selection, lease dir, queue)"] = (obtain - inv - cur
+                                                               - out.get("acquire (queue mutex, flock leases)", 0.0))
         out["other (exec preparation, glue)"] = (end - T0) - sum(out.values())
         _emit({"mode": "phases", "total_s": end - T0, "phases_s": out, "not_timed": missing,
                "modules": len(sys.modules), "devices": env.get(b"CUDA_VISIBLE_DEVICES", b"").decode()})
