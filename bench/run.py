@@ -2,13 +2,15 @@
 """cudawrap's benchmark: launch overhead, burst correctness, scale and NVML cost, side by side
 with the peers (gpuselect, nvisel, a getgpu-style script), on the simulated machine.
 
-    python3 bench/run.py            # the full run (~6-8 min on 2 cores); updates bench/RESULTS.md
-    python3 bench/run.py --quick    # the same sections, smaller (under a minute)
+    python3 bench/run.py            # the full run (~9-10 min on 2 idle cores); updates bench/RESULTS.md
+                                    # and the README's benchmark block
+    python3 bench/run.py --quick    # the same sections, smaller (~2 min)
     python3 bench/run.py --tiny     # a few seconds per section; what tests/test_bench.py runs
 
 Results: bench/results/latest.json and PNG plots in bench/results/ (gitignored). Sets up
-its own environment in a temporary directory: the fake libnvidia-ml.so.1, one install root
-per machine, the wrapped stand-in. gpuselect pins an older nvidia-ml-py, so it lives in a
+its own environment in a temporary directory: cudawrap installed by install.sh --prefix,
+the fake libnvidia-ml.so.1, one machine per scenario, the stand-ins wrapped by the
+installed create-cudawrap. gpuselect pins an older nvidia-ml-py, so it lives in a
 venv of its own, bench/results/peers-venv, created on first use (pip install gpuselect
 matplotlib; --no-install skips that and runs without gpuselect). See bench/README.md.
 """
@@ -46,7 +48,7 @@ from sim import Bench, find_peers  # noqa: E402
 
 SECTIONS = ("launch", "burst", "scale", "nvml")
 
-# Sizes per mode. Full: the issue's numbers. Quick: under a minute. Tiny: the test's.
+# Sizes per mode. Full: the issue's numbers. Quick: ~2 minutes. Tiny: the test's.
 MODES: Dict[str, Dict[str, Any]] = {
     "full": {
         "launch": {"topologies": ["a100-mig7", "dgx-a100-mig56"], "reps": 30, "warmup": 3, "rss_reps": 5,
@@ -161,7 +163,7 @@ def draw(results_path: Path, out_dir: Path, peers_venv: Path) -> List[str]:
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="smaller sizes, under a minute")
+    size.add_argument("--quick", action="store_true", help="smaller sizes, ~2 minutes")
     size.add_argument("--tiny", action="store_true", help="smallest sizes (the test suite's)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
