@@ -29,8 +29,8 @@ def _pid_in(fd: int) -> Optional[int]:
 def running(pid_file: str) -> Optional[int]:
     """The pid of the live daemon holding PID_FILE, or None if none holds it.
 
-    Needs no write access: a shared lock attempt fails exactly while the daemon holds its
-    exclusive one.
+    A shared lock attempt fails exactly while the daemon holds its exclusive one. The
+    file is root's alone (see detach): for anyone else the answer is None.
     """
     try:
         fd = os.open(pid_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -53,7 +53,10 @@ def detach(pid_file: str, log_file: str) -> int:
     AlreadyRunning in the caller's own terminal. The daemon's stdout and stderr, and so
     its log lines, go to LOG_FILE (appended).
     """
-    fd = os.open(pid_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(pid_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # Root's alone: whoever can open it can flock it, and a user's lock would keep the
+    # monitor from starting ("already running").
+    os.fchmod(fd, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

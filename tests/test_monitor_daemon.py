@@ -28,6 +28,7 @@ def test_the_daemon_keeps_the_snapshot_and_refuses_a_second_one(installed, daemo
     assert r.returncode == 0, r.stderr
     pid = running(pid_file)
     assert pid and pid > 0
+    assert os.stat(pid_file).st_mode & 0o777 == 0o600  # a user's flock on it would block the monitor
     daemon_pids.append(pid)
     assert f"pid {pid}".encode() in r.stdout
     wait_for(inst.layout.usage_snapshot.exists)
