@@ -51,8 +51,8 @@ def peak_rss_kib(maxrss: Path, argv: List[str], env: Dict[str, str]) -> Optional
 def methods(sim: Sim, tools: List[str]) -> Dict[str, List[str]]:
     out = {
         "direct": sim.argv("direct", "true", []),
-        BARE: [sys.executable, "-I", "-c", "pass"],
-        BARE_S: [sys.executable, "-IS", "-c", "pass"],
+        BARE: [sim.install.python, "-I", "-c", "pass"],
+        BARE_S: [sim.install.python, "-IS", "-c", "pass"],
     }
     for tool in tools:
         if tool != MONITORED:
@@ -81,9 +81,11 @@ def measure(cmds: Dict[str, List[str]], env: Dict[str, str], reps: int, warmup: 
             row["max_rss_mib"] = round(median(rss) / 1024.0, 1) if rss else None
         out[name] = row
     bare = out[BARE]["median_ms"]
+    bare_s = out[BARE_S]["median_ms"] if BARE_S in out else None
     direct = out["direct"]["median_ms"]
     for row in out.values():
         row["x_bare_python"] = round(row["median_ms"] / bare, 2) if bare else None
+        row["x_bare_python_S"] = round(row["median_ms"] / bare_s, 2) if bare_s else None
         row["x_direct"] = round(row["median_ms"] / direct, 1) if direct else None
         row["minus_direct_ms"] = round(row["median_ms"] - direct, 2) if direct is not None else None
     return out
@@ -127,7 +129,7 @@ def breakdown(sim: Sim, reps: int) -> dict:
     totals: List[float] = []
     modules = 0
     for _ in range(reps):
-        done = subprocess.run([sys.executable, "-IS", str(PROBE), "phases", link], env=env,
+        done = subprocess.run([sim.install.python, "-IS", str(PROBE), "phases", link], env=env,
                               capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
             return {"error": done.stderr[-2000:]}
@@ -138,19 +140,19 @@ def breakdown(sim: Sim, reps: int) -> dict:
     per_package: List[Dict[str, float]] = []
     first_level: List[Dict[str, float]] = []
     for _ in range(reps):
-        done = subprocess.run([sys.executable, "-IS", "-X", "importtime", link], env=env,
+        done = subprocess.run([sim.install.python, "-IS", "-X", "importtime", link], env=env,
                               capture_output=True, text=True, timeout=60)
         own, cum = parse_importtime(done.stderr)
         per_package.append(own)
         first_level.append(cum)
-    whatif: Dict[str, List[float]] = {"ctypes": [], "pynvml": [], "pynvml-no-util": []}
+    whatif: Dict[str, List[float]] = {"ctypes": [], "nvmldirect": [], "pynvml": [], "pynvml-no-util": []}
     for _ in range(reps):
         for variant, samples in whatif.items():
-            done = subprocess.run([sys.executable, "-IS", str(PROBE), "import-cost", link, variant], env=env,
+            done = subprocess.run([sim.install.python, "-IS", str(PROBE), "import-cost", link, variant], env=env,
                                   capture_output=True, text=True, timeout=60)
             if done.returncode == 0:
                 samples.append(json.loads(done.stdout)["seconds"])
-    done = subprocess.run([sys.executable, "-IS", str(PROBE), "cprofile", link], env=env,
+    done = subprocess.run([sim.install.python, "-IS", str(PROBE), "cprofile", link], env=env,
                           capture_output=True, text=True, timeout=60)
     profile = json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-2000:]}
     for key in ("by_own", "by_cumulative"):
@@ -172,7 +174,7 @@ def breakdown(sim: Sim, reps: int) -> dict:
 
 
 def run_launch(bench: Bench, topologies: List[str], reps: int, warmup: int, rss_reps: int,
-               breakdown_reps: int) -> dict:
+               breakdown_reps: int, monitor_s: float = 10.0) -> dict:
     out: Dict[str, dict] = {}
     for topology in topologies:
         sim = bench.sim(topology)
@@ -181,16 +183,43 @@ def run_launch(bench: Bench, topologies: List[str], reps: int, warmup: int, rss_
         found = measure(cmds, sim.environ(), reps, warmup, maxrss=bench.maxrss, rss_reps=rss_reps)
         result = {"devices": sim.devices, "reps": reps, "methods": found,
                   "commands": {k: " ".join(v) for k, v in cmds.items()}}
+        if "nvisel" in tools:
+            result["nvisel_threshold"] = sim.nvisel_threshold()
         result["breakdown"] = breakdown(sim, breakdown_reps)
         if MONITORED in tools:
             # A second block with the monitor running; its ratios are to this block's bare start.
             with sim.monitor():
-                block = measure({BARE: cmds[BARE], "direct": cmds["direct"], MONITORED: cmds["cudawrap"]},
+                block = measure({BARE: cmds[BARE], BARE_S: cmds[BARE_S], "direct": cmds["direct"],
+                                 MONITORED: cmds["cudawrap"]},
                                 sim.environ(), reps, warmup, maxrss=bench.maxrss, rss_reps=rss_reps)
                 result["breakdown_with_monitor"] = breakdown(sim, breakdown_reps)
             found[MONITORED] = block[MONITORED]
+            result["monitor_cpu"] = monitor_cpu(sim, monitor_s)
         out[topology] = result
     return out
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds PID has used (/proc/PID/stat, fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def monitor_cpu(sim: Sim, seconds: float) -> dict:
+    """The monitor's own CPU while it runs SECONDS at its default period, nothing launching."""
+    from cudawrap.snapshot import PERIOD_S
+
+    with sim.monitor():
+        time.sleep(PERIOD_S)  # past its first cycle, which also loads pynvml
+        pid = sim.monitor_pid
+        cpu0, wall0 = _cpu_s(pid), time.monotonic()
+        time.sleep(seconds)
+        cpu1, wall1 = _cpu_s(pid), time.monotonic()
+    cycles = (wall1 - wall0) / PERIOD_S
+    return {"devices": sim.devices, "seconds": round(wall1 - wall0, 1), "period_s": PERIOD_S,
+            "cpu_ms_per_cycle": round(1000.0 * (cpu1 - cpu0) / cycles, 1),
+            "pct_of_one_core": round(100.0 * (cpu1 - cpu0) / (wall1 - wall0), 2)}
 
 
 def run_nvml(bench: Bench, topology: str, delays_ms: List[int], reps: int) -> dict:
@@ -208,13 +237,13 @@ def run_nvml(bench: Bench, topology: str, delays_ms: List[int], reps: int) -> di
         n = reps if delay < 1000 else max(1, reps // 2)
         warmup = 1 if delay < 500 else 0
         result = measure(dict(cmds, direct=sim.argv("direct", "true", []),
-                              **{BARE: [sys.executable, "-I", "-c", "pass"]}),
+                              **{BARE: [sim.install.python, "-I", "-c", "pass"]}),
                          sim.environ(), n, warmup=warmup)
         if MONITORED in tools:
             with sim.monitor():
                 result[MONITORED] = measure({MONITORED: sim.argv(MONITORED, "true", []),
                                              "direct": sim.argv("direct", "true", []),
-                                             BARE: [sys.executable, "-I", "-c", "pass"]},
+                                             BARE: [sim.install.python, "-I", "-c", "pass"]},
                                             sim.environ(), n, warmup=warmup)[MONITORED]
         for tool in tools:
             rows[tool][str(delay)] = result[tool]["median_ms"]

@@ -2,13 +2,15 @@
 """cudawrap's benchmark: launch overhead, burst correctness, scale and NVML cost, side by side
 with the peers (gpuselect, nvisel, a getgpu-style script), on the simulated machine.
 
-    python3 bench/run.py            # the full run (~6-8 min on 2 cores); updates bench/RESULTS.md
-    python3 bench/run.py --quick    # the same sections, smaller (under a minute)
+    python3 bench/run.py            # the full run (~9-10 min on 2 idle cores); updates bench/RESULTS.md
+                                    # and the README's benchmark block
+    python3 bench/run.py --quick    # the same sections, smaller (~2 min)
     python3 bench/run.py --tiny     # a few seconds per section; what tests/test_bench.py runs
 
 Results: bench/results/latest.json and PNG plots in bench/results/ (gitignored). Sets up
-its own environment in a temporary directory: the fake libnvidia-ml.so.1, one install root
-per machine, the wrapped stand-in. gpuselect pins an older nvidia-ml-py, so it lives in a
+its own environment in a temporary directory: cudawrap installed by install.sh --prefix,
+the fake libnvidia-ml.so.1, one machine per scenario, the stand-ins wrapped by the
+installed create-cudawrap. gpuselect pins an older nvidia-ml-py, so it lives in a
 venv of its own, bench/results/peers-venv, created on first use (pip install gpuselect
 matplotlib; --no-install skips that and runs without gpuselect). See bench/README.md.
 """
@@ -46,11 +48,11 @@ from sim import Bench, find_peers  # noqa: E402
 
 SECTIONS = ("launch", "burst", "scale", "nvml")
 
-# Sizes per mode. Full: the issue's numbers. Quick: under a minute. Tiny: the test's.
+# Sizes per mode. Full: the issue's numbers. Quick: ~2 minutes. Tiny: the test's.
 MODES: Dict[str, Dict[str, Any]] = {
     "full": {
         "launch": {"topologies": ["a100-mig7", "dgx-a100-mig56"], "reps": 30, "warmup": 3, "rss_reps": 5,
-                   "breakdown_reps": 7},
+                   "breakdown_reps": 7, "monitor_s": 20.0},
         "burst": {"topologies": ["a100-mig7", "four-gpus"], "n": 100, "hold": 1.0, "standin_reps": 7,
                   "release_leads": [0.3, 1.5]},
         # Releases spread 0.1 s apart: 2 cores start about 10 stand-ins a second with room
@@ -61,7 +63,7 @@ MODES: Dict[str, Dict[str, Any]] = {
     },
     "quick": {
         "launch": {"topologies": ["a100-mig7", "dgx-a100-mig56"], "reps": 5, "warmup": 1, "rss_reps": 1,
-                   "breakdown_reps": 1},
+                   "breakdown_reps": 1, "monitor_s": 4.0},
         "burst": {"topologies": ["a100-mig7"], "n": 20, "hold": 0.4, "standin_reps": 2,
                   "release_leads": [0.3]},
         "scale": {"topology": "dgx-a100-mig56", "waiters": [20, 60], "hold": 2.0, "window": 1.5,
@@ -69,7 +71,8 @@ MODES: Dict[str, Dict[str, Any]] = {
         "nvml": {"topology": "four-gpus", "delays_ms": [0, 500], "reps": 1},
     },
     "tiny": {
-        "launch": {"topologies": ["a100-mig7"], "reps": 2, "warmup": 1, "rss_reps": 1, "breakdown_reps": 1},
+        "launch": {"topologies": ["a100-mig7"], "reps": 2, "warmup": 1, "rss_reps": 1, "breakdown_reps": 1,
+                   "monitor_s": 1.0},
         "burst": {"topologies": ["a100-mig7"], "n": 9, "hold": 0.2, "standin_reps": 1,
                   "release_leads": [0.2]},
         "scale": {"topology": "a100-mig7", "waiters": [3, 8], "hold": 0.2, "window": 0.3,
@@ -160,7 +163,7 @@ def draw(results_path: Path, out_dir: Path, peers_venv: Path) -> List[str]:
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="smaller sizes, under a minute")
+    size.add_argument("--quick", action="store_true", help="smaller sizes, ~2 minutes")
     size.add_argument("--tiny", action="store_true", help="smallest sizes (the test suite's)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
@@ -172,6 +175,11 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--keep-work", action="store_true", help="keep the temporary work directory")
     parser.add_argument("--results-md", type=Path, default=BENCH / "RESULTS.md",
                         help="file the full run's tables go to (only written by a full run)")
+    parser.add_argument("--readme", type=Path, default=REPO / "README.md",
+                        help="README whose benchmark block a full run replaces")
+    parser.add_argument("--publish", action="store_true",
+                        help="write RESULTS.md and the README block from a --quick or --tiny run too "
+                             "(marked with its mode; for checking the output, not for publishing figures)")
     args = parser.parse_args(argv)
     mode = "tiny" if args.tiny else ("quick" if args.quick else "full")
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -198,6 +206,7 @@ def main(argv: List[str]) -> int:
     results["foreign_cpu_pct"] = foreign
     try:
         bench = Bench(work, peers)
+        results["interpreter"] = bench.install.describe
         timings["setup"] = time.monotonic() - started
         if "launch" in config:
             from overhead import run_launch
@@ -205,8 +214,8 @@ def main(argv: List[str]) -> int:
             c = config["launch"]
             print(f"bench: launch overhead on {', '.join(c['topologies'])} ...", file=sys.stderr, flush=True)
             results["launch"] = run_launch(bench, c["topologies"], c["reps"], c["warmup"], c["rss_reps"],
-                                           c["breakdown_reps"])
-            timings["launch"] = time.monotonic() - started
+                                           c["breakdown_reps"], c["monitor_s"])
+            timings["launch"] = time.monotonic() - started - sum(timings.values())
             foreign["launch"] = meter.lap()
         if "burst" in config:
             from burst import run_burst
@@ -253,11 +262,17 @@ def main(argv: List[str]) -> int:
         if plots:
             print("plots: " + ", ".join(plots))
     print(f"results: {latest}")
-    if mode == "full" and set(sections) == set(SECTIONS):
+    if (mode == "full" or args.publish) and set(sections) == set(SECTIONS):
+        block = report.summary(results)
+        provisional = "" if mode == "full" else (
+            f"**Provisional: a {mode} run, not the published figures; `python3 bench/run.py` replaces it.**\n\n")
         args.results_md.write_text(
-            "# Benchmark results\n\n"
-            "Written by `python3 bench/run.py` (full run); how it measures: bench/README.md.\n\n" + text)
-        print(f"tables: {args.results_md}")
+            "# Benchmark results\n\n" + provisional +
+            "Written by `python3 bench/run.py`; how it measures: bench/README.md. The summary below is "
+            "the README's Benchmarks block, written by the same run.\n\n## Summary\n\n" + block + "\n" + text)
+        readme = args.readme.read_text(encoding="utf-8")
+        args.readme.write_text(report.replace_block(readme, block), encoding="utf-8")
+        print(f"tables: {args.results_md}; README block: {args.readme}")
     return 0
 
 

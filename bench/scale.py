@@ -48,14 +48,14 @@ def probe(sim: Sim, reps: int) -> Optional[dict]:
     totals: List[float] = []
     obtain: List[float] = []
     for _ in range(reps):
-        done = subprocess.run([sys.executable, "-IS", str(PROBE), "phases", str(sim.true_wrapped)],
+        done = subprocess.run([sim.install.python, "-IS", str(PROBE), "phases", str(sim.true_wrapped)],
                               env=sim.environ(), capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
             return None
         record = json.loads(done.stdout)
         phases = record["phases_s"]
         totals.append(record["total_s"])
-        obtain.append(sum(v for k, v in phases.items() if k.startswith(("nvmlInit", "NVML enumeration", "acquire", "rest of obtain"))))
+        obtain.append(sum(v for k, v in phases.items() if k.startswith(("nvmlInit", "NVML", "acquire", "rest of obtain"))))
     return {"python_code_ms": ms(median(totals)), "decision_ms": ms(median(obtain))}
 
 

@@ -89,9 +89,10 @@ def phases(link, args):
     timed(policy, "effective", "policy.effective (config cache)")
     timed(launch, "find_link", "find_link + real_program")
     timed(launch, "real_program", "find_link + real_program")
-    timed(nvml, "_pynvml", "_import pynvml")
+    timed(nvml, "_binding", "_import binding")
     timed(nvml, "init", "_nvml.init")
     timed(nvml, "inventory", "_nvml.inventory")
+    timed(nvml, "current", "_nvml.current")
     timed(acquire.Acquirer, "acquire", "acquire (queue mutex, flock leases)")
     timed(launch, "obtain", "_obtain")
     timed(launch, "original_environ", "original_environ (/proc/self/environ)")
@@ -100,14 +101,18 @@ def phases(link, args):
         end = perf()
         out = dict(acc)
         # Split the nested timers into exclusive parts.
-        pyimp = out.pop("_import pynvml", 0.0)
+        pyimp = out.pop("_import binding", 0.0)
         init = out.pop("_nvml.init", 0.0)
         inv = out.pop("_nvml.inventory", 0.0)
+        cur = out.pop("_nvml.current", 0.0)
         obtain = out.pop("_obtain", 0.0)
-        out["import pynvml (+ctypes)"] = pyimp
+        out["import the NVML binding (nvmldirect: ctypes)"] = pyimp
         out["nvmlInit"] = init - pyimp
-        out["NVML enumeration (nvml.inventory minus init)"] = inv - init
-        out["rest of obtain (selection, lease dir, queue)"] = obtain - inv - out.get("acquire (queue mutex, flock leases)", 0.0)
+        # Each of these includes its own init(); at most one of the two normally runs.
+        out["NVML: candidates by UUID from sync's layout (nvml.current minus init)"] = cur - (init if cur else 0.0)
+        out["NVML enumeration (nvml.inventory minus init)"] = inv - (init if inv and not cur else 0.0)
+        out["rest of obtain (selection, lease dir, queue)"] = (obtain - inv - cur
+                                                               - out.get("acquire (queue mutex, flock leases)", 0.0))
         out["other (exec preparation, glue)"] = (end - T0) - sum(out.values())
         _emit({"mode": "phases", "total_s": end - T0, "phases_s": out, "not_timed": missing,
                "modules": len(sys.modules), "devices": env.get(b"CUDA_VISIBLE_DEVICES", b"").decode()})
@@ -154,7 +159,8 @@ def cprofile(link, args):
 def import_cost(link, args):
     """What-if: the cost of importing pynvml in other ways, in this fresh interpreter.
 
-    ARGS[0] is "ctypes" (ctypes alone), "pynvml" (as the shim does) or "pynvml-no-util"
+    ARGS[0] is "ctypes" (ctypes alone), "nvmldirect" (the shim's ctypes binding), "pynvml"
+    (as sync and the monitor import it) or "pynvml-no-util"
     (pynvml with ``ctypes.util`` stubbed out: pynvml imports find_library from it but
     never calls it on Linux, and ctypes.util drags in shutil, subprocess, tempfile, re).
     """
@@ -166,6 +172,8 @@ def import_cost(link, args):
         import ctypes  # noqa: F401
     elif variant == "pynvml":
         import pynvml  # noqa: F401
+    elif variant == "nvmldirect":
+        import cudawrap.nvmldirect  # noqa: F401  (what the shim imports instead of pynvml)
     elif variant == "pynvml-no-util":
         import ctypes  # noqa: F401
 

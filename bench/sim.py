@@ -1,15 +1,16 @@
 """The simulated machine the benchmark runs on, with cudawrap installed and the peers beside it.
 
 Everything lives under one work directory: the fake ``libnvidia-ml.so.1`` built from
-``tests/fakenvml``, one FakeMachine per topology, a cudawrap install root laid out by the
-product's own ``installation.prepare`` and ``sync.sync`` (as ``tests/corefix.py`` does),
-and a bin directory with the programs the tools launch:
+``tests/fakenvml``, one FakeMachine per topology, cudawrap installed once by its own
+``install.sh --prefix`` (so launches run the shim, interpreter and package an admin
+gets; every machine re-syncs that install with the installed ``cudawrap sync``), and a
+bin directory per machine with the programs the tools launch, wrapped by the installed
+``create-cudawrap``:
 
 * ``true`` -- a tiny C program (``bench/true.c``) that exits at once: launch overhead and
   the shim's peak RSS (exec keeps the process, so its max RSS is the shim's);
 * ``fakecuda`` -- the stand-in CUDA program (``tests/fakecuda.py``), run directly;
-* ``true-w`` and ``job`` -- the same two, wrapped: symlinks to the shim beside
-  ``CUDAWRAP_true-w`` / ``CUDAWRAP_job``;
+* ``true-w`` and ``job`` -- the same two, wrapped by ``create-cudawrap``;
 * ``nvidia-smi`` and ``getgpu`` -- the stand-ins for the seed's script (``bench/peers``).
 
 The peers are launched the way their documentation says:
@@ -37,12 +38,11 @@ if str(TESTS) not in sys.path:
 
 from fakemachine import FAKECUDA, FakeMachine, build_fakenvml, preload  # noqa: E402
 
-from cudawrap.installation import prepare  # noqa: E402
 from cudawrap.paths import Layout  # noqa: E402
 
 # "cudawrap+monitor" is cudawrap with `cudawrap monitor` running beside it, keeping the
 # snapshot that lets launches skip pynvml and NVML; plain "cudawrap" has no monitor.
-TOOLS = ("cudawrap", "cudawrap+monitor", "gpuselect", "nvisel", "getgpu")
+TOOLS = ("cudawrap", "cudawrap+monitor", "gpuselect", "gpuselect-in-script", "nvisel", "getgpu")
 MONITORED = "cudawrap+monitor"
 # Environment variables that must not leak from the caller into a measured launch.
 _SCRUB = ("CUDA_VISIBLE_DEVICES", "CUDAWRAP_LEASE", "CUDAWRAP_WAIT", "CUDAWRAP_VERBOSE",
@@ -64,7 +64,7 @@ class Peers:
     def available(self) -> List[str]:
         out = ["cudawrap", MONITORED, "getgpu"]
         if self.gpuselect_python:
-            out.append("gpuselect")
+            out += ["gpuselect", "gpuselect-in-script"]
         if self.nvisel:
             out.append("nvisel")
         return [t for t in TOOLS if t in out]
@@ -121,23 +121,62 @@ def _install_script(src: Path, dst: Path, shebang: Optional[str] = None) -> Path
     return dst
 
 
+class Install:
+    """cudawrap installed by ``install.sh --prefix ROOT``, and the interpreter its shim runs.
+
+    The interpreter is read from the installed shim's ``#!`` line: that is what every
+    launch really starts, so every ratio is taken against it. install.sh makes its venv
+    with PYTHON (default: ``python3`` on PATH, as install.sh itself picks).
+    """
+
+    def __init__(self, root: Path, python: Optional[str] = None) -> None:
+        self.root = root
+        self.layout = Layout(root)
+        cmd = ["bash", str(REPO / "install.sh"), "--prefix", str(root)]
+        if python:
+            cmd += ["--python", python]
+        env = {k: v for k, v in os.environ.items() if k not in _SCRUB and k != "VIRTUAL_ENV"}
+        started = time.monotonic()
+        done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"install.sh --prefix {root} failed ({done.returncode}): {done.stderr[-2000:]}")
+        self.install_s = round(time.monotonic() - started, 1)
+        self.cudawrap = str(root / "usr/local/bin/cudawrap")
+        self.create = str(root / "usr/local/bin/create-cudawrap")
+        with open(self.layout.shim, encoding="utf-8") as f:
+            first = f.readline()
+        self.python = shlex.split(first[2:])[0]  # "#!/…/venv/bin/python -IS"
+        picked = python or shutil.which("python3") or "python3"
+        version = subprocess.run([self.python, "-IS", "-c", "import sys; print(sys.version.split()[0])"],
+                                 capture_output=True, text=True).stdout.strip()
+        self.describe = {
+            "python": self.python, "resolves_to": os.path.realpath(self.python), "version": version,
+            "how_found": f"the `#!` line of the installed shim {self.layout.shim}; install.sh made that venv "
+                         f"with {'--python ' + python if python else 'python3 on PATH'} ({picked})",
+            "install_sh_s": self.install_s,
+        }
+
+
 class Sim:
     """One simulated machine with cudawrap installed and every tool ready to launch."""
 
-    def __init__(self, work: Path, lib_dir: Path, true_exe: Path, topology: str, peers: Peers) -> None:
+    def __init__(self, work: Path, lib_dir: Path, true_exe: Path, topology: str, peers: Peers,
+                 install: Install) -> None:
         self.work = work
         self.topology_name = topology
         self.peers = peers
+        self.install = install
         work.mkdir(parents=True, exist_ok=True)
         self.machine = FakeMachine(work / "machine", lib_dir)
         self.machine.load(topology)
-        self.layout = Layout(work / "root")
-        prepare(self.layout, sys.executable)
+        # One install serves every machine in turn: sync makes its lease files this
+        # machine's (the last machine's devices vanished, nobody holds them).
+        self.layout = install.layout
         self.bindir = work / "bin"
         self.bindir.mkdir(exist_ok=True)
         self.sync()
-        # Python programs get this interpreter baked in, as tests/corefix.py does.
-        shebang = f"#!{sys.executable} -IS"
+        # The stand-in runs with the shim's interpreter; it needs only the standard library.
+        shebang = f"#!{install.python} -IS"
         self.true = self.bindir / "true"
         shutil.copy2(true_exe, self.true)
         self.fakecuda = _install_script(FAKECUDA, self.bindir / "fakecuda", shebang)
@@ -153,33 +192,35 @@ class Sim:
                 leaves.extend(gpu.instances)
             else:
                 leaves.append(gpu)
+        self._leaves = leaves
         self.devices = len(leaves)
         self.leaf_uuids = topo.leaf_uuids()
         # Free means "less than half a job's memory in use" for nvisel.
-        self.nvisel_free_mib = min(leaf.memory_mib for leaf in leaves) - JOB_MEM_MIB // 2
+        self.nvisel_free_mib = min(leaf.memory_mib - leaf.used_mib for leaf in leaves) - JOB_MEM_MIB // 2
 
     # ---- cudawrap --------------------------------------------------------------
 
     def _wrap(self, name: str, program: Path) -> Path:
-        real = self.bindir / f"CUDAWRAP_{name}"
-        shutil.copy2(program, real)
-        real.chmod(0o755)
+        """A copy of PROGRAM named NAME, wrapped by the installed create-cudawrap."""
         link = self.bindir / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(self.layout.shim)
+        shutil.copy2(program, link)
+        link.chmod(0o755)
+        self._admin([self.install.create, str(link)])
         return link
 
+    def _admin(self, argv: List[str]) -> None:
+        done = subprocess.run(argv, env=self.machine.environ(), capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr[-1000:]}")
+
     def activate(self) -> None:
-        """Point this process at the machine (for sync, and for holding leases by hand)."""
+        """Point this process at the machine (for holding leases by hand)."""
         os.environ.update(self.machine.environ())
         preload(self.machine.lib_dir)
 
     def sync(self) -> None:
-        from cudawrap.sync import sync
-
         self.activate()
-        sync(self.layout)
+        self._admin([self.install.cudawrap, "sync"])
 
     @contextlib.contextmanager
     def monitor(self, enabled: bool = True) -> Iterator[None]:
@@ -195,9 +236,9 @@ class Sim:
             snap.unlink()
         except FileNotFoundError:
             pass
-        env = dict(self.machine.environ(), CUDAWRAP_ROOT=str(self.layout.root))
-        proc = subprocess.Popen([sys.executable, "-c", "from cudawrap.cli import main; main()", "monitor"],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen([self.install.cudawrap, "monitor"], env=self.machine.environ(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.monitor_pid = proc.pid
         try:
             deadline = time.monotonic() + 60
             while not snap.exists():
@@ -248,14 +289,42 @@ class Sim:
             if not self.peers.gpuselect_python:
                 raise LookupError("gpuselect is not available")
             return [self.peers.gpuselect_python, str(PEERS_DIR / "gpuselect_compat.py"), "--", plain] + args
+        if tool == "gpuselect-in-script":
+            # The job's own script calls gpuselect() first; `true` is then an empty script.
+            if not self.peers.gpuselect_python:
+                raise LookupError("gpuselect is not available")
+            job = [] if program == "true" else [plain] + args
+            return [self.peers.gpuselect_python, str(PEERS_DIR / "gpuselect_inscript.py")] + job
         if tool == "nvisel":
             if not self.peers.nvisel:
                 raise LookupError("nvisel is not available")
-            pick = f"{shlex.quote(self.peers.nvisel)} -n 1 -f {self.nvisel_free_mib}MiB 2>/dev/null"
-            return ["/bin/sh", "-c", f'CUDA_VISIBLE_DEVICES=$({pick}) exec "$@"', "sh", plain] + args
+            return ["/bin/sh", "-c", f'{self.nvisel_command()} exec "$@"', "sh", plain] + args
         if tool == "getgpu":
             return ["/bin/sh", "-c", 'CUDA_VISIBLE_DEVICES=$(getgpu) exec "$@"', "sh", plain] + args
         raise ValueError(f"unknown tool {tool}")
+
+    def nvisel_command(self) -> str:
+        """nvisel as its documentation's example: `export CUDA_DEVICE_ORDER="PCI_BUS_ID"
+        CUDA_VISIBLE_DEVICES="$(nvisel -c 1 -f 10GiB)"`, with -f between idle and busy.
+
+        -C 1 as well: -c 1 alone prints every device that qualifies, and a one-device job
+        (the stand-in takes every device it is shown) must be given the one it will use.
+        --tolerance stays 0 (strict): see nvisel_threshold for the tolerance that would
+        let a busy device pass.
+        """
+        pick = f"{shlex.quote(str(self.peers.nvisel))} -c 1 -C 1 -f {self.nvisel_free_mib}MiB 2>/dev/null"
+        return f'CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES="$({pick})"'
+
+    def nvisel_threshold(self) -> dict:
+        """Whether nvisel's -f threshold separates an idle device from one running a job."""
+        idle = [leaf.memory_mib - leaf.used_mib for leaf in self._leaves]
+        busy = [m - JOB_MEM_MIB for m in idle]
+        f = self.nvisel_free_mib
+        # nvisel accepts free >= f × (1 - tolerance/100): the smallest tolerance that would
+        # let the busiest-looking busy device through.
+        tolerance = min(100.0 * (1 - b / f) for b in busy)
+        return {"min_free_mib": f, "idle_free_mib_min": min(idle), "busy_free_mib_max": max(busy),
+                "separates": min(idle) >= f > max(busy), "tolerance_that_breaks_it_pct": round(tolerance, 1)}
 
     def job_args(self, hold: float, log: Path) -> List[str]:
         """The stand-in's arguments in bursts: it fails (exit 100, no log) without a device."""
@@ -265,8 +334,9 @@ class Sim:
 class Bench:
     """Shared state of one benchmark run: the work directory, the library, the peers."""
 
-    def __init__(self, work: Path, peers: Peers) -> None:
+    def __init__(self, work: Path, peers: Peers, install: Optional[Install] = None) -> None:
         self.work = work
+        self.install = install or Install(work / "install")
         self.lib_dir = build_fakenvml(work / "fakenvml")
         self.true_exe = build_c(work / "cbin", "true")
         self.maxrss = build_c(work / "cbin", "maxrss")
@@ -276,4 +346,5 @@ class Bench:
     def sim(self, topology: str) -> Sim:
         """A fresh machine and install root (nothing held, nothing queued)."""
         self._count += 1
-        return Sim(self.work / f"sim{self._count}-{topology}", self.lib_dir, self.true_exe, topology, self.peers)
+        return Sim(self.work / f"sim{self._count}-{topology}", self.lib_dir, self.true_exe, topology, self.peers,
+                   self.install)

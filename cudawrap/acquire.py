@@ -62,6 +62,13 @@ def _uid_of(pid: int) -> int:
         return -1
 
 
+def _free_mib(device: Device) -> Optional[int]:
+    """Memory free on DEVICE, None where it was not read (the lean launch path skips it)."""
+    if device.memory_used_mib is None:
+        return None
+    return device.memory_total_mib - device.memory_used_mib
+
+
 def _stopped(pid: int) -> bool:
     """Whether PID is stopped (SIGSTOP, a debugger): it cannot take its turn now."""
     try:
@@ -115,8 +122,8 @@ class Acquirer:
         # last read (the processes seen were probably that job's).
         self.stale: Set[str] = set()
         self.lost: Set[str] = set()
-        mine = {d.uuid for d in self.candidates}
-        self.wanted = None if mine >= set(self.current) else frozenset(mine)
+        self.mine = {d.uuid for d in self.candidates}
+        self.wanted = None if self.mine >= set(self.current) else frozenset(self.mine)
         # What this process has seen of others taking their turns.
         self.offered: Dict[str, float] = {}
         self.skip_keys: Dict[str, float] = {}
@@ -130,7 +137,7 @@ class Acquirer:
         if self.foreign == "ignore":
             return False
         if device.pids is None:
-            return device.memory_used_mib > self.busy_memory_mib
+            return (device.memory_used_mib or 0) > self.busy_memory_mib
         return bool(device.pids)
 
     def _recheck(self, uuid: str, now: float) -> bool:
@@ -174,7 +181,12 @@ class Acquirer:
                 self.stale.add(uuid)
             elif uuid in self.lost or uuid in self.unavailable:
                 continue
-            elif self._eligible(uuid, now):
+            elif uuid in self.mine and self._eligible(uuid, now):
+                free.append(uuid)
+            elif uuid not in self.mine and not self.occupied(self.current[uuid]):
+                # Another run's device: judged by what we know, never re-read from NVML
+                # (the launch reads only its own candidates). A wrong guess here costs
+                # fairness at most; whoever takes it checks it for itself.
                 free.append(uuid)
             else:
                 busy.add(uuid)
@@ -205,8 +217,7 @@ class Acquirer:
             waiters.append(me)
         free, held, busy = self.machine(scan.locks)
         limits = {w.uid: self._limit(w.uid) for w in waiters}
-        fit = {u: (d.memory_total_mib - d.memory_used_mib, getattr(d, "utilization", None))
-               for u, d in self.current.items() if u in free}
+        fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free}
         verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit)
         return verdicts, free
 
@@ -228,9 +239,9 @@ class Acquirer:
 
     def _fits(self, uuid: str) -> bool:
         d = self.current[uuid]
-        util = getattr(d, "utilization", None)
-        return (d.memory_total_mib - d.memory_used_mib >= self.min_free_mib
-                and (util is None or util <= self.max_util))
+        free_mib = _free_mib(d)
+        return ((self.min_free_mib <= 0 or (free_mib is not None and free_mib >= self.min_free_mib))
+                and (d.utilization is None or d.utilization <= self.max_util))
 
     def _me(self, key: str) -> Waiter:
         return Waiter(key, self.uid, os.getpid(), self.count, self.wanted, self.placement,
@@ -243,7 +254,9 @@ class Acquirer:
         """
         now = time.monotonic()
         changed = False
-        granted = {k for k, v in verdicts.items() if v.kind == GRANTED and k != me}
+        # Only offers of devices this run could use can hold it up.
+        granted = {k for k, v in verdicts.items()
+                   if v.kind == GRANTED and k != me and any(u in self.mine for u in v.devices)}
         for key in list(self.offered):
             if key not in granted:
                 del self.offered[key]

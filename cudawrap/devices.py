@@ -31,7 +31,7 @@ class Device:
         gpu_index: int,
         mig_slot: Optional[int],
         memory_total_mib: int,
-        memory_used_mib: int,
+        memory_used_mib: Optional[int],
         pids: Optional[Tuple[int, ...]],
         utilization: Optional[int] = None,
     ) -> None:
@@ -41,7 +41,7 @@ class Device:
         self.gpu_index = gpu_index  # NVML index of the physical GPU (PCI order)
         self.mig_slot = mig_slot  # None for a whole GPU
         self.memory_total_mib = memory_total_mib
-        self.memory_used_mib = memory_used_mib
+        self.memory_used_mib = memory_used_mib  # None: not read (the launch path, pids known)
         self.pids = pids  # compute processes; None where NVML answered NoPermission
         # GPU utilisation in %, read only when asked for (a filter, status); None where
         # not read or not reported (MIG instances and GPUs in MIG mode never report it).

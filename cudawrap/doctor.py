@@ -185,6 +185,26 @@ class _Doctor:
         else:
             self.add(LEVEL_OK, "leases", f"a lease file for each of {len(present)} device(s)")
 
+    def check_monitor(self) -> None:
+        """Whether launches are spared NVML: only a fresh snapshot (a live monitor) does that."""
+        from . import invcache, locations as loc, snapshot
+        from .daemon import running
+
+        root = os.fspath(self.layout.root)
+        if snapshot.read_fresh(root) is not None:
+            self.add(LEVEL_OK, "monitor", "running: launches read its snapshot instead of NVML")
+            return
+        how = ("each reads NVML for its candidate devices" if invcache.read(root) is not None else
+               "each enumerates every device through NVML: no device layout cache, run 'cudawrap sync'")
+        pid = running(loc.under(root, loc.MONITOR_PID))
+        if pid:
+            self.add(LEVEL_WARNING, "monitor", f"pid {pid} runs but writes no fresh snapshot (see "
+                                               f"{loc.under(root, loc.MONITOR_LOG)}): launches pay NVML ({how})")
+            return
+        self.add(LEVEL_NOTE, "monitor", f"not running: launches pay NVML themselves ({how}); start it with "
+                                        "'systemctl enable --now cudawrap-monitor', or without systemd "
+                                        "'cudawrap monitor --daemon'")
+
     def _devices(self) -> Optional[Inventory]:
         try:
             from . import nvml
@@ -374,6 +394,7 @@ def check(
     doctor.check_shim()
     doctor.check_config()
     doctor.check_runtime()
+    doctor.check_monitor()
     if repair and os.path.isdir(layout.state_dir):
         with registry.lock(layout):
             reg = doctor.load_registry()

@@ -11,7 +11,7 @@ import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, NoReturn, Optional, Sequence
+    from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
     from .devices import Device
 
@@ -158,6 +158,75 @@ def _unchanged(device: Device) -> Device:
     return device
 
 
+def _candidates(inventory: Any, value: Dict[str, Any], allow: List[str], preset: Optional[str],
+                count: int, order: Optional[str] = None) -> List[Any]:
+    """The devices of INVENTORY this run may be given; NoDeviceError if fewer than COUNT.
+
+    Narrowed by the allow-list, CUDA_VISIBLE_DEVICES (read in ORDER, as CUDA will) and the
+    filters that can never change (model, memory in all); free memory and utilisation
+    change as jobs end, and the scheduler judges them at every decision.
+    """
+    from .filters import Request, explain, split
+    from .selection import allowed, parse_visible
+
+    candidates = allowed(inventory.devices, allow)
+    if preset is not None:
+        from . import nvml
+
+        visible = parse_visible(preset, inventory, order, nvml.mig_by_ids)
+        candidates = [d for d in candidates if d in visible]
+    why = " (narrowed by CUDA_VISIBLE_DEVICES)" if preset is not None else (
+        " (narrowed by the allow-list)" if allow else "")
+    request = Request.from_settings(value, count)
+    if request.filtered and candidates:
+        kept, _why_not = split(request, candidates, inventory)
+        if len(kept) < count:
+            raise NoDeviceError(explain(request, candidates, inventory),
+                                hint="`cudawrap status` lists the devices; `cudawrap config` the filters")
+        candidates = kept
+    if count > 1 and not inventory.multi_mig and any(d.is_mig for d in candidates):
+        if value["multi_mig"] == "refuse":
+            raise NoDeviceError(
+                f"{count} devices asked for, but with driver {inventory.driver_version} a process "
+                f"can use only one MIG instance",
+                hint="ask for one device, or an admin may set multi_mig = \"whole-gpus\"")
+        candidates = [d for d in candidates if not d.is_mig]
+    if len(candidates) < count:
+        raise NoDeviceError(
+            f"{count} device{'s' if count > 1 else ''} asked for, but only "
+            f"{len(candidates)} can be used here{why}",
+            hint="`cudawrap status` lists the devices")
+    return candidates
+
+
+def _with_usage(layout: Any, live: List[Any]) -> Any:
+    """LAYOUT with LIVE's devices in place of theirs (the others' usage stays unknown)."""
+    from .devices import Inventory
+
+    fresh = {d.uuid: d for d in live}
+    return Inventory(layout.driver_version, layout.gpus, [fresh.get(d.uuid, d) for d in layout.devices])
+
+
+def _read_nvml(root: str, value: Dict[str, Any], allow: List[str], preset: Optional[str],
+               count: int, order: Optional[str]) -> Tuple[Any, Optional[List[Any]]]:
+    """(inventory, its candidates with live usage, or None) for a launch without the monitor.
+
+    The layout `cudawrap sync` saw, and NVML read for the candidates alone; the whole
+    machine (candidates None) only if there is no layout or it is out of date.
+    """
+    from . import invcache, nvml
+
+    layout = invcache.read(root)
+    try:
+        candidates = _candidates(layout, value, allow, preset, count, order) if layout else None
+    except CudawrapError:
+        candidates = None  # perhaps an old layout's fault: the enumeration decides
+    live = nvml.current(layout, candidates) if candidates is not None else None
+    if live is not None:
+        return _with_usage(layout, live), live
+    return nvml.inventory(direct=True), None  # ctypes, not pynvml: see nvmldirect
+
+
 def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
            count: Optional[int] = None) -> Grant:
     """Lease devices for one run under SETTINGS (key -> (value, source))."""
@@ -185,83 +254,64 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     if job is not None and job.has_no_gpu:
         say(prog, f"Slurm job {job.job_id} has no GPU: running without a device (submit with --gres=gpu:N)")
         return Grant(None, "")
+    if preset is not None and not preset.strip():
+        return Grant(None, None)  # the caller asked for no device at all
 
     from .policy import check_count
 
     check_count(settings, count)
 
     from . import nvml
+    from .filters import Request
     from .snapshot import SnapshotRefresh, read_fresh
 
-    inventory = read_fresh(root)  # kept by `cudawrap monitor`; spares us pynvml
-    refresh = SnapshotRefresh(root) if inventory is not None else nvml.refresh
-    if inventory is None:
-        try:
-            inventory = nvml.inventory()
-        except NvmlUnavailable as exc:
-            if value["no_driver"] == "fail":
-                raise
-            from .leases import lease_file_inventory
-
-            # The lease files root made still name the devices (NVML may be broken only for
-            # us, a driver upgraded under a loaded module): one lease each, by UUID, rather
-            # than every run on device 0.
-            inventory = lease_file_inventory(lease_dir)
-            audit.log("no-driver", "warning", program=prog, pid=os.getpid(), reason=str(exc))
-            if inventory is None:
-                say(prog, f"warning: {exc}; running without a device lease")
-                return Grant(None, None)
-            say(prog, f"warning: {exc}; leasing by the lease files alone (processes on the devices unseen)")
-            refresh = _unchanged
-    checked_at = time.monotonic()
-
-    from .selection import PCI_ORDER, allowed, parse_visible, read_allow_file
-
-    candidates = list(inventory.devices)
     allow = list(value["allow"])
     if value["allow_file"]:
-        allow += read_allow_file(value["allow_file"])
-    candidates = allowed(candidates, allow)
-    order = environ.get("CUDA_DEVICE_ORDER")
-    slurm_visible = job.visible({g.index for g in inventory.gpus}) if job is not None else None
-    if slurm_visible is not None:
-        preset, order = slurm_visible, PCI_ORDER  # Slurm's indices: its numbering, not CUDA's
-    if preset is not None:
-        if not preset.strip():
-            return Grant(None, None)  # the caller asked for no device at all
-        visible = parse_visible(preset, inventory, order, nvml.mig_by_ids)
-        candidates = [d for d in candidates if d in visible]
-    why = " (narrowed by CUDA_VISIBLE_DEVICES)" if preset is not None else (
-        " (narrowed by the allow-list)" if allow else "")
-    from .filters import Request, explain, split
+        from .selection import read_allow_file
 
-    # Model, memory and device filters: only what can never fit is dropped here; free
-    # memory and utilisation change as jobs end, and are for whoever waits to re-check.
+        allow += read_allow_file(value["allow_file"])
+    order = environ.get("CUDA_DEVICE_ORDER")
     request = Request.from_settings(value, count)
-    if request.filtered and candidates:
-        kept, _why_not = split(request, candidates, inventory)
-        if len(kept) < count:
-            raise NoDeviceError(explain(request, candidates, inventory),
-                                hint="`cudawrap status` lists the devices; `cudawrap config` the filters")
-        candidates = kept
+
+    inventory = read_fresh(root)  # kept by `cudawrap monitor`; spares us NVML
+    refresh = SnapshotRefresh(root) if inventory is not None else nvml.refresh
+    live = None
+    try:
+        if inventory is None and (job is not None or request.min_free_memory_mib > 0):
+            # Slurm's indices need the GPUs, a free-memory floor every device's memory
+            inventory = nvml.inventory(direct=True)
+        elif inventory is None:
+            inventory, live = _read_nvml(root, value, allow, preset, count, order)
+    except NvmlUnavailable as exc:
+        if value["no_driver"] == "fail":
+            raise
+        from .leases import lease_file_inventory
+
+        # The lease files root made still name the devices (NVML may be broken only for
+        # us, a driver upgraded under a loaded module): one lease each, by UUID, rather
+        # than every run on device 0.
+        inventory = lease_file_inventory(lease_dir)
+        audit.log("no-driver", "warning", program=prog, pid=os.getpid(), reason=str(exc))
+        if inventory is None:
+            say(prog, f"warning: {exc}; running without a device lease")
+            return Grant(None, None)
+        say(prog, f"warning: {exc}; leasing by the lease files alone (processes on the devices unseen)")
+        refresh = _unchanged
+    checked_at = time.monotonic()
+    if job is not None:
+        from .selection import PCI_ORDER
+
+        slurm_visible = job.visible({g.index for g in inventory.gpus})
+        if slurm_visible is not None:
+            preset, order = slurm_visible, PCI_ORDER  # Slurm's indices: its numbering, not CUDA's
+            if not preset.strip():
+                return Grant(None, None)
+    candidates = live if live is not None else _candidates(inventory, value, allow, preset, count, order)
     if request.max_utilization < 100 and not any(d.utilization is not None for d in inventory.devices):
-        try:  # the snapshot and the plain inventory skip utilisation: read it for this filter
+        try:  # the snapshot and the lean inventory skip utilisation: read it for this filter
             inventory = nvml.inventory(utilization=True)
         except NvmlUnavailable:
             pass
-
-    if count > 1 and not inventory.multi_mig and any(d.is_mig for d in candidates):
-        if value["multi_mig"] == "refuse":
-            raise NoDeviceError(
-                f"{count} devices asked for, but with driver {inventory.driver_version} a process "
-                f"can use only one MIG instance",
-                hint="ask for one device, or an admin may set multi_mig = \"whole-gpus\"")
-        candidates = [d for d in candidates if not d.is_mig]
-    if len(candidates) < count:
-        raise NoDeviceError(
-            f"{count} device{'s' if count > 1 else ''} asked for, but only "
-            f"{len(candidates)} can be used here{why}",
-            hint="`cudawrap status` lists the devices")
 
     from .acquire import Acquirer, describe_wait
     from .limits import limit_for

@@ -19,6 +19,10 @@ QUEUE_LOCK = RUNTIME_DIR + "/queue.lock"
 # Derived state written by root (sync, wrap, unwrap, the monitor) for the shim's fast path.
 LAUNCH_CACHE = RUNTIME_DIR + "/launch.cache"
 USAGE_SNAPSHOT = RUNTIME_DIR + "/usage.snapshot"
+INVENTORY_CACHE = RUNTIME_DIR + "/inventory.cache"
+# `cudawrap monitor --daemon` (installs without systemd): its flock-held pid file and log.
+MONITOR_PID = RUNTIME_DIR + "/monitor.pid"
+MONITOR_LOG = RUNTIME_DIR + "/monitor.log"
 LIB_DIR = "opt/cudawrap"
 # The shim prototype: install.sh bakes the interpreter into it, and links made by cudawrap
 # before each program had its own shim still lead to it.

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from . import policy, snapshot
+from . import invcache, policy, snapshot
 from .errors import CannotWrite, CudawrapError, NvmlUnavailable
 from .devices import Inventory
 from .leases import _proc_locks, fd_holders
@@ -66,6 +66,7 @@ def _refresh(layout: Layout) -> Optional[str]:
     if set(inventory.uuids()) - existing:
         sync_leases(layout, inventory)  # a device appeared (MIG reconfigured)
     snapshot.write(root, inventory, lessees(lease_dir, inventory))
+    invcache.write(root, inventory)  # rewritten only when the layout changed
     if not policy.cache_is_current(root):
         # The config or registry changed: rebuild so launches stay off the slow path.
         try:

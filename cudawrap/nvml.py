@@ -1,9 +1,11 @@
-"""The one module that talks to NVML, through nvidia-ml-py (``pynvml``).
+"""The one module that talks to NVML, through nvidia-ml-py (``pynvml``) or, for the shim, ``nvmldirect``.
 
-pynvml is imported lazily: it costs ~30 ms, and the shim's fast path avoids it when a
-fresh root-written snapshot exists. NoPermission / NotSupported answers become ``None``
-("unknown") instead of exceptions; a GPU that fails mid-enumeration is reported as lost
-and skipped, never guessed at.
+pynvml is imported lazily: it costs ~24 ms, more than the interpreter's own start, so the
+shim passes ``direct=True`` and gets the same calls from ``nvmldirect`` (ctypes, ~2 ms);
+sync, monitor, status and doctor use pynvml. Both bindings go through the same code
+below, so there is one way to enumerate. NoPermission / NotSupported answers become
+``None`` ("unknown") instead of exceptions; a GPU that fails mid-enumeration is reported
+as lost and skipped, never guessed at.
 """
 from __future__ import annotations
 
@@ -16,24 +18,28 @@ if TYPE_CHECKING:
 
 MIB = 1024 * 1024
 
-# uuid -> NVML handle from the last inventory(), so the waiting loop can re-query one
-# device without enumerating the machine again.
-_handles: Dict[str, Any] = {}
+# uuid -> (binding, NVML handle) from the last inventory(), so the waiting loop can
+# re-query one device without enumerating the machine again.
+_handles: Dict[str, Tuple[Any, Any]] = {}
 
 
-def _pynvml() -> Any:
+def _binding(direct: bool) -> Any:
+    if direct:
+        from . import nvmldirect
+
+        return nvmldirect
     import pynvml
 
     return pynvml
 
 
-def init() -> Any:
+def init(direct: bool = False) -> Any:
     """Initialise NVML, or raise NvmlUnavailable with a hint.
 
     NVML counts nvmlInit calls, so calling this per inventory is cheap and stays correct
     even if something else in the process shut NVML down in between.
     """
-    nv = _pynvml()
+    nv = _binding(direct)
     try:
         nv.nvmlInit()
     except nv.NVMLError_LibraryNotFound:
@@ -59,15 +65,19 @@ def _unknown_errors(nv: Any) -> tuple:
     )
 
 
+def _pids(nv: Any, handle: Any) -> Optional[Tuple[int, ...]]:
+    """Compute processes on one handle; None where NVML hides them."""
+    try:
+        procs = nv.nvmlDeviceGetComputeRunningProcesses(handle)
+    except _unknown_errors(nv):
+        return None
+    return tuple(sorted({int(p.pid) for p in procs}))
+
+
 def _usage(nv: Any, handle: Any) -> Tuple[Optional[Tuple[int, ...]], int, int]:
     """(compute pids or None if hidden, memory used MiB, memory total MiB) of one handle."""
     memory = nv.nvmlDeviceGetMemoryInfo(handle)
-    try:
-        procs = nv.nvmlDeviceGetComputeRunningProcesses(handle)
-        pids: Optional[Tuple[int, ...]] = tuple(sorted({int(p.pid) for p in procs}))
-    except _unknown_errors(nv):
-        pids = None
-    return pids, int(memory.used) // MIB, int(memory.total) // MIB
+    return _pids(nv, handle), int(memory.used) // MIB, int(memory.total) // MIB
 
 
 def _utilization(nv: Any, handle: Any) -> Optional[int]:
@@ -102,19 +112,20 @@ def _mig_devices(nv: Any, gpu: Gpu, handle: Any) -> List[Device]:
             continue  # an empty slot: partitioned GPUs have gaps
         uuid = nv.nvmlDeviceGetUUID(mig)
         pids, used, total = _usage(nv, mig)
-        _handles[uuid] = mig
+        _handles[uuid] = (nv, mig)
         devices.append(Device(uuid, _profile(nv.nvmlDeviceGetName(mig)), gpu.uuid, gpu.index,
                               slot, total, used, pids))
     return devices
 
 
-def inventory(utilization: bool = False) -> Inventory:
+def inventory(utilization: bool = False, direct: bool = False) -> Inventory:
     """Enumerate every leasable device with its current processes and memory.
 
     UTILIZATION: also read whole GPUs' utilisation (one more query each), for a filter
-    that needs it; the launch path otherwise never pays for it.
+    that needs it; the launch path otherwise never pays for it. DIRECT: through
+    ``nvmldirect`` (the shim's lean binding) instead of pynvml.
     """
-    nv = init()
+    nv = init(direct)
     try:
         driver = nv.nvmlSystemGetDriverVersion()
         count = nv.nvmlDeviceGetCount()
@@ -136,7 +147,7 @@ def inventory(utilization: bool = False) -> Inventory:
                 found = _mig_devices(nv, gpu, handle)
             else:
                 pids, used, total = _usage(nv, handle)
-                _handles[uuid] = handle
+                _handles[uuid] = (nv, handle)
                 util = _utilization(nv, handle) if utilization else None
                 found = [Device(uuid, gpu.name, uuid, index, None, total, used, pids, util)]
         except nv.NVMLError:
@@ -170,15 +181,44 @@ def mig_by_ids(gpu_uuid: str, gi: int, ci: int) -> Optional[str]:
     return None
 
 
+def current(layout: Inventory, devices: List[Device]) -> Optional[List[Device]]:
+    """DEVICES of LAYOUT (``invcache``) with their processes and memory now, for the shim.
+
+    None when LAYOUT may no longer describe the machine -- another GPU count or driver,
+    a device NVML cannot find by its UUID (a MIG instance destroyed), any NVML error (a
+    GPU lost) -- and the caller must enumerate. Only DEVICES are read: a launch's candidates,
+    and of them only what a decision uses: memory used only where process lists are hidden
+    (elsewhere it is None, "not read"), two NVML calls a device in the usual case.
+    """
+    nv = init(direct=True)
+    try:
+        if (nv.nvmlDeviceGetCount() != len(layout.gpus)
+                or nv.nvmlSystemGetDriverVersion() != layout.driver_version):
+            return None
+        out = []
+        for d in devices:
+            handle = nv.nvmlDeviceGetHandleByUUID(d.uuid)  # MIG instances' UUIDs too
+            pids = _pids(nv, handle)
+            used = None if pids is not None else int(nv.nvmlDeviceGetMemoryInfo(handle).used) // MIB
+            _handles[d.uuid] = (nv, handle)
+            out.append(Device(d.uuid, d.name, d.parent_uuid, d.gpu_index, d.mig_slot, d.memory_total_mib,
+                              used, pids))
+    except nv.NVMLError:
+        return None
+    return out
+
+
 def refresh(device: Device) -> Optional[Device]:
     """The same device with current processes and memory; None if NVML lost it."""
-    nv = _pynvml()
-    handle = _handles.get(device.uuid)
-    if handle is None:
-        inventory()  # first NVML use in this process (the shim started from a snapshot)
-        handle = _handles.get(device.uuid)
-    if handle is None:
+    entry = _handles.get(device.uuid)
+    if entry is None:
+        # First NVML use in this process (the shim started from a snapshot): the launch
+        # path, so the lean binding.
+        inventory(direct=True)
+        entry = _handles.get(device.uuid)
+    if entry is None:
         return None
+    nv, handle = entry
     try:
         # A handle is a position (GPU, MIG slot): after a MIG reconfiguration the slot may
         # hold another instance, whose data must not pass for this one's.

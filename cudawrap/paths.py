@@ -72,6 +72,10 @@ class Layout:
         return self.root / loc.USAGE_SNAPSHOT
 
     @property
+    def inventory_cache(self) -> Path:
+        return self.root / loc.INVENTORY_CACHE
+
+    @property
     def lib_dir(self) -> Path:
         return self.root / loc.LIB_DIR
 

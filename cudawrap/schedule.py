@@ -54,14 +54,18 @@ class Waiter:
         self.min_free_mib = min_free_mib
         self.max_util = max_util
 
-    def can_use(self, uuid: str, fit: Optional[Mapping[str, Tuple[int, Optional[int]]]] = None) -> bool:
-        """Whether this run may be given UUID; FIT: uuid -> (free MiB, utilisation % or None)."""
+    def can_use(self, uuid: str, fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]] = None) -> bool:
+        """Whether this run may be given UUID; FIT: uuid -> (free MiB, utilisation %), each
+        None where unknown (an unknown free memory does not pass a floor; an unknown
+        utilisation, as on MIG, passes any ceiling)."""
         if self.candidates is not None and uuid not in self.candidates:
             return False
         if fit is None or (self.min_free_mib <= 0 and self.max_util >= 100):
             return True
-        free_mib, util = fit.get(uuid, (0, None))
-        return free_mib >= self.min_free_mib and (util is None or util <= self.max_util)
+        free_mib, util = fit.get(uuid, (None, None))
+        if self.min_free_mib > 0 and (free_mib is None or free_mib < self.min_free_mib):
+            return False
+        return util is None or util <= self.max_util
 
     def __repr__(self) -> str:
         return f"Waiter({self.key!r}, uid={self.uid}, count={self.count})"
@@ -147,7 +151,7 @@ def place(eligible: Sequence[str], count: int, placement: str, parents: Mapping[
 def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, int],
            limits: Mapping[int, int], now: float, parents: Optional[Mapping[str, str]] = None,
            busy: Optional[Set[str]] = None,
-           fit: Optional[Mapping[str, Tuple[int, Optional[int]]]] = None) -> Dict[str, Verdict]:
+           fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]] = None) -> Dict[str, Verdict]:
     """A Verdict for every waiter: what it may take now (FREE, in the machine's order), or why not.
 
     HELD: devices each uid holds now; LIMITS: uid -> most devices (absent or 0: no limit).

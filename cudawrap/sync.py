@@ -2,7 +2,8 @@
 
 Run by root at install, at boot (the runtime directory is on tmpfs) and after MIG is
 reconfigured: new devices get lease files, vanished ones lose theirs once nobody holds
-them, dead waiters' queue entries are removed, and the shim's policy cache is rebuilt.
+them, dead waiters' queue entries are removed, and the shim's policy cache and device
+layout cache (``invcache``) are rebuilt.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from . import policy
+from . import invcache, policy
 from .claims import Claims, claim, claims_dir
 from .devices import Inventory
 from .errors import CannotWrite, NvmlUnavailable
@@ -104,6 +105,7 @@ def _sync(layout: Layout) -> SyncReport:
         report.lines.append(f"warning: {exc}; lease files left as they are (which devices exist is unknown)")
     else:
         report.created, report.removed, claims = claimed_leases(layout, inventory)
+        invcache.write(str(layout.root), inventory)  # launches without the monitor start from it
         if claims.warning:
             report.lines.append(f"warning: {claims.warning}")
         for uuid in report.created:

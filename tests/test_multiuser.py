@@ -176,6 +176,8 @@ def test_users_cannot_write_registry_config_leases_or_runtime_files(mu) -> None:
         ("lease-dir-chmod", "chmod", str(layout.lease_dir), 0o777),
         ("cache-create", "open", str(layout.launch_cache), ["O_WRONLY", "O_CREAT"]),
         ("snapshot-create", "open", str(layout.usage_snapshot), ["O_WRONLY", "O_CREAT"]),
+        ("inventory-cache-create", "open", str(layout.inventory_cache), ["O_WRONLY", "O_CREAT"]),
+        ("monitor-pid-create", "open", str(layout.runtime_dir / "monitor.pid"), ["O_WRONLY", "O_CREAT"]),
         ("queue-lock-write", "open", str(layout.queue_lock), ["O_WRONLY"]),
         ("queue-lock-unlink", "unlink", str(layout.queue_lock)),
         ("queue-dir-replace", "rename", str(layout.queue_dir), str(layout.runtime_dir / "q")),

@@ -12,7 +12,7 @@ from plumbum import cli
 from .. import launch, policy
 from ..config import parse_gpus, parse_wait
 from ..errors import NvmlUnavailable, ProgramNotFound, UsageError
-from ..paths import default_layout
+from ..paths import Layout, default_layout
 from ..status import machine_status
 from . import Command
 from .filterswitches import FilterSwitches
@@ -41,6 +41,9 @@ class MonitorCommand(Command):
 
     once = cli.Flag(["--once"], help="write one snapshot and exit")
     period = cli.SwitchAttr(["--period"], float, default=0.5, help="seconds between snapshots")
+    daemon = cli.Flag(["--daemon"], excludes=["--once"],
+                      help="run in the background (installs without systemd); pid file and log "
+                           "in the runtime directory; stop it with kill")
 
     def main(self) -> int:
         from ..monitor import refresh_once, run
@@ -50,7 +53,9 @@ class MonitorCommand(Command):
         require_admin(layout, "run the monitor")
         if not 0.05 <= self.period <= 60:
             raise UsageError(f"--period {self.period}: choose between 0.05 and 60 seconds")
-        if self.once:
+        if self.daemon:
+            self._detach(layout)
+        elif self.once:
             error = refresh_once(layout)
             if error:
                 print(f"cudawrap monitor: {error}", file=sys.stderr)
@@ -58,6 +63,24 @@ class MonitorCommand(Command):
             return 0
         run(layout, self.period)
         return 0
+
+    @staticmethod
+    def _detach(layout: Layout) -> None:
+        """Go to the background (only the daemon returns); refuse a second monitor."""
+        from .. import locations as loc
+        from ..daemon import AlreadyRunning, detach
+        from ..errors import SetupError
+        from ..leases import SYNC_HINT
+
+        root = str(layout.root)
+        if not layout.runtime_dir.is_dir():
+            raise SetupError(f"the runtime directory {layout.runtime_dir} is missing", hint=SYNC_HINT)
+        pid_file = loc.under(root, loc.MONITOR_PID)
+        try:
+            detach(pid_file, loc.under(root, loc.MONITOR_LOG))
+        except AlreadyRunning as exc:
+            raise UsageError(f"a monitor is already running (pid {exc.pid}, pid file {pid_file})",
+                           hint=f"stop it with: kill $(cat {pid_file})") from None
 
 
 class StatusCommand(Command):

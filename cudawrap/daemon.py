@@ -1,0 +1,93 @@
+"""Running a command in the background without systemd: `cudawrap monitor --daemon`.
+
+The pid file is held with ``flock`` for as long as the daemon lives, so "is it running"
+is the kernel's answer, as for leases: a pid file left by a killed daemon is never
+mistaken for a live one (and its pid, perhaps reused, is never signalled by us).
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from typing import Optional
+
+
+class AlreadyRunning(Exception):
+    def __init__(self, pid: Optional[int]) -> None:
+        super().__init__(pid)
+        self.pid = pid
+
+
+def _pid_in(fd: int) -> Optional[int]:
+    os.lseek(fd, 0, os.SEEK_SET)
+    try:
+        return int(os.read(fd, 32).decode().strip() or "x")
+    except ValueError:
+        return None
+
+
+def running(pid_file: str) -> Optional[int]:
+    """The pid of the live daemon holding PID_FILE, or None if none holds it.
+
+    A shared lock attempt fails exactly while the daemon holds its exclusive one. The
+    file is root's alone (see detach): for anyone else the answer is None.
+    """
+    try:
+        fd = os.open(pid_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _pid_in(fd) or -1
+        return None
+    finally:
+        os.close(fd)
+
+
+def detach(pid_file: str, log_file: str) -> int:
+    """Fork into the background; returns in the daemon only (the caller's process exits 0).
+
+    The pid file is locked before forking, so a second start fails at once with
+    AlreadyRunning in the caller's own terminal. The daemon's stdout and stderr, and so
+    its log lines, go to LOG_FILE (appended).
+    """
+    fd = os.open(pid_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # Root's alone: whoever can open it can flock it, and a user's lock would keep the
+    # monitor from starting ("already running").
+    os.fchmod(fd, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = _pid_in(fd)
+        os.close(fd)
+        raise AlreadyRunning(pid) from None
+    read_end, write_end = os.pipe()
+    if os.fork() > 0:  # the caller: report the daemon's pid, then leave
+        os.close(write_end)
+        os.close(fd)
+        with os.fdopen(read_end, "rb") as pipe:
+            pid = int(pipe.read().decode() or "0")
+        print(f"cudawrap monitor: running as pid {pid} (pid file {pid_file}, log {log_file})")
+        os._exit(0 if pid else 1)
+    os.close(read_end)
+    os.setsid()  # no controlling terminal: a closed terminal's SIGHUP does not reach us
+    if os.fork() > 0:
+        os._exit(0)
+    # The lock came with fd through both forks; it lives as long as this process does.
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    os.chdir("/")
+    null = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    logging.getLogger().handlers[:] = [logging.StreamHandler()]  # the new stderr, timestamped
+    logging.getLogger().handlers[0].setFormatter(logging.Formatter("%(asctime)s cudawrap monitor: %(message)s"))
+    os.write(write_end, str(os.getpid()).encode())
+    os.close(write_end)
+    return fd
