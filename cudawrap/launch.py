@@ -166,6 +166,17 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         candidates = [d for d in candidates if d in visible]
     why = " (narrowed by CUDA_VISIBLE_DEVICES)" if preset is not None else (
         " (narrowed by the allow-list)" if allow else "")
+    from .drains import drained, is_drained, undrained
+
+    drains = drained(root)  # an admin's `cudawrap drain`: no new lease there
+    usable = undrained(candidates, drains)
+    if len(usable) < count <= len(candidates):
+        names = ", ".join(d.uuid for d in candidates if d not in usable)
+        raise NoDeviceError(f"{count} device{'s' if count > 1 else ''} asked for, but {names} "
+                            f"{'is' if len(candidates) - len(usable) == 1 else 'are'} drained by an admin "
+                            f"and only {len(usable)} can be used now{why}",
+                            hint="`cudawrap status` says why and since when; try again after `cudawrap resume`")
+    candidates = usable
 
     if count > 1 and not inventory.multi_mig and any(d.is_mig for d in candidates):
         if value["multi_mig"] == "refuse":
@@ -195,10 +206,14 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
                          hint=SYNC_HINT)
     candidates = [d for d in candidates if d not in unsynced]
     queue = WaitQueue(loc.under(root, loc.QUEUE_DIR), loc.under(root, loc.QUEUE_LOCK))
+
+    def drain_aware(device: Any) -> Any:  # a waiter's fresh look also sees drains made while it waited
+        return None if is_drained(root, device) else refresh(device)
+
     acquirer = Acquirer(
         leases, queue, candidates, inventory.devices, count,
         placement=value["placement"], foreign=value["foreign"],
-        busy_memory_mib=value["busy_memory_mib"], refresh=refresh, checked_at=checked_at)
+        busy_memory_mib=value["busy_memory_mib"], refresh=drain_aware, checked_at=checked_at)
     wait_s = value["wait"]
     info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={prog}\n".encode()
     waited = {"yes": False}

@@ -49,9 +49,15 @@ def refresh_once(layout: Layout) -> Optional[str]:
 
 def run(layout: Layout, period: float = snapshot.PERIOD_S,
         should_stop: Callable[[], bool] = lambda: False) -> None:
+    from .audit import notice_if_unreachable
+    from .metrics import MonitorHook
+
+    notice_if_unreachable()
+    hook = MonitorHook(layout)  # the ledger of leases and the metrics file, every cycle
     last_error: Optional[str] = None
     while not should_stop():
         error = refresh_once(layout)
+        hook.cycle()
         if error != last_error:
             if error:
                 log.warning("%s; shims ask NVML themselves until it is back", error)

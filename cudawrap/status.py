@@ -115,6 +115,11 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
         queue_lock_holder = process_info(pid) if pid is not None else None
     except OSError:
         pass
+    from .drains import drained
+
+    drains = {u: {"reason": d.reason, "by": d.by, "at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(d.at))}
+              for u, d in drained(str(layout.root)).items()}
     return {"devices": devices, "waiting": _waiting(layout), "queue_lock_holder": queue_lock_holder,
+            "drained": drains,
             "nvml_error": nvml_error,
             "lost": list(inventory.lost) if inventory else []}

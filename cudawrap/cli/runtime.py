@@ -29,6 +29,7 @@ class SyncCommand(Command):
         layout = default_layout()
         require_admin(layout, "create lease files")
         report = sync(layout)
+        _record(layout, "cudawrap sync")
         for line in report.lines:
             if not self.quiet or line.startswith("warning"):
                 print(line)
@@ -66,6 +67,7 @@ class StatusCommand(Command):
 
     def main(self) -> int:
         layout = default_layout()
+        _record(layout, "cudawrap status")
         status = machine_status(layout)
         if self.as_json:
             print(json.dumps(status, indent=2))
@@ -84,6 +86,10 @@ class StatusCommand(Command):
             rows.append((d["uuid"], d["name"], str(d["gpu_index"]),
                          f"{d['memory_used_mib']}/{d['memory_total_mib']} MiB", lease, other))
         _table(rows)
+        if status["drained"]:
+            print()
+            _table([("DRAINED", "SINCE", "BY", "REASON")] + [
+                (uuid, d["at"], d["by"], d["reason"] or "-") for uuid, d in sorted(status["drained"].items())])
         if status["waiting"]:
             print()
             _table([("WAITING", "USER", "PID", "DEVICES", "PROGRAM")] + [
@@ -94,6 +100,15 @@ class StatusCommand(Command):
             print(f"\nqueue lock held by pid {holder['pid']} {holder['user']} {holder['command'][:30]} "
                   f"since {holder['since']}")
         return 0
+
+
+def _record(layout, seen_by: str) -> None:  # type: ignore[no-untyped-def]
+    """As root, record in the ledger what changed since the last look (the monitor may not run)."""
+    from ..ledger import look
+
+    obs = look(layout, seen_by)
+    if obs is not None and obs.error:
+        print(f"warning: {obs.error}", file=sys.stderr)
 
 
 def _shown(value: str) -> str:
