@@ -72,7 +72,7 @@ def append(path: Path, records: Sequence[Dict[str, Any]], max_bytes: int, keep: 
         return
     data = "".join(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n" for r in records).encode()
     for attempt in (1, 2):
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
             st = os.fstat(fd)
             if not (st.st_mode & 0o170000 == 0o100000) or st.st_uid != os.geteuid():
@@ -154,9 +154,9 @@ def boot_id() -> str:
 
 
 def boot_time() -> float:
-    from .status import _boot_time
-
-    return _boot_time()
+    """When the machine booted, in seconds since the epoch, to the clock's precision
+    (/proc/stat's btime is whole seconds: too coarse for process start times)."""
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 @dataclass
@@ -176,7 +176,10 @@ def proc(pid: int) -> Optional[Proc]:
 
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+            fields = f.read().rsplit(")", 1)[1].split()
+        if fields[0] in ("Z", "X"):
+            return None  # exited, not yet reaped by its parent: gone for our purposes
+        ticks = int(fields[19])
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = [a.decode("utf-8", "replace") for a in f.read(8192).split(b"\0") if a]
     except (OSError, IndexError, ValueError):
@@ -306,15 +309,11 @@ def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = 
                 "pid": pid, "ticks": p.ticks, "program": p.program, "exe": p.exe, "devices": devices,
                 "start": round(start, 3), "start_lo": round(lo, 3), "start_hi": round(now, 3),
                 "seen_by": seen_by, "seen": now}
-            if seen_wait is not None:
-                began = _estimate(seen_wait["lo"], seen_wait["hi"], p.started)
-                record["wait_s"] = round(max(start - began, 0.0), 3)
-                if seen_wait.get("enqueued") is not None:  # from the queue entry's name: a user's claim
-                    record["wait_hint_s"] = round(max(start - seen_wait["enqueued"], 0.0), 3)
-            elif p.started >= since:
-                record["wait_s"] = round(max(start - p.started, 0.0), 3)  # not seen waiting: started and got it
-            else:
-                record["wait_s"] = None  # it ran before the last look and was not seen waiting: unknown
+            # The wait: from the run's start (the shim starts the run) to its grant, as sure as the grant.
+            record["wait_s"] = round(max(start - p.started, 0.0), 3)
+            if seen_wait is not None and seen_wait.get("enqueued") is not None:
+                # From the queue entry's name: the run's own claim, kept apart as a hint.
+                record["wait_hint_s"] = round(max(start - seen_wait["enqueued"], 0.0), 3)
             current[lid] = record
             obs.grants.append(record)
         for lid, record in opened.items():

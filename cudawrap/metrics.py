@@ -80,7 +80,8 @@ def render(devices: Sequence[Dict[str, Any]], waiting: Dict[int, int], counters:
     def family(name: str, kind: str, text: str, samples: List[Tuple[str, Any]]) -> None:
         out.append(f"# HELP {name} {text}")
         out.append(f"# TYPE {name} {kind}")
-        out.extend(f"{name}{labels} {value}" for labels, value in samples)
+        sample = name + "_bucket" if kind == "histogram" else name
+        out.extend(f"{sample}{labels} {value}" for labels, value in samples)
 
     def dev(d: Dict[str, Any]) -> Dict[str, Any]:
         return {"device": d["uuid"], "gpu": d["gpu"], "name": d["name"]}
