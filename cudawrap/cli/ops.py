@@ -76,7 +76,7 @@ class DrainCommand(Command):
         return super()._parse_args(argv)
 
     def main(self, *devices: str) -> int:
-        from ..drains import drain, leases_covered, resolve
+        from ..drains import drain, drained, leases_covered, resolve
         from ..privilege import require_admin
 
         layout = default_layout()
@@ -91,12 +91,10 @@ class DrainCommand(Command):
                 raise UsageError(f"--wait {self.wait[:40]!r}: {exc}") from None
         reason = "".join(c if c.isprintable() else " " for c in self.reason[:200]).strip()
         inventory, names = _machine(layout)
-        from ..drains import drained
-
         root = str(layout.root)
         uuids = resolve(devices, inventory, names + list(drained(root)))
         audit.notice_if_unreachable()
-        by = user_name(int(os.environ.get("SUDO_UID", os.getuid())) if os.getuid() == 0 else os.getuid())
+        by = _admin_name()
         drain(root, uuids, reason, by)
         audit.log("drain", devices=",".join(uuids), reason=reason or "-", by=by)
         covered = leases_covered(uuids, inventory, names)
@@ -108,6 +106,14 @@ class DrainCommand(Command):
                 print(f"{uuid} is still held by {_who(pid)}: it finishes undisturbed")
             return 0
         return _wait_free(layout, covered, limit)
+
+
+def _admin_name() -> str:
+    """Who drains: the admin's own account when run through sudo, else the caller."""
+    sudo = os.environ.get("SUDO_UID", "")
+    if os.getuid() == 0 and sudo.isascii() and sudo.isdigit() and len(sudo) <= 9:
+        return user_name(int(sudo))
+    return user_name(os.getuid())
 
 
 def _wait_free(layout: Layout, uuids: List[str], limit: float) -> int:
@@ -136,6 +142,7 @@ class ResumeCommand(Command):
 
         layout = default_layout()
         require_admin(layout, "resume devices")
+        audit.notice_if_unreachable()
         if not devices:
             raise UsageError("no device given", hint="cudawrap resume DEVICE... (`cudawrap status` lists drains)")
         root = str(layout.root)
