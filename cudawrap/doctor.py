@@ -188,7 +188,8 @@ class _Doctor:
     def check_audit(self) -> None:
         problem = audit.channel_problem()
         if problem:
-            self.add(LEVEL_WARNING, "audit", f"{problem}; leases are still recorded in the ledger "
+            # A note, not a warning: many containers have no syslog, and the ledger still records.
+            self.add(LEVEL_NOTE, "audit", f"{problem}; leases are still recorded in the ledger "
                                              f"({self.layout.state_dir}/ledger)")
         else:
             self.add(LEVEL_OK, "audit", f"syslog reachable at {audit.SYSLOG_SOCKET}")
