@@ -91,7 +91,7 @@ def parse_pids(args: Sequence[str]) -> List[int]:
 
 
 def check(pid: int, waiting: Dict[int, Waiter], held: Dict[int, List[str]], caller_uid: int) -> Waiter:
-    """The waiter PID if CALLER_UID may cancel it; raises saying why not. Pure: no effects."""
+    """The waiter PID if CALLER_UID may cancel it; raises saying why not. Changes nothing."""
     if pid in held:
         raise StateError(f"pid {pid} holds {', '.join(held[pid])}: it is a running program, not a waiting run",
                          hint=f"to stop it, signal it: kill {pid} (as its owner or root)")
