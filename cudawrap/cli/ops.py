@@ -142,7 +142,6 @@ class ResumeCommand(Command):
 
         layout = default_layout()
         require_admin(layout, "resume devices")
-        audit.notice_if_unreachable()
         if not devices:
             raise UsageError("no device given", hint="cudawrap resume DEVICE... (`cudawrap status` lists drains)")
         root = str(layout.root)
@@ -154,6 +153,7 @@ class ResumeCommand(Command):
             if uuid not in current and parents.get(uuid) in current:
                 raise StateError(f"{uuid} is drained through its GPU {parents[uuid]}, not on its own",
                                  hint=f"resume the GPU: cudawrap resume {parents[uuid]}")
+        audit.notice_if_unreachable()
         resume(root, uuids)
         audit.log("resume", devices=",".join(uuids))
         for uuid in uuids:
