@@ -32,7 +32,7 @@ die() {
 
 usage() {
     cat <<'EOF'
-Usage: ./install.sh [--prefix DIR] [--python PATH] [--wheelhouse DIR]
+Usage: ./install.sh [--prefix DIR] [--python PATH] [--wheelhouse DIR] [--with-plot]
        ./install.sh --uninstall [--unwrap-all] [--prefix DIR]
 
 Install cudawrap from this source directory, or upgrade an existing install in place
@@ -45,6 +45,7 @@ Install cudawrap from this source directory, or upgrade an existing install in p
                     it, else /usr/bin/python3; the first step line says which)
   --wheelhouse DIR  install offline from the wheels in DIR (pip --no-index --find-links);
                     DIR needs cudawrap's dependencies and setuptools
+  --with-plot       also install matplotlib, for `cudawrap usage --plot FILE.png`
   --uninstall       remove what install.sh installed; refused while programs are wrapped
   --unwrap-all      with --uninstall: run `cudawrap unwrap --all` first
   -h, --help        show this help
@@ -63,7 +64,7 @@ need_value() { # OPTION COUNT VALUE
     fi
 }
 
-prefix="" python="" wheelhouse="" action=install unwrap_all=0 prefix_given=0
+prefix="" python="" wheelhouse="" action=install unwrap_all=0 prefix_given=0 extras=""
 while [ $# -gt 0 ]; do
     case $1 in
         -h | --help) usage; exit 0 ;;
@@ -73,6 +74,7 @@ while [ $# -gt 0 ]; do
         --python=*) python=${1#*=}; need_value --python 2 "$python"; shift ;;
         --wheelhouse) need_value "$1" $# "${2-}"; wheelhouse=$2; shift 2 ;;
         --wheelhouse=*) wheelhouse=${1#*=}; need_value --wheelhouse 2 "$wheelhouse"; shift ;;
+        --with-plot) extras="[plot]"; shift ;;
         --uninstall) action=uninstall; shift ;;
         --unwrap-all) unwrap_all=1; shift ;;
         -*) die $EX_USAGE "unknown option '$1' (see ./install.sh --help)" ;;
@@ -315,7 +317,7 @@ if [ -n "$wheelhouse" ]; then
 else
     step "installing cudawrap from $SRC with pip"
 fi
-if ! (cd "$tmp" && "$vpy" -I -m pip "${pip_args[@]}" "$tmp/src") >"$tmp/pip.log" 2>&1; then
+if ! (cd "$tmp" && "$vpy" -I -m pip "${pip_args[@]}" "$tmp/src$extras") >"$tmp/pip.log" 2>&1; then
     { grep -v '^WARNING: Location .* is ignored' "$tmp/pip.log" || true; } | tail -n 12 | sed 's/^/    pip: /' >&2
     rollback
     if [ -n "$wheelhouse" ]; then

@@ -99,6 +99,7 @@ class Acquirer:
         unavailable: Sequence[str] = (),
         min_free_mib: int = 0,
         max_util: int = 100,
+        drained: Optional[Callable[[], Set[str]]] = None,
     ) -> None:
         self.leases = leases
         self.queue = queue
@@ -111,6 +112,7 @@ class Acquirer:
         self.reserve_after = reserve_after
         self.limit_of = limit_of or (lambda uid: 0)
         self.unavailable = set(unavailable)  # drained: never granted
+        self.drained = drained  # re-read at every decision (an admin may drain meanwhile)
         self.min_free_mib = min_free_mib
         self.max_util = max_util
         self.uid = os.geteuid()
@@ -193,7 +195,7 @@ class Acquirer:
         return free, held, busy
 
     def usable(self) -> int:
-        return len([d for d in self.candidates if d.uuid not in self.lost])
+        return len([d for d in self.candidates if d.uuid not in self.lost and d.uuid not in self.unavailable])
 
     # -- deciding ----------------------------------------------------------------------
     def _limit(self, uid: int) -> int:
@@ -215,6 +217,8 @@ class Acquirer:
         waiters = [w for w in scan.waiters if not self._passed_over(w, key, now)]
         if me is not None and not queued:
             waiters.append(me)
+        if self.drained is not None:
+            self.unavailable = set(self.drained())
         free, held, busy = self.machine(scan.locks)
         limits = {w.uid: self._limit(w.uid) for w in waiters}
         fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free}
@@ -358,6 +362,9 @@ class Acquirer:
                         return lease
                     continue
                 if self.usable() < self.count:
+                    if any(d.uuid in self.unavailable for d in self.candidates):
+                        raise NoDeviceError("the devices this run may use were drained by an admin while it waited",
+                                            hint="`cudawrap status` says why and since when")
                     raise NoDeviceError("the devices this run may use are gone (lost or removed)")
                 if verdict.kind != told:
                     if on_wait is not None:

@@ -12,7 +12,7 @@ from .users import user_name
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Optional
 
 _opened = False
 
@@ -43,3 +43,34 @@ def log(event: str, priority: str = "info", **fields: Any) -> None:
     level = syslog.LOG_WARNING if priority == "warning" else (
         syslog.LOG_ERR if priority == "error" else syslog.LOG_INFO)
     syslog.syslog(level, " ".join(parts))
+
+
+SYSLOG_SOCKET = "/dev/log"  # where libc's syslog() sends; without it messages vanish silently
+_noticed = False
+
+
+def channel_problem(socket: str = SYSLOG_SOCKET) -> Optional[str]:
+    """Why syslog cannot receive the audit trail, or None when it can."""
+    import stat
+
+    try:
+        if stat.S_ISSOCK(os.stat(socket).st_mode):
+            return None
+        return f"{socket} is not a socket: syslog messages (the audit trail) are lost"
+    except OSError as exc:
+        return f"{socket} is missing ({exc.strerror}): syslog messages (the audit trail) are lost"
+
+
+def notice_if_unreachable() -> None:
+    """Say once per process, on stderr, that the audit trail has no syslog to go to.
+
+    For root's long-running and admin commands only: a launch in a container must not
+    complain on every run (`cudawrap doctor` reports it instead). Leases are still
+    recorded in the ledger, which does not depend on syslog.
+    """
+    global _noticed
+    problem = None if _noticed else channel_problem()
+    _noticed = True
+    if problem:
+        os.write(2, f"cudawrap: warning: {problem}; grants and ends of leases are still recorded "
+                    f"in the ledger (`cudawrap usage`)\n".encode())

@@ -162,6 +162,18 @@ DEVICE_KEYS: Dict[str, Callable[[Any], Any]] = {
     "allow_file": _path_or_empty,
 }
 
+def _mib(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
+        raise ValueError(f"{_shown(value)} is not a whole number of MiB from 1 to {1 << 20}")
+    return value
+
+
+# The monitor's accounting and metrics: root's settings, not a run's. Section -> its keys.
+OPS_SECTIONS: Dict[str, Dict[str, Callable[[Any], Any]]] = {
+    "metrics": {"textfile": _path_or_empty},
+    "ledger": {"max_mib": _mib, "keep": _non_negative_int},
+}
+
 DEFAULTS: Dict[str, Any] = {
     "gpus": 1,
     "wait": FOREVER,
@@ -179,6 +191,9 @@ DEFAULTS: Dict[str, Any] = {
     "devices": (),
     "allow": (),
     "allow_file": "",
+    "textfile": "",
+    "max_mib": 64,
+    "keep": 4,
 }
 
 DESCRIPTIONS: Dict[str, str] = {
@@ -198,6 +213,10 @@ DESCRIPTIONS: Dict[str, str] = {
     "devices": "only these devices: UUIDs, prefixes, NVML indices; empty = all",
     "allow": "device UUIDs (or prefixes) cudawrap may hand out; empty = all",
     "allow_file": "file with one allowed UUID a line (the getgpu ids format), or \"\"",
+    "textfile": "Prometheus text file the monitor rewrites every cycle (node_exporter's textfile "
+                "directory, *.prom), or \"\" for none",
+    "max_mib": "size at which the ledger of leases is rotated (MiB)",
+    "keep": "rotated ledger files kept (ledger.1 is the newest)",
 }
 
 
@@ -324,6 +343,8 @@ def parse_config(path: Path, text: str) -> Config:
             settings.update(_parse_table(path, lines, "devices", table, DEVICE_KEYS))
         elif section == "policy":
             settings.update(_parse_table(path, lines, "policy", table, POLICY_KEYS))
+        elif section in OPS_SECTIONS:
+            settings.update(_parse_table(path, lines, section, table, OPS_SECTIONS[section]))
         elif section == "programs":
             if not isinstance(table, dict):
                 raise ConfigError(f"{_where(path, lines, None, 'programs')}: [programs] must hold tables")
@@ -341,7 +362,7 @@ def parse_config(path: Path, text: str) -> Config:
         else:
             raise ConfigError(
                 f"{_where(path, lines, None, section)}: unknown section [{section}]",
-                hint="known sections: [devices], [policy], [limits], [programs.\"NAME\"]",
+                hint="known sections: [devices], [policy], [limits], [programs.\"NAME\"], [metrics], [ledger]",
             )
     return Config(path=path, settings=settings, programs=programs, limits=limits)
 

@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any, Dict, Iterable, List
 
-from .config import DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, POLICY_KEYS
+from .config import DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, OPS_SECTIONS, POLICY_KEYS
 
 HEADER = """\
 # cudawrap configuration.
@@ -86,6 +86,7 @@ def sections() -> Dict[str, List[str]]:
     return {
         "devices": [k for k in DEFAULTS if k in DEVICE_KEYS],
         "policy": [k for k in DEFAULTS if k in POLICY_KEYS],
+        **{name: [k for k in DEFAULTS if k in keys] for name, keys in OPS_SECTIONS.items()},
     }
 
 

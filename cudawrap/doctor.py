@@ -216,6 +216,15 @@ class _Doctor:
             self.add(LEVEL_NOTE, "leases", f"NVML unavailable ({exc.message}): lease files not checked")
         return None
 
+    def check_audit(self) -> None:
+        problem = audit.channel_problem()
+        if problem:
+            # A note, not a warning: many containers have no syslog, and the ledger still records.
+            self.add(LEVEL_NOTE, "audit", f"{problem}; leases are still recorded in the ledger "
+                                             f"({self.layout.state_dir}/ledger)")
+        else:
+            self.add(LEVEL_OK, "audit", f"syslog reachable at {audit.SYSLOG_SOCKET}")
+
     # --- the wraps -------------------------------------------------------------------
 
     def load_registry(self) -> Optional[Registry]:
@@ -395,6 +404,7 @@ def check(
     doctor.check_config()
     doctor.check_runtime()
     doctor.check_monitor()
+    doctor.check_audit()
     if repair and os.path.isdir(layout.state_dir):
         with registry.lock(layout):
             reg = doctor.load_registry()

@@ -307,6 +307,20 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
             if not preset.strip():
                 return Grant(None, None)
     candidates = live if live is not None else _candidates(inventory, value, allow, preset, count, order)
+    from .drains import covering, drained, undrained
+
+    usable = undrained(candidates, drained(root))  # an admin's `cudawrap drain`: no new lease there
+    if len(usable) < count:
+        names = ", ".join(d.uuid for d in candidates if d not in usable)
+        raise NoDeviceError(f"{count} device{'s' if count > 1 else ''} asked for, but {names} "
+                            f"{'is' if len(candidates) - len(usable) == 1 else 'are'} drained by an admin "
+                            f"and only {len(usable)} can be used now",
+                            hint="`cudawrap status` says why and since when; try again after `cudawrap resume`")
+    candidates = usable
+
+    def drained_now() -> Any:  # re-read at every decision: a drain made while runs wait
+        drains = drained(root)
+        return {d.uuid for d in inventory.devices if covering(drains, d.uuid, d.parent_uuid)} if drains else ()
     if request.max_utilization < 100 and not any(d.utilization is not None for d in inventory.devices):
         try:  # the snapshot and the lean inventory skip utilisation: read it for this filter
             inventory = nvml.inventory(utilization=True)
@@ -340,7 +354,8 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         busy_memory_mib=value["busy_memory_mib"], refresh=refresh, checked_at=checked_at,
         reserve_after=value.get("reserve_after", 300.0),
         limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
-        min_free_mib=request.min_free_memory_mib, max_util=request.max_utilization)
+        min_free_mib=request.min_free_memory_mib, max_util=request.max_utilization,
+        drained=drained_now)
     wait_s = value["wait"]
     info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={prog}\n".encode()
     waited = {"yes": False}

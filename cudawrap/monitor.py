@@ -78,6 +78,11 @@ def _refresh(layout: Layout) -> Optional[str]:
 
 def run(layout: Layout, period: float = snapshot.PERIOD_S,
         should_stop: Callable[[], bool] = lambda: False) -> None:
+    from .audit import notice_if_unreachable
+    from .metrics import MonitorHook
+
+    notice_if_unreachable()
+    hook = MonitorHook(layout)  # the ledger of leases and the metrics file, every cycle
     last_error: Optional[str] = None
     while not should_stop():
         try:
@@ -86,6 +91,7 @@ def run(layout: Layout, period: float = snapshot.PERIOD_S,
             # A full runtime filesystem or a broken driver: say so once and keep trying,
             # rather than exit and be restarted in a loop by systemd.
             error = exc.message
+        hook.cycle()
         if error != last_error:
             if error:
                 log.warning("%s; shims ask NVML themselves until this is resolved", error)

@@ -135,7 +135,8 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
                     "program": printable(info.get("program", "?")),
                     "waiting_s": round(max(0.0, time.time() - w.arrival), 1),
                     "position": verdict.position + 1 if verdict else None,
-                    "reason": verdict.text if verdict else "unknown (no device data)"})
+                    "reason": verdict.text if verdict else "unknown (no device data)",
+                    "candidates": sorted(w.candidates) if w.candidates is not None else None})
     out.sort(key=lambda w: (w["position"] is None, w["position"] or 0, w["key"]))
     return out
 
@@ -239,7 +240,19 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
                             "holder": holder, "foreign_pids": None,
                             "index": None, "product": None, "mig_profile": None, **_NO_READINGS,
                             "processes": None, "waiters": [], "drains": []})
-    return {"root": str(layout.root), "devices": devices, "waiting": _waiting(layout, inventory),
+    from .drains import covering, drained
+
+    found = drained(str(layout.root))
+    drains = {u: {"reason": d.reason, "by": d.by, "at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(d.at))}
+              for u, d in found.items()}
+    for device in devices:  # which drain covers each device, if any (a GPU's covers its MIG instances)
+        cover = covering(found, device["uuid"], device["parent"])
+        device["drains"] = [dict(drains[cover], uuid=cover)] if cover else []
+    waiting = _waiting(layout, inventory)
+    for device in devices:
+        device["waiters"] = [w["pid"] for w in waiting
+                             if w["candidates"] is None or device["uuid"] in w["candidates"]]
+    return {"root": str(layout.root), "devices": devices, "waiting": waiting, "drained": drains,
             "nvml_error": nvml_error,
             "lost": list(inventory.lost) if inventory else [],
             "gpus": _gpus(inventory) if inventory else []}
@@ -311,6 +324,14 @@ WAITING_COLUMNS: List[Column] = [
 ]
 
 
+DRAINED_COLUMNS: List[Column] = [
+    ("DRAINED", lambda d: d["uuid"][:16], 0),
+    ("SINCE", lambda d: _short_time(d["at"]), 5),
+    ("BY", lambda d: d["by"], 8),
+    ("REASON", lambda d: d["reason"] or "-", 40),
+]
+
+
 def table(rows: Sequence[Dict[str, Any]], columns: Sequence[Column]) -> List[str]:
     """ROWS as aligned lines under COLUMNS' headers."""
     cells = [[header for header, _, _ in columns]]
@@ -327,6 +348,9 @@ def render(status: Dict[str, Any]) -> List[str]:
     lines = [f"install root {status['root']}: {count}, {held} leased, {len(status['waiting'])} waiting"]
     if status["devices"]:
         lines += table(status["devices"], DEVICE_COLUMNS)
+    if status.get("drained"):
+        lines.append("")
+        lines += table([dict(d, uuid=u) for u, d in sorted(status["drained"].items())], DRAINED_COLUMNS)
     if status["waiting"]:
         lines.append("")
         lines += table(status["waiting"], WAITING_COLUMNS)

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cudawrap.config import (
-    DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, FOREVER, MAX_GPUS, MAX_WAIT_S, POLICY_KEYS, load_config, parse_config,
+    DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, FOREVER, OPS_SECTIONS, MAX_GPUS, MAX_WAIT_S, POLICY_KEYS, load_config, parse_config,
     parse_gpus, parse_wait, validate_policy,
 )
 from cudawrap.defaults import render_config, sections, toml_value
@@ -247,7 +247,7 @@ def test_toml_value_reads_back(key):
     else:  # pragma: no cover
         import tomli as tomllib
     raw = tomllib.loads(f"v = {toml_value(DEFAULTS[key])}")["v"]
-    parse = POLICY_KEYS.get(key) or DEVICE_KEYS[key]
+    parse = POLICY_KEYS.get(key) or DEVICE_KEYS.get(key) or {k: f for t in OPS_SECTIONS.values() for k, f in t.items()}[key]
     assert parse(raw) == DEFAULTS[key]
 
 

@@ -125,6 +125,10 @@ _SUBCOMMANDS = {
     "monitor": "cudawrap.cli.runtime.MonitorCommand",
     "run": "cudawrap.cli.runtime.RunCommand",
     "config": "cudawrap.cli.config_cmd.ConfigCommand",
+    "drain": "cudawrap.cli.ops.DrainCommand",
+    "resume": "cudawrap.cli.ops.ResumeCommand",
+    "cancel": "cudawrap.cli.ops.CancelCommand",
+    "usage": "cudawrap.cli.ops.UsageCommand",
 }
 for _name, _target in _SUBCOMMANDS.items():
     Cudawrap.subcommand(_name, _target)

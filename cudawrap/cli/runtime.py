@@ -30,6 +30,7 @@ class SyncCommand(Command):
         layout = default_layout()
         require_admin(layout, "create lease files")
         report = sync(layout)
+        _record(layout, "cudawrap sync")
         for line in report.lines:
             if not self.quiet or line.startswith("warning"):
                 print(line)
@@ -110,6 +111,7 @@ class StatusCommand(Command):
         from ..status import render
 
         layout = default_layout()
+        _record(layout, "cudawrap status")
         status = machine_status(layout)
         if self.as_json:
             print(json.dumps(status, indent=None if self.watch else 2))  # nvml_error says when there is no driver
@@ -155,6 +157,15 @@ def _watch(command: StatusCommand, period: float, count: Optional[int]) -> int:
             time.sleep(period)
     except KeyboardInterrupt:  # the way out of a watch, not a failure
         return 0
+
+
+def _record(layout, seen_by: str) -> None:  # type: ignore[no-untyped-def]
+    """As root, record in the ledger what changed since the last look (the monitor may not run)."""
+    from ..ledger import look
+
+    obs = look(layout, seen_by)
+    if obs is not None and obs.error:
+        print(f"warning: {obs.error}", file=sys.stderr)
 
 
 def _shown(value: str) -> str:
