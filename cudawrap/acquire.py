@@ -341,7 +341,7 @@ class Acquirer:
             while True:
                 by = self.queue.cancelled_by(entry)
                 if by is not None:
-                    raise Cancelled(f"cancelled by {by} while waiting for a device")
+                    raise Cancelled(f"cancelled by {by}")
                 now = time.monotonic()
                 if now >= deadline:
                     raise NoDeviceError(f"no device within {wait_s:g} s: {verdicts[entry.name].text}"
