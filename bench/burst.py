@@ -19,6 +19,8 @@ from sim import MONITORED, Bench, Sim
 from stats import (Job, dispatch_latencies, intervals, kendall_distance, median, ms, overlaps,
                    rank_displacement, read_job_log, summary_ms)
 
+from cudawrap.waitqueue import parse_name
+
 
 class QueueWatcher(threading.Thread):
     """Watches cudawrap's queue directory while a run lasts.
@@ -46,15 +48,14 @@ class QueueWatcher(threading.Thread):
         now = time.time()
         count = 0
         for name in names:
-            if not name.endswith(".wait"):
+            parsed = parse_name(name)  # <arrival ns>.<pid>.<request>.<reserve>.wait
+            if parsed is None:
                 continue
-            key, _, rest = name.partition(".")
-            pid = rest[: -len(".wait")]
-            if key.isdigit() and pid.isdigit():
-                self.keys.setdefault(int(pid), int(key))
-                self.last_seen[int(pid)] = now
-                self.first_seen.setdefault(int(pid), now)
-                count += 1
+            key, pid = parsed[0], parsed[1]
+            self.keys.setdefault(pid, key)
+            self.last_seen[pid] = now
+            self.first_seen.setdefault(pid, now)
+            count += 1
         return count
 
     def granted(self, pid: int) -> Optional[float]:
