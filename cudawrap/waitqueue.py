@@ -132,44 +132,47 @@ class WaitQueue:
     # -- reading ---------------------------------------------------------------------------
     def scan(self, now_ns: Optional[int] = None, clean: bool = True) -> Scan:
         """Every live and valid waiter; dead entries we may remove are removed (CLEAN)."""
-        locks = proc_locks()
         now_ns = time.time_ns() if now_ns is None else now_ns
         waiters: List[Waiter] = []
         paths: Dict[str, str] = {}
         try:
-            it = os.scandir(self.dir)
+            with os.scandir(self.dir) as it:
+                items = list(it)
         except OSError:
-            return Scan(waiters, locks, paths)
-        with it:
-            for item in it:
-                parsed = parse_name(item.name)
-                if parsed is None:
+            return Scan(waiters, proc_locks(), paths)
+        # The lock table is read after the listing: an entry is linked into place only once
+        # its owner holds the lock, so every name listed either shows its lock here or is
+        # really gone. (Read before, a newcomer would look dead and be removed.)
+        locks = proc_locks()
+        for item in items:
+            parsed = parse_name(item.name)
+            if parsed is None:
+                continue
+            key_ns, pid, count, placement, narrowed, reserve_s = parsed
+            path = self.dir + "/" + item.name
+            holder = locks.get((self.dev, item.inode()))
+            if holder != pid:
+                if holder is None and clean:
+                    self._remove_dead(path)
+                continue
+            try:
+                st = item.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not self._owns(st.st_uid, pid, st.st_ino):
+                continue
+            asks: Optional[Tuple[Optional[FrozenSet[str]], int, int]] = (None, 0, 100)
+            if narrowed:
+                if st.st_ino not in self._asks:
+                    self._asks[st.st_ino] = self._read_asks(path)
+                asks = self._asks[st.st_ino]
+                if asks is None:
                     continue
-                key_ns, pid, count, placement, narrowed, reserve_s = parsed
-                path = self.dir + "/" + item.name
-                holder = locks.get((self.dev, item.inode()))
-                if holder != pid:
-                    if holder is None and clean:
-                        self._remove_dead(path)
-                    continue
-                try:
-                    st = item.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not self._owns(st.st_uid, pid, st.st_ino):
-                    continue
-                asks: Optional[Tuple[Optional[FrozenSet[str]], int, int]] = (None, 0, 100)
-                if narrowed:
-                    if st.st_ino not in self._asks:
-                        self._asks[st.st_ino] = self._read_asks(path)
-                    asks = self._asks[st.st_ino]
-                    if asks is None:
-                        continue
-                # Never earlier than the kernel's ctime allows (minus slack for slow creation).
-                arrival_ns = max(key_ns, st.st_ctime_ns - CLOCK_SLACK_NS)
-                waiters.append(Waiter(item.name, st.st_uid, pid, count, asks[0], placement,
-                                      reserve_s, arrival_ns / 1e9, "?", asks[1], asks[2]))
-                paths[item.name] = path
+            # Never earlier than the kernel's ctime allows (minus slack for slow creation).
+            arrival_ns = max(key_ns, st.st_ctime_ns - CLOCK_SLACK_NS)
+            waiters.append(Waiter(item.name, st.st_uid, pid, count, asks[0], placement,
+                                  reserve_s, arrival_ns / 1e9, "?", asks[1], asks[2]))
+            paths[item.name] = path
         return Scan(waiters, locks, paths)
 
     def _owns(self, uid: int, pid: int, ino: int) -> bool:
@@ -216,12 +219,25 @@ class WaitQueue:
             os.close(fd)
 
     def _remove_dead(self, path: str) -> None:
-        # Our own dead entries, or anyone's as root; the sticky bit refuses the rest.
+        """Remove a dead entry: our own, or anyone's as root (the sticky bit refuses the rest),
+        and only once a lock on it is seen to be free (the kernel's word, not the table's)."""
+        import fcntl
+
         try:
-            if self.uid == 0 or os.lstat(path).st_uid == self.uid:
-                os.unlink(path)
+            if self.uid != 0 and os.lstat(path).st_uid != self.uid:
+                return
+            fd = os.open(path, _READ_FLAGS)
         except OSError:
-            pass
+            return
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)  # while holding the lock: nobody is waiting on it
+        except OSError:
+            pass  # locked: alive after all
+        finally:
+            os.close(fd)
 
     # -- joining and leaving -----------------------------------------------------------------
     def enqueue(self, count: int, placement: str, candidates: Optional[Iterable[str]],

@@ -60,3 +60,30 @@ def test_taking_several_is_all_or_nothing(runtime: Layout) -> None:
     # The free one was not kept: someone else can take it now.
     assert LeaseFiles(str(runtime.lease_dir)).try_lock(UUID)
     holder.close()
+
+
+def test_a_stale_lock_table_never_removes_a_live_entry(runtime: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scan whose /proc/locks read misses a newcomer's lock (read a moment too early) must
+    not take it for dead: the kernel is asked (a lock attempt) before anything is removed."""
+    import cudawrap.waitqueue as waitqueue
+
+    queue = WaitQueue(str(runtime.queue_dir))
+    entry = queue.enqueue(1, "spread", None, 300.0, b"pid=1\n")
+    monkeypatch.setattr(waitqueue, "proc_locks", lambda: {})
+    assert WaitQueue(str(runtime.queue_dir)).scan().waiters == []  # unseen this time...
+    assert os.path.exists(entry.path)  # ...but not removed
+    monkeypatch.undo()
+    assert [w.key for w in WaitQueue(str(runtime.queue_dir)).scan().waiters] == [entry.name]
+    queue.leave(entry)
+    dead = queue.enqueue(1, "spread", None, 300.0, b"pid=1\n")
+    os.close(dead.fd)  # its owner died: no lock, the next scan removes it
+    assert WaitQueue(str(runtime.queue_dir)).scan().waiters == [] and not os.path.exists(dead.path)
+
+
+def test_each_user_may_have_a_bounded_number_of_waiting_runs(runtime: Layout) -> None:
+    from cudawrap.waitqueue import MAX_ENTRIES_PER_USER
+
+    queue = WaitQueue(str(runtime.queue_dir))
+    with pytest.raises(NoDeviceError, match=f"you already have {MAX_ENTRIES_PER_USER} runs waiting"):
+        queue.enqueue(1, "spread", None, 300.0, b"", mine=MAX_ENTRIES_PER_USER)
+    assert os.listdir(runtime.queue_dir) == []
