@@ -336,6 +336,7 @@ class Acquirer:
         if own is not None:
             poller.register(own.fileno(), select.POLLIN)
         told = ""  # the kind of wait last reported
+        trace = bool(os.environ.get("CUDAWRAP_DEBUG"))
         verdicts: Dict[str, Verdict] = {}
         try:
             while True:
@@ -353,8 +354,16 @@ class Acquirer:
                     me = self._me(entry.name)
                     verdicts, free = self.decide(scan, me, queued=False)
                 else:
+                    # What we ask for, we know first-hand; the entry says the same to others.
+                    me.candidates, me.min_free_mib, me.max_util = self.wanted, self.min_free_mib, self.max_util
                     verdicts, free = self.decide(scan, me, queued=True)
                 verdict = verdicts[entry.name]
+                if trace:  # CUDAWRAP_DEBUG: every decision, for an admin asking "why"
+                    os.write(2, (f"cudawrap: decision at {time.time():.3f}: free={free} skipped="
+                                 f"{sorted(self.skip_keys)} " + "; ".join(
+                                     f"{k.split('.')[1]}:{v.kind}:{','.join(v.devices)}"
+                                     for k, v in sorted(verdicts.items(), key=lambda kv: kv[1].position))
+                                 + "\n").encode())
                 if verdict.kind == GRANTED:
                     lease = self._take(verdict.devices)
                     if lease is not None:

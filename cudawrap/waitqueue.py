@@ -125,9 +125,10 @@ class WaitQueue:
                              hint="run `cudawrap doctor --repair` as root")
         self.dev = st.st_dev
         self.uid = os.geteuid()
-        # Per entry inode: what was read once (entries never change what they claim).
-        self._asks: Dict[int, Optional[Tuple[Optional[FrozenSet[str]], int, int]]] = {}
-        self._owner_ok: Dict[Tuple[int, int], bool] = {}
+        # Per entry (name and inode: inodes are reused as entries come and go, names never):
+        # what was read once, as entries never change what they claim.
+        self._asks: Dict[Tuple[str, int], Optional[Tuple[Optional[FrozenSet[str]], int, int]]] = {}
+        self._owner_ok: Dict[Tuple[str, int], bool] = {}
 
     # -- reading ---------------------------------------------------------------------------
     def scan(self, now_ns: Optional[int] = None, clean: bool = True) -> Scan:
@@ -159,13 +160,16 @@ class WaitQueue:
                 st = item.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not self._owns(st.st_uid, pid, st.st_ino):
+            ident = (item.name, st.st_ino)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not self._owns(st.st_uid, pid, ident):
                 continue
             asks: Optional[Tuple[Optional[FrozenSet[str]], int, int]] = (None, 0, 100)
             if narrowed:
-                if st.st_ino not in self._asks:
-                    self._asks[st.st_ino] = self._read_asks(path)
-                asks = self._asks[st.st_ino]
+                if ident not in self._asks:
+                    if len(self._asks) > 4 * MAX_ENTRIES_PER_USER:
+                        self._asks.clear()
+                    self._asks[ident] = self._read_asks(path)
+                asks = self._asks[ident]
                 if asks is None:
                     continue
             # Never earlier than the kernel's ctime allows (minus slack for slow creation).
@@ -175,9 +179,9 @@ class WaitQueue:
             paths[item.name] = path
         return Scan(waiters, locks, paths)
 
-    def _owns(self, uid: int, pid: int, ino: int) -> bool:
-        """Whether UID owns process PID (the lock holder), remembered per inode and pid."""
-        known = self._owner_ok.get((ino, pid))
+    def _owns(self, uid: int, pid: int, ident: Tuple[str, int]) -> bool:
+        """Whether UID owns process PID (the lock holder), remembered per entry."""
+        known = self._owner_ok.get(ident)
         if known is None:
             try:
                 known = os.stat(f"/proc/{pid}").st_uid == uid
@@ -185,7 +189,7 @@ class WaitQueue:
                 known = False
             if len(self._owner_ok) > 4 * MAX_ENTRIES_PER_USER:
                 self._owner_ok.clear()
-            self._owner_ok[(ino, pid)] = known
+            self._owner_ok[ident] = known
         return known
 
     def _read_asks(self, path: str) -> Optional[Tuple[Optional[FrozenSet[str]], int, int]]:
