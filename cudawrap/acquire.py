@@ -96,7 +96,6 @@ class Acquirer:
         checked_at: Optional[float] = None,
         reserve_after: float = 300.0,
         limit_of: Optional[Callable[[int], int]] = None,
-        unavailable: Sequence[str] = (),
         min_free_mib: int = 0,
         max_util: int = 100,
         drained: Optional[Callable[[], Set[str]]] = None,
@@ -111,7 +110,7 @@ class Acquirer:
         self.refresh = refresh
         self.reserve_after = reserve_after
         self.limit_of = limit_of or (lambda uid: 0)
-        self.unavailable = set(unavailable)  # drained: never granted
+        self.unavailable: Set[str] = set()  # drained: never granted (from DRAINED, each decision)
         self.drained = drained  # re-read at every decision (an admin may drain meanwhile)
         self.min_free_mib = min_free_mib
         self.max_util = max_util

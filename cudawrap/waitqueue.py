@@ -131,9 +131,8 @@ class WaitQueue:
         self._owner_ok: Dict[Tuple[str, int], bool] = {}
 
     # -- reading ---------------------------------------------------------------------------
-    def scan(self, now_ns: Optional[int] = None, clean: bool = True) -> Scan:
+    def scan(self, clean: bool = True) -> Scan:
         """Every live and valid waiter; dead entries we may remove are removed (CLEAN)."""
-        now_ns = time.time_ns() if now_ns is None else now_ns
         waiters: List[Waiter] = []
         paths: Dict[str, str] = {}
         try:
