@@ -155,6 +155,7 @@ POLICY_KEYS: Dict[str, Callable[[Any], Any]] = {
     "min_free_memory_mib": _non_negative_int,
     "max_utilization": _percent,
     "devices": parse_devices,
+    "share": _bool,
 }
 
 DEVICE_KEYS: Dict[str, Callable[[Any], Any]] = {
@@ -189,6 +190,7 @@ DEFAULTS: Dict[str, Any] = {
     "min_free_memory_mib": 0,
     "max_utilization": 100,
     "devices": (),
+    "share": False,
     "allow": (),
     "allow_file": "",
     "textfile": "",
@@ -211,6 +213,7 @@ DESCRIPTIONS: Dict[str, str] = {
     "min_free_memory_mib": "only devices with at least this much memory free (MiB)",
     "max_utilization": "only devices busy at most this % (MIG: not reported, never excluded)",
     "devices": "only these devices: UUIDs, prefixes, NVML indices; empty = all",
+    "share": "runs share a device with other shared runs ([sharing] slots per device) instead of taking it whole",
     "allow": "device UUIDs (or prefixes) cudawrap may hand out; empty = all",
     "allow_file": "file with one allowed UUID a line (the getgpu ids format), or \"\"",
     "textfile": "Prometheus text file the monitor rewrites every cycle (node_exporter's textfile "
@@ -241,6 +244,59 @@ LIMIT_DESCRIPTIONS: Dict[str, str] = {
 }
 
 
+# The most runs one device can be shared by: MPS serves at most 48 clients per device on
+# Volta and later, and time slices thinner than that leave each run next to nothing.
+MAX_SLOTS = 48
+SHARING_MODES = ("time-slicing", "mps")
+
+
+def _slots(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SLOTS:
+        raise ValueError(f"{_shown(value)} is not a whole number of slots from 1 (no sharing) to {MAX_SLOTS}")
+    return value
+
+
+def _share_percentage(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+        raise ValueError(f"{_shown(value)} is not a whole percentage from 1 to 100")
+    return value
+
+
+def _memory_limit(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 24:
+        raise ValueError(f"{_shown(value)} is not a whole number of MiB from 0 (no limit) to {1 << 24}")
+    return value
+
+
+def _fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{_shown(value)} is not a fraction of a device above 0 and at most 1")
+    return float(value)
+
+
+# [sharing]: how shared runs share a device (README "Sharing a GPU"). Absent optional keys
+# mean "derived from slots" (thread share, memory limit, what a share counts as).
+SHARING_KEYS: Dict[str, Callable[[Any], Any]] = {
+    "slots": _slots,
+    "mode": _choice(SHARING_MODES),
+    "thread_percentage": _share_percentage,
+    "memory_limit_mib": _memory_limit,
+    "counts_as": _fraction,
+}
+SHARING_DEVICE_KEYS: Dict[str, Callable[[Any], Any]] = {"slots": _slots}
+SHARING_DESCRIPTIONS: Dict[str, str] = {
+    "slots": "shared runs one device takes at once; 1 = no sharing",
+    "mode": "time-slicing (CUDA's own) or mps (NVIDIA MPS; `cudawrap mps start`)",
+    "thread_percentage": "MPS: % of the device's SMs one shared run may use (default 100/slots)",
+    "memory_limit_mib": "MPS: device memory one shared run may pin, MiB; 0 = none (default memory/slots)",
+    "counts_as": "what one share counts as towards a user's device limit (default 1/slots)",
+}
+
+
+def no_sharing() -> Dict[str, Any]:
+    return {"slots": Setting(1, "default"), "mode": Setting("time-slicing", "default"), "devices": {}}
+
+
 @dataclass(frozen=True)
 class Config:
     path: Path
@@ -249,6 +305,8 @@ class Config:
     # [limits]: "default" -> Setting; "users"/"groups" -> name -> Setting
     limits: Mapping[str, Any] = field(default_factory=lambda: {
         "default": Setting(0, "default"), "users": {}, "groups": {}})
+    # [sharing]: key -> Setting, and "devices" -> UUID or prefix -> Setting (slots)
+    sharing: Mapping[str, Any] = field(default_factory=no_sharing)
 
     def __getitem__(self, key: str) -> Any:
         return self.settings[key].value
@@ -286,7 +344,8 @@ def _line_of(lines: List[str], table: Optional[str], key: str) -> int:
         stripped = line.strip()
         if stripped.startswith("["):
             current = _norm_table(stripped.split("#")[0].strip().strip("[]"))
-            if table is None and (current == key or current.startswith(key + ".")):
+            header = _norm_table(key)  # a label such as limits.users."NAME" as written in a header
+            if table is None and (current == header or current.startswith(header + ".")):
                 return number
         elif table is not None and current == _norm_table(table) and key_re.match(line):
             return number
@@ -336,9 +395,12 @@ def parse_config(path: Path, text: str) -> Config:
     settings: Dict[str, Setting] = {k: Setting(v, "default") for k, v in DEFAULTS.items()}
     programs: Dict[str, Dict[str, Setting]] = {}
     limits: Dict[str, Any] = {"default": Setting(0, "default"), "users": {}, "groups": {}}
+    sharing = no_sharing()
     for section, table in data.items():
         if section == "limits":
             limits = _parse_limits(path, lines, table)
+        elif section == "sharing":
+            sharing = _parse_sharing(path, lines, table)
         elif section == "devices":
             settings.update(_parse_table(path, lines, "devices", table, DEVICE_KEYS))
         elif section == "policy":
@@ -362,9 +424,33 @@ def parse_config(path: Path, text: str) -> Config:
         else:
             raise ConfigError(
                 f"{_where(path, lines, None, section)}: unknown section [{section}]",
-                hint="known sections: [devices], [policy], [limits], [programs.\"NAME\"], [metrics], [ledger]",
+                hint="known sections: [devices], [policy], [limits], [sharing], [programs.\"NAME\"], "
+                     "[metrics], [ledger]",
             )
-    return Config(path=path, settings=settings, programs=programs, limits=limits)
+    return Config(path=path, settings=settings, programs=programs, limits=limits, sharing=sharing)
+
+
+def _parse_sharing(path: Path, lines: List[str], table: Any) -> Dict[str, Any]:
+    """[sharing] slots, mode, ... and [sharing.devices."UUID or prefix"] slots = N."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{_where(path, lines, None, 'sharing')}: [sharing] must be a table")
+    out = no_sharing()
+    out.update(_parse_table(path, lines, "sharing", {k: v for k, v in table.items() if k != "devices"},
+                            SHARING_KEYS))
+    sub = table.get("devices", {})
+    if not isinstance(sub, dict):
+        raise ConfigError(f"{_where(path, lines, 'sharing', 'devices')}: sharing.devices must hold "
+                          f"tables such as [sharing.devices.\"GPU-8f3a\"]")
+    for name, entry in sub.items():
+        label = f'sharing.devices."{name}"'
+        if not re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]+", name):
+            raise ConfigError(f"{_where(path, lines, None, label)}: [{label}] does not name a device",
+                              hint="use a GPU-... or MIG-... UUID or a prefix of one")
+        values = _parse_table(path, lines, label, entry, SHARING_DEVICE_KEYS)
+        if "slots" not in values:
+            raise ConfigError(f"{_where(path, lines, None, label)}: [{label}] needs slots = N")
+        out["devices"][name] = values["slots"]
+    return out
 
 
 def _parse_limits(path: Path, lines: List[str], table: Any) -> Dict[str, Any]:

@@ -16,6 +16,11 @@ RUNTIME_DIR = "run/cudawrap"
 LEASE_DIR = RUNTIME_DIR + "/leases"
 QUEUE_DIR = RUNTIME_DIR + "/queue"
 QUEUE_LOCK = RUNTIME_DIR + "/queue.lock"
+# Slot files of shared devices, <uuid>.<k> (sharing.py); MPS daemons' pipe directories.
+SHARE_DIR = RUNTIME_DIR + "/shares"
+MPS_DIR = RUNTIME_DIR + "/mps"
+LOG_DIR = "var/log/cudawrap"
+MPS_LOG_DIR = LOG_DIR + "/mps"
 # Derived state written by root (sync, wrap, unwrap, the monitor) for the shim's fast path.
 LAUNCH_CACHE = RUNTIME_DIR + "/launch.cache"
 USAGE_SNAPSHOT = RUNTIME_DIR + "/usage.snapshot"

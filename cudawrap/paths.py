@@ -60,6 +60,18 @@ class Layout:
         return self.root / loc.QUEUE_DIR
 
     @property
+    def share_dir(self) -> Path:
+        return self.root / loc.SHARE_DIR
+
+    @property
+    def mps_dir(self) -> Path:
+        return self.root / loc.MPS_DIR
+
+    @property
+    def mps_log_dir(self) -> Path:
+        return self.root / loc.MPS_LOG_DIR
+
+    @property
     def queue_lock(self) -> Path:
         return self.root / loc.QUEUE_LOCK
 

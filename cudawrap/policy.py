@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 from . import locations as loc, rootfile
 from .errors import ConfigError, NoDeviceError, UsageError
 
-CACHE_VERSION = 3  # 2: the filter keys (model, min_memory_mib, ...) and max_gpus; 3: [limits], reserve_after
+CACHE_VERSION = 4  # 2: the filter keys (model, min_memory_mib, ...) and max_gpus; 3: [limits], reserve_after;
+# 4: [sharing] and share
 
 
 def _signature(path: str) -> Optional[Tuple[int, int, int, int]]:
@@ -51,7 +52,10 @@ def _compile(root: str) -> Dict[str, Any]:
         checked = validate_policy(raw, f"{layout.registry_file} (wrap of {link})")
         links[link] = {k: (s.value, s.source) for k, s in checked.items()}
     lim = config.limits
+    sharing = {k: (s.value, s.source) for k, s in config.sharing.items() if k != "devices"}
+    sharing["devices"] = {n: (s.value, s.source) for n, s in config.sharing["devices"].items()}
     return {
+        "sharing": sharing,
         "limits": {"default": (lim["default"].value, lim["default"].source),
                    "users": {n: (v.value, v.source) for n, v in lim["users"].items()},
                    "groups": {n: (v.value, v.source) for n, v in lim["groups"].items()}},
@@ -152,6 +156,24 @@ def ask(settings: Dict[str, Tuple[Any, str]], key: str, raw: Any, source: str, s
                          hint="`cudawrap config` lists the settings and what they take") from None
 
 
+def ask_share(settings: Dict[str, Tuple[Any, str]], raw: Any, source: str, shown: str) -> None:
+    """A user's ask to share a device for one run (1/true) or not (0/false).
+
+    Sharing only narrows what a run takes, so anyone may ask for it; asking for a whole
+    device where the admin made a program shared is refused (a user may not widen).
+    """
+    text = str(raw).strip().lower() if not isinstance(raw, bool) else ("1" if raw else "0")
+    if text not in ("1", "0", "true", "false", "yes", "no"):
+        raise UsageError(f"{shown}: not 1 or 0", hint="CUDAWRAP_SHARE=1 shares a device for this run")
+    wanted = text in ("1", "true", "yes")
+    current, where = settings.get("share", (False, "default"))
+    if current and not wanted:
+        raise UsageError(f"{shown}: this program shares its device ({where}); a run may not take it whole",
+                         hint="ask an admin, or unset CUDAWRAP_SHARE")
+    if wanted and not current:
+        settings["share"] = (True, source)
+
+
 def _check_ceiling(merged: Dict[str, Tuple[Any, str]]) -> None:
     if "max_gpus" in merged and merged["gpus"][0] > merged["max_gpus"][0]:
         (gpus, where), (ceiling, ceiling_where) = merged["gpus"], merged["max_gpus"]
@@ -164,6 +186,7 @@ def effective(root: str, link: Optional[str], environ: Any = None) -> Dict[str, 
     data = _read_cache(root) or _compile(root)
     merged: Dict[str, Tuple[Any, str]] = dict(data["settings"])
     merged["limits"] = (data["limits"], "[limits]")
+    merged["sharing"] = (data["sharing"], "[sharing]")
     if link:
         name = link.rsplit("/", 1)[-1]
         for key in (name, link):
@@ -180,6 +203,9 @@ def effective(root: str, link: Optional[str], environ: Any = None) -> Dict[str, 
             raise UsageError(f"CUDAWRAP_WAIT={raw[:40]!r}: {exc}",
                              hint="use a number of seconds (0 = do not wait) or 'forever'") from None
     _check_ceiling(merged)
+    raw = env.get("CUDAWRAP_SHARE")
+    if raw is not None and raw != "":
+        ask_share(merged, raw, "environment (CUDAWRAP_SHARE)", f"CUDAWRAP_SHARE={raw[:40]!r}")
     for key, name in RUN_ENV:
         raw = env.get(name)
         if raw is not None and raw != "":
