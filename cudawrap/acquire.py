@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 from .devices import Device
 from .errors import Interrupted, NoDeviceError
-from .leases import Lease, LeaseFiles
-from .schedule import GRANTED, Verdict, Waiter, decide
+from .sharing import MPS, MPS_SERVER_COMM, Sharing
+from .leases import Lease, LeaseFiles, lock_table
+from .schedule import GRANTED, Shares, Verdict, Waiter, decide
 from .waitqueue import Entry, Scan, WaitQueue, poke
 
 # The first WATCHERS in line watch the machine; everyone else sleeps until poked, or IDLE_S.
@@ -69,6 +70,15 @@ def _free_mib(device: Device) -> Optional[int]:
     return device.memory_total_mib - device.memory_used_mib
 
 
+def _mps_server(pid: int) -> bool:
+    """Whether PID is an MPS server: it stays on a device its clients have left."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().startswith(MPS_SERVER_COMM)
+    except OSError:
+        return False
+
+
 def _stopped(pid: int) -> bool:
     """Whether PID is stopped (SIGSTOP, a debugger): it cannot take its turn now."""
     try:
@@ -77,6 +87,14 @@ def _stopped(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state in (b"T", b"t")
+
+
+def _jitter() -> None:
+    """A lost race for a lock: pause a random moment before deciding again, so that two
+    runs that backed off together (two users' shares under MPS) do not collide again."""
+    import random  # only after a lost race
+
+    time.sleep(random.uniform(0, 0.02))
 
 
 class Acquirer:
@@ -99,6 +117,8 @@ class Acquirer:
         min_free_mib: int = 0,
         max_util: int = 100,
         drained: Optional[Callable[[], Set[str]]] = None,
+        share: bool = False,
+        sharing: Optional[Sharing] = None,
     ) -> None:
         self.leases = leases
         self.queue = queue
@@ -117,6 +137,10 @@ class Acquirer:
         self.uid = os.geteuid()
         self.current: Dict[str, Device] = {d.uuid: d for d in all_devices}
         self.parents = {d.uuid: d.parent_uuid for d in all_devices}
+        self.sharing = sharing if sharing is not None else Sharing()
+        self.share = share
+        self.slots = {u: self.sharing.slots_for(u, p) for u, p in self.parents.items()}
+        self.joined: Set[str] = set()  # devices that had sharers at the last decision
         now = time.monotonic() if checked_at is None else checked_at
         self.checked_at: Dict[str, float] = {d.uuid: now for d in all_devices}
         # Devices whose data may be stale: their lease was held at some look since they were
@@ -134,12 +158,14 @@ class Acquirer:
 
     # -- judging devices -------------------------------------------------------------
     def occupied(self, device: Device) -> bool:
-        """Whether NVML shows work cudawrap did not start on DEVICE (its lease being free)."""
+        """Whether NVML shows work cudawrap did not start on DEVICE (its lease being free).
+
+        An MPS server left by shared runs that ended is not work: it idles until stopped."""
         if self.foreign == "ignore":
             return False
         if device.pids is None:
             return (device.memory_used_mib or 0) > self.busy_memory_mib
-        return bool(device.pids)
+        return any(not _mps_server(pid) for pid in device.pids)
 
     def _recheck(self, uuid: str, now: float) -> bool:
         """Re-read DEVICE from NVML if its data may be stale; True if it is now free."""
@@ -164,22 +190,33 @@ class Acquirer:
             return self._recheck(uuid, now)
         return False
 
-    def machine(self, locks: Dict[Tuple[int, int], int]) -> Tuple[List[str], Dict[int, int], Set[str]]:
-        """(free devices in the machine's order, devices held per uid, busy devices)."""
+    def machine(self, table: Dict[Tuple[int, int], List[Tuple[int, bool]]]
+                ) -> Tuple[List[str], Dict[int, float], Set[str], Shares]:
+        """(free devices in the machine's order, devices held per uid, busy devices, shares)."""
         now = time.monotonic()
         free: List[str] = []
-        held: Dict[int, int] = {}
+        held: Dict[int, float] = {}
         busy: Set[str] = set()
+        used: Dict[str, List[int]] = {}
+        closed: Set[str] = set()  # shared, but to take no new shares
         for uuid in self.current:
             ident = self.leases.ident(uuid)
             if ident is None:
                 continue  # no lease file: cannot be leased (not synced yet)
-            pid = locks.get(ident)
-            if pid is not None:
-                uid = _uid_of(pid)
-                held[uid] = held.get(uid, 0) + 1
+            locks = table.get(ident)
+            if locks is not None:
                 busy.add(uuid)
                 self.stale.add(uuid)
+                if any(exclusive for _pid, exclusive in locks):
+                    uid = _uid_of(locks[0][0])
+                    held[uid] = held.get(uid, 0) + 1
+                    continue
+                # Shared: each shared lock on the lease file is one share (see sharing.py).
+                used[uuid] = [_uid_of(pid) for pid, _ex in locks]
+                for uid in used[uuid]:
+                    held[uid] = held.get(uid, 0) + self.sharing.cost(self.slots[uuid])
+                if uuid in self.lost or uuid in self.unavailable:
+                    closed.add(uuid)
             elif uuid in self.lost or uuid in self.unavailable:
                 continue
             elif uuid in self.mine and self._eligible(uuid, now):
@@ -191,7 +228,8 @@ class Acquirer:
                 free.append(uuid)
             else:
                 busy.add(uuid)
-        return free, held, busy
+        slots = {u: 0 if u in closed else n for u, n in self.slots.items()}
+        return free, held, busy, Shares(slots, used, self.sharing.mode == MPS, self.sharing.counts_as)
 
     def usable(self) -> int:
         return len([d for d in self.candidates if d.uuid not in self.lost and d.uuid not in self.unavailable])
@@ -218,27 +256,51 @@ class Acquirer:
             waiters.append(me)
         if self.drained is not None:
             self.unavailable = set(self.drained())
-        free, held, busy = self.machine(scan.locks)
+        free, held, busy, shares = self.machine(scan.table)
+        self.joined = set(shares.used)
         limits = {w.uid: self._limit(w.uid) for w in waiters}
-        fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free}
-        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit)
+        fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free or u in shares.used}
+        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares)
         return verdicts, free
 
     def _take(self, uuids: Sequence[str]) -> Optional[Lease]:
-        """Lock exactly UUIDS now (all or none) and hand them over as a Lease."""
+        """Lock exactly UUIDS now (all or none) and hand them over as a Lease.
+
+        A shared run takes a share of each device that has slots (a device of one slot
+        whole); joining sharers, it does not judge the device by NVML (their processes are
+        not foreign), opening a device it does, as an exclusive run would.
+        """
         now = time.monotonic()
         locked: List[str] = []
+        shared = [u for u in uuids if self.share and self.slots.get(u, 1) > 1]
         for uuid in uuids:
-            if not self.leases.try_lock(uuid):
+            if not (self.leases.try_share(uuid, self.slots[uuid]) if uuid in shared
+                    else self.leases.try_lock(uuid)):
                 break
             locked.append(uuid)
-            if not self._eligible(uuid, now):
+            if uuid not in self.joined and not self._eligible(uuid, now):
                 break
         else:
-            return self.leases.take(locked)
+            if not shared or self._shares_hold(shared):
+                return self.leases.take(locked)
         for uuid in locked:
             self.leases.unlock(uuid)
         return None
+
+    def _shares_hold(self, uuids: Sequence[str]) -> bool:
+        """Whether the shares just taken of UUIDS stand: no device over its slots (an admin
+        lowered them under running sharers) and, under MPS, no other user's sharers there
+        (two users' runs decided at once from different looks: both back off and decide
+        again, rather than one being stalled by MPS behind the other's clients)."""
+        table = lock_table()
+        for uuid in uuids:
+            ident = self.leases.ident(uuid)
+            locks = table.get(ident, []) if ident is not None else []
+            if len(locks) > self.slots[uuid]:
+                return False
+            if self.sharing.mode == MPS and any(_uid_of(pid) != self.uid for pid, _ex in locks):
+                return False
+        return True
 
     def _fits(self, uuid: str) -> bool:
         d = self.current[uuid]
@@ -248,7 +310,7 @@ class Acquirer:
 
     def _me(self, key: str) -> Waiter:
         return Waiter(key, self.uid, os.getpid(), self.count, self.wanted, self.placement,
-                      self.reserve_after, time.time(), "?", self.min_free_mib, self.max_util)
+                      self.reserve_after, time.time(), "?", self.min_free_mib, self.max_util, self.share)
 
     def _watch_others(self, verdicts: Dict[str, Verdict], scan: Scan, me: str) -> bool:
         """Note who was given devices and has not taken them; poke those to wake.
@@ -300,6 +362,7 @@ class Acquirer:
             lease = self._take(verdict.devices)
             if lease is not None:
                 return lease
+            _jitter()
         offered = {u for k, v in verdicts.items() if k != probe.key and v.kind == GRANTED for u in v.devices}
         if wait_s <= 0 and any(probe.can_use(u) and self._fits(u) for u in offered):
             # A device it could use is free but offered to a run ahead: wait long enough to
@@ -312,7 +375,8 @@ class Acquirer:
         mine = sum(1 for w in scan.waiters if w.uid == self.uid)
         entry = self.queue.enqueue(self.count, self.placement,
                                    None if self.wanted is None else sorted(self.wanted),
-                                   self.reserve_after, info, mine, self.min_free_mib, self.max_util)
+                                   self.reserve_after, info, mine, self.min_free_mib, self.max_util,
+                                   self.share)
         return self._wait(entry, deadline, wait_s, on_wait)
 
     def _wait(self, entry: Entry, deadline: float, wait_s: float,
@@ -368,6 +432,7 @@ class Acquirer:
                     if lease is not None:
                         self._hand_over(verdicts, scan, entry.name)
                         return lease
+                    _jitter()
                     continue
                 if self.usable() < self.count:
                     if any(d.uuid in self.unavailable for d in self.candidates):

@@ -115,9 +115,10 @@ def _dir(path: Path, mode: int) -> None:
 
 
 def prepare_runtime(layout: Layout) -> None:
-    """The tmpfs part (/run/cudawrap): lease and queue directories and the queue lock."""
+    """The tmpfs part (/run/cudawrap): lease, slot and queue directories and the queue lock."""
     _dir(layout.runtime_dir, 0o755)
     _dir(layout.lease_dir, 0o755)
+    _dir(layout.share_dir, 0o755)
     # Sticky and world-writable like /tmp: everyone may queue, nobody may unqueue others.
     _dir(layout.queue_dir, 0o1777)
     fd = os.open(layout.queue_lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -277,6 +278,7 @@ def render_tmpfiles(layout: Layout) -> str:
         "# Written by cudawrap's install.sh; the modes match cudawrap.installation.prepare_runtime.\n"
         f"d {layout.runtime_dir} 0755 {owner} -\n"
         f"d {layout.lease_dir} 0755 {owner} -\n"
+        f"d {layout.share_dir} 0755 {owner} -\n"
         "# sticky and world-writable like /tmp: everyone may queue, nobody may unqueue others\n"
         f"d {layout.queue_dir} 1777 {owner} -\n"
         f"f {layout.queue_lock} 0644 {owner} -\n"

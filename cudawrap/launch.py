@@ -113,11 +113,17 @@ def real_program(link: str, shim: str, root: str = "") -> str:
 class Grant:
     """What a run got: a lease (possibly inherited) or nothing, and what to tell it."""
 
-    def __init__(self, lease: Optional[Lease], visible: Optional[str]) -> None:
+    def __init__(self, lease: Optional[Lease], visible: Optional[str],
+                 extra: Optional[Dict[bytes, bytes]] = None) -> None:
         self.lease = lease
         self.visible = visible  # value for CUDA_VISIBLE_DEVICES; None = leave it as it is
+        self.extra = extra or {}  # more variables: an MPS client's
+        self.drop: Tuple[bytes, ...] = ()  # variables to remove
 
     def apply(self, env: Dict[bytes, bytes]) -> Dict[bytes, bytes]:
+        for name in self.drop:
+            env.pop(name, None)
+        env.update(self.extra)
         if self.visible is not None:
             env[CVD_B] = self.visible.encode()
         if self.lease is not None:
@@ -150,7 +156,7 @@ def _narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
         if uuid is None or uuid in kept:
             break
         kept.append(uuid)
-    return Lease({u: lease.fds[u] for u in kept}) if kept else None
+    return lease.part(kept) if kept else None
 
 
 def _unchanged(device: Device) -> Device:
@@ -329,14 +335,21 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
 
     from .acquire import Acquirer, describe_wait
     from .limits import limit_for
+    from .sharing import MPS, Sharing
     from .waitqueue import WaitQueue
+
+    sharing = Sharing(value.get("sharing"))
+    share = bool(value.get("share")) and sharing.anywhere
+    if share and sharing.mode == MPS and count > 1:
+        raise NoDeviceError(f"{count} devices asked for as a shared run, but an MPS client uses one device",
+                            hint="ask for one device (CUDAWRAP_GPUS=1), or run without sharing")
 
     limits = value.get("limits") or {}
     my_limit = limit_for(os.geteuid(), limits) if limits else 0
     if my_limit and count > my_limit:
         raise NoDeviceError(f"{count} devices asked for, but your limit is {my_limit} at once",
                             hint="ask for fewer devices, or ask an admin (`cudawrap config` shows the limits)")
-    leases = LeaseFiles(lease_dir)
+    leases = LeaseFiles(lease_dir, loc.under(root, loc.SHARE_DIR))
     # A device without a lease file (appeared since the last sync) can never be leased:
     # leave it out rather than wait for it forever.
     unsynced = [d for d in candidates if leases.fd(d.uuid) is None]
@@ -355,7 +368,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         reserve_after=value.get("reserve_after", 300.0),
         limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
         min_free_mib=request.min_free_memory_mib, max_util=request.max_utilization,
-        drained=drained_now)
+        drained=drained_now, share=share, sharing=sharing)
     wait_s = value["wait"]
     info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={prog}\n".encode()
     waited = {"yes": False}
@@ -373,10 +386,23 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         raise
     waited_s = time.monotonic() - start
     audit.log("grant", program=prog, pid=os.getpid(), devices=",".join(lease.uuids),
+              **({"shared": ",".join(lease.shared)} if lease.shared else {}),
               wait=f"{waited_s:.3f}s")
     if waited["yes"]:
         say(prog, f"got {','.join(lease.uuids)} after {waited_s:.1f} s")
-    return Grant(lease, ",".join(lease.uuids))
+    extra: Dict[bytes, bytes] = {}
+    if lease.shared and sharing.mode == MPS:
+        uuid = lease.shared[0]
+        device = acquirer.current[uuid]
+        extra = sharing.mps_env(root, uuid, acquirer.slots[uuid], device.memory_total_mib or None)
+    grant = Grant(lease, ",".join(lease.uuids), extra)
+    mps_dir = loc.under(root, loc.MPS_DIR) + "/"
+    if not lease.shared and environ.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(mps_dir):
+        # A whole device bypasses MPS: a client of a device's daemon (a shared run's
+        # environment passed on) must not be sent to a daemon of a device it does not use.
+        grant.drop = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
+                      b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+    return grant
 
 
 def exec_program(path: str, argv: Sequence[str], env: Dict[bytes, bytes], grant: Grant) -> NoReturn:

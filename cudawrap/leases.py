@@ -47,38 +47,54 @@ SYNC_HINT = "run `cudawrap sync` as root (at boot the cudawrap-sync unit does th
 
 
 class Lease:
-    """Locks held on some devices; inheritable across exec once granted."""
+    """Locks held on some devices; inheritable across exec once granted.
 
-    def __init__(self, fds: Dict[str, int]) -> None:
+    FDS: uuid -> descriptor on its lease file (exclusive lock: the whole device; shared
+    lock: a share). SLOTS: uuid -> descriptor on the slot file a share holds exclusively.
+    """
+
+    def __init__(self, fds: Dict[str, int], slots: Optional[Dict[str, int]] = None) -> None:
         self.fds = dict(fds)
+        self.slots = dict(slots or {})
 
     @property
     def uuids(self) -> List[str]:
         return list(self.fds)
 
+    @property
+    def shared(self) -> List[str]:
+        return [u for u in self.fds if u in self.slots]
+
+    def part(self, uuids: Iterable[str]) -> Lease:
+        return Lease({u: self.fds[u] for u in uuids}, {u: self.slots[u] for u in uuids if u in self.slots})
+
     def marker(self) -> str:
-        return ",".join(f"{fd}:{uuid}" for uuid, fd in self.fds.items())
+        return ",".join(f"{fd}:{uuid}:{self.slots[uuid]}" if uuid in self.slots else f"{fd}:{uuid}"
+                        for uuid, fd in self.fds.items())
 
     def keep_across_exec(self) -> None:
-        for fd in self.fds.values():
+        for fd in list(self.fds.values()) + list(self.slots.values()):
             os.set_inheritable(fd, True)
 
     def release(self) -> None:
-        for fd in self.fds.values():
+        for fd in list(self.fds.values()) + list(self.slots.values()):
             try:
                 os.close(fd)  # closing our only reference drops the flock
             except OSError:
                 pass
         self.fds.clear()
+        self.slots.clear()
 
 
 class LeaseFiles:
     """The lease files of one lease directory, opened read-only once per process."""
 
-    def __init__(self, lease_dir: str) -> None:
+    def __init__(self, lease_dir: str, share_dir: Optional[str] = None) -> None:
         self.dir = lease_dir
+        self.share_dir = share_dir
         self.owner = check_dir(lease_dir, "lease directory", SYNC_HINT).st_uid
         self._fds: Dict[str, int] = {}
+        self._slots: Dict[str, int] = {}  # uuid -> locked slot file of a share being taken
 
     def path(self, uuid: str) -> str:
         return self.dir + "/" + uuid
@@ -109,33 +125,45 @@ class LeaseFiles:
         st = os.fstat(fd)
         return (st.st_dev, st.st_ino)
 
-    def try_lock(self, uuid: str) -> bool:
-        """Take UUID's lease without blocking; False if someone holds it or it is gone."""
+    def try_lock(self, uuid: str, how: int = fcntl.LOCK_EX) -> bool:
+        """Take UUID's lease without blocking; False if someone holds it or it is gone.
+
+        HOW = LOCK_SH takes the device's side of a share (see try_share)."""
         fd = self.fd(uuid)
         if fd is None:
             return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False
-            raise
-        # sync removes the lease files of vanished devices while holding their lock; a lock
-        # won on such an unlinked file would not exclude a holder of a new file.
-        try:
-            current = os.stat(self.path(uuid), follow_symlinks=False)
-        except OSError:
-            current = None
-        mine = os.fstat(fd)
-        if current is None or (current.st_ino, current.st_dev) != (mine.st_ino, mine.st_dev):
+        if not _flock_current(fd, self.path(uuid), how):
             self.forget(uuid)
             return False
         return True
+
+    def try_share(self, uuid: str, slots: int) -> bool:
+        """Take a share of UUID: the shared lock on its lease file, then the exclusive lock on
+        the first free of its SLOTS slot files. False (nothing held) if an exclusive run
+        holds the device or every slot is taken."""
+        if self.share_dir is None or not self.try_lock(uuid, fcntl.LOCK_SH):
+            return False
+        for slot in range(1, slots + 1):
+            path = f"{self.share_dir}/{uuid}.{slot}"
+            try:
+                fd = os.open(path, _OPEN_FLAGS)
+            except OSError:
+                continue  # not made (yet): fewer slots than configured until root syncs
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == self.owner and _flock_current(fd, path, fcntl.LOCK_EX):
+                self._slots[uuid] = fd
+                return True
+            os.close(fd)
+        self.unlock(uuid)
+        return False
 
     def unlock(self, uuid: str) -> None:
         fd = self._fds.get(uuid)
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
+        slot = self._slots.pop(uuid, None)
+        if slot is not None:
+            os.close(slot)
 
     def forget(self, uuid: str) -> None:
         fd = self._fds.pop(uuid, None)
@@ -145,13 +173,38 @@ class LeaseFiles:
     def take(self, uuids: Iterable[str]) -> Lease:
         """Hand the (locked) descriptors of UUIDS over to a Lease; close the others."""
         chosen = {u: self._fds.pop(u) for u in uuids}
+        slots = {u: self._slots.pop(u) for u in chosen if u in self._slots}
         self.close()
-        return Lease(chosen)
+        return Lease(chosen, slots)
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for fd in list(self._fds.values()) + list(self._slots.values()):
             os.close(fd)
         self._fds.clear()
+        self._slots.clear()
+
+
+def _flock_current(fd: int, path: str, how: int) -> bool:
+    """flock FD (HOW, without blocking) and check it is still the file at PATH.
+
+    sync removes the files of vanished devices while holding their lock; a lock won on such
+    an unlinked file would not exclude a holder of a new file. False (unlocked) otherwise.
+    """
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    try:
+        current = os.stat(path, follow_symlinks=False)
+    except OSError:
+        current = None
+    mine = os.fstat(fd)
+    if current is None or (current.st_ino, current.st_dev) != (mine.st_ino, mine.st_dev):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    return True
 
 
 def lease_file_inventory(lease_dir: str) -> Optional[Inventory]:
@@ -184,8 +237,9 @@ def _lock_fields(line: str) -> Optional[Tuple[int, int, int, bool]]:
         return None
 
 
-def holds_lock(fd: int, pid: str = "self") -> bool:
-    """Whether the open file description behind PID's FD holds an exclusive flock now.
+def lock_kind(fd: int, pid: str = "self") -> Optional[bool]:
+    """The flock the open file description behind PID's FD holds now: True exclusive,
+    False shared, None none.
 
     The kernel lists in /proc/PID/fdinfo/FD only the locks that this very open file
     description owns, so this tells "locked through this descriptor" from "locked by
@@ -195,13 +249,18 @@ def holds_lock(fd: int, pid: str = "self") -> bool:
         with open(f"/proc/{pid}/fdinfo/{fd}", encoding="ascii", errors="replace") as f:
             text = f.read()
     except OSError:
-        return False
+        return None
     for line in text.splitlines():
         if line.startswith("lock:"):
             fields = _lock_fields(line[len("lock:"):])
-            if fields is not None and fields[3]:
-                return True
-    return False
+            if fields is not None:
+                return fields[3]
+    return None
+
+
+def holds_lock(fd: int, pid: str = "self") -> bool:
+    """Whether the open file description behind PID's FD holds an exclusive flock now."""
+    return lock_kind(fd, pid) is True
 
 
 def inherited_lease(lease_dir: str, marker: str) -> Optional[Lease]:
@@ -214,49 +273,90 @@ def inherited_lease(lease_dir: str, marker: str) -> Optional[Lease]:
     would take the device past the queue and the allow-list). Anything else yields None.
     """
     fds: Dict[str, int] = {}
+    slots: Dict[str, int] = {}
     for item in marker.split(","):
-        fd_text, _, uuid = item.partition(":")
-        # ASCII digits only ("²".isdigit() is true, int() refuses it) and a length int() and
-        # fstat() accept: a forged marker means "no lease", never a traceback.
-        if not (fd_text.isascii() and fd_text.isdigit() and len(fd_text) <= 9) or not uuid or "/" in uuid:
+        fd_text, _, rest = item.partition(":")
+        uuid, _, slot_text = rest.partition(":")
+        fd = _fd_number(fd_text)
+        if fd is None or not uuid or "/" in uuid:
             return None
-        fd = int(fd_text)
-        try:
-            mine = os.fstat(fd)
-            current = os.stat(lease_dir + "/" + uuid, follow_symlinks=False)
-        except OSError:
-            return None
-        if (mine.st_ino, mine.st_dev) != (current.st_ino, current.st_dev) or not holds_lock(fd):
-            return None
+        if not slot_text:  # a whole device: our descriptor holds its exclusive lock
+            if not _locked_file(fd, lease_dir + "/" + uuid, True):
+                return None
+        else:  # a share: the shared lock on the device, the exclusive lock on a slot file of it
+            slot = _fd_number(slot_text)
+            share_dir = os.path.dirname(lease_dir) + "/shares"
+            if (slot is None or not _locked_file(fd, lease_dir + "/" + uuid, False)
+                    or not _slot_of(slot, share_dir, uuid)):
+                return None
+            slots[uuid] = slot
         fds[uuid] = fd
-    return Lease(fds) if fds else None
+    return Lease(fds, slots) if fds else None
 
 
-def proc_locks() -> Dict[Tuple[int, int], int]:
-    """(device, inode) -> pid that took each granted flock on this machine (/proc/locks).
+def _fd_number(text: str) -> Optional[int]:
+    # ASCII digits only ("²".isdigit() is true, int() refuses it) and a length int() and
+    # fstat() accept: a forged marker means "no lease", never a traceback.
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else None
 
-    The pid is the one that took the lock: it may have exited since (a child holding the
-    descriptor keeps the lock) or been reused. Check it with `fd_holders` before naming it.
+
+def _locked_file(fd: int, path: str, exclusive: bool) -> bool:
+    """Whether FD is open on the file at PATH and its open file description holds the lock."""
+    try:
+        mine = os.fstat(fd)
+        current = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (mine.st_ino, mine.st_dev) == (current.st_ino, current.st_dev) and lock_kind(fd) is exclusive
+
+
+def _slot_of(fd: int, share_dir: str, uuid: str) -> bool:
+    """Whether FD holds the exclusive lock on one of UUID's slot files."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+    name = os.path.basename(target)
+    number = name[len(uuid) + 1:] if name.startswith(uuid + ".") else ""
+    return (os.path.dirname(target) == os.path.realpath(share_dir) and number.isascii() and number.isdigit()
+            and _locked_file(fd, target, True))
+
+
+def lock_table() -> Dict[Tuple[int, int], List[Tuple[int, bool]]]:
+    """(device, inode) -> (pid that took it, exclusive) for each granted flock (/proc/locks).
+
+    A file has one exclusive lock or any number of shared ones (a device's sharers). The pid
+    is the one that took the lock: it may have exited since (a child holding the descriptor
+    keeps the lock) or been reused. Check it with `fd_holders` before naming it.
     """
-    held: Dict[Tuple[int, int], int] = {}
+    table: Dict[Tuple[int, int], List[Tuple[int, bool]]] = {}
     try:
         with open("/proc/locks", encoding="ascii", errors="replace") as f:
             lines = f.read().splitlines()
     except OSError:
-        return held
+        return table
     for line in lines:
         fields = _lock_fields(line)
         if fields is not None:
-            pid, dev, inode, _exclusive = fields
-            held[(dev, inode)] = pid
-    return held
+            pid, dev, inode, exclusive = fields
+            table.setdefault((dev, inode), []).append((pid, exclusive))
+    return table
+
+
+def first_pids(table: Dict[Tuple[int, int], List[Tuple[int, bool]]]) -> Dict[Tuple[int, int], int]:
+    return {key: entries[0][0] for key, entries in table.items()}
+
+
+def proc_locks() -> Dict[Tuple[int, int], int]:
+    """(device, inode) -> pid that took a granted flock on it (/proc/locks); see lock_table."""
+    return first_pids(lock_table())
 
 
 _proc_locks = proc_locks  # the older private name
 
 
 def fd_holders(files: Iterable[Tuple[int, int]], pids: Iterable[int]) -> Dict[Tuple[int, int], List[int]]:
-    """(device, inode) -> those of PIDS that hold the exclusive flock on that file now.
+    """(device, inode) -> those of PIDS that hold a flock on that file now.
 
     A process counts when one of its descriptors is open on the file and that descriptor's
     open file description owns the lock: what holding a lease means. Processes whose
@@ -276,13 +376,28 @@ def fd_holders(files: Iterable[Tuple[int, int]], pids: Iterable[int]) -> Dict[Tu
             except OSError:
                 continue
             key = (st.st_dev, st.st_ino)
-            if key in wanted and pid not in found.get(key, ()) and holds_lock(int(fd), str(pid)):
+            if key in wanted and pid not in found.get(key, ()) and lock_kind(int(fd), str(pid)) is not None:
                 found.setdefault(key, []).append(pid)
     return found
 
 
-def holders(lease_dir: str) -> Dict[str, Optional[int]]:
-    """uuid -> pid of a process holding each held lease; None where none can be named.
+class Holding:
+    """Who holds one device's lease: one exclusive holder, or its sharers."""
+
+    __slots__ = ("exclusive", "pids")
+
+    def __init__(self, exclusive: bool, pids: List[Optional[int]]) -> None:
+        self.exclusive = exclusive
+        self.pids = pids  # one per lock (a share each), None where the holder cannot be named
+
+    @property
+    def pid(self) -> Optional[int]:
+        known = [p for p in self.pids if p is not None]
+        return min(known) if known else None
+
+
+def holdings(lease_dir: str) -> Dict[str, Holding]:
+    """uuid -> who holds each held lease, a pid per lock (None where none can be named).
 
     /proc/locks says which lease files are locked and which pid took each lock, but that
     process may be gone (its child holds the lease now) and the pid reused by an innocent
@@ -290,7 +405,7 @@ def holders(lease_dir: str) -> Dict[str, Optional[int]]:
     every process is searched; None (held, holder unknown) where the holder's descriptors
     cannot be read.
     """
-    locks = proc_locks()
+    table = lock_table()
     files: Dict[Tuple[int, int], str] = {}
     try:
         names = os.listdir(lease_dir)
@@ -301,14 +416,28 @@ def holders(lease_dir: str) -> Dict[str, Optional[int]]:
             st = os.stat(lease_dir + "/" + name, follow_symlinks=False)
         except OSError:
             continue
-        if (st.st_dev, st.st_ino) in locks:
+        if (st.st_dev, st.st_ino) in table:
             files[(st.st_dev, st.st_ino)] = name
-    found = fd_holders(files, {locks[key] for key in files})
-    missing = [key for key in files if key not in found]
-    if missing:
-        everyone = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-        found.update(fd_holders(missing, everyone))
-    return {name: min(found[key]) if key in found else None for key, name in files.items()}
+    found = fd_holders(files, {pid for key in files for pid, _ex in table[key]})
+    everyone: Optional[List[int]] = None
+    out: Dict[str, Holding] = {}
+    for key, name in files.items():
+        entries = table[key]
+        verified = found.get(key, [])
+        pids: List[Optional[int]] = [pid if pid in verified else None for pid, _ex in entries]
+        if None in pids:  # a taker gone: its child holds the lock now, look for whoever does
+            if everyone is None:
+                everyone = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+            others = [p for p in fd_holders([key], everyone).get(key, []) if p not in pids]
+            pids = [p if p is not None else (others.pop(0) if others else None) for p in pids]
+        out[name] = Holding(any(ex for _pid, ex in entries), pids)
+    return out
+
+
+def holders(lease_dir: str) -> Dict[str, Optional[int]]:
+    """uuid -> pid of a process holding each held lease (one of its sharers for a shared
+    device); None where none can be named. See holdings."""
+    return {name: holding.pid for name, holding in holdings(lease_dir).items()}
 
 
 def sync_lease_files(lease_dir: str, present: Iterable[str], keep: Iterable[str] = ()) -> Tuple[List[str], List[str]]:
@@ -349,6 +478,45 @@ def sync_lease_files(lease_dir: str, present: Iterable[str], keep: Iterable[str]
                 os.close(fd)  # still held by a running job: remove it on a later sync
                 continue
             os.unlink(name, dir_fd=dfd)  # while holding the lock, so nobody can win it on the dead inode
+            os.close(fd)
+            removed.append(name)
+        return created, removed
+    finally:
+        os.close(dfd)
+
+
+def sync_slot_files(share_dir: str, wanted: Dict[str, int]) -> Tuple[List[str], List[str]]:
+    """Make the slot files <uuid>.1 .. <uuid>.N of each device in WANTED (uuid -> N >= 2);
+    remove the others once unheld. Root runs this with the lease files. (created, removed)."""
+    os.makedirs(share_dir, mode=0o755, exist_ok=True)
+    dfd = os.open(share_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(dfd, 0o755)
+        names = {f"{uuid}.{k}" for uuid, n in wanted.items() if n > 1 for k in range(1, n + 1)}
+        created: List[str] = []
+        removed: List[str] = []
+        for name in sorted(names):
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                             dir_fd=dfd)
+            except FileExistsError:
+                continue
+            os.fchmod(fd, 0o644)
+            os.close(fd)
+            created.append(name)
+        for name in sorted(os.listdir(dfd)):
+            if name in names:
+                continue
+            try:
+                fd = os.open(name, _OPEN_FLAGS, dir_fd=dfd)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)  # a share still runs on it: removed on a later sync
+                continue
+            os.unlink(name, dir_fd=dfd)
             os.close(fd)
             removed.append(name)
         return created, removed

@@ -16,7 +16,7 @@ from .errors import CannotWrite, CudawrapError, NvmlUnavailable
 from .devices import Inventory
 from .leases import _proc_locks, fd_holders
 from .paths import Layout
-from .sync import sync_leases
+from .sync import sync_leases, sync_slots
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ def _refresh(layout: Layout) -> Optional[str]:
         # The config or registry changed: rebuild so launches stay off the slow path.
         try:
             policy.write_cache(root)
+            # [sharing] slots may have changed: the slot files follow at once.
+            sync_slots(layout, inventory, [u for u in inventory.uuids() if u in existing])
         except CudawrapError as exc:
             log.warning("cannot rebuild the launch cache: %s", exc)
     return None

@@ -16,6 +16,14 @@ The rule (README "Order of service"):
 3. Every run whose request can be met with the free devices left over is granted now,
    whatever stands before it (no head-of-line idling); a run that would exceed its user's
    limit is passed over, not served early.
+
+Shared runs (README "Sharing a GPU") take a slot of a device instead of all of it: an
+exclusive run needs a device nobody holds, a shared run a free slot on a device no
+exclusive run holds. Shared runs fill the fullest shared devices first and open an unused
+device only when none has room, so whole devices stay free for exclusive runs. Under MPS a
+device's shares belong to one user at a time. A share counts as `Shares.cost` of a device
+towards its user's turn and limit. A starving exclusive run also keeps new shares off the
+shared devices it could use, so they drain for it.
 """
 from __future__ import annotations
 
@@ -30,17 +38,19 @@ RESERVED = "reserved"  # free devices it could use are reserved for a run that w
 RESERVING = "reserving"  # it waited long: free devices are held back for it until it has enough
 LIMIT = "limit"  # its user's limit would be exceeded
 
+EPSILON = 1e-9  # shares add up in floating point: 4 x 0.25 must not exceed a limit of 1
+
 
 class Waiter:
     """One waiting run as the queue shows it."""
 
     __slots__ = ("key", "uid", "pid", "count", "candidates", "placement", "reserve_after",
-                 "arrival", "program", "min_free_mib", "max_util")
+                 "arrival", "program", "min_free_mib", "max_util", "share")
 
     def __init__(self, key: str, uid: int, pid: int, count: int,
                  candidates: Optional[FrozenSet[str]], placement: str = "spread",
                  reserve_after: float = 300.0, arrival: float = 0.0, program: str = "?",
-                 min_free_mib: int = 0, max_util: int = 100) -> None:
+                 min_free_mib: int = 0, max_util: int = 100, share: bool = False) -> None:
         self.key = key  # sorts in arrival order; unique
         self.uid = uid
         self.pid = pid
@@ -53,6 +63,7 @@ class Waiter:
         # Filters on what changes as jobs come and go (README "Choosing devices").
         self.min_free_mib = min_free_mib
         self.max_util = max_util
+        self.share = share  # a slot on each of COUNT devices, not the devices whole
 
     def can_use(self, uuid: str, fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]] = None) -> bool:
         """Whether this run may be given UUID; FIT: uuid -> (free MiB, utilisation %), each
@@ -68,7 +79,34 @@ class Waiter:
         return util is None or util <= self.max_util
 
     def __repr__(self) -> str:
-        return f"Waiter({self.key!r}, uid={self.uid}, count={self.count})"
+        return f"Waiter({self.key!r}, uid={self.uid}, count={self.count}{', shared' if self.share else ''})"
+
+
+class Shares:
+    """The machine's sharing at one decision: slots per device, who holds the shares.
+
+    SLOTS: uuid -> slots (absent: 1, not shared). USED: uuid -> the uid of each share held
+    now, for the devices that have sharers (in the machine's order); those are never free.
+    MPS: one user's shares per device. COUNTS_AS: a share's weight (None: 1/slots).
+    """
+
+    def __init__(self, slots: Optional[Mapping[str, int]] = None,
+                 used: Optional[Mapping[str, Sequence[int]]] = None, mps: bool = False,
+                 counts_as: Optional[float] = None) -> None:
+        self.slots = dict(slots or {})
+        self.used = {u: list(uids) for u, uids in (used or {}).items()}
+        self.mps = mps
+        self.counts_as = counts_as
+
+    def slots_of(self, uuid: str) -> int:
+        return self.slots.get(uuid, 1)
+
+    def cost(self, uuid: str) -> float:
+        """What a shared run's hold on UUID counts as (a device of 1 slot is taken whole)."""
+        slots = self.slots_of(uuid)
+        if slots <= 1:
+            return 1.0
+        return self.counts_as if self.counts_as is not None else 1.0 / slots
 
 
 class Verdict:
@@ -148,32 +186,53 @@ def place(eligible: Sequence[str], count: int, placement: str, parents: Mapping[
     return chosen
 
 
-def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, int],
+def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, float],
            limits: Mapping[int, int], now: float, parents: Optional[Mapping[str, str]] = None,
            busy: Optional[Set[str]] = None,
-           fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]] = None) -> Dict[str, Verdict]:
+           fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]] = None,
+           shares: Optional[Shares] = None) -> Dict[str, Verdict]:
     """A Verdict for every waiter: what it may take now (FREE, in the machine's order), or why not.
 
-    HELD: devices each uid holds now; LIMITS: uid -> most devices (absent or 0: no limit).
-    PARENTS and BUSY feed the placement (physical GPU of each device, devices in use); FIT
-    has the readings that free-memory and utilisation filters are judged by.
+    HELD: devices each uid holds now (a share as its cost); LIMITS: uid -> most devices
+    (absent or 0: no limit). PARENTS and BUSY feed the placement (physical GPU of each
+    device, devices in use); FIT has the readings that free-memory and utilisation filters
+    are judged by; SHARES the shared devices and slots.
     """
     parents = parents if parents is not None else {u: u for u in free}
     busy = set(busy or ())
+    shares = shares if shares is not None else Shares()
+    used = {u: list(uids) for u, uids in shares.used.items()}
+    rank = {u: i for i, u in enumerate(list(used) + list(free))}
     avail = list(free)
     reserved: Dict[str, str] = {}  # device -> key of the starving run it is kept for
-    holding = dict(held)
+    holding: Dict[int, float] = dict(held)
     out: Dict[str, Verdict] = {}
     for position, w in enumerate(order(waiters, held, now)):
         limit = limits.get(w.uid, 0)
         mine = holding.get(w.uid, 0)
-        if limit and mine + w.count > limit:
-            out[w.key] = Verdict(LIMIT, position, (
-                f"you hold {_plural(mine, 'device')}, your limit is {limit}; "
-                f"waiting for one of yours to end"))
+        if not w.share and limit and mine + w.count > limit + EPSILON:
+            out[w.key] = Verdict(LIMIT, position, _limit_text(mine, limit))
             continue
         usable = [u for u in avail if w.can_use(u, fit)]
         open_ = [u for u in usable if u not in reserved]
+        if w.share:
+            verdict = _share(w, position, open_, usable, used, reserved, shares, parents, busy, fit, rank,
+                             mine, limit, now)
+            if verdict.kind == GRANTED:
+                for u in verdict.devices:
+                    if u in avail:
+                        avail.remove(u)
+                        if shares.slots_of(u) > 1:
+                            used[u] = []
+                    if u in used:
+                        used[u].append(w.uid)
+                    busy.add(u)
+                holding[w.uid] = mine + sum(shares.cost(u) for u in verdict.devices)
+            elif verdict.kind == RESERVING:
+                for u in open_:
+                    reserved[u] = w.key
+            out[w.key] = verdict
+            continue
         if len(open_) >= w.count:
             chosen = place(open_, w.count, w.placement, parents, busy, seed=w.key)
             for u in chosen:
@@ -184,17 +243,64 @@ def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, in
         elif starving(w, now):
             for u in open_:
                 reserved[u] = w.key
+            # Shared devices it could use take no new shares, so they drain for it.
+            draining = sorted((u for u in used if u not in reserved and w.can_use(u)),
+                              key=lambda u: (len(used[u]), rank[u]))[:w.count - len(open_)]
+            for u in draining:
+                reserved[u] = w.key
             out[w.key] = Verdict(RESERVING, position, (
                 f"waited over {w.reserve_after:g} s: {_plural(len(open_), 'free device')} "
-                f"kept for this run, waiting for {w.count - len(open_)} more"))
+                f"kept for this run, waiting for {w.count - len(open_)} more"
+                + (f" ({_plural(len(draining), 'shared device')} taking no new shares)" if draining else "")))
         elif len(usable) > len(open_):
-            out[w.key] = Verdict(RESERVED, position, (
-                f"{_plural(len(usable) - len(open_), 'free device')} it could use "
-                f"{'is' if len(usable) - len(open_) == 1 else 'are'} kept for a run that "
-                f"has waited longer; position {position + 1}"))
+            out[w.key] = Verdict(RESERVED, position, _reserved_text(len(usable) - len(open_), position))
         else:
             need = w.count - len(usable)
             what = "every device it may use is busy" if not usable else (
                 f"{_plural(len(usable), 'usable device')} free, {need} more needed")
             out[w.key] = Verdict(BUSY, position, f"{what}; position {position + 1} in line")
     return out
+
+
+def _limit_text(mine: float, limit: int) -> str:
+    held = _plural(int(mine), "device") if mine == int(mine) else f"{mine:.2f} devices"
+    return f"you hold {held}, your limit is {limit}; waiting for one of yours to end"
+
+
+def _reserved_text(n: int, position: int) -> str:
+    return (f"{_plural(n, 'free device')} it could use {'is' if n == 1 else 'are'} kept for a run that "
+            f"has waited longer; position {position + 1}")
+
+
+def _share(w: Waiter, position: int, open_: List[str], usable: List[str], used: Dict[str, List[int]],
+           reserved: Dict[str, str], shares: Shares, parents: Mapping[str, str], busy: Set[str],
+           fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]], rank: Mapping[str, int],
+           mine: float, limit: int, now: float) -> Verdict:
+    """The verdict for the shared run W (rule in the module's docstring)."""
+    room = [u for u in used if len(used[u]) < shares.slots_of(u) and w.can_use(u, fit)]
+    other_users = [u for u in room if shares.mps and any(uid != w.uid for uid in used[u])]
+    joinable = [u for u in room if u not in other_users and u not in reserved]
+    # Fullest first: a device with one slot left is filled before one with three.
+    joinable.sort(key=lambda u: (shares.slots_of(u) - len(used[u]), rank[u]))
+    chosen = joinable[:w.count]
+    for pool in ([u for u in open_ if shares.slots_of(u) > 1], [u for u in open_ if shares.slots_of(u) <= 1]):
+        n = min(w.count - len(chosen), len(pool))
+        chosen += place(pool, n, w.placement, parents, busy, seed=w.key) if n > 0 else []
+    costs = [shares.cost(u) for u in joinable + open_] or [shares.cost(u) for u in room + usable] or [0.0]
+    if limit and mine + (sum(shares.cost(u) for u in chosen) if len(chosen) == w.count
+                         else w.count * min(costs)) > limit + EPSILON:
+        return Verdict(LIMIT, position, _limit_text(mine, limit))
+    if len(chosen) == w.count:
+        return Verdict(GRANTED, position, "granted", tuple(chosen))
+    if starving(w, now):  # the caller keeps OPEN_ for it
+        return Verdict(RESERVING, position, (
+            f"waited over {w.reserve_after:g} s: {_plural(len(open_), 'free device')} kept for this run, "
+            f"waiting for a slot"))
+    blocked = len([u for u in room if u in reserved]) + len(usable) - len(open_)
+    if blocked:
+        return Verdict(RESERVED, position, _reserved_text(blocked, position))
+    if other_users:
+        return Verdict(BUSY, position, (
+            f"{_plural(len(other_users), 'shared device')} with room serve{'s' if len(other_users) == 1 else ''} "
+            f"another user's runs (MPS: one user per device); position {position + 1} in line"))
+    return Verdict(BUSY, position, f"every device it may share is full or taken whole; position {position + 1} in line")

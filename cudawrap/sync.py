@@ -18,7 +18,7 @@ from .claims import Claims, claim, claims_dir
 from .devices import Inventory
 from .errors import CannotWrite, NvmlUnavailable
 from .installation import prepare_runtime
-from .leases import _proc_locks, sync_lease_files
+from .leases import _proc_locks, sync_lease_files, sync_slot_files
 from .paths import Layout
 from .text import printable
 from .waitqueue import WaitQueue
@@ -42,7 +42,24 @@ def claimed_leases(layout: Layout, inventory: Inventory) -> Tuple[List[str], Lis
     # nothing is removed: a running job's lease file must keep excluding others.
     keep = os.listdir(layout.lease_dir) if inventory.lost and layout.lease_dir.is_dir() else []
     created, removed = sync_lease_files(str(layout.lease_dir), claims.mine, keep)
+    sync_slots(layout, inventory, claims.mine, keep)
     return created, removed, claims
+
+
+def sync_slots(layout: Layout, inventory: Inventory, mine: List[str], keep: List[str] = ()) -> None:
+    """Slot files for the shareable devices among MINE ([sharing] slots >= 2); KEEP's stay."""
+    from .sharing import Sharing
+
+    sharing = Sharing(policy.effective(str(layout.root), None, environ={})["sharing"][0])
+    parents = {d.uuid: d.parent_uuid for d in inventory.devices}
+    wanted = {uuid: sharing.slots_for(uuid, parents.get(uuid)) for uuid in mine}
+    share_dir = str(layout.share_dir)
+    if keep and os.path.isdir(share_dir):  # a lost GPU: keep every slot file, as its lease files
+        for name in os.listdir(share_dir):
+            uuid, _, slot = name.rpartition(".")
+            if slot.isdigit():
+                wanted[uuid] = max(wanted.get(uuid, 0), int(slot))
+    sync_slot_files(share_dir, wanted)
 
 
 def sync_leases(layout: Layout, inventory: Inventory) -> Tuple[List[str], List[str]]:

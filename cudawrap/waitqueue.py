@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from .errors import NoDeviceError, SetupError
-from .leases import SYNC_HINT, proc_locks
+from .leases import SYNC_HINT, first_pids, lock_table
 from .schedule import Waiter
 
 SUFFIX = ".wait"
@@ -44,14 +44,15 @@ _MAX_INFO = 64 << 10
 
 
 def entry_name(key_ns: int, pid: int, count: int, placement: str, narrowed: bool,
-               reserve_after: float) -> str:
+               reserve_after: float, share: bool = False) -> str:
     reserve = "inf" if reserve_after == float("inf") else str(int(reserve_after))
     return (f"{key_ns:020d}.{pid}.{count}{_PLACEMENT_CODES.get(placement, 's')}"
-            f"{'n' if narrowed else 'a'}.{reserve}{SUFFIX}")
+            f"{'n' if narrowed else 'a'}{'h' if share else ''}.{reserve}{SUFFIX}")
 
 
-def parse_name(name: str) -> Optional[Tuple[int, int, int, str, bool, float]]:
-    """(key ns, pid, count, placement, narrowed, reserve_after) from an entry NAME, or None.
+def parse_name(name: str) -> Optional[Tuple[int, int, int, str, bool, float, bool]]:
+    """(key ns, pid, count, placement, narrowed, reserve_after, shared) from an entry NAME,
+    or None. A shared run's request ends in "h" (a share of each device, not the devices).
 
     ASCII digits only: anyone can create names here, and int() accepts "²" and "1_000".
     """
@@ -61,6 +62,9 @@ def parse_name(name: str) -> Optional[Tuple[int, int, int, str, bool, float]]:
     if len(parts) != 4:
         return None
     key, pid, req, reserve = parts
+    share = req.endswith("h")
+    if share:
+        req = req[:-1]
     digits = req[:-2]
     if not (len(key) == 20 and _digits(key) and _digits(pid) and len(pid) <= 9 and digits
             and _digits(digits) and len(digits) <= 3 and req[-2] in _PLACEMENTS and req[-1] in "an"):
@@ -74,7 +78,7 @@ def parse_name(name: str) -> Optional[Tuple[int, int, int, str, bool, float]]:
     count = int(digits)
     if count < 1:
         return None
-    return int(key), int(pid), count, _PLACEMENTS[req[-2]], req[-1] == "n", reserve_s
+    return int(key), int(pid), count, _PLACEMENTS[req[-2]], req[-1] == "n", reserve_s, share
 
 
 def _digits(text: str) -> bool:
@@ -104,10 +108,11 @@ class Entry:
 class Scan:
     """The live, valid waiters at one moment, and the lock table it was judged by."""
 
-    def __init__(self, waiters: List[Waiter], locks: Dict[Tuple[int, int], int],
+    def __init__(self, waiters: List[Waiter], table: Dict[Tuple[int, int], List[Tuple[int, bool]]],
                  paths: Dict[str, str]) -> None:
         self.waiters = waiters
-        self.locks = locks
+        self.table = table  # lock_table(): every flock, shared ones (device shares) included
+        self.locks = first_pids(table)
         self.paths = paths  # key -> entry path
 
 
@@ -139,16 +144,17 @@ class WaitQueue:
             with os.scandir(self.dir) as it:
                 items = list(it)
         except OSError:
-            return Scan(waiters, proc_locks(), paths)
+            return Scan(waiters, lock_table(), paths)
         # The lock table is read after the listing: an entry is linked into place only once
         # its owner holds the lock, so every name listed either shows its lock here or is
         # really gone. (Read before, a newcomer would look dead and be removed.)
-        locks = proc_locks()
+        table = lock_table()
+        locks = first_pids(table)
         for item in items:
             parsed = parse_name(item.name)
             if parsed is None:
                 continue
-            key_ns, pid, count, placement, narrowed, reserve_s = parsed
+            key_ns, pid, count, placement, narrowed, reserve_s, share = parsed
             path = self.dir + "/" + item.name
             holder = locks.get((self.dev, item.inode()))
             if holder != pid:
@@ -174,9 +180,9 @@ class WaitQueue:
             # Never earlier than the kernel's ctime allows (minus slack for slow creation).
             arrival_ns = max(key_ns, st.st_ctime_ns - CLOCK_SLACK_NS)
             waiters.append(Waiter(item.name, st.st_uid, pid, count, asks[0], placement,
-                                  reserve_s, arrival_ns / 1e9, "?", asks[1], asks[2]))
+                                  reserve_s, arrival_ns / 1e9, "?", asks[1], asks[2], share))
             paths[item.name] = path
-        return Scan(waiters, locks, paths)
+        return Scan(waiters, table, paths)
 
     def _owns(self, uid: int, pid: int, ident: Tuple[str, int]) -> bool:
         """Whether UID owns process PID (the lock holder), remembered per entry."""
@@ -245,7 +251,7 @@ class WaitQueue:
     # -- joining and leaving -----------------------------------------------------------------
     def enqueue(self, count: int, placement: str, candidates: Optional[Iterable[str]],
                 reserve_after: float, info: bytes, mine: int = 0, min_free_mib: int = 0,
-                max_util: int = 100) -> Entry:
+                max_util: int = 100, share: bool = False) -> Entry:
         """Join the queue. MINE: this user's live entries already (for the per-user bound)."""
         if mine >= MAX_ENTRIES_PER_USER:
             raise NoDeviceError(f"you already have {mine} runs waiting, the most one user may have",
@@ -278,7 +284,7 @@ class WaitQueue:
             os.fchmod(fd, 0o644)  # now others may read what we ask for
             while True:
                 name = entry_name(key_ns, pid, count, placement, candidates is not None or dynamic,
-                                  reserve_after)
+                                  reserve_after, share)
                 try:
                     os.link(tmp, self.dir + "/" + name)  # link, unlike rename, never replaces
                     break

@@ -69,7 +69,7 @@ def test_a_stale_lock_table_never_removes_a_live_entry(runtime: Layout, monkeypa
 
     queue = WaitQueue(str(runtime.queue_dir))
     entry = queue.enqueue(1, "spread", None, 300.0, b"pid=1\n")
-    monkeypatch.setattr(waitqueue, "proc_locks", lambda: {})
+    monkeypatch.setattr(waitqueue, "lock_table", lambda: {})
     assert WaitQueue(str(runtime.queue_dir)).scan().waiters == []  # unseen this time...
     assert os.path.exists(entry.path)  # ...but not removed
     monkeypatch.undo()

@@ -88,6 +88,8 @@ class ConfigCommand(Command):
             link, note = resolve_program(layout, self.program)
         settings = policy.effective(os.fspath(layout.root), link)
         limits = settings.pop("limits", (NO_LIMITS, ""))[0]
+        sharing = settings.pop("sharing", ({}, ""))[0]
+        share_rows = _sharing_rows(sharing)
         keys = [k for k in DEFAULTS if k in settings] + sorted(k for k in settings if k not in DEFAULTS)
         limit_rows = _limit_rows(limits)
         if self.as_json:
@@ -98,6 +100,7 @@ class ConfigCommand(Command):
                              for k in keys},
                 "limits": [{"applies_to": who, "max_devices": n, "source": src}
                            for who, n, src in limit_rows],
+                "sharing": [{"setting": key, "value": value, "source": src} for key, value, src in share_rows],
             }
             print(json.dumps(out, indent=2))
             return 0
@@ -114,6 +117,9 @@ class ConfigCommand(Command):
         rows.append(("LIMIT", "MAX DEVICES", "SOURCE"))
         for who, n, src in limit_rows:
             rows.append((who, str(n) if n else "0 (no limit)", source_text(src)))
+        rows.append(("", "", ""))
+        rows.append(("SHARING", "VALUE", "SOURCE"))
+        rows += [(key, str(value), source_text(src)) for key, value, src in share_rows]
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -121,6 +127,22 @@ class ConfigCommand(Command):
             if key in settings and settings[key][0] != DEFAULTS[key]:
                 print(f"# note: {key}: {note}")
         return 0
+
+
+def _sharing_rows(sharing: Dict[str, Any]) -> List[Tuple[str, Any, str]]:
+    """(setting, value, source) of [sharing]: its keys, derived ones said as such, then devices."""
+    from ..config import SHARING_KEYS
+
+    derived = {"thread_percentage": "100/slots", "memory_limit_mib": "device memory/slots",
+               "counts_as": "1/slots"}
+    rows: List[Tuple[str, Any, str]] = []
+    for key in SHARING_KEYS:
+        if key in sharing:
+            rows.append((key, sharing[key][0], sharing[key][1]))
+        else:
+            rows.append((key, derived.get(key, ""), "default"))
+    rows += [(f"slots of {name}", v, src) for name, (v, src) in sorted((sharing.get("devices") or {}).items())]
+    return rows
 
 
 def _limit_rows(limits: Dict[str, Any]) -> List[Tuple[str, int, str]]:
