@@ -26,11 +26,13 @@ _saved: Dict[str, Optional[str]] = {}
 def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None, *,
             model: Optional[str] = None, min_memory_mib: Optional[int] = None,
             min_free_memory_mib: Optional[int] = None,
-            max_utilization: Optional[int] = None) -> List[str]:
+            max_utilization: Optional[int] = None, share: Optional[bool] = None) -> List[str]:
     """Lease COUNT devices (waiting up to WAIT seconds; None = the config's wait).
 
     MODEL, MIN_MEMORY_MIB, MIN_FREE_MEMORY_MIB and MAX_UTILIZATION narrow the choice as
     the settings of those names do (a user can narrow the admin's, never widen them).
+    SHARE=True takes a share of each device (a slot, README "Sharing a GPU") instead of the
+    whole device; an MPS client's variables are set in os.environ too.
 
     Sets CUDA_VISIBLE_DEVICES and returns the leased UUIDs; a second call returns the
     same lease. Raises cudawrap.errors.NoDeviceError (and other CudawrapError) on failure.
@@ -52,6 +54,8 @@ def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None, *,
     for key, raw in asks.items():
         if raw is not None:
             policy.ask(settings, key, raw, f"acquire({key}=…)", f"{key}={raw!r}")
+    if share is not None:
+        policy.ask_share(settings, bool(share), "acquire(share=…)", f"share={share!r}")
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     grant = launch.obtain(root, prog, settings, os.environ, count=count)
     _saved.clear()
@@ -63,6 +67,12 @@ def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None, *,
         os.environ[LEASE_ENV] = grant.lease.marker()
     if grant.visible is not None:
         os.environ[launch.CVD] = grant.visible
+    for name in grant.drop:
+        _saved.setdefault(name.decode(), os.environ.get(name.decode()))
+        os.environ.pop(name.decode(), None)
+    for name, value in grant.extra.items():  # an MPS client's pipe directory and shares
+        _saved.setdefault(name.decode(), os.environ.get(name.decode()))
+        os.environ[name.decode()] = value.decode()
     _held = grant
     return grant.lease.uuids if grant.lease else []
 

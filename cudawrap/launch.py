@@ -266,6 +266,13 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     from .policy import check_count
 
     check_count(settings, count)
+    from .sharing import MPS, Sharing
+
+    sharing = Sharing(value.get("sharing"))
+    share = bool(value.get("share")) and sharing.anywhere
+    if share and sharing.mode == MPS and count > 1:
+        raise NoDeviceError(f"{count} devices asked for as a shared run, but an MPS client uses one device",
+                            hint="ask for one device (CUDAWRAP_GPUS=1), or run without sharing")
 
     from . import nvml
     from .filters import Request
@@ -335,14 +342,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
 
     from .acquire import Acquirer, describe_wait
     from .limits import limit_for
-    from .sharing import MPS, Sharing
     from .waitqueue import WaitQueue
-
-    sharing = Sharing(value.get("sharing"))
-    share = bool(value.get("share")) and sharing.anywhere
-    if share and sharing.mode == MPS and count > 1:
-        raise NoDeviceError(f"{count} devices asked for as a shared run, but an MPS client uses one device",
-                            hint="ask for one device (CUDAWRAP_GPUS=1), or run without sharing")
 
     limits = value.get("limits") or {}
     my_limit = limit_for(os.geteuid(), limits) if limits else 0

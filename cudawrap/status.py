@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import NvmlUnavailable
-from .leases import fd_holders, holders
+from .leases import Holding, fd_holders, holdings
 from .locations import REAL_PREFIX
 from .paths import Layout
 from .users import user_name
@@ -120,10 +120,14 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
     verdicts: Dict[str, Any] = {}
     if inventory is not None:
         try:
-            limits = effective(str(layout.root), None).get("limits", (None, ""))[0]
+            from .sharing import Sharing
+
+            settings = effective(str(layout.root), None)
+            limits = settings.get("limits", (None, ""))[0]
             acquirer = Acquirer(LeaseFiles(str(layout.lease_dir)), queue, inventory.devices,
                                 inventory.devices, 1,
-                                limit_of=(lambda uid: limit_for(uid, limits)) if limits else None)
+                                limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
+                                sharing=Sharing(settings["sharing"][0]))
             verdicts = acquirer.decide(scan, None, queued=True)[0]
         except CudawrapError:
             verdicts = {}
@@ -141,15 +145,26 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
     return out
 
 
-def _holder(held: Dict[str, Optional[int]], uuid: str) -> Optional[Dict[str, Any]]:
-    """Who holds UUID's lease: None if free; "?" fields where the holder cannot be named
-    (another user's process, seen by a user), rather than a pid that may be someone else."""
+_UNKNOWN_HOLDER = {"pid": None, "user": "?", "command": "unknown holder", "program": "unknown holder", "since": "?"}
+
+
+def _holder(held: Dict[str, Holding], uuid: str) -> Optional[Dict[str, Any]]:
+    """Who holds UUID's lease (its first sharer if shared): None if free; "?" fields where the
+    holder cannot be named (another user's process, seen by a user), rather than a pid that
+    may be someone else."""
     if uuid not in held:
         return None
-    pid = held[uuid]
-    if pid is None:
-        return {"pid": None, "user": "?", "command": "unknown holder", "program": "unknown holder", "since": "?"}
-    return process_info(pid)
+    pid = held[uuid].pid
+    return dict(_UNKNOWN_HOLDER) if pid is None else process_info(pid)
+
+
+def _shares(held: Dict[str, Holding], uuid: str, slots: int) -> Optional[Dict[str, Any]]:
+    """UUID's shares if it is shared now: slots used and taken, and who holds each."""
+    holding = held.get(uuid)
+    if holding is None or holding.exclusive:
+        return None
+    return {"used": len(holding.pids), "slots": slots,
+            "holders": [dict(_UNKNOWN_HOLDER) if pid is None else process_info(pid) for pid in holding.pids]}
 
 
 def _foreign(lease_dir: str, uuid: str, pids: Iterable[int]) -> List[int]:
@@ -179,16 +194,18 @@ def _readings(uuid: str) -> Tuple[Dict[str, Any], Optional[Dict[int, Optional[in
 
 
 def _processes(pids: Optional[Any], holder: Optional[Dict[str, Any]],
-               memory: Optional[Dict[int, Optional[int]]]) -> Optional[List[Dict[str, Any]]]:
+               memory: Optional[Dict[int, Optional[int]]],
+               shares: Optional[Dict[str, Any]] = None) -> Optional[List[Dict[str, Any]]]:
     """Every compute process on a device: who, what, how much memory, and whether it holds the lease."""
     if pids is None:
         return None  # the driver hides them from this user
+    sharers = {h["pid"] for h in shares["holders"]} if shares else set()
     out = []
     for pid in pids:
         info = process_info(pid)
         out.append({"pid": pid, "user": info["user"], "command": info["command"],
                     "memory_mib": (memory or {}).get(pid),
-                    "lease_holder": bool(holder) and holder["pid"] == pid})
+                    "lease_holder": (bool(holder) and holder["pid"] == pid) or pid in sharers})
     return out
 
 
@@ -205,8 +222,15 @@ def _gpus(inventory: Any) -> List[Dict[str, Any]]:
 def machine_status(layout: Layout) -> Dict[str, Any]:
     from . import nvml
 
+    from .policy import effective
+    from .sharing import Sharing
+
     lease_dir = str(layout.lease_dir)
-    held = holders(lease_dir)
+    held = holdings(lease_dir)
+    try:
+        sharing = Sharing(effective(str(layout.root), None, environ={})["sharing"][0])
+    except Exception:  # a broken config is `cudawrap config`'s to report; status still shows leases
+        sharing = Sharing()
     lease_files = set(os.listdir(lease_dir)) if os.path.isdir(lease_dir) else set()
     devices: List[Dict[str, Any]] = []
     nvml_error: Optional[str] = None
@@ -220,6 +244,7 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
 
         for d in inventory.devices:
             holder = _holder(held, d.uuid)
+            shares = _shares(held, d.uuid, sharing.slots_for(d.uuid, d.parent_uuid))
             # With the holder unknown its processes cannot be told from others': unknown too.
             unknown = d.pids is None or (holder is not None and holder["pid"] is None)
             foreign = None if unknown else _foreign(lease_dir, d.uuid, d.pids)
@@ -228,16 +253,19 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
                 "uuid": d.uuid, "name": d.name, "gpu_index": d.gpu_index, "parent": d.parent_uuid,
                 "mig_slot": d.mig_slot, "memory_used_mib": d.memory_used_mib,
                 "memory_total_mib": d.memory_total_mib, "lease_file": d.uuid in lease_files,
-                "holder": holder, "foreign_pids": foreign,
+                "holder": holder, "foreign_pids": foreign, "shares": shares,
+                "slots": sharing.slots_for(d.uuid, d.parent_uuid),
                 "index": d.gpu_index, "product": product(d, inventory),
                 "mig_profile": d.name if d.is_mig else None, **readings,
-                "processes": _processes(d.pids, holder, memory), "waiters": [], "drains": []})
+                "processes": _processes(d.pids, holder, memory, shares), "waiters": [], "drains": []})
     else:
         for uuid in sorted(lease_files):
             holder = _holder(held, uuid)
             devices.append({"uuid": uuid, "name": "?", "gpu_index": -1, "parent": "?", "mig_slot": None,
                             "memory_used_mib": 0, "memory_total_mib": 0, "lease_file": True,
                             "holder": holder, "foreign_pids": None,
+                            "shares": _shares(held, uuid, sharing.slots_for(uuid)),
+                            "slots": sharing.slots_for(uuid),
                             "index": None, "product": None, "mig_profile": None, **_NO_READINGS,
                             "processes": None, "waiters": [], "drains": []})
     from .drains import covering, drained
@@ -298,7 +326,14 @@ def holder_text(holder: Optional[Dict[str, Any]]) -> str:
 
 
 def _lease(d: Dict[str, Any]) -> str:
-    return holder_text(d["holder"]) if d["lease_file"] else "no lease file (run `cudawrap sync`)"
+    if not d["lease_file"]:
+        return "no lease file (run `cudawrap sync`)"
+    shares = d.get("shares")
+    if shares:  # "2/4 shared: alice pid 123, alice pid 456"
+        who = ", ".join("?" if h["pid"] is None else f"{_cut(h['user'], 8)} pid {h['pid']}"
+                        for h in shares["holders"])
+        return f"{shares['used']}/{shares['slots']} shared: {who}"
+    return holder_text(d["holder"])
 
 
 def _others(d: Dict[str, Any]) -> str:

@@ -94,3 +94,198 @@ def test_never_more_sharers_than_slots_in_a_burst(installed):
                 shared_now += step
             assert shared_now <= 3, f"{device}: {shared_now} sharers"
             assert whole_now <= 1 and not (whole_now and shared_now), f"{device}: exclusive with sharers"
+
+
+def test_an_exclusive_run_waits_for_the_sharers_and_they_for_it(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    d0 = inst.machine.leaf_uuids()[0]
+    share_config(inst, slots=2, allow=(d0,))
+    sharer, _ = hold(inst, **SHARE)
+    assert inst.run("recon", CUDAWRAP_WAIT="0").returncode == 75  # a sharer is on the only device
+    waiter = inst.start("recon", "--log", str(inst.log), CUDAWRAP_WAIT="30")
+    assert b"waiting" in waiter.stderr.readline()
+    # The second slot is free, so another sharer still gets in while the exclusive run waits.
+    second, info = hold(inst, **SHARE)
+    assert info["devices"] == [d0] and sharers(inst) == {d0: 2}
+    sharer.kill()
+    sharer.wait()
+    assert waiter.poll() is None  # one sharer is left
+    second.kill()  # kill -9: the kernel drops both of its locks
+    second.wait()
+    assert waiter.wait(timeout=15) == 0
+    whole, _ = hold(inst)
+    assert inst.run("recon", CUDAWRAP_WAIT="0", **SHARE).returncode == 75  # no share beside a whole run
+    whole.kill()
+    whole.wait()
+
+
+def test_kill_9_of_a_sharer_frees_its_slot(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    d0 = inst.machine.leaf_uuids()[0]
+    share_config(inst, slots=2, allow=(d0,))
+    first, _ = hold(inst, **SHARE)
+    second, _ = hold(inst, **SHARE)
+    assert inst.run("recon", CUDAWRAP_WAIT="0", **SHARE).returncode == 75
+    waiter = inst.start("recon", "--hold", "0", CUDAWRAP_WAIT="30", **SHARE)
+    assert b"waiting" in waiter.stderr.readline()
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    assert waiter.wait(timeout=15) == 0
+    second.kill()
+    second.wait()
+    assert sharers(inst) == {}
+
+
+def test_a_child_wrapped_program_keeps_its_parents_share(installed, tmp_path):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    d0 = inst.machine.leaf_uuids()[0]
+    share_config(inst, slots=2, allow=(d0,))
+    outer = tmp_path / "outer"
+    outer.write_text("#!/bin/sh\necho \"$CUDAWRAP_LEASE\"\nexec recon --hold 0\n")
+    outer.chmod(0o755)
+    inst.wrap("outer", outer)
+    other, _ = hold(inst, **SHARE)  # the second slot is taken: the child cannot get a new share
+    r = inst.run("outer", CUDAWRAP_WAIT="0", **SHARE)
+    assert r.returncode == 0, r.stderr
+    marker = r.stdout.decode().splitlines()[0]
+    assert marker.count(":") == 2 and d0 in marker  # fd:uuid:slot-fd
+    child = json.loads(r.stdout.decode().splitlines()[1])
+    assert child["devices"] == [d0]
+    other.kill()
+    other.wait()
+
+
+def test_status_shows_the_slots_and_who_holds_them(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    d0 = inst.machine.leaf_uuids()[0]
+    share_config(inst, slots=4, allow=(d0,))
+    procs = [hold(inst, **SHARE)[0] for _ in range(2)]
+    r = inst.cli("status")
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.decode().splitlines() if d0[:12] in x)
+    user = __import__("pwd").getpwuid(os.geteuid()).pw_name[:8]
+    assert f"2/4 shared: {user} pid {min(p.pid for p in procs)}, {user} pid {max(p.pid for p in procs)}" in line \
+        or f"2/4 shared: {user} pid {max(p.pid for p in procs)}, {user} pid {min(p.pid for p in procs)}" in line
+    data = json.loads(inst.cli("status", "--json").stdout)
+    device = next(d for d in data["devices"] if d["uuid"] == d0)
+    assert device["shares"]["used"] == 2 and device["shares"]["slots"] == 4
+    assert sorted(h["pid"] for h in device["shares"]["holders"]) == sorted(p.pid for p in procs)
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_shares_count_towards_the_users_limit(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    d0, d1 = inst.machine.leaf_uuids()[:2]
+    share_config(inst, slots=2, extra="\n[limits]\nmax_devices_per_user = 1\n", allow=(d0, d1))
+    procs = [hold(inst, **SHARE)[0] for _ in range(2)]  # 2 x 1/2 = the whole limit
+    r = inst.run("recon", CUDAWRAP_WAIT="0", **SHARE)
+    assert r.returncode == 75
+    waiter = inst.start("recon", "--hold", "0", CUDAWRAP_WAIT="30", **SHARE)
+    assert b"your limit is 1" in waiter.stderr.readline()
+    procs[0].kill()
+    procs[0].wait()
+    assert waiter.wait(timeout=15) == 0
+    procs[1].kill()
+    procs[1].wait()
+
+
+def test_one_slot_means_a_shared_run_takes_the_device_whole(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    d0 = inst.machine.leaf_uuids()[0]
+    share_config(inst, slots=1, allow=(d0,))
+    proc, info = hold(inst, **SHARE)
+    assert info["devices"] == [d0]
+    assert inst.run("recon", CUDAWRAP_WAIT="0", **SHARE).returncode == 75
+    assert sharers(inst) == {}  # held exclusively
+    proc.kill()
+    proc.wait()
+
+
+def test_per_device_slots_and_sync_follows_a_change(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    d0, d1 = inst.machine.leaf_uuids()[:2]
+    share_config(inst, slots=2, extra=f'\n[sharing.devices."{d1[:9]}"]\nslots = 3\n', allow=(d0, d1))
+    names = sorted(os.listdir(inst.layout.share_dir))
+    assert [n for n in names if n.startswith(d0)] == [f"{d0}.1", f"{d0}.2"]
+    assert [n for n in names if n.startswith(d1)] == [f"{d1}.1", f"{d1}.2", f"{d1}.3"]
+    holder, _ = hold(inst, **SHARE)  # on d0's or d1's slot 1
+    share_config(inst, slots=1, allow=(d0, d1))
+    left = os.listdir(inst.layout.share_dir)
+    assert len(left) == 1  # only the held slot file stays, until it is free
+    holder.kill()
+    holder.wait()
+    inst.sync()
+    assert os.listdir(inst.layout.share_dir) == []
+
+
+@pytest.mark.parametrize("text", ["slots = 0", "slots = -1", "slots = 100000", 'mode = "spacetime"',
+                                  "slots = 2.5", "thread_percentage = 0", "counts_as = 2"])
+def test_bad_sharing_config_stops_every_launch_with_78(installed, text):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    inst.write_config(f"[sharing]\n{text}\n")
+    r = inst.run("recon", CUDAWRAP_WAIT="0")
+    assert r.returncode == 78
+    lines = r.stderr.decode().splitlines()
+    assert "config.toml:2" in lines[0] and "sharing" not in lines[0] or "'" in lines[0]
+    assert os.listdir(inst.layout.queue_dir) == []
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "-1"])
+def test_bad_share_asks_are_usage_errors(installed, value):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    r = inst.run("recon", CUDAWRAP_SHARE=value)
+    assert r.returncode == 64
+    assert f"CUDAWRAP_SHARE={value!r}: not 1 or 0" in r.stderr.decode().splitlines()[0]
+
+
+def test_a_user_may_not_unshare_a_shared_program(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    inst.write_config('[sharing]\nslots = 2\n[programs."recon"]\nshare = true\n')
+    inst.sync()
+    r = inst.run("recon", CUDAWRAP_SHARE="0")
+    assert r.returncode == 64
+    assert "may not take it whole" in r.stderr.decode()
+    assert inst.run("recon").returncode == 0
+
+
+def test_mps_mode_gives_the_client_its_pipe_and_shares(installed, tmp_path):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    d0 = inst.machine.leaf_uuids()[0]
+    share_config(inst, slots=4, extra='mode = "mps"\n', allow=(d0,))
+    out = tmp_path / "env"
+    r = inst.run("recon", "--env-out", str(out), **SHARE)
+    assert r.returncode == 0, r.stderr
+    env = dict(item.split(b"=", 1) for item in out.read_bytes().split(b"\0") if b"=" in item)
+    assert env[b"CUDA_MPS_PIPE_DIRECTORY"] == f"{inst.layout.root}/run/cudawrap/mps/{d0}".encode()
+    assert env[b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == b"25"
+    assert env[b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == b"0=10240M"  # 40960 MiB / 4
+    # An exclusive run bypasses MPS, even when it was started from a shared run's environment.
+    r = inst.run("recon", "--env-out", str(out), CUDA_MPS_PIPE_DIRECTORY=env[b"CUDA_MPS_PIPE_DIRECTORY"].decode())
+    assert r.returncode == 0, r.stderr
+    assert b"CUDA_MPS_PIPE_DIRECTORY" not in out.read_bytes()
+    r = inst.run("recon", CUDAWRAP_GPUS="2", **SHARE)
+    assert r.returncode == 75 and b"an MPS client uses one device" in r.stderr
+
+
+def test_mps_settings_override_the_derived_shares(installed, tmp_path):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    share_config(inst, slots=4, extra='mode = "mps"\nthread_percentage = 40\nmemory_limit_mib = 0\n')
+    out = tmp_path / "env"
+    assert inst.run("recon", "--env-out", str(out), **SHARE).returncode == 0
+    env = out.read_bytes()
+    assert b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40\0" in env
+    assert b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env

@@ -107,6 +107,8 @@ class CreateCudawrap(FilterSwitches, Command):
             # The registry keeps JSON: indices as numbers, UUIDs as strings.
             raw["devices"] = [int(d) if d.isascii() and d.isdigit() else d
                               for d in (part.strip() for part in self.devices.split(",")) if d]
+        if self.share:
+            raw["share"] = True
         for key in ("placement", "foreign", "no_driver", "multi_mig"):
             value = getattr(self, key)
             if value is not None:

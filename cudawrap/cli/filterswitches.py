@@ -11,7 +11,7 @@ from ..config import DESCRIPTIONS
 
 class FilterSwitches:
     """Mixed into a plumbum Application: --model, --min-memory-mib, --min-free-memory-mib,
-    --max-utilization."""
+    --max-utilization, and --share (a shared run: a slot of a device, README "Sharing a GPU")."""
 
     model = cli.SwitchAttr(["--model"], str, argname="WORDS", help=DESCRIPTIONS["model"])
     min_memory = cli.SwitchAttr(["--min-memory-mib"], str, argname="MIB", help=DESCRIPTIONS["min_memory_mib"])
@@ -19,6 +19,7 @@ class FilterSwitches:
                                      help=DESCRIPTIONS["min_free_memory_mib"])
     max_utilization = cli.SwitchAttr(["--max-utilization"], str, argname="PERCENT",
                                      help=DESCRIPTIONS["max_utilization"])
+    share = cli.Flag(["--share"], help=DESCRIPTIONS["share"])
 
     def filter_asks(self) -> Dict[str, Optional[str]]:
         """Setting key -> the switch's text, or None where it was not given."""

@@ -204,6 +204,8 @@ class RunCommand(FilterSwitches, Command):
             if raw is not None:
                 switch = "--" + key.replace("_", "-")
                 policy.ask(settings, key, raw, switch, f"{switch} {_shown(raw)}")
+        if self.share:
+            policy.ask_share(settings, True, "--share", "--share")
         path = command[0] if "/" in command[0] else shutil.which(command[0])
         if not path or not os.path.exists(path):
             raise ProgramNotFound(f"{command[0]}: command not found")
