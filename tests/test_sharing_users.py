@@ -1,0 +1,110 @@
+"""Sharing between real users: time slicing mixes users on a device, MPS never does.
+
+Run as root with real accounts (tests/userfix.py) on the simulated machine. Who holds which
+share is read from the kernel's lock table, not from anything the runs say about themselves.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List
+
+from corefix import ready_line
+from test_multiuser import status, waiting_line
+from userfix import root_only
+
+pytestmark = root_only
+
+
+def configure(inst, text: str, *allow: str) -> None:  # type: ignore[no-untyped-def]
+    if allow:
+        text += "\n[devices]\nallow = [%s]\n" % ", ".join(f'"{u}"' for u in allow)
+    inst.layout.config_file.write_text(text)
+    inst.layout.config_file.chmod(0o644)
+    inst.sync()
+
+
+def share_users(inst) -> Dict[str, List[int]]:  # type: ignore[no-untyped-def]
+    """uuid -> uid of each share held on it now."""
+    from cudawrap.leases import lock_table
+
+    table = lock_table()
+    out = {}
+    for name in os.listdir(inst.layout.lease_dir):
+        st = os.stat(inst.layout.lease_dir / name)
+        locks = table.get((st.st_dev, st.st_ino), [])
+        if locks and not any(ex for _pid, ex in locks):
+            out[name] = sorted(os.stat(f"/proc/{pid}").st_uid for pid, _ex in locks)
+    return out
+
+
+def test_time_slicing_puts_two_users_on_one_device(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("four-gpus")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    d0, d1 = inst.machine.leaf_uuids()[:2]
+    configure(inst, "[sharing]\nslots = 2\n", d0, d1)
+    a = inst.start(alice, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
+    b = inst.start(bob, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
+    assert ready_line(a)["devices"] == ready_line(b)["devices"]  # fill-first, whoever the user
+    assert list(share_users(inst).values()) == [sorted([alice.uid, bob.uid])]
+    seen = status(inst, bob)
+    device = next(d for d in seen["devices"] if d["shares"])
+    assert device["shares"]["used"] == 2  # bob sees alice's share counted (her pid may be hidden)
+
+
+def test_mps_gives_each_device_to_one_user_at_a_time(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("four-gpus")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    d0, d1 = inst.machine.leaf_uuids()[:2]
+    configure(inst, '[sharing]\nslots = 4\nmode = "mps"\n', d0, d1)
+    a1 = inst.start(alice, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
+    a_dev = ready_line(a1)["devices"]
+    b1 = inst.start(bob, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
+    b_dev = ready_line(b1)["devices"]
+    assert a_dev != b_dev  # bob is placed on the other device, not behind alice's MPS server
+    a2 = inst.start(alice, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
+    assert ready_line(a2)["devices"] == a_dev  # alice's second run joins her own device
+    # Both devices serve a user now: carol's shared run waits, though six slots are free ...
+    carol = inst.world.carol
+    c = inst.start(carol, "recon", "--hold", "0", CUDAWRAP_SHARE="1", CUDAWRAP_WAIT="60")
+    assert "another user's runs (MPS" in waiting_line(c)
+    for uuid, uids in share_users(inst).items():
+        assert len(set(uids)) == 1, (uuid, uids)
+    # ... until one user's runs have all left a device.
+    b1.kill()
+    b1.wait()
+    assert c.wait(timeout=30) == 0
+    for p in (a1, a2):
+        p.kill()
+        p.wait()
+
+
+def test_a_burst_of_two_users_shares_under_mps_never_mixes_them(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("four-gpus")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    d0, d1 = inst.machine.leaf_uuids()[:2]
+    configure(inst, '[sharing]\nslots = 3\nmode = "mps"\n', d0, d1)
+    procs, user_of = [], {}
+    for i in range(16):
+        user = alice if i % 2 else bob
+        procs.append(inst.start(user, "recon", "--hold", "0.2", "--log", str(inst.log), CUDAWRAP_SHARE="1"))
+        user_of[procs[-1].pid] = user.uid  # the shim execs the program: same pid
+    assert [p.wait(timeout=120) for p in procs] == [0] * len(procs)
+    # From the programs' own start and end records (a run that lost a race for a lock and
+    # backed off never started): per device, never two users at once, never over 3 slots.
+    records = [json.loads(line) for line in inst.log.read_text().splitlines()]
+    assert len(records) == 2 * len(procs)
+    events = []
+    for r in records:
+        for uuid in r["devices"]:
+            events.append((r["time"], r["event"] == "start", uuid, user_of[r["pid"]]))
+    on: Dict[str, List[int]] = {}
+    for _t, starting, uuid, uid in sorted(events, key=lambda e: (e[0], e[1])):
+        if starting:
+            on.setdefault(uuid, []).append(uid)
+            assert len(on[uuid]) <= 3 and len(set(on[uuid])) == 1, (uuid, on[uuid])
+        else:
+            on[uuid].remove(uid)
