@@ -84,6 +84,7 @@ def _files() -> List[str]:
                       (loc.REGISTRY_FILE, "the registry of wrapped programs"),
                       (loc.LEASE_DIR, "one lease file per device; a run holds a flock on its device's"),
                       (loc.QUEUE_DIR, "the wait queue"),
+                      (loc.SHARE_DIR, "slot files of shared devices; a shared run holds a flock on one"),
                       (loc.SHIM, "the shim every wrapped program links to")):
         out += [".TP", f"\\fI/{esc(rel)}\\fR", esc(what)]
     return out
@@ -93,6 +94,7 @@ def _env() -> List[str]:
     return [".SH ENVIRONMENT",
             ".TP", "\\fBCUDAWRAP_ROOT\\fR", "the install root the commands work on (default: where they were installed)",
             ".TP", "\\fBCUDAWRAP_WAIT\\fR", "seconds to wait for a free device, or forever, for one run",
+            ".TP", "\\fBCUDAWRAP_SHARE\\fR=1", "share a device with other shared runs, for one run",
             ".TP", "\\fBCUDAWRAP_VERBOSE\\fR=1, \\fBCUDAWRAP_DEBUG\\fR=1", "say more; add tracebacks"]
 
 
@@ -140,6 +142,14 @@ def render_config_page() -> str:
         lines.append(f".SH SECTION [{esc(section)}]")
         for key in keys:
             lines += [".TP", f"\\fB{esc(key)}\\fR = {esc(toml_value(DEFAULTS[key]))}", esc(DESCRIPTIONS[key])]
+    from .config import SHARING_DESCRIPTIONS
+
+    lines.append(".SH SECTION [sharing]")
+    for key, what in SHARING_DESCRIPTIONS.items():
+        default = {"slots": "1", "mode": '"time-slicing"'}.get(key, "(derived from slots)")
+        lines += [".TP", f"\\fB{esc(key)}\\fR = {esc(default)}", esc(what)]
+    lines += [".PP", esc('[sharing.devices."UUID or prefix"] slots = N: one device\'s slots (a GPU- prefix '
+                         'covers its MIG instances). Run cudawrap sync after changing slots.')]
     lines += [".SH SECTION [programs.\"NAME\"]", ".PP",
               esc("Any [policy] key, for one wrapped program, by its name or its full path (the path wins)."),
               ".SH SEE ALSO", "\\fBcudawrap\\fR(1), \\fBcreate\\-cudawrap\\fR(8)"]
