@@ -1,7 +1,6 @@
 # make test: the test suite in a private virtual environment (.venv), created on first use.
 # make deb: build dist/cudawrap_VERSION_all.deb (dh + dh-virtualenv; see debian/rules).
-# make packaging: regenerate packaging/ from the code (completion, boot unit, tmpfiles entry,
-# man pages).
+# make packaging: regenerate packaging/ from the code (completion, units, tmpfiles entry, man pages).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -30,8 +29,10 @@ packaging: $(STAMP)
 	$(VPY) -m cudawrap.installation render-completion > packaging/cudawrap.bash-completion.tmp
 	$(VPY) -m cudawrap.installation render-unit > packaging/cudawrap-sync.service.tmp
 	$(VPY) -m cudawrap.installation render-monitor-unit > packaging/cudawrap-monitor.service.tmp
+	$(VPY) -m cudawrap.installation render-mps-unit > packaging/cudawrap-mps.service.tmp
 	$(VPY) -m cudawrap.installation render-tmpfiles > packaging/cudawrap.tmpfiles.tmp
-	for f in cudawrap.bash-completion cudawrap-sync.service cudawrap-monitor.service cudawrap.tmpfiles; do \
+	for f in cudawrap.bash-completion cudawrap-sync.service cudawrap-monitor.service cudawrap-mps.service \
+		cudawrap.tmpfiles; do \
 		mv packaging/$$f.tmp packaging/$$f; done
 	mkdir -p packaging/man
 	for page in cudawrap.1 create-cudawrap.8 cudawrap.toml.5; do \

@@ -360,6 +360,12 @@ case $rc in
     *) die $rc "installed, but 'cudawrap sync' failed (exit $rc, see above): fix that, then run 'cudawrap sync'" ;;
 esac
 
+# Enabled by the step above only when [sharing] mode = "mps"; its daemons need the lease files.
+if [ "$root" = / ] && [ -d /run/systemd/system ] && systemctl --quiet is-enabled cudawrap-mps.service 2>/dev/null; then
+    step "starting cudawrap-mps.service: an MPS control daemon for each shared device"
+    systemctl start cudawrap-mps.service || warn "cudawrap-mps.service did not start: see 'systemctl status cudawrap-mps'"
+fi
+
 if [ "$root" = / ]; then
     step "done: wrap a program with 'sudo create-cudawrap /path/to/program'; 'cudawrap doctor' checks the install"
 else

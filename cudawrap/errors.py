@@ -89,6 +89,12 @@ class NvmlUnavailable(CudawrapError):
     exit_code = os.EX_UNAVAILABLE  # 69
 
 
+class MpsUnavailable(CudawrapError):
+    """NVIDIA MPS cannot be used: nvidia-cuda-mps-control is missing, or a control daemon did not start or stop."""
+
+    exit_code = os.EX_UNAVAILABLE  # 69
+
+
 class SetupError(CudawrapError):
     """A directory or file the installation provides is missing or unsafe."""
 

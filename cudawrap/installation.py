@@ -146,6 +146,7 @@ MANIFEST_NAME = "install-manifest.json"
 MANIFEST_VERSION = 1
 UNIT_NAME = "cudawrap-sync.service"
 MONITOR_UNIT = "cudawrap-monitor.service"
+MPS_UNIT = "cudawrap-mps.service"
 COMPLETION_SOURCE = "packaging/cudawrap.bash-completion"
 COMMANDS = ("cudawrap", "create-cudawrap")
 PROG = "install.sh"
@@ -285,10 +286,15 @@ def render_tmpfiles(layout: Layout) -> str:
     )
 
 
+def _unit_command(layout: Layout) -> Tuple[str, str]:
+    """The install's cudawrap command: its path, and as a unit's Exec line takes it."""
+    cudawrap = str(layout.venv_dir / "bin" / "cudawrap")
+    return cudawrap, f'"{cudawrap}"' if " " in cudawrap else cudawrap
+
+
 def render_unit(layout: Layout) -> str:
     """The oneshot unit that runs ``cudawrap sync`` at boot, once the NVIDIA driver is up."""
-    cudawrap = str(layout.venv_dir / "bin" / "cudawrap")
-    command = f'"{cudawrap}"' if " " in cudawrap else cudawrap
+    cudawrap, command = _unit_command(layout)
     return f"""\
 # Written by cudawrap's install.sh (re-running it rewrites this file).
 [Unit]
@@ -315,8 +321,7 @@ WantedBy=multi-user.target
 
 def render_monitor_unit(layout: Layout) -> str:
     """The service that keeps the launch snapshot fresh, so launches need not load NVML."""
-    cudawrap = str(layout.venv_dir / "bin" / "cudawrap")
-    command = f'"{cudawrap}"' if " " in cudawrap else cudawrap
+    cudawrap, command = _unit_command(layout)
     return f"""\
 # Written by cudawrap's install.sh (re-running it rewrites this file).
 [Unit]
@@ -336,7 +341,44 @@ WantedBy=multi-user.target
 """
 
 
-UNITS: Dict[str, Callable[[Layout], str]] = {UNIT_NAME: render_unit, MONITOR_UNIT: render_monitor_unit}
+def render_mps_unit(layout: Layout) -> str:
+    """The oneshot unit that keeps an MPS control daemon per shared device ([sharing] mode = "mps")."""
+    cudawrap, command = _unit_command(layout)
+    return f"""\
+# Written by cudawrap's install.sh (re-running it rewrites this file). install.sh enables it
+# when the configuration says [sharing] mode = "mps"; otherwise it stays disabled.
+[Unit]
+Description=cudawrap: an NVIDIA MPS control daemon for each device shared through MPS
+# The daemons are for the devices that have lease files, which sync makes.
+After={UNIT_NAME}
+ConditionPathExists={cudawrap}
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+# The daemons stay in this unit's cgroup: stopping the unit ends whatever quit left.
+ExecStart={command} mps start
+# Each daemon refuses new clients and exits once its running clients are done.
+ExecStop={command} mps stop
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+UNITS: Dict[str, Callable[[Layout], str]] = {UNIT_NAME: render_unit, MONITOR_UNIT: render_monitor_unit,
+                                             MPS_UNIT: render_mps_unit}
+
+
+def mps_mode(layout: Layout) -> bool:
+    """Whether LAYOUT's configuration says [sharing] mode = "mps" (a broken one does not)."""
+    from .config import load_config
+    from .errors import ConfigError
+
+    try:
+        return load_config(layout.config_file).sharing["mode"].value == "mps"
+    except ConfigError:
+        return False
 
 
 def _write_text(path: Path, text: str, mode: int = 0o644) -> bool:
@@ -465,9 +507,21 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
             manifest.add(LINK, link, target=str(target))
         say(f"==> command {link} -> {target}")
 
+    mps = mps_mode(layout)
     if systemd_running(layout):
-        for name, started in ((UNIT_NAME, "`cudawrap sync` runs at every boot"),
-                              (MONITOR_UNIT, "`cudawrap monitor` keeps launches off NVML")):
+        enable = [(UNIT_NAME, "`cudawrap sync` runs at every boot"),
+                  (MONITOR_UNIT, "`cudawrap monitor` keeps launches off NVML")]
+        if mps:
+            enable.append((MPS_UNIT, "an MPS control daemon runs for each shared device"))
+        elif unit_wants_link(layout, MPS_UNIT).is_symlink():
+            say(f"{PROG}: warning: {MPS_UNIT} is enabled but [sharing] mode is not \"mps\": "
+                f"`systemctl disable --now {MPS_UNIT}` stops its daemons")
+        else:
+            say(f"==> {MPS_UNIT} not enabled: [sharing] mode is not \"mps\" (once it is: "
+                f"`systemctl enable --now {MPS_UNIT}`)")
+        for name, started in enable:
+            # Not the MPS unit --now: its daemons are for the lease files, which the `cudawrap sync`
+            # after this makes; install.sh starts the unit after that.
             now = ["--now"] if name == MONITOR_UNIT else []
             problem = _systemctl("daemon-reload") or _systemctl("enable", *now, name)
             if name == MONITOR_UNIT and not problem:
@@ -484,11 +538,16 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
             f"after every boot (the runtime directory is on /run)")
         say(f"==> {MONITOR_UNIT} not enabled: systemd is not running here; start `cudawrap monitor` "
             f"some other way if launches should skip NVML")
+        if mps:
+            say(f"==> {MPS_UNIT} not enabled: systemd is not running here; run `cudawrap mps start` "
+                f"after every boot")
     else:
         say(f"==> {UNIT_NAME} not enabled (a --prefix install); run `cudawrap sync` after a reboot "
             f"or a MIG change")
         say(f"==> {MONITOR_UNIT} not enabled (a --prefix install); run `cudawrap monitor` yourself "
             f"if launches should skip NVML")
+        if mps:
+            say(f"==> {MPS_UNIT} not enabled (a --prefix install); run `cudawrap mps start` yourself")
 
 
 def _install_wheel(layout: Layout, wheel: Path, manifest: Manifest, say: Callable[[str], None]) -> None:
@@ -556,6 +615,12 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
                 say(f"install.sh: warning: could not disable {name}: {problem}")
             else:
                 say(f"==> disabled {name}")
+    if layout.mps_dir.is_dir() and os.listdir(layout.mps_dir):
+        # Daemons started by hand, or without systemd: their pipe directories are about to go.
+        done = subprocess.run([str(layout.venv_dir / "bin" / "cudawrap"), "mps", "stop"], env=environ)
+        if done.returncode != 0:
+            say(f"install.sh: warning: `cudawrap mps stop` failed (exit {done.returncode}); "
+                f"MPS control daemons may still run")
 
     allowed_trees = {str(layout.venv_dir), str(layout.state_dir), str(layout.runtime_dir)}
     root = str(layout.root).rstrip("/") + "/"
@@ -650,6 +715,8 @@ def _render(action: str, layout: Layout) -> str:
         return render_unit(layout)
     if action == "render-monitor-unit":
         return render_monitor_unit(layout)
+    if action == "render-mps-unit":
+        return render_mps_unit(layout)
     return render_tmpfiles(layout)
 
 
@@ -679,6 +746,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "render-completion": "packaging/cudawrap.bash-completion",
         "render-unit": f"packaging/{UNIT_NAME} (for --root, default /)",
         "render-monitor-unit": f"packaging/{MONITOR_UNIT} (for --root, default /)",
+        "render-mps-unit": f"packaging/{MPS_UNIT} (for --root, default /)",
         "render-tmpfiles": "packaging/cudawrap.tmpfiles (for --root, default /)",
     }
     from .manpages import PAGES

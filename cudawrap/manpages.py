@@ -106,14 +106,22 @@ def _command_page(app: Any, name: str, section: int) -> List[str]:
         lines += [".PP", esc(para)]
     lines += [".SH OPTIONS"] + _switch_lines(app)
     if app._subcommands:
-        lines.append(".SH COMMANDS")
-        for sub, entry in sorted(app._subcommands.items()):
-            subapp = entry.get()(f"{name} {sub}")
-            subapp.parent = app
-            lines += [".SS " + esc(sub), f"\\fB{esc(_usage(subapp))}\\fR"]
-            for para in _paragraphs(subapp.DESCRIPTION or ""):
-                lines += [".PP", esc(para)]
-            lines += _switch_lines(subapp)
+        lines += [".SH COMMANDS"] + _command_lines(app, name, "")
+    return lines
+
+
+def _command_lines(app: Any, name: str, prefix: str) -> List[str]:
+    """A subsection per command of APP, and per command of those (``mps start``)."""
+    lines: List[str] = []
+    for sub, entry in sorted(app._subcommands.items()):
+        subapp = entry.get()(f"{name} {sub}")
+        subapp.parent = app
+        lines += [".SS " + esc(prefix + sub), f"\\fB{esc(_usage(subapp))}\\fR"]
+        for para in _paragraphs(subapp.DESCRIPTION or ""):
+            lines += [".PP", esc(para)]
+        lines += _switch_lines(subapp)
+        if subapp._subcommands:
+            lines += _command_lines(subapp, f"{name} {sub}", f"{prefix}{sub} ")
     return lines
 
 

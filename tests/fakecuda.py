@@ -42,10 +42,31 @@ library because its pid is dead.
 
 On start it prints one JSON line to stdout, once its registration and its
 ``--log`` start record are in place, so a test can read that line as "ready":
-``{"pid", "argv", "cvd", "devices", "driver"}``.  With ``--require N`` and
+``{"pid", "argv", "cvd", "devices", "driver", "mps", "mps_server"}``.  With ``--require N`` and
 fewer devices it prints the line, says why on stderr and exits 100
 (cudaErrorNoDevice) without registering or logging, as a CUDA program that
 fails in ``cudaSetDevice`` never creates a context.
+
+MPS: with ``CUDA_MPS_PIPE_DIRECTORY`` set (non-empty) it is an MPS client of the control
+daemon listening there (``fakemps/nvidia-cuda-mps-control``): it connects before it
+prints its ready line and stays connected for as long as it runs, so the daemon knows its
+uid (from the socket) and notices its death, kill -9 included.  While the daemon keeps it
+waiting (another user's MPS server still has clients) it blocks, as a real client blocks
+creating its context.  Its devices are then the daemon's, renumbered from 0, narrowed by
+its own ``CUDA_VISIBLE_DEVICES`` (an index into the daemon's devices, or a UUID or prefix
+of one of them), as NVIDIA documents for MPS clients.  The ready line has an ``"mps"``
+object with the ``CUDA_MPS_*`` variables it got (null when none) and ``"mps_server"``,
+the pid of its MPS server (null when it is no MPS client).
+
+Without a daemon at that pipe directory (or one that is quitting) the real CUDA driver
+quietly makes an ordinary context instead; on a device in EXCLUSIVE_PROCESS compute mode,
+as NVIDIA recommends for MPS, that context fails with cudaErrorDevicesUnavailable (46)
+once any other process (an MPS server, another run) has the device, and where it does
+not fail it runs without its share's limits. The stand-in fails every time, without
+registering: it prints the ready line with ``"error": "cudaErrorDevicesUnavailable"``,
+says why on stderr and exits 46, so a test sees a shared run that lost its MPS limits
+instead of a run that happened to be alone.  A client the daemon disconnects (``quit -t``, ``shutdown_server -f``) says
+cudaErrorMpsClientTerminated (810, too large for an exit status) and exits 1.
 
 ``argv`` is ``sys.argv``.  When this file is run through its shebang (as
 cudawrap's renamed copies and links are), the kernel hands Python the path of
@@ -64,7 +85,11 @@ import time
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 NO_DEVICE_EXIT = 100  # cudaErrorNoDevice
+MPS_UNAVAILABLE_EXIT = 46  # cudaErrorDevicesUnavailable
+MPS_TERMINATED_EXIT = 1
 MULTI_MIG_DRIVER = 570
+MPS_VARIABLES = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+                 "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
 
 
 class TopologyError(ValueError):
@@ -312,6 +337,56 @@ def visible_devices(topo: Topology, cvd: Optional[str], device_order: str = "PCI
     return chosen
 
 
+def mps_visible(server: Sequence[str], cvd: Optional[str]) -> List[str]:
+    """The devices an MPS client sees: its server's, renumbered from 0, narrowed by the
+    client's CUDA_VISIBLE_DEVICES (indices into the server's list, UUIDs or GPU- prefixes)."""
+    if cvd is None:
+        return list(server)
+    chosen: List[str] = []
+    for raw in cvd.split(","):
+        entry = raw.strip()
+        found: Optional[str] = None
+        if entry and all(c in "0123456789" for c in entry):
+            found = server[int(entry)] if int(entry) < len(server) else None
+        elif entry.startswith("GPU-") and len(entry) > len("GPU-"):
+            matches = [u for u in server if u.startswith(entry)]
+            found = matches[0] if len(matches) == 1 else None
+        elif entry.startswith("MIG-") and entry in server:
+            found = entry
+        if found is None or found in chosen:
+            break
+        chosen.append(found)
+    return chosen
+
+
+class MpsError(Exception):
+    """No MPS server for this client."""
+
+
+def mps_connect(pipe_dir: str) -> Tuple["socket.socket", int, List[str]]:
+    """Connect to the control daemon in PIPE_DIR and wait for a server: (connection, server
+    pid, the server's devices)."""
+    import socket  # only for MPS clients: it costs a few ms of every start
+
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(os.path.join(pipe_dir, "control"))
+        conn.sendall(f"CLIENT {os.getpid()}\n".encode())
+        reader = conn.makefile("rb")
+        while True:
+            line = reader.readline().decode(errors="replace").strip()
+            if line != "WAIT":  # another user's server still has clients: wait on
+                break
+    except OSError as e:
+        conn.close()
+        raise MpsError(f"cannot connect to the MPS control daemon in {pipe_dir}: {e.strerror}") from None
+    words = dict(w.split("=", 1) for w in line.split()[1:] if "=" in w)
+    if not line.startswith("GO ") or not words.get("server", "").isdigit():
+        conn.close()
+        raise MpsError(f"the MPS control daemon in {pipe_dir} refused the client: {line or 'no answer'}")
+    return conn, int(words["server"]), [d for d in words.get("devices", "").split(",") if d]
+
+
 # ---- the program ---------------------------------------------------------
 
 
@@ -394,7 +469,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f.write(_environment_bytes())
 
     pid = os.getpid()
-    hello = json.dumps({"pid": pid, "argv": sys.argv, "cvd": cvd, "devices": devices, "driver": driver})
+    mps = {k: os.environ[k] for k in MPS_VARIABLES if k in os.environ} or None
+    ready = {"pid": pid, "argv": sys.argv, "cvd": cvd, "devices": devices, "driver": driver, "mps": mps,
+             "mps_server": None}
+    client: Optional["socket.socket"] = None
+    if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        try:
+            client, ready["mps_server"], served = mps_connect(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
+        except MpsError as e:
+            print(json.dumps(dict(ready, error="cudaErrorDevicesUnavailable")), flush=True)
+            print(f"CUDA error: all CUDA-capable devices are busy or unavailable "
+                  f"(cudaErrorDevicesUnavailable): {e}", file=sys.stderr)
+            return MPS_UNAVAILABLE_EXIT
+        devices = ready["devices"] = mps_visible(served, cvd)
+    hello = json.dumps(ready)
     if len(devices) < args.require:
         print(hello, flush=True)
         print(
@@ -423,7 +511,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.log:
         _append_line(args.log, dict(pid=pid, event="start", time=time.time(), devices=devices))
     print(hello, flush=True)
-    if args.hold > 0:
+    if client is not None:
+        # Connected for as long as it runs; the daemon closing its end ends the client.
+        import select
+
+        if select.select([client], [], [], max(args.hold, 0.0))[0] and not client.recv(1):
+            finish(exit=MPS_TERMINATED_EXIT)
+            print("CUDA error: the MPS client has been terminated by the server "
+                  "(cudaErrorMpsClientTerminated)", file=sys.stderr)
+            return MPS_TERMINATED_EXIT
+    elif args.hold > 0:
         time.sleep(args.hold)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -86,7 +86,21 @@ class Command(cli.Application):
             raise self._usage(exc) from None
 
 
-class Cudawrap(Command):
+class Group(Command):
+    """A command of commands: alone, or with an unknown command, it is a usage error."""
+
+    SUBCOMMAND_HELPMSG = False  # said once, in the description, instead of after every command's line
+
+    def main(self, *args: str) -> int:
+        if args:
+            raise_usage(f"unknown command '{args[0]}'", f"run '{self.PROGNAME} --help' for the commands")
+        if not self.nested_command:
+            self.help()
+            return os.EX_USAGE
+        return 0
+
+
+class Cudawrap(Group):
     """Share the GPUs and MIG instances of this server fairly among wrapped programs.
 
     Run 'cudawrap COMMAND --help' for a command's switches, 'man cudawrap' for more.
@@ -94,7 +108,6 @@ class Cudawrap(Command):
 
     PROGNAME = "cudawrap"
     VERSION = __version__
-    SUBCOMMAND_HELPMSG = False  # said once, above, instead of after every command's line
 
     debug = cli.Flag(["--debug"], help="show tracebacks and debug logging")
 
@@ -105,14 +118,6 @@ class Cudawrap(Command):
 
         codes = " ".join(f"{code}: {'; '.join(meanings)}." for code, meanings in exit_codes().items())
         return "\n" + textwrap.fill(f"Exit codes: 0: done. {codes}", 80) + "\n"
-
-    def main(self, *args: str) -> int:
-        if args:
-            raise_usage(f"unknown command '{args[0]}'", "run 'cudawrap --help' for the commands")
-        if not self.nested_command:
-            self.help()
-            return os.EX_USAGE
-        return 0
 
 
 _SUBCOMMANDS = {
@@ -129,6 +134,7 @@ _SUBCOMMANDS = {
     "resume": "cudawrap.cli.ops.ResumeCommand",
     "cancel": "cudawrap.cli.ops.CancelCommand",
     "usage": "cudawrap.cli.ops.UsageCommand",
+    "mps": "cudawrap.cli.mps_cmd.MpsCommand",
 }
 for _name, _target in _SUBCOMMANDS.items():
     Cudawrap.subcommand(_name, _target)
