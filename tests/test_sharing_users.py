@@ -24,6 +24,20 @@ def configure(inst, text: str, *allow: str) -> None:  # type: ignore[no-untyped-
     inst.sync()
 
 
+def wrap_without_mps(inst) -> None:  # type: ignore[no-untyped-def]
+    """`recon`: the stand-in CUDA program, minus the MPS connection.
+
+    These tests check where cudawrap puts each user's shares (read from the lock table and the
+    programs' own records); MPS daemons cannot run here, as the test install's paths exceed
+    the 108 bytes of a unix socket's address (tests/test_mps.py runs them from a short path).
+    """
+    inst.wrap("realcuda")
+    program = inst.dir / "recon-no-mps"
+    program.write_text(f"#!/bin/sh\nunset CUDA_MPS_PIPE_DIRECTORY\nexec {inst.bindir}/CUDAWRAP_realcuda \"$@\"\n")
+    program.chmod(0o755)
+    inst.wrap("recon", program)
+
+
 def share_users(inst) -> Dict[str, List[int]]:  # type: ignore[no-untyped-def]
     """uuid -> uid of each share held on it now."""
     from cudawrap.leases import lock_table
@@ -56,7 +70,7 @@ def test_time_slicing_puts_two_users_on_one_device(mu) -> None:  # type: ignore[
 def test_mps_gives_each_device_to_one_user_at_a_time(mu) -> None:  # type: ignore[no-untyped-def]
     inst = mu("four-gpus")
     alice, bob = inst.world.alice, inst.world.bob
-    inst.wrap("recon")
+    wrap_without_mps(inst)
     d0, d1 = inst.machine.leaf_uuids()[:2]
     configure(inst, '[sharing]\nslots = 4\nmode = "mps"\n', d0, d1)
     a1 = inst.start(alice, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
@@ -84,7 +98,7 @@ def test_mps_gives_each_device_to_one_user_at_a_time(mu) -> None:  # type: ignor
 def test_a_burst_of_two_users_shares_under_mps_never_mixes_them(mu) -> None:  # type: ignore[no-untyped-def]
     inst = mu("four-gpus")
     alice, bob = inst.world.alice, inst.world.bob
-    inst.wrap("recon")
+    wrap_without_mps(inst)
     d0, d1 = inst.machine.leaf_uuids()[:2]
     configure(inst, '[sharing]\nslots = 3\nmode = "mps"\n', d0, d1)
     procs, user_of = [], {}
