@@ -91,15 +91,16 @@ def check(pid: int, waiting: Dict[int, Waiter], held: Dict[int, List[str]], call
 
 def cancel(layout: Layout, pids: Sequence[int], caller_uid: Optional[int] = None) -> List[Waiter]:
     """Cancel the waiting runs PIDS, all or none: every pid is checked before any is cancelled."""
-    from .leases import holders
+    from .leases import holdings
     from .waitqueue import cancel as cancel_entry
 
     caller_uid = os.getuid() if caller_uid is None else caller_uid
     waiting = {w.pid: w for w in waiters(str(layout.root))}
     held: Dict[int, List[str]] = {}
-    for uuid, pid in holders(str(layout.lease_dir)).items():
-        if pid is not None:
-            held.setdefault(pid, []).append(uuid)
+    for uuid, holding in holdings(str(layout.lease_dir)).items():
+        for pid in holding.pids:  # the holder, or each sharer
+            if pid is not None:
+                held.setdefault(pid, []).append(uuid)
     chosen = [check(pid, waiting, held, caller_uid) for pid in pids]
     for waiter in chosen:
         try:

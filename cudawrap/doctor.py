@@ -11,7 +11,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterable, List, Mapping, Optional, Set
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Set
 
 from . import __version__, audit, registry, wrap
 from .devices import Inventory
@@ -184,6 +184,27 @@ class _Doctor:
                                    "(run 'cudawrap sync')", self._sync())
         else:
             self.add(LEVEL_OK, "leases", f"a lease file for each of {len(present)} device(s)")
+        self._check_slots(devices, present)
+
+    def _check_slots(self, devices: Any, present: List[str]) -> None:
+        """Slot files for the shared devices: fewer than configured means fewer sharers."""
+        from .policy import effective
+        from .sharing import Sharing
+
+        try:
+            sharing = Sharing(effective(os.fspath(self.layout.root), None, environ={})["sharing"][0])
+        except CudawrapError:
+            return  # a broken config is reported by the config check
+        if not sharing.anywhere:
+            return
+        parents = {d.uuid: d.parent_uuid for d in devices.devices}
+        short = [u for u in present if any(not (self.layout.share_dir / f"{u}.{k}").is_file()
+                                           for k in range(2, sharing.slots_for(u, parents.get(u)) + 1))]
+        if short:
+            self.problem("sharing", f"fewer slot files than [sharing] slots for {len(short)} device(s): "
+                                    f"{', '.join(short)} (run 'cudawrap sync')", self._sync())
+        else:
+            self.add(LEVEL_OK, "sharing", "slot files for every shared device")
 
     def check_monitor(self) -> None:
         """Whether launches are spared NVML: only a fresh snapshot (a live monitor) does that."""

@@ -25,9 +25,9 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
-from .leases import holders
+from .leases import holdings
 from .paths import Layout
 from .users import user_name
 
@@ -208,6 +208,18 @@ def _estimate(lo: float, hi: float, anchor: Optional[float] = None) -> float:
     return (lo + hi) / 2
 
 
+def _share_cost(layout: Layout, uuid: str) -> float:
+    """What a share of UUID counts as ([sharing] counts_as, or 1/slots)."""
+    from .policy import effective
+    from .sharing import Sharing
+
+    try:
+        sharing = Sharing(effective(str(layout.root), None, environ={})["sharing"][0])
+    except Exception:  # a broken config: count the device whole rather than lose the record
+        return 1.0
+    return sharing.cost(sharing.slots_for(uuid))
+
+
 def _lease_id(boot: str, pid: int, ticks: int, devices: Sequence[str]) -> str:
     digest = hashlib.sha1(",".join(devices).encode()).hexdigest()[:8]
     return f"{boot[:8]}-{pid}-{ticks}-{digest}"
@@ -287,8 +299,12 @@ def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = 
         since = max(looked if looked is not None else booted, booted)
 
         by_pid: Dict[int, List[str]] = {}
-        for uuid, pid in holders(str(layout.lease_dir)).items():
-            by_pid.setdefault(pid, []).append(uuid)
+        shared: Set[int] = set()
+        for uuid, holding in holdings(str(layout.lease_dir)).items():
+            for pid in holding.pids if not holding.exclusive else [holding.pid]:  # each sharer, or the holder
+                by_pid.setdefault(pid, []).append(uuid)  # type: ignore[arg-type]
+                if not holding.exclusive:
+                    shared.add(pid)  # type: ignore[arg-type]
         current: Dict[str, Dict[str, Any]] = {}
         for pid, devices in by_pid.items():
             devices.sort()
@@ -309,6 +325,10 @@ def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = 
                 "pid": pid, "ticks": p.ticks, "program": p.program, "exe": p.exe, "devices": devices,
                 "start": round(start, 3), "start_lo": round(lo, 3), "start_hi": round(now, 3),
                 "seen_by": seen_by, "seen": now}
+            if pid in shared:
+                # A share of its device(s): it counts as what its user's limit counts it.
+                record["shared"] = True
+                record["devices_held"] = round(sum(_share_cost(layout, u) for u in devices), 4)
             # The wait: from the run's start (the shim starts the run) to its grant, as sure as the grant.
             record["wait_s"] = round(max(start - p.started, 0.0), 3)
             if seen_wait is not None and seen_wait.get("enqueued") is not None:

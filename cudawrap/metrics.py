@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import ledger
 from .drains import covering, drained
-from .leases import holders
+from .leases import holdings
 from .paths import Layout
 from .users import user_name
 
@@ -67,14 +67,15 @@ class Counters:
 
 def device_seconds(end: Dict[str, Any]) -> Optional[float]:
     try:
-        return max(float(end["end"]) - float(end["start"]), 0.0) * len(end["devices"])
+        # A share counts as the part of its devices it held (devices_held), a lease as all of them.
+        return max(float(end["end"]) - float(end["start"]), 0.0) * float(end.get("devices_held", len(end["devices"])))
     except (KeyError, TypeError, ValueError):
         return None
 
 
 def render(devices: Sequence[Dict[str, Any]], waiting: Dict[int, int], counters: Counters) -> str:
-    """The metrics file's text. DEVICES: dicts with uuid, gpu, name, user ("" if free), drained,
-    memory_used_bytes (None if unknown). Pure."""
+    """The metrics file's text. DEVICES: dicts with uuid, gpu, name, user ("" if free; a sharer's
+    if shared), shares (shared runs on it), drained, memory_used_bytes (None if unknown). Pure."""
     out: List[str] = []
 
     def family(name: str, kind: str, text: str, samples: List[Tuple[str, Any]]) -> None:
@@ -88,6 +89,8 @@ def render(devices: Sequence[Dict[str, Any]], waiting: Dict[int, int], counters:
 
     family("cudawrap_device_held", "gauge", "1 while a lease on the device is held; user is the holder",
            [(_labels(**dev(d), user=d["user"]), int(bool(d["user"]))) for d in devices])
+    family("cudawrap_device_shares", "gauge", "shared runs holding a slot of the device (0: free or held whole)",
+           [(_labels(**dev(d)), d.get("shares", 0)) for d in devices])
     family("cudawrap_device_drained", "gauge", "1 while the device is drained (no new leases)",
            [(_labels(**dev(d)), int(d["drained"])) for d in devices])
     family("cudawrap_device_memory_used_bytes", "gauge", "device memory in use, as NVML reports it",
@@ -128,7 +131,7 @@ def write_textfile(path: str, text: str) -> None:
 
 def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
     """One dict per device for render(): from INVENTORY (None without NVML: the lease files)."""
-    held = holders(str(layout.lease_dir))
+    held = holdings(str(layout.lease_dir))
     drains = drained(str(layout.root))
     if inventory is not None:
         devices = [(d.uuid, d.parent_uuid, d.gpu_index, d.name, d.memory_used_mib) for d in inventory.devices]
@@ -137,14 +140,16 @@ def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
         devices = [(u, "", -1, "?", None) for u in names]
     rows = []
     for uuid, parent, gpu, name, used in devices:
-        pid = held.get(uuid)
+        holding = held.get(uuid)
+        pid = holding.pid if holding is not None else None
+        shares = len(holding.pids) if holding is not None and not holding.exclusive else 0
         user = ""
         if pid is not None:
             try:
                 user = user_name(os.stat(f"/proc/{pid}").st_uid)
             except OSError:
                 user = "?"
-        rows.append({"uuid": uuid, "gpu": gpu, "name": name, "user": user,
+        rows.append({"uuid": uuid, "gpu": gpu, "name": name, "user": user, "shares": shares,
                      "drained": covering(drains, uuid, parent) is not None,
                      "memory_used_bytes": None if used is None else used << 20})
     return rows

@@ -57,6 +57,11 @@ class Lease:
     wait_s: Optional[float]
     running: bool  # still held: counted up to now
     uncertainty_s: float  # how far start and end may be off, together (the ledger's intervals)
+    held: float = 0.0  # devices it counts as: all of them, or a share's part (0: len(devices))
+
+    @property
+    def weight(self) -> float:
+        return self.held or len(self.devices)
 
 
 def _lease(record: Dict[str, Any], end: Optional[float]) -> Optional[Lease]:
@@ -69,7 +74,8 @@ def _lease(record: Dict[str, Any], end: Optional[float]) -> Optional[Lease]:
             spread += (float(record.get("end_hi", stop)) - float(record.get("end_lo", stop))) / 2
         return Lease(str(record.get("user", "?")), str(record.get("program", "?")),
                      tuple(str(d) for d in record["devices"]), start, max(stop, start),
-                     float(wait) if isinstance(wait, (int, float)) else None, end is not None, spread)
+                     float(wait) if isinstance(wait, (int, float)) else None, end is not None, spread,
+                     float(record.get("devices_held", 0.0)))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -136,20 +142,20 @@ def summarize(items: Iterable[Lease], by: str, since: float, until: float) -> Li
             continue
         if by == "day":
             pieces = [(day, a, b) for day, a, b in _days(lo, hi)] or [(dt.date.fromtimestamp(lo).isoformat(), lo, lo)]
-            keyed = [(day, (b - a) * len(lease.devices)) for day, a, b in pieces]
+            keyed = [(day, (b - a) * lease.weight) for day, a, b in pieces]
             first = dt.date.fromtimestamp(lease.start).isoformat() if lease.start >= since else keyed[0][0]
         elif by == "device":
             keyed = [(d, hi - lo) for d in lease.devices]
             first = None
         else:
             key = lease.user if by == "user" else lease.program
-            keyed = [(key, (hi - lo) * len(lease.devices))]
+            keyed = [(key, (hi - lo) * lease.weight)]
             first = key
         for key, value in keyed:
             seconds[key] = seconds.get(key, 0.0) + max(value, 0.0)
             if first is None or key == first:  # a run counts once, where (and when) it started
                 runs[key] = runs.get(key, 0) + 1
-                spread[key] = spread.get(key, 0.0) + lease.uncertainty_s * len(lease.devices)
+                spread[key] = spread.get(key, 0.0) + lease.uncertainty_s * lease.weight
                 if lease.wait_s is not None:
                     waits.setdefault(key, []).append(lease.wait_s)
     rows = []
@@ -254,6 +260,6 @@ def user_day_hours(items: Iterable[Lease], since: float, until: float) -> Tuple[
         lo, hi = max(lease.start, since), min(lease.end, until)
         for day, a, b in _days(lo, hi):
             per = out.setdefault(lease.user, {})
-            per[day] = per.get(day, 0.0) + (b - a) * len(lease.devices) / 3600
+            per[day] = per.get(day, 0.0) + (b - a) * lease.weight / 3600
     days = [day for day, _, _ in _days(since, until)]
     return out, days

@@ -291,3 +291,38 @@ def test_mps_settings_override_the_derived_shares(installed, tmp_path):
     env = out.read_bytes()
     assert b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40\0" in env
     assert b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env
+
+
+def test_accounting_counts_each_share_as_its_part_of_the_device(installed):
+    from cudawrap import ledger
+    from cudawrap.metrics import device_rows, render, Counters
+
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    d0 = inst.machine.leaf_uuids()[0]
+    share_config(inst, slots=4, allow=(d0,))
+    procs = [hold(inst, **SHARE)[0] for _ in range(2)]
+    obs = ledger.observe(inst.layout, "test", (64 << 20, 4))
+    mine = [g for g in obs.grants if g["pid"] in {p.pid for p in procs}]
+    assert len(mine) == 2  # both sharers, not one holder per device
+    assert all(g["shared"] and g["devices_held"] == 0.25 and g["devices"] == [d0] for g in mine)
+    rows = [r for r in device_rows(inst.layout, None) if r["uuid"] == d0]
+    assert rows[0]["shares"] == 2
+    assert f'cudawrap_device_shares{{device="{d0}",gpu="-1",name="?"}} 2' in render(rows, {}, Counters())
+    for p in procs:
+        p.kill()
+        p.wait()
+    ends = [e for e in ledger.observe(inst.layout, "test", (64 << 20, 4)).ends if e["pid"] in {p.pid for p in procs}]
+    assert len(ends) == 2 and all(e["devices_held"] == 0.25 for e in ends)
+
+
+def test_doctor_notices_missing_slot_files_and_repair_makes_them(installed):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    inst.write_config("[sharing]\nslots = 3\n")  # no sync: no slot files yet
+    r = inst.cli("doctor")
+    assert r.returncode != 0 and b"fewer slot files than [sharing] slots for 4 device(s)" in r.stdout + r.stderr
+    r = inst.cli("doctor", "--repair")
+    assert len(os.listdir(inst.layout.share_dir)) == 4 * 3
+    r = inst.cli("doctor")
+    assert b"slot files for every shared device" in r.stdout + r.stderr
