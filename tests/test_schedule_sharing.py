@@ -133,5 +133,15 @@ def test_no_slot_is_given_twice_and_nothing_exclusive_is_shared(case) -> None:  
     for uid, n in holding.items():
         if limits.get(uid) and n > held.get(uid, 0) + 1e-9:  # a grant was made: within the limit
             assert n <= limits[uid] + 1e-9, (uid, n)
+    # No idling: a run told "busy" really has fewer devices it could take than it asked for.
+    left = [d for d in free if d not in whole_given and d not in on]
+    for w in waiters:
+        if verdicts[w.key].kind != BUSY:
+            continue
+        could = {d for d in left if w.can_use(d)}
+        if w.share:
+            could |= {d for d, uids in on.items() if len(uids) < shares.slots_of(d) and w.can_use(d)
+                      and not (shares.mps and any(uid != w.uid for uid in uids))}
+        assert len(could) < w.count, (w, could)
     kinds = {v.kind for v in verdicts.values()}
     assert kinds <= {GRANTED, BUSY, RESERVED, RESERVING, LIMIT}
