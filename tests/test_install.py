@@ -74,7 +74,8 @@ def test_tmpfiles_entry_matches_prepare_runtime(tmp_path):
     layout = Layout(tmp_path)
     prepare_runtime(layout)
     lines = [line.split() for line in render_tmpfiles(layout).splitlines() if line and not line.startswith("#")]
-    assert {Path(f[1]) for f in lines} == {layout.runtime_dir, layout.lease_dir, layout.queue_dir, layout.queue_lock}
+    assert {Path(f[1]) for f in lines} == {layout.runtime_dir, layout.lease_dir, layout.share_dir, layout.queue_dir,
+                                         layout.queue_lock}
     for kind, path, mode, *_ in lines:
         st = os.lstat(path)
         assert (kind == "d") == stat.S_ISDIR(st.st_mode), path
