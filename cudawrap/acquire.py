@@ -32,6 +32,14 @@ from .waitqueue import Entry, Scan, WaitQueue, poke
 # The first WATCHERS in line watch the machine; everyone else sleeps until poked, or IDLE_S.
 WATCHERS = 8
 IDLE_S = 30.0
+# Only the first NEAR in line keep an inotify instance (to be poked): Linux allows a user 128
+# (fs.inotify.max_user_instances), and a batch of 500 runs must not use them all up, leaving
+# the runs at the head to poll. Those further back (or without an instance) look FAR_POLL_S
+# apart at the queue directory's mtime, a single stat, and decide again only when it changed
+# and FAR_S_PER_POSITION x their position has passed since their last decision, or IDLE_S.
+NEAR = 48
+FAR_POLL_S = 1.0
+FAR_S_PER_POSITION = 0.05
 # A watcher re-looks this often even without events (NVML state has no event to watch).
 WATCH_S = 1.0
 # Without inotify (out of watches) the watchers poll this often.
@@ -87,6 +95,13 @@ def _stopped(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state in (b"T", b"t")
+
+
+def _mtime(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _jitter() -> None:
@@ -391,13 +406,12 @@ class Acquirer:
                 previous[s] = signal.signal(s, _raise_signal)
             except ValueError:  # not the main thread: the caller keeps its own handlers
                 pass
-        own = inotify.open_watch()
-        if own is not None:
-            own.add(entry.path, inotify.IN_OPEN | inotify.IN_MODIFY)
-        world = None
+        own = None  # one inotify instance: our entry, and the machine while a watcher
+        world: List[int] = []  # its watches on the lease and queue directories
         poller = select.poll()
-        if own is not None:
-            poller.register(own.fileno(), select.POLLIN)
+        last_decision = 0.0
+        token = None  # the queue directory's mtime at our last decision
+        position = 0
         told = ""  # the kind of wait last reported
         trace = bool(os.environ.get("CUDAWRAP_DEBUG"))
         verdicts: Dict[str, Verdict] = {}
@@ -411,6 +425,15 @@ class Acquirer:
                     raise NoDeviceError(f"no device within {wait_s:g} s: {verdicts[entry.name].text}"
                                         if entry.name in verdicts else f"no device within {wait_s:g} s",
                                         hint="try again later, or set CUDAWRAP_WAIT=SECONDS")
+                if own is None and position >= WATCHERS and now - last_decision < IDLE_S:
+                    # Far back (or no inotify): decide again only once the queue has changed
+                    # and our turn may be near; a stat until then.
+                    current = _mtime(self.queue.dir)
+                    if current == token or now - last_decision < FAR_S_PER_POSITION * position:
+                        time.sleep(min(FAR_POLL_S, max(0.0, deadline - now)))
+                        continue
+                token = _mtime(self.queue.dir)
+                last_decision = now
                 scan = self.queue.scan()
                 me = next((w for w in scan.waiters if w.key == entry.name), None)
                 if me is None:  # our entry is not seen as valid (cannot happen unless tampered with)
@@ -445,29 +468,40 @@ class Acquirer:
                     told = verdict.kind
                 if self._watch_others(verdicts, scan, entry.name):
                     continue
-                watcher = verdict.position < WATCHERS
-                if watcher and world is None:
-                    world = inotify.open_watch()
-                    if world is not None:
-                        world.add(self.leases.dir, inotify.IN_CLOSE_NOWRITE | inotify.IN_CLOSE_WRITE)
-                        world.add(self.queue.dir, inotify.IN_CREATE | inotify.IN_DELETE
-                                  | inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO)
-                        poller.register(world.fileno(), select.POLLIN)
+                position = verdict.position
+                if position < NEAR and own is None:
+                    own = inotify.open_watch()
+                    if own is not None:
+                        own.add(entry.path, inotify.IN_OPEN | inotify.IN_MODIFY)
+                        poller.register(own.fileno(), select.POLLIN)
+                        continue  # something may have changed before the watch existed
+                elif position >= NEAR and own is not None:
+                    poller.unregister(own.fileno())
+                    own.close()  # give the instance back for those nearer the head
+                    own, world = None, []
+                watcher = position < WATCHERS
+                if watcher and own is not None and not world:
+                    world = [own.add(self.leases.dir, inotify.IN_CLOSE_NOWRITE | inotify.IN_CLOSE_WRITE),
+                             own.add(self.queue.dir, inotify.IN_CREATE | inotify.IN_DELETE
+                                     | inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO)]
                     continue  # something may have changed before the watch existed
-                if not watcher and world is not None:
-                    poller.unregister(world.fileno())
-                    world.close()
-                    world = None
-                timeout = (WATCH_S if world is not None else POLL_S) if watcher else IDLE_S
-                if own is None:
-                    timeout = min(timeout, 1.0)
+                if not watcher and world and own is not None:
+                    for wd in world:
+                        own.remove(wd)
+                    world = []
+                if watcher:
+                    timeout = WATCH_S if own is not None and min(world) >= 0 else POLL_S
+                elif own is not None:
+                    timeout = IDLE_S
+                else:
+                    timeout = FAR_POLL_S
                 if self.offered:
                     timeout = min(timeout, max(0.0, min(self.offered.values()) + GRACE_S - now))
                 timeout = min(timeout, max(0.0, deadline - now))
-                if poller.poll(timeout * 1000):
-                    for w in (own, world):
-                        if w is not None:
-                            w.drain()
+                if own is None:
+                    time.sleep(timeout)
+                elif poller.poll(timeout * 1000):
+                    own.drain()
                 self.stale.update(d.uuid for d in self.candidates if d.uuid not in free)
         except KeyboardInterrupt:
             raise Interrupted("interrupted while waiting for a device") from None
@@ -475,9 +509,8 @@ class Acquirer:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.queue.leave(entry)
-            for w in (own, world):
-                if w is not None:
-                    w.close()
+            if own is not None:
+                own.close()
 
     def _hand_over(self, verdicts: Dict[str, Verdict], scan: Scan, me: str) -> None:
         """We leave the line: wake those who now move into the watching places."""

@@ -43,9 +43,14 @@ class Watch:
 
             raise OSError(ctypes.get_errno(), "inotify_init1 failed")
 
-    def add(self, path: str, mask: int) -> bool:
-        """Watch PATH for MASK; False if it cannot be watched (the caller then polls)."""
-        return _lib().inotify_add_watch(self.fd, os.fsencode(path), mask) >= 0
+    def add(self, path: str, mask: int) -> int:
+        """Watch PATH for MASK: the watch descriptor, or -1 if it cannot be watched (the caller
+        then polls)."""
+        return int(_lib().inotify_add_watch(self.fd, os.fsencode(path), mask))
+
+    def remove(self, wd: int) -> None:
+        if wd >= 0:
+            _lib().inotify_rm_watch(self.fd, wd)
 
     def fileno(self) -> int:
         return self.fd
