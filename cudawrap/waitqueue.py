@@ -136,6 +136,14 @@ class WaitQueue:
         self._owner_ok: Dict[Tuple[str, int], bool] = {}
 
     # -- reading ---------------------------------------------------------------------------
+    def idle(self) -> bool:
+        """Whether no entry at all is in the queue (live or dead: either way, not idle)."""
+        try:
+            with os.scandir(self.dir) as it:
+                return not any(item.name.endswith(SUFFIX) for item in it)
+        except OSError:
+            return False
+
     def scan(self, clean: bool = True) -> Scan:
         """Every live and valid waiter; dead entries we may remove are removed (CLEAN)."""
         waiters: List[Waiter] = []
