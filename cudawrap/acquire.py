@@ -34,12 +34,12 @@ WATCHERS = 8
 IDLE_S = 30.0
 # Only the first NEAR in line keep an inotify instance (to be poked): Linux allows a user 128
 # (fs.inotify.max_user_instances), and a batch of 500 runs must not use them all up, leaving
-# the runs at the head to poll. Those further back (or without an instance) look FAR_POLL_S
-# apart at the queue directory's mtime, a single stat, and decide again only when it changed
-# and FAR_S_PER_POSITION x their position has passed since their last decision, or IDLE_S.
+# the runs at the head to poll. Those further back (or without an instance) look at the queue
+# directory's mtime, a single stat, every FAR_POLL_S x (their position / 100), at least
+# FAR_POLL_S; when it changed, they count the entries that arrived before theirs (one listing,
+# no lock table) and decide again once fewer than NEAR did, or IDLE_S after their last decision.
 NEAR = 48
 FAR_POLL_S = 1.0
-FAR_S_PER_POSITION = 0.05
 # A watcher re-looks this often even without events (NVML state has no event to watch).
 WATCH_S = 1.0
 # Without inotify (out of watches) the watchers poll this often.
@@ -463,10 +463,11 @@ class Acquirer:
                                         hint="try again later, or set CUDAWRAP_WAIT=SECONDS")
                 if own is None and position >= WATCHERS and now - last_decision < IDLE_S:
                     # Far back (or no inotify): decide again only once the queue has changed
-                    # and our turn may be near; a stat until then.
+                    # and few enough arrived before us; a stat until then.
                     current = _mtime(self.queue.dir)
-                    if current == token or now - last_decision < FAR_S_PER_POSITION * position:
-                        time.sleep(min(FAR_POLL_S, max(0.0, deadline - now)))
+                    if current == token or self.queue.ahead(entry.name) >= NEAR:
+                        token = current
+                        time.sleep(min(FAR_POLL_S * max(1.0, position / 100), max(0.0, deadline - now)))
                         continue
                 token = _mtime(self.queue.dir)
                 last_decision = now
@@ -525,12 +526,16 @@ class Acquirer:
                     for wd in world:
                         own.remove(wd)
                     world = []
-                if watcher:
-                    timeout = WATCH_S if own is not None and min(world) >= 0 else POLL_S
+                if watcher and own is not None and min(world) >= 0:
+                    # The head alone re-looks WATCH_S apart (NVML changes have no event); the
+                    # other watchers wake on events, or when the head pokes them.
+                    timeout = WATCH_S if position == 0 else IDLE_S
+                elif watcher:
+                    timeout = POLL_S
                 elif own is not None:
                     timeout = IDLE_S
                 else:
-                    timeout = FAR_POLL_S
+                    timeout = FAR_POLL_S * max(1.0, position / 100)
                 if self.offered:
                     timeout = min(timeout, max(0.0, min(self.offered.values()) + GRACE_S - now))
                 timeout = min(timeout, max(0.0, deadline - now))

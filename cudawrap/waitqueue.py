@@ -144,6 +144,14 @@ class WaitQueue:
         except OSError:
             return False
 
+    def ahead(self, name: str) -> int:
+        """How many entries arrived before NAME (names sort in arrival order): one listing."""
+        try:
+            with os.scandir(self.dir) as it:
+                return sum(1 for item in it if item.name < name and item.name.endswith(SUFFIX))
+        except OSError:
+            return 0
+
     def scan(self, clean: bool = True) -> Scan:
         """Every live and valid waiter; dead entries we may remove are removed (CLEAN)."""
         waiters: List[Waiter] = []
