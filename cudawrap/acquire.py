@@ -37,7 +37,8 @@ IDLE_S = 30.0
 # the runs at the head to poll. Those further back (or without an instance) look at the queue
 # directory's mtime, a single stat, every FAR_POLL_S x (their position / 100), at least
 # FAR_POLL_S; when it changed, they count the entries that arrived before theirs (one listing,
-# no lock table) and decide again once fewer than NEAR did, or IDLE_S after their last decision.
+# no lock table) and decide again once fewer than NEAR did, or IDLE_S x (position / NEAR) after
+# their last decision (500 waiters looking every 30 s would cost a quarter of a core).
 NEAR = 48
 FAR_POLL_S = 1.0
 # A watcher re-looks this often even without events (NVML state has no event to watch).
@@ -428,10 +429,12 @@ class Acquirer:
                                    None if self.wanted is None else sorted(self.wanted),
                                    self.reserve_after, info, mine, self.min_free_mib, self.max_util,
                                    self.share)
-        return self._wait(entry, deadline, wait_s, on_wait)
+        # Those at the head now were there before us: they need no poke from us later.
+        self.top = {k for k, v in verdicts.items() if v.position < WATCHERS and k != probe.key}
+        return self._wait(entry, deadline, wait_s, on_wait, verdict)
 
     def _wait(self, entry: Entry, deadline: float, wait_s: float,
-              on_wait: Optional[Callable[[str], None]]) -> Lease:
+              on_wait: Optional[Callable[[str], None]], first: Verdict) -> Lease:
         from . import inotify
         import select
         import signal  # waiting only: `signal` pulls in enum (~5 ms)
@@ -445,13 +448,19 @@ class Acquirer:
         own = None  # one inotify instance: our entry, and the machine while a watcher
         world: List[int] = []  # its watches on the lease and queue directories
         poller = select.poll()
-        last_decision = 0.0
-        token = None  # the queue directory's mtime at our last decision
-        position = 0
+        # The newcomer decided just before it queued: far back, it need not decide again
+        # until the queue changes (a full look at 500 entries is ~10 ms, and each arrival of a
+        # batch would otherwise pay it twice).
+        position = first.position
+        last_decision = time.monotonic() if position >= NEAR else 0.0
+        token = _mtime(self.queue.dir)  # the queue directory's mtime at our last decision
         told = ""  # the kind of wait last reported
         trace = bool(os.environ.get("CUDAWRAP_DEBUG"))
         verdicts: Dict[str, Verdict] = {}
         try:
+            if on_wait is not None:  # inside the try: a Ctrl-C from here on leaves the queue clean
+                on_wait(first.text)  # what the newcomer's own decision said; later, what changed
+            told = first.kind
             while True:
                 by = self.queue.cancelled_by(entry)
                 if by is not None:
@@ -461,7 +470,7 @@ class Acquirer:
                     raise NoDeviceError(f"no device within {wait_s:g} s: {verdicts[entry.name].text}"
                                         if entry.name in verdicts else f"no device within {wait_s:g} s",
                                         hint="try again later, or set CUDAWRAP_WAIT=SECONDS")
-                if own is None and position >= WATCHERS and now - last_decision < IDLE_S:
+                if own is None and position >= WATCHERS and now - last_decision < IDLE_S * max(1.0, position / NEAR):
                     # Far back (or no inotify): decide again only once the queue has changed
                     # and few enough arrived before us; a stat until then.
                     current = _mtime(self.queue.dir)

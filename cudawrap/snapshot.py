@@ -10,8 +10,9 @@ It records every process NVML lists, on every device, held or not: a foreign pro
 a leased device must still count once the lease is free. It also records which of them
 held that device's lease (their own descriptor owns the flock), so that a reader may
 discount such a process once it has exited, and take a freed device at once instead
-of waiting for the next snapshot. A lessee still alive (it closed its descriptor, or is
-a zombie) keeps counting: the snapshot can only make a launch more careful than NVML.
+of waiting for the next snapshot. A lessee still alive (it closed its descriptor) keeps
+counting: the snapshot can only make a launch more careful than NVML. A zombie does not:
+its parent may reap it only when it next looks, and it holds nothing on the GPU.
 """
 from __future__ import annotations
 
@@ -39,13 +40,16 @@ def write(root: str, inventory: Inventory, lessees: Dict[str, Iterable[int]]) ->
 
 
 def _exited(pid: int) -> bool:
+    """Whether PID has exited: gone, or a zombie not yet reaped by its parent (which holds no
+    descriptor and no GPU context: the kernel released both before it became one)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except FileNotFoundError:
         return True
-    except OSError:
-        pass  # EPERM: another user's process, alive
-    return False
+    except (OSError, IndexError):
+        return False
+    return state in (b"Z", b"X")
 
 
 def _without_exited_lessees(device: Device, lessees: Iterable[int]) -> Device:

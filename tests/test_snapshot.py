@@ -3,13 +3,14 @@ import contextlib
 import json
 import marshal
 import os
+import signal
 import subprocess
 import threading
 import time
 
 from cudawrap import snapshot
 from cudawrap.monitor import refresh_once
-from corefix import ready_line
+from corefix import ready_line, wait_for
 
 
 def run_without_nvml(inst, *args, **extra):
@@ -71,6 +72,22 @@ def test_snapshot_shows_every_process_and_discounts_only_exited_lessees(installe
     r = run_without_nvml(inst, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=f"{gpus[0]},{gpus[1]}")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[0])["devices"] == [gpus[0]]
+
+
+def test_a_zombie_lessee_is_discounted_before_its_parent_reaps_it(installed):
+    """A job's process that has exited but not been reaped (its parent looks later) holds no
+    lease and no GPU context: the freed device is usable at once, not after the reap."""
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    gpus = inst.machine.leaf_uuids()
+    proc = inst.start("recon", "--hold", "30", CUDA_VISIBLE_DEVICES=gpus[0])
+    ready_line(proc)
+    refresh_once(inst.layout)
+    os.kill(proc.pid, signal.SIGKILL)  # not waited for: a zombie
+    wait_for(lambda: open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z")
+    seen = snapshot.read_fresh(str(inst.layout.root))
+    assert seen.by_uuid(gpus[0]).pids == ()
+    proc.wait()
 
 
 @contextlib.contextmanager
