@@ -101,12 +101,15 @@ def test_a_large_run_does_not_idle_devices_then_gets_them_reserved(mu) -> None: 
     alice, bob, carol = inst.world.alice, inst.world.bob, inst.world.carol
     inst.wrap("recon")
     inst.wrap("big")
-    config(inst, '[programs."big"]\ngpus = 4\nreserve_after = 1\n')  # carol's runs: the default 300 s
+    # Bob's large run starves after 6 s (carol's runs: the default 300 s); long enough for the
+    # first hand-over below to happen before it, even on a loaded machine.
+    config(inst, '[programs."big"]\ngpus = 4\nreserve_after = 6\n')
     holders = [inst.start(alice, "recon", "--hold", "600") for _ in range(4)]
     for h in holders:
         ready_line(h)
     large = inst.start(bob, "big", "--log", str(inst.log))
     assert "position 1 in line" in waiting_line(large)
+    bob_queued = time.monotonic()
     small = [inst.start(carol, "recon", "--hold", "600", "--log", str(inst.log)) for _ in range(2)]
     for p in small:
         waiting_line(p)
@@ -119,7 +122,8 @@ def test_a_large_run_does_not_idle_devices_then_gets_them_reserved(mu) -> None: 
     started = small[fds[ready[0]]]
     ready_line(started)
     small = [started] + [p for p in small if p is not started]
-    time.sleep(1.5)  # bob has now waited longer than reserve_after
+    assert time.monotonic() - bob_queued < 6, "the first hand-over came after bob started starving"
+    time.sleep(max(0.0, bob_queued + 6.5 - time.monotonic()))  # bob has now waited longer than reserve_after
     holders[1].kill()
     holders[1].wait()
     deadline = time.monotonic() + 30
