@@ -90,12 +90,9 @@ def _mps_server(pid: int) -> bool:
 
 def _stopped(pid: int) -> bool:
     """Whether PID is stopped (SIGSTOP, a debugger): it cannot take its turn now."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state in (b"T", b"t")
+    from .proc import state
+
+    return state(pid) in (b"T", b"t")
 
 
 def _mtime(path: str) -> int:

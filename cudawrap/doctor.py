@@ -188,11 +188,10 @@ class _Doctor:
 
     def _check_slots(self, devices: Any, present: List[str]) -> None:
         """Slot files for the shared devices: fewer than configured means fewer sharers."""
-        from .policy import effective
-        from .sharing import Sharing
+        from .sharing import configured
 
         try:
-            sharing = Sharing(effective(os.fspath(self.layout.root), None, environ={})["sharing"][0])
+            sharing = configured(os.fspath(self.layout.root))
         except CudawrapError:
             return  # a broken config is reported by the config check
         if not sharing.anywhere:

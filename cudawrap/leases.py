@@ -14,7 +14,7 @@ import stat
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Dict, Iterable, List, Optional, Tuple
+    from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from .devices import Device, Gpu, Inventory
 from .errors import SetupError
@@ -445,67 +445,46 @@ def sync_lease_files(lease_dir: str, present: Iterable[str], keep: Iterable[str]
 
     Root runs this (install, boot, `cudawrap sync`). KEEP lists devices whose GPU is lost
     or failing: their files stay, so a job still holding one keeps excluding others.
-    Every file is made, opened and removed relative to the directory, itself opened with
-    O_NOFOLLOW. Returns (created, removed).
+    Returns (created, removed).
     """
-    os.makedirs(lease_dir, mode=0o755, exist_ok=True)
-    dfd = os.open(lease_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        os.fchmod(dfd, 0o755)
-        present = set(present)
-        keep = set(keep) | present
-        created: List[str] = []
-        removed: List[str] = []
-        for uuid in sorted(present):
-            try:
-                fd = os.open(uuid, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                             dir_fd=dfd)
-            except FileExistsError:
-                continue
-            os.fchmod(fd, 0o644)  # the umask must not make leases unreadable for users
-            os.close(fd)
-            created.append(uuid)
-        for name in sorted(os.listdir(dfd)):
-            if name in keep or not (name.startswith("GPU-") or name.startswith("MIG-")):
-                continue
-            try:
-                fd = os.open(name, _OPEN_FLAGS, dir_fd=dfd)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)  # still held by a running job: remove it on a later sync
-                continue
-            os.unlink(name, dir_fd=dfd)  # while holding the lock, so nobody can win it on the dead inode
-            os.close(fd)
-            removed.append(name)
-        return created, removed
-    finally:
-        os.close(dfd)
+    present = set(present)
+    keep = set(keep) | present
+    return _sync_files(lease_dir, present,
+                       lambda name: name not in keep and (name.startswith("GPU-") or name.startswith("MIG-")))
 
 
 def sync_slot_files(share_dir: str, wanted: Dict[str, int]) -> Tuple[List[str], List[str]]:
     """Make the slot files <uuid>.1 .. <uuid>.N of each device in WANTED (uuid -> N >= 2);
     remove the others once unheld. Root runs this with the lease files. (created, removed)."""
-    os.makedirs(share_dir, mode=0o755, exist_ok=True)
-    dfd = os.open(share_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    names = {f"{uuid}.{k}" for uuid, n in wanted.items() if n > 1 for k in range(1, n + 1)}
+    return _sync_files(share_dir, names, lambda name: name not in names)
+
+
+def _sync_files(directory: str, make: Iterable[str], removable: Callable[[str], bool]) -> Tuple[List[str], List[str]]:
+    """Create the lock files MAKE in DIRECTORY (0644, root's) and remove those REMOVABLE says
+    once nobody holds them; (created, removed).
+
+    Every file is made, opened and removed relative to the directory, itself opened with
+    O_NOFOLLOW. A file still locked (a running job's) stays until a later sync; one removed
+    is unlinked while we hold its lock, so nobody can win it on the dead inode.
+    """
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         os.fchmod(dfd, 0o755)
-        names = {f"{uuid}.{k}" for uuid, n in wanted.items() if n > 1 for k in range(1, n + 1)}
         created: List[str] = []
         removed: List[str] = []
-        for name in sorted(names):
+        for name in sorted(make):
             try:
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                              dir_fd=dfd)
             except FileExistsError:
                 continue
-            os.fchmod(fd, 0o644)
+            os.fchmod(fd, 0o644)  # the umask must not make them unreadable for users
             os.close(fd)
             created.append(name)
         for name in sorted(os.listdir(dfd)):
-            if name in names:
+            if not removable(name):
                 continue
             try:
                 fd = os.open(name, _OPEN_FLAGS, dir_fd=dfd)
@@ -514,7 +493,7 @@ def sync_slot_files(share_dir: str, wanted: Dict[str, int]) -> Tuple[List[str], 
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                os.close(fd)  # a share still runs on it: removed on a later sync
+                os.close(fd)  # still held: removed on a later sync
                 continue
             os.unlink(name, dir_fd=dfd)
             os.close(fd)

@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from .leases import holdings
 from .paths import Layout
@@ -208,16 +208,15 @@ def _estimate(lo: float, hi: float, anchor: Optional[float] = None) -> float:
     return (lo + hi) / 2
 
 
-def _share_cost(layout: Layout, uuid: str) -> float:
-    """What a share of UUID counts as ([sharing] counts_as, or 1/slots)."""
-    from .policy import effective
-    from .sharing import Sharing
+def _share_costs(layout: Layout) -> Callable[[str], float]:
+    """What a share of a device counts as ([sharing] counts_as, or 1/slots), by UUID."""
+    from .sharing import configured
 
     try:
-        sharing = Sharing(effective(str(layout.root), None, environ={})["sharing"][0])
+        sharing = configured(str(layout.root))
     except Exception:  # a broken config: count the device whole rather than lose the record
-        return 1.0
-    return sharing.cost(sharing.slots_for(uuid))
+        return lambda uuid: 1.0
+    return lambda uuid: sharing.cost(sharing.slots_for(uuid))
 
 
 def _lease_id(boot: str, pid: int, ticks: int, devices: Sequence[str]) -> str:
@@ -306,6 +305,7 @@ def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = 
                 if not holding.exclusive:
                     shared.add(pid)  # type: ignore[arg-type]
         current: Dict[str, Dict[str, Any]] = {}
+        share_cost: Optional[Callable[[str], float]] = None
         for pid, devices in by_pid.items():
             devices.sort()
             p = proc(pid)
@@ -328,7 +328,9 @@ def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = 
             if pid in shared:
                 # A share of its device(s): it counts as what its user's limit counts it.
                 record["shared"] = True
-                record["devices_held"] = round(sum(_share_cost(layout, u) for u in devices), 4)
+                if share_cost is None:
+                    share_cost = _share_costs(layout)  # the config read once a look, and only for shares
+                record["devices_held"] = round(sum(share_cost(u) for u in devices), 4)
             # The wait: from the run's start (the shim starts the run) to its grant, as sure as the grant.
             record["wait_s"] = round(max(start - p.started, 0.0), 3)
             if seen_wait is not None and seen_wait.get("enqueued") is not None:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from . import locations as loc
 from .errors import ConfigError, MpsUnavailable, NvmlUnavailable, SetupError
 from .paths import Layout
-from .sharing import MPS, Sharing, mps_log_dir, mps_pipe_dir
+from .sharing import MPS, Sharing, mps_log_dir, mps_pipe_dir, settings as sharing_settings
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,7 @@ class Outcome:
 
 def sharing_of(layout: Layout) -> Tuple[Sharing, str]:
     """The [sharing] settings in force, and where the mode was set ("FILE:LINE", "default")."""
-    from . import policy
-
-    # No environment: CUDAWRAP_WAIT and the like are one run's, not the daemons'.
-    data = policy.effective(str(layout.root), None, environ={})["sharing"][0]
+    data = sharing_settings(str(layout.root))
     return Sharing(data), data.get("mode", (None, "default"))[1]
 
 

@@ -36,6 +36,21 @@ def mps_log_dir(root: str, uuid: str) -> str:
     return f"{loc.under(root, loc.MPS_LOG_DIR)}/{uuid}"
 
 
+def settings(root: str) -> Mapping[str, Any]:
+    """The [sharing] table the policy compiled for the install at ROOT (key -> (value, source)).
+
+    For root's commands (sync, the monitor's ledger, doctor, status, mps); a run takes it from
+    its own policy. Raises ConfigError for a broken config.
+    """
+    from .policy import effective
+
+    return effective(root, None, environ={})["sharing"][0]
+
+
+def configured(root: str) -> Sharing:
+    return Sharing(settings(root))
+
+
 class Sharing:
     """The [sharing] settings of one run (from the policy: key -> (value, source))."""
 

@@ -42,14 +42,9 @@ def write(root: str, inventory: Inventory, lessees: Dict[str, Iterable[int]]) ->
 def _exited(pid: int) -> bool:
     """Whether PID has exited: gone, or a zombie not yet reaped by its parent (which holds no
     descriptor and no GPU context: the kernel released both before it became one)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    except (OSError, IndexError):
-        return False
-    return state in (b"Z", b"X")
+    from .proc import GONE, state
+
+    return state(pid) in (GONE, b"Z", b"X")
 
 
 def _without_exited_lessees(device: Device, lessees: Iterable[int]) -> Device:

@@ -222,13 +222,12 @@ def _gpus(inventory: Any) -> List[Dict[str, Any]]:
 def machine_status(layout: Layout) -> Dict[str, Any]:
     from . import nvml
 
-    from .policy import effective
-    from .sharing import Sharing
+    from .sharing import Sharing, configured
 
     lease_dir = str(layout.lease_dir)
     held = holdings(lease_dir)
     try:
-        sharing = Sharing(effective(str(layout.root), None, environ={})["sharing"][0])
+        sharing = configured(str(layout.root))
     except Exception:  # a broken config is `cudawrap config`'s to report; status still shows leases
         sharing = Sharing()
     lease_files = set(os.listdir(lease_dir)) if os.path.isdir(lease_dir) else set()

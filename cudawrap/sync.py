@@ -48,9 +48,9 @@ def claimed_leases(layout: Layout, inventory: Inventory) -> Tuple[List[str], Lis
 
 def sync_slots(layout: Layout, inventory: Inventory, mine: List[str], keep: List[str] = ()) -> None:
     """Slot files for the shareable devices among MINE ([sharing] slots >= 2); KEEP's stay."""
-    from .sharing import Sharing
+    from .sharing import configured
 
-    sharing = Sharing(policy.effective(str(layout.root), None, environ={})["sharing"][0])
+    sharing = configured(str(layout.root))
     parents = {d.uuid: d.parent_uuid for d in inventory.devices}
     wanted = {uuid: sharing.slots_for(uuid, parents.get(uuid)) for uuid in mine}
     share_dir = str(layout.share_dir)

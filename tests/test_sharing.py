@@ -7,13 +7,12 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections import defaultdict
 from typing import Dict, List, Tuple
 
 import pytest
 
-from corefix import Installed, ready_line, wait_for
+from corefix import Installed, ready_line
 
 SHARE = {"CUDAWRAP_SHARE": "1"}
 
@@ -31,18 +30,23 @@ def hold(inst: Installed, seconds: float = 60, **env: str) -> Tuple[subprocess.P
     return proc, ready_line(proc)
 
 
-def sharers(inst: Installed) -> Dict[str, int]:
-    """uuid -> shared locks on its lease file now (from /proc/locks)."""
+def share_pids(lease_dir) -> Dict[str, List[int]]:  # type: ignore[no-untyped-def]
+    """uuid -> the pid that took each shared lock on its lease file now (from /proc/locks)."""
     from cudawrap.leases import lock_table
 
     table = lock_table()
     out = {}
-    for name in os.listdir(inst.layout.lease_dir):
-        st = os.stat(inst.layout.lease_dir / name)
+    for name in os.listdir(lease_dir):
+        st = os.stat(os.path.join(lease_dir, name))
         locks = table.get((st.st_dev, st.st_ino), [])
         if locks and not any(ex for _pid, ex in locks):
-            out[name] = len(locks)
+            out[name] = [pid for pid, _ex in locks]
     return out
+
+
+def sharers(inst: Installed) -> Dict[str, int]:
+    """uuid -> shares held on it now."""
+    return {uuid: len(pids) for uuid, pids in share_pids(inst.layout.lease_dir).items()}
 
 
 def test_shared_runs_fill_one_device_before_opening_another(installed):

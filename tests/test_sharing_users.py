@@ -11,6 +11,7 @@ from typing import Dict, List
 
 from corefix import ready_line
 from test_multiuser import status, waiting_line
+from test_sharing import share_pids
 from userfix import root_only
 
 pytestmark = root_only
@@ -40,16 +41,8 @@ def wrap_without_mps(inst) -> None:  # type: ignore[no-untyped-def]
 
 def share_users(inst) -> Dict[str, List[int]]:  # type: ignore[no-untyped-def]
     """uuid -> uid of each share held on it now."""
-    from cudawrap.leases import lock_table
-
-    table = lock_table()
-    out = {}
-    for name in os.listdir(inst.layout.lease_dir):
-        st = os.stat(inst.layout.lease_dir / name)
-        locks = table.get((st.st_dev, st.st_ino), [])
-        if locks and not any(ex for _pid, ex in locks):
-            out[name] = sorted(os.stat(f"/proc/{pid}").st_uid for pid, _ex in locks)
-    return out
+    return {uuid: sorted(os.stat(f"/proc/{pid}").st_uid for pid in pids)
+            for uuid, pids in share_pids(inst.layout.lease_dir).items()}
 
 
 def test_time_slicing_puts_two_users_on_one_device(mu) -> None:  # type: ignore[no-untyped-def]
