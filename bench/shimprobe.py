@@ -59,15 +59,21 @@ def phases(link, args):
     acc["import cudawrap.launch (errors, audit, leases, locations)"] = perf() - start
     start = perf()
     import cudawrap.acquire
-    import cudawrap.nvml
     import cudawrap.policy
-    import cudawrap.selection
+    import cudawrap.snapshot
     import cudawrap.waitqueue  # noqa: F401
 
     # Through sys.modules: the package's __init__ exports a function named `acquire`.
-    acquire, nvml, policy = (sys.modules[f"cudawrap.{m}"] for m in ("acquire", "nvml", "policy"))
+    acquire, policy, snapshot = (sys.modules[f"cudawrap.{m}"] for m in ("acquire", "policy", "snapshot"))
+    acc["import cudawrap lazy modules (policy, snapshot, acquire, waitqueue)"] = perf() - start
+    # nvml only where the launch imports it: without a fresh snapshot (no monitor).
+    nvml = None
+    if snapshot.read_fresh(root) is None:
+        start = perf()
+        import cudawrap.nvml
 
-    acc["import cudawrap lazy modules (policy, nvml, selection, acquire, waitqueue)"] = perf() - start
+        nvml = sys.modules["cudawrap.nvml"]
+        acc["import cudawrap.nvml"] = perf() - start
 
     missing = []
 
@@ -89,10 +95,22 @@ def phases(link, args):
     timed(policy, "effective", "policy.effective (config cache)")
     timed(launch, "find_link", "find_link + real_program")
     timed(launch, "real_program", "find_link + real_program")
-    timed(nvml, "_binding", "_import binding")
-    timed(nvml, "init", "_nvml.init")
-    timed(nvml, "inventory", "_nvml.inventory")
-    timed(nvml, "current", "_nvml.current")
+    if nvml is not None:
+        timed(nvml, "_binding", "_import binding")
+        timed(nvml, "init", "_nvml.init")
+        timed(nvml, "inventory", "_nvml.inventory")
+        timed(nvml, "matches", "_nvml.matches")
+        timed(nvml, "refresh", "_nvml.refresh")
+        refresh = nvml.refresh
+
+        def refresh_noting_init(*a, **k):  # the init() inside refresh() belongs to refresh
+            before = acc.get("_nvml.init", 0.0)
+            try:
+                return refresh(*a, **k)
+            finally:
+                acc["_init in refresh"] = acc.get("_init in refresh", 0.0) + acc.get("_nvml.init", 0.0) - before
+
+        nvml.refresh = refresh_noting_init
     timed(acquire.Acquirer, "acquire", "acquire (queue mutex, flock leases)")
     timed(launch, "obtain", "_obtain")
     timed(launch, "original_environ", "original_environ (/proc/self/environ)")
@@ -102,16 +120,22 @@ def phases(link, args):
         out = dict(acc)
         # Split the nested timers into exclusive parts.
         pyimp = out.pop("_import binding", 0.0)
-        init = out.pop("_nvml.init", 0.0)
+        init = out.pop("_nvml.init", 0.0) - out.pop("_init in refresh", 0.0)
         inv = out.pop("_nvml.inventory", 0.0)
-        cur = out.pop("_nvml.current", 0.0)
+        cur = out.pop("_nvml.matches", 0.0)
+        ref = out.pop("_nvml.refresh", 0.0)
         obtain = out.pop("_obtain", 0.0)
         out["import the NVML binding (nvmldirect: ctypes)"] = pyimp
         out["nvmlInit"] = init - pyimp
-        # Each of these includes its own init(); at most one of the two normally runs.
-        out["NVML: candidates by UUID from sync's layout (nvml.current minus init)"] = cur - (init if cur else 0.0)
+        # matches() or inventory() includes the first init(); at most one of the two runs.
+        # refresh() (with the init() it calls for a device not read yet) is its own row.
+        out["NVML: sync's layout still the machine's (nvml.matches minus init)"] = cur - (init if cur else 0.0)
+        out["NVML: the devices taken, by UUID (nvml.refresh)"] = ref
         out["NVML enumeration (nvml.inventory minus init)"] = inv - (init if inv and not cur else 0.0)
-        out["rest of obtain (selection, lease dir, queue)"] = (obtain - inv - cur
+        # refresh() runs inside acquire(): taken out of that phase, as it is its own row.
+        if ref:
+            out["acquire (queue mutex, flock leases)"] = out.get("acquire (queue mutex, flock leases)", 0.0) - ref
+        out["rest of obtain (selection, lease dir, queue)"] = (obtain - inv - cur - ref
                                                                - out.get("acquire (queue mutex, flock leases)", 0.0))
         out["other (exec preparation, glue)"] = (end - T0) - sum(out.values())
         _emit({"mode": "phases", "total_s": end - T0, "phases_s": out, "not_timed": missing,

@@ -22,11 +22,14 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+    from .schedule import Verdict, Waiter
+
 from .devices import Device
 from .errors import Interrupted, NoDeviceError
 from .sharing import MPS, MPS_SERVER_COMM, Sharing
 from .leases import Lease, LeaseFiles, lock_table
-from .schedule import GRANTED, Shares, Verdict, Waiter, decide
+# The scheduler (schedule.py) is imported where a decision is made: a launch nobody waits
+# before takes its devices without one (_uncontended), and the shim pays for every module.
 from .waitqueue import Entry, Scan, WaitQueue, poke
 
 # The first WATCHERS in line watch the machine; everyone else sleeps until poked, or IDLE_S.
@@ -132,6 +135,7 @@ class Acquirer:
         drained: Optional[Callable[[], Set[str]]] = None,
         share: bool = False,
         sharing: Optional[Sharing] = None,
+        unread: Sequence[str] = (),
     ) -> None:
         self.leases = leases
         self.queue = queue
@@ -157,9 +161,14 @@ class Acquirer:
         now = time.monotonic() if checked_at is None else checked_at
         self.checked_at: Dict[str, float] = {d.uuid: now for d in all_devices}
         # Devices whose data may be stale: their lease was held at some look since they were
-        # last read (the processes seen were probably that job's).
-        self.stale: Set[str] = set()
+        # last read (the processes seen were probably that job's), or never read (UNREAD:
+        # the launch had only the layout, and reads a device as it is about to take it).
+        self.stale: Set[str] = set(unread)
         self.lost: Set[str] = set()
+        # Those lost before this run queued: on a launch from sync's layout, a sign that the
+        # layout is out of date (a MIG instance destroyed since), not of a GPU lost now.
+        self.lost_on_arrival: Set[str] = set()
+        self.queued = False
         self.mine = {d.uuid for d in self.candidates}
         self.wanted = None if self.mine >= set(self.current) else frozenset(self.mine)
         # What this process has seen of others taking their turns.
@@ -186,6 +195,8 @@ class Acquirer:
         if fresh is None:
             if self.refresh is not None:
                 self.lost.add(uuid)  # NVML lost it mid-run: never hand it out
+                if not self.queued:
+                    self.lost_on_arrival.add(uuid)
             return False
         self.current[uuid] = fresh
         self.checked_at[uuid] = now
@@ -242,6 +253,8 @@ class Acquirer:
             else:
                 busy.add(uuid)
         slots = {u: 0 if u in closed else n for u, n in self.slots.items()}
+        from .schedule import Shares
+
         return free, held, busy, Shares(slots, used, self.sharing.mode == MPS, self.sharing.counts_as)
 
     def usable(self) -> int:
@@ -273,6 +286,8 @@ class Acquirer:
         self.joined = set(shares.used)
         limits = {w.uid: self._limit(w.uid) for w in waiters}
         fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free or u in shares.used}
+        from .schedule import decide
+
         verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares)
         return verdicts, free
 
@@ -283,28 +298,56 @@ class Acquirer:
         devices to prefer, and trying a lock tells whether it is free. This spares the launch
         a read of /proc/locks, which costs ~10 ms when nothing has read it for a moment (the
         kernel waits for an RCU grace period to freeze the lock lists). A user with a limit,
-        a shared run, or anyone in the queue: the full decision below. Devices are preferred
-        by placement, judging busy GPUs by the processes NVML saw on them.
+        a shared run, or anyone in the queue: the full decision below.
+
+        Devices are preferred by placement, judging busy GPUs by the processes NVML saw on
+        them (the monitor's snapshot). Without the monitor nothing is read yet; where the
+        placement then depends on how busy each physical GPU is (spread or pack over the
+        MIG instances of several GPUs), every candidate's lock is tried first (and let go at
+        once), and those held count as busy. The preferred devices are then judged one by one (NVML read
+        now for a device not read yet), so such a launch reads one device, not all 56 of
+        a DGX.
         """
         if self.share or self._limit(self.uid) or not self.queue.idle():
             return None
         if self.drained is not None:
             self.unavailable = set(self.drained())
         now = time.monotonic()
-        eligible = [d.uuid for d in self.candidates if d.uuid not in self.unavailable and d.uuid not in self.lost
-                    and self.leases.ident(d.uuid) is not None and self._fits(d.uuid) and self._eligible(d.uuid, now)]
-        if len(eligible) < self.count:
+        pool = [d.uuid for d in self.candidates
+                if d.uuid not in self.unavailable and d.uuid not in self.lost and self._fits(d.uuid)]
+        if len(pool) < self.count:
             return None
-        busy = {u for u, d in self.current.items() if d.pids or (d.pids is None and self.occupied(d))}
-        from .schedule import place
+        busy = {u for u, d in self.current.items()
+                if u not in self.stale and (d.pids or (d.pids is None and self.occupied(d)))}
+        unread = any(u in self.stale for u in pool)  # no monitor: NVML has not been asked yet
+        if unread and self.placement != "random" and 1 < len({self.parents[u] for u in pool}) < len(pool):
+            held = []
+            for uuid in pool:
+                if self.leases.try_lock(uuid):
+                    # Let go at once: a run deciding meanwhile must not see every free device taken.
+                    self.leases.unlock(uuid)
+                else:
+                    held.append(uuid)
+            busy.update(held)
+            pool = [u for u in pool if u not in held]
+        from .placement import place  # not schedule: the rest of it is for runs that wait
 
-        preference = place(eligible, len(eligible), self.placement, self.parents, busy, seed=str(os.getpid()))
         locked: List[str] = []
-        for uuid in preference:
-            if self.leases.try_lock(uuid):
+        while len(locked) < self.count and pool:
+            # One device at a time, each counted busy for the next, as place() does for a
+            # whole request: the first choice usually stands, and ordering all 56 devices
+            # of a DGX first would cost ~2 ms.
+            uuid = place(pool, 1, self.placement, self.parents, busy, seed=str(os.getpid()))[0]
+            pool.remove(uuid)
+            busy.add(uuid)
+            if not self.leases.try_lock(uuid):
+                continue
+            if self._eligible(uuid, now):
                 locked.append(uuid)
-                if len(locked) == self.count:
-                    return self.leases.take(locked)
+            else:
+                self.leases.unlock(uuid)  # a process cudawrap did not start is on it
+        if len(locked) == self.count:
+            return self.leases.take(locked)
         for uuid in locked:
             self.leases.unlock(uuid)
         return None
@@ -355,6 +398,8 @@ class Acquirer:
                 and (d.utilization is None or d.utilization <= self.max_util))
 
     def _me(self, key: str) -> Waiter:
+        from .schedule import Waiter
+
         return Waiter(key, self.uid, os.getpid(), self.count, self.wanted, self.placement,
                       self.reserve_after, time.time(), "?", self.min_free_mib, self.max_util, self.share)
 
@@ -363,6 +408,8 @@ class Acquirer:
 
         True when someone was passed over just now (decide again at once).
         """
+        from .schedule import GRANTED
+
         now = time.monotonic()
         changed = False
         # Only offers of devices this run could use can hold it up.
@@ -401,6 +448,8 @@ class Acquirer:
         lease = self._uncontended()
         if lease is not None:
             return lease
+        from .schedule import GRANTED
+
         probe = self._me("~")  # sorts after every real key: a newcomer arrives last
         for _ in range(3):  # a lost race for a lock means someone else took it: look again
             scan = self.queue.scan()
@@ -422,6 +471,7 @@ class Acquirer:
             raise NoDeviceError(f"no free device: {verdict.text}; waiting is off (wait = 0)",
                                 hint="set CUDAWRAP_WAIT=SECONDS to wait")
         mine = sum(1 for w in scan.waiters if w.uid == self.uid)
+        self.queued = True
         entry = self.queue.enqueue(self.count, self.placement,
                                    None if self.wanted is None else sorted(self.wanted),
                                    self.reserve_after, info, mine, self.min_free_mib, self.max_util,
@@ -435,6 +485,8 @@ class Acquirer:
         from . import inotify
         import select
         import signal  # waiting only: `signal` pulls in enum (~5 ms)
+
+        from .schedule import GRANTED
 
         previous = {}
         for s in (signal.SIGTERM, signal.SIGHUP):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 
-from .text import printable
 from .users import user_name
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
@@ -21,7 +20,11 @@ def field(value: object) -> str:
     """VALUE as one token of an audit line: program names and reasons come from users, so
     control characters are escaped (a newline cannot forge a second line) and a value with
     spaces or quotes is double-quoted."""
-    text = printable(str(value))
+    text = str(value)
+    if not text.isprintable():  # text.py only then: the launch logs a grant every time
+        from .text import printable
+
+        text = printable(text)
     if text and not any(c in text for c in ' "\''):
         return text
     return '"' + text.replace('"', '\\"') + '"'

@@ -91,7 +91,7 @@ def check(pid: int, waiting: Dict[int, Waiter], held: Dict[int, List[str]], call
 
 def cancel(layout: Layout, pids: Sequence[int], caller_uid: Optional[int] = None) -> List[Waiter]:
     """Cancel the waiting runs PIDS, all or none: every pid is checked before any is cancelled."""
-    from .leases import holdings
+    from .holders import holdings
     from .waitqueue import cancel as cancel_entry
 
     caller_uid = os.getuid() if caller_uid is None else caller_uid

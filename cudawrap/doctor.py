@@ -214,7 +214,7 @@ class _Doctor:
         if snapshot.read_fresh(root) is not None:
             self.add(LEVEL_OK, "monitor", "running: launches read its snapshot instead of NVML")
             return
-        how = ("each reads NVML for its candidate devices" if invcache.read(root) is not None else
+        how = ("each reads NVML for the devices it tries" if invcache.read(root) is not None else
                "each enumerates every device through NVML: no device layout cache, run 'cudawrap sync'")
         pid = running(loc.under(root, loc.MONITOR_PID))
         if pid:

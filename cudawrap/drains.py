@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 from . import locations as loc, rootfile
 
-DRAINS = loc.STATE_DIR + "/drains"
+DRAINS = loc.DRAINS
 DRAINS_LOCK = loc.STATE_DIR + "/drains.lock"
 VERSION = 1
 

@@ -19,11 +19,7 @@ if TYPE_CHECKING:
 
     from .devices import Device, Inventory
 
-# In the order they are checked, and so the order in which explain() names them.
-FILTER_KEYS = ("devices", "model", "min_memory_mib", "min_free_memory_mib", "max_utilization")
-UNFILTERED: Dict[str, Any] = {
-    "devices": (), "model": "", "min_memory_mib": 0, "min_free_memory_mib": 0, "max_utilization": 100,
-}
+from .policy import FILTER_KEYS, UNFILTERED  # kept in policy: a launch without filters skips this module
 
 
 class Request:

@@ -3,14 +3,15 @@
 Which GPUs and MIG instances exist changes only when MIG is reconfigured or the driver
 changes, and both require `cudawrap sync` (new devices get lease files there, so nothing
 can be leased before it runs anyway). Sync and the monitor write the layout here; a
-launch without a fresh usage snapshot then reads processes only for its candidate
-devices, found by UUID (``nvml.current``), instead of enumerating the machine.
+launch without a fresh usage snapshot then reads NVML only for the devices it is about
+to take, found by UUID (``nvml.refresh``), instead of enumerating the machine.
 
-The cache can never hand out a device that is gone: ``nvml.current`` checks the GPU
-count and driver version, and looks every candidate up by its UUID; any mismatch or
-NVML error sends the launch to a full enumeration. It holds no usage data: processes and
-memory are always read at launch. With a GPU lost, no cache is written (lost GPUs are
-handled by the full enumeration).
+The cache can never hand out a device that is gone: ``nvml.matches`` checks the GPU
+count and driver version (a mismatch or NVML error sends the launch to a full
+enumeration), and a device is taken only after NVML found it by its UUID and showed no
+foreign process on it. It holds no usage data: processes and memory are always read at
+launch. With a GPU lost, no cache is written (lost GPUs are handled by the full
+enumeration).
 """
 from __future__ import annotations
 

@@ -172,19 +172,25 @@ def _candidates(inventory: Any, value: Dict[str, Any], allow: List[str], preset:
     filters that can never change (model, memory in all); free memory and utilisation
     change as jobs end, and the scheduler judges them at every decision.
     """
-    from .filters import Request, explain, split
-    from .selection import allowed, parse_visible
+    from .policy import filtered
 
-    candidates = allowed(inventory.devices, allow)
+    candidates = list(inventory.devices)
+    if allow:
+        from .selection import allowed
+
+        candidates = allowed(candidates, allow)
     if preset is not None:
         from . import nvml
+        from .selection import parse_visible
 
         visible = parse_visible(preset, inventory, order, nvml.mig_by_ids)
         candidates = [d for d in candidates if d in visible]
     why = " (narrowed by CUDA_VISIBLE_DEVICES)" if preset is not None else (
         " (narrowed by the allow-list)" if allow else "")
-    request = Request.from_settings(value, count)
-    if request.filtered and candidates:
+    if filtered(value) and candidates:
+        from .filters import Request, explain, split
+
+        request = Request.from_settings(value, count)
         kept, _why_not = split(request, candidates, inventory)
         if len(kept) < count:
             raise NoDeviceError(explain(request, candidates, inventory),
@@ -205,37 +211,36 @@ def _candidates(inventory: Any, value: Dict[str, Any], allow: List[str], preset:
     return candidates
 
 
-def _with_usage(layout: Any, live: List[Any]) -> Any:
-    """LAYOUT with LIVE's devices in place of theirs (the others' usage stays unknown)."""
-    from .devices import Inventory
+def _read_nvml(root: str) -> Tuple[Any, bool]:
+    """(inventory, whether its devices' usage is unread) for a launch without the monitor.
 
-    fresh = {d.uuid: d for d in live}
-    return Inventory(layout.driver_version, layout.gpus, [fresh.get(d.uuid, d) for d in layout.devices])
-
-
-def _read_nvml(root: str, value: Dict[str, Any], allow: List[str], preset: Optional[str],
-               count: int, order: Optional[str]) -> Tuple[Any, Optional[List[Any]]]:
-    """(inventory, its candidates with live usage, or None) for a launch without the monitor.
-
-    The layout `cudawrap sync` saw, and NVML read for the candidates alone; the whole
-    machine (candidates None) only if there is no layout or it is out of date.
+    The layout `cudawrap sync` saw, if it still matches the machine: its devices are read
+    from NVML one by one, as the launch is about to take them (the acquirer re-reads a
+    "stale" device before judging it), so a launch on 56 MIG instances reads one or two of
+    them, not all. The whole machine, enumerated, if there is no layout or it is out of date.
     """
     from . import invcache, nvml
 
     layout = invcache.read(root)
-    try:
-        candidates = _candidates(layout, value, allow, preset, count, order) if layout else None
-    except CudawrapError:
-        candidates = None  # perhaps an old layout's fault: the enumeration decides
-    live = nvml.current(layout, candidates) if candidates is not None else None
-    if live is not None:
-        return _with_usage(layout, live), live
-    return nvml.inventory(direct=True), None  # ctypes, not pynvml: see nvmldirect
+    if layout is not None and nvml.matches(layout):
+        return layout, True
+    return nvml.inventory(direct=True), False  # ctypes, not pynvml: see nvmldirect
+
+
+def _drains(root: str) -> Dict[str, Any]:
+    """The admin's drains (uuid -> Drain); drains.py is imported only when there are some."""
+    if not os.path.exists(loc.under(root, loc.DRAINS)):
+        return {}
+    from .drains import drained
+
+    return drained(root)
 
 
 def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
-           count: Optional[int] = None) -> Grant:
-    """Lease devices for one run under SETTINGS (key -> (value, source))."""
+           count: Optional[int] = None, layout: bool = True) -> Grant:
+    """Lease devices for one run under SETTINGS (key -> (value, source)).
+
+    LAYOUT: whether sync's device layout may stand in for an enumeration (no monitor)."""
     value = {k: v for k, (v, _src) in settings.items()}
     count = value["gpus"] if count is None else count
     lease_dir = loc.under(root, loc.LEASE_DIR)
@@ -252,9 +257,11 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
                 return Grant(narrowed, ",".join(narrowed.uuids))
             # Devices outside the parent's lease: leased anew, like any run's.
 
-    from .slurm import within_job
+    job = None
+    if environ.get("SLURM_JOB_ID"):  # within_job's own test: outside Slurm, slurm is not imported
+        from .slurm import within_job
 
-    job = within_job(environ)  # None outside Slurm
+        job = within_job(environ)
     if job is not None and job.shares:
         return Grant(None, None)  # a --gres=shard job: Slurm shares this GPU; a lease would serialise
     if job is not None and job.has_no_gpu:
@@ -274,8 +281,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         raise NoDeviceError(f"{count} devices asked for as a shared run, but an MPS client uses one device",
                             hint="ask for one device (CUDAWRAP_GPUS=1), or run without sharing")
 
-    from . import nvml
-    from .filters import Request
+    from .policy import UNFILTERED
     from .snapshot import SnapshotRefresh, read_fresh
 
     allow = list(value["allow"])
@@ -284,17 +290,26 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
 
         allow += read_allow_file(value["allow_file"])
     order = environ.get("CUDA_DEVICE_ORDER")
-    request = Request.from_settings(value, count)
+    # What the filters (filters.py, imported only when one is set) need of the devices' usage.
+    min_free_mib = value.get("min_free_memory_mib", UNFILTERED["min_free_memory_mib"])
+    max_util = value.get("max_utilization", UNFILTERED["max_utilization"])
 
     inventory = read_fresh(root)  # kept by `cudawrap monitor`; spares us NVML
-    refresh = SnapshotRefresh(root) if inventory is not None else nvml.refresh
-    live = None
+    unread = False
     try:
-        if inventory is None and (job is not None or request.min_free_memory_mib > 0):
-            # Slurm's indices need the GPUs, a free-memory floor every device's memory
-            inventory = nvml.inventory(direct=True)
-        elif inventory is None:
-            inventory, live = _read_nvml(root, value, allow, preset, count, order)
+        if inventory is not None:
+            refresh = SnapshotRefresh(root)
+        else:
+            from . import nvml
+
+            refresh = nvml.refresh
+            if job is not None or min_free_mib > 0:
+                # Slurm's indices need the GPUs, a free-memory floor every device's memory
+                inventory = nvml.inventory(direct=True)
+            elif layout:
+                inventory, unread = _read_nvml(root)
+            else:
+                inventory = nvml.inventory(direct=True)
     except NvmlUnavailable as exc:
         if value["no_driver"] == "fail":
             raise
@@ -319,10 +334,22 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
             preset, order = slurm_visible, PCI_ORDER  # Slurm's indices: its numbering, not CUDA's
             if not preset.strip():
                 return Grant(None, None)
-    candidates = live if live is not None else _candidates(inventory, value, allow, preset, count, order)
-    from .drains import covering, drained, undrained
+    try:
+        candidates = _candidates(inventory, value, allow, preset, count, order)
+    except CudawrapError:
+        if not unread:
+            raise
+        # Perhaps the layout's fault (MIG reconfigured since the last sync): NVML decides.
+        from . import nvml
 
-    usable = undrained(candidates, drained(root))  # an admin's `cudawrap drain`: no new lease there
+        inventory, unread = nvml.inventory(direct=True), False
+        candidates = _candidates(inventory, value, allow, preset, count, order)
+    drains = _drains(root)
+    usable = candidates
+    if drains:  # an admin's `cudawrap drain`: no new lease there
+        from .drains import undrained
+
+        usable = undrained(candidates, drains)
     if len(usable) < count:
         names = ", ".join(d.uuid for d in candidates if d not in usable)
         raise NoDeviceError(f"{count} device{'s' if count > 1 else ''} asked for, but {names} "
@@ -332,27 +359,40 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     candidates = usable
 
     def drained_now() -> Any:  # re-read at every decision: a drain made while runs wait
-        drains = drained(root)
-        return {d.uuid for d in inventory.devices if covering(drains, d.uuid, d.parent_uuid)} if drains else ()
-    if request.max_utilization < 100 and not any(d.utilization is not None for d in inventory.devices):
+        drains = _drains(root)
+        if not drains:
+            return ()
+        from .drains import covering
+
+        return {d.uuid for d in inventory.devices if covering(drains, d.uuid, d.parent_uuid)}
+    if max_util < 100 and not any(d.utilization is not None for d in inventory.devices):
+        from . import nvml
+
         try:  # the snapshot and the lean inventory skip utilisation: read it for this filter
-            inventory = nvml.inventory(utilization=True)
+            inventory, unread = nvml.inventory(utilization=True), False
         except NvmlUnavailable:
             pass
 
-    from .acquire import Acquirer, describe_wait
-    from .limits import limit_for
+    from .acquire import Acquirer, Cancelled, describe_wait
     from .waitqueue import WaitQueue
 
     limits = value.get("limits") or {}
-    my_limit = limit_for(os.geteuid(), limits) if limits else 0
+    if not (limits.get("users") or limits.get("groups") or limits.get("default", (0, ""))[0]):
+        limits = {}  # no [limits] configured: limits.py is not imported
+    my_limit = 0
+    if limits:
+        from .limits import limit_for
+
+        my_limit = limit_for(os.geteuid(), limits)
     if my_limit and count > my_limit:
         raise NoDeviceError(f"{count} devices asked for, but your limit is {my_limit} at once",
                             hint="ask for fewer devices, or ask an admin (`cudawrap config` shows the limits)")
     leases = LeaseFiles(lease_dir, loc.under(root, loc.SHARE_DIR))
     # A device without a lease file (appeared since the last sync) can never be leased:
-    # leave it out rather than wait for it forever.
-    unsynced = [d for d in candidates if leases.fd(d.uuid) is None]
+    # leave it out rather than wait for it forever. One listing: the files are opened only
+    # as their devices are tried.
+    present = leases.names()
+    unsynced = [d for d in candidates if d.uuid not in present]
     if len(candidates) - len(unsynced) < count:
         from .errors import SetupError
         from .leases import SYNC_HINT
@@ -367,8 +407,9 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         busy_memory_mib=value["busy_memory_mib"], refresh=refresh, checked_at=checked_at,
         reserve_after=value.get("reserve_after", 300.0),
         limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
-        min_free_mib=request.min_free_memory_mib, max_util=request.max_utilization,
-        drained=drained_now, share=share, sharing=sharing)
+        min_free_mib=min_free_mib, max_util=max_util,
+        drained=drained_now, share=share, sharing=sharing,
+        unread=[d.uuid for d in candidates] if unread else ())
     wait_s = value["wait"]
     info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={prog}\n".encode()
     waited = {"yes": False}
@@ -382,6 +423,12 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     try:
         lease = acquirer.acquire(wait_s, info, on_wait)
     except NoDeviceError as exc:
+        if unread and acquirer.lost_on_arrival and not isinstance(exc, Cancelled):
+            # A device of the layout is gone (a MIG instance destroyed since the last sync):
+            # the layout is out of date, so decide again from NVML's enumeration, which
+            # also says when the devices there now need `cudawrap sync`.
+            leases.close()
+            return obtain(root, prog, settings, environ, count, layout=False)
         audit.log("timeout", "warning", program=prog, pid=os.getpid(), reason=str(exc))
         raise
     waited_s = time.monotonic() - start

@@ -14,7 +14,7 @@ import stat
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Callable, Dict, Iterable, List, Optional, Tuple
+    from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from .devices import Device, Gpu, Inventory
 from .errors import SetupError
@@ -23,7 +23,7 @@ from .errors import SetupError
 # program reuses its lease instead of deadlocking on its own lock: "fd:uuid,fd:uuid".
 LEASE_ENV = "CUDAWRAP_LEASE"
 
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 def check_dir(path: str, what: str, hint: str) -> os.stat_result:
@@ -107,7 +107,7 @@ class LeaseFiles:
         if "/" in uuid or uuid in ("", ".", ".."):
             return None
         try:
-            fd = os.open(self.path(uuid), _OPEN_FLAGS)
+            fd = os.open(self.path(uuid), OPEN_FLAGS)
         except OSError:
             return None
         st = os.fstat(fd)
@@ -116,6 +116,13 @@ class LeaseFiles:
             return None
         self._fds[uuid] = fd
         return fd
+
+    def names(self) -> Set[str]:
+        """The names in the lease directory (a UUID each), in one listing; nothing is opened."""
+        try:
+            return set(os.listdir(self.dir))
+        except OSError:
+            return set()
 
     def ident(self, uuid: str) -> Optional[Tuple[int, int]]:
         """(device, inode) of UUID's lease file, as /proc/locks names it; None if it has none."""
@@ -146,7 +153,7 @@ class LeaseFiles:
         for slot in range(1, slots + 1):
             path = f"{self.share_dir}/{uuid}.{slot}"
             try:
-                fd = os.open(path, _OPEN_FLAGS)
+                fd = os.open(path, OPEN_FLAGS)
             except OSError:
                 continue  # not made (yet): fewer slots than configured until root syncs
             st = os.fstat(fd)
@@ -345,159 +352,3 @@ def lock_table() -> Dict[Tuple[int, int], List[Tuple[int, bool]]]:
 
 def first_pids(table: Dict[Tuple[int, int], List[Tuple[int, bool]]]) -> Dict[Tuple[int, int], int]:
     return {key: entries[0][0] for key, entries in table.items()}
-
-
-def proc_locks() -> Dict[Tuple[int, int], int]:
-    """(device, inode) -> pid that took a granted flock on it (/proc/locks); see lock_table."""
-    return first_pids(lock_table())
-
-
-_proc_locks = proc_locks  # the older private name
-
-
-def fd_holders(files: Iterable[Tuple[int, int]], pids: Iterable[int]) -> Dict[Tuple[int, int], List[int]]:
-    """(device, inode) -> those of PIDS that hold a flock on that file now.
-
-    A process counts when one of its descriptors is open on the file and that descriptor's
-    open file description owns the lock: what holding a lease means. Processes whose
-    descriptors we may not read (another user's, for a user) are not counted.
-    """
-    wanted = set(files)
-    found: Dict[Tuple[int, int], List[int]] = {}
-    for pid in pids:
-        base = f"/proc/{pid}/fd"
-        try:
-            fds = os.listdir(base)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                st = os.stat(f"{base}/{fd}")
-            except OSError:
-                continue
-            key = (st.st_dev, st.st_ino)
-            if key in wanted and pid not in found.get(key, ()) and lock_kind(int(fd), str(pid)) is not None:
-                found.setdefault(key, []).append(pid)
-    return found
-
-
-class Holding:
-    """Who holds one device's lease: one exclusive holder, or its sharers."""
-
-    __slots__ = ("exclusive", "pids")
-
-    def __init__(self, exclusive: bool, pids: List[Optional[int]]) -> None:
-        self.exclusive = exclusive
-        self.pids = pids  # one per lock (a share each), None where the holder cannot be named
-
-    @property
-    def pid(self) -> Optional[int]:
-        known = [p for p in self.pids if p is not None]
-        return min(known) if known else None
-
-
-def holdings(lease_dir: str) -> Dict[str, Holding]:
-    """uuid -> who holds each held lease, a pid per lock (None where none can be named).
-
-    /proc/locks says which lease files are locked and which pid took each lock, but that
-    process may be gone (its child holds the lease now) and the pid reused by an innocent
-    one: a pid is named only if it holds the lock through a descriptor now. Otherwise
-    every process is searched; None (held, holder unknown) where the holder's descriptors
-    cannot be read.
-    """
-    table = lock_table()
-    files: Dict[Tuple[int, int], str] = {}
-    try:
-        names = os.listdir(lease_dir)
-    except OSError:
-        return {}
-    for name in names:
-        try:
-            st = os.stat(lease_dir + "/" + name, follow_symlinks=False)
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) in table:
-            files[(st.st_dev, st.st_ino)] = name
-    found = fd_holders(files, {pid for key in files for pid, _ex in table[key]})
-    everyone: Optional[List[int]] = None
-    out: Dict[str, Holding] = {}
-    for key, name in files.items():
-        entries = table[key]
-        verified = found.get(key, [])
-        pids: List[Optional[int]] = [pid if pid in verified else None for pid, _ex in entries]
-        if None in pids:  # a taker gone: its child holds the lock now, look for whoever does
-            if everyone is None:
-                everyone = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-            others = [p for p in fd_holders([key], everyone).get(key, []) if p not in pids]
-            pids = [p if p is not None else (others.pop(0) if others else None) for p in pids]
-        out[name] = Holding(any(ex for _pid, ex in entries), pids)
-    return out
-
-
-def holders(lease_dir: str) -> Dict[str, Optional[int]]:
-    """uuid -> pid of a process holding each held lease (one of its sharers for a shared
-    device); None where none can be named. See holdings."""
-    return {name: holding.pid for name, holding in holdings(lease_dir).items()}
-
-
-def sync_lease_files(lease_dir: str, present: Iterable[str], keep: Iterable[str] = ()) -> Tuple[List[str], List[str]]:
-    """Create lease files for PRESENT devices and remove those of vanished, unheld ones.
-
-    Root runs this (install, boot, `cudawrap sync`). KEEP lists devices whose GPU is lost
-    or failing: their files stay, so a job still holding one keeps excluding others.
-    Returns (created, removed).
-    """
-    present = set(present)
-    keep = set(keep) | present
-    return _sync_files(lease_dir, present,
-                       lambda name: name not in keep and (name.startswith("GPU-") or name.startswith("MIG-")))
-
-
-def sync_slot_files(share_dir: str, wanted: Dict[str, int]) -> Tuple[List[str], List[str]]:
-    """Make the slot files <uuid>.1 .. <uuid>.N of each device in WANTED (uuid -> N >= 2);
-    remove the others once unheld. Root runs this with the lease files. (created, removed)."""
-    names = {f"{uuid}.{k}" for uuid, n in wanted.items() if n > 1 for k in range(1, n + 1)}
-    return _sync_files(share_dir, names, lambda name: name not in names)
-
-
-def _sync_files(directory: str, make: Iterable[str], removable: Callable[[str], bool]) -> Tuple[List[str], List[str]]:
-    """Create the lock files MAKE in DIRECTORY (0644, root's) and remove those REMOVABLE says
-    once nobody holds them; (created, removed).
-
-    Every file is made, opened and removed relative to the directory, itself opened with
-    O_NOFOLLOW. A file still locked (a running job's) stays until a later sync; one removed
-    is unlinked while we hold its lock, so nobody can win it on the dead inode.
-    """
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        os.fchmod(dfd, 0o755)
-        created: List[str] = []
-        removed: List[str] = []
-        for name in sorted(make):
-            try:
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                             dir_fd=dfd)
-            except FileExistsError:
-                continue
-            os.fchmod(fd, 0o644)  # the umask must not make them unreadable for users
-            os.close(fd)
-            created.append(name)
-        for name in sorted(os.listdir(dfd)):
-            if not removable(name):
-                continue
-            try:
-                fd = os.open(name, _OPEN_FLAGS, dir_fd=dfd)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)  # still held: removed on a later sync
-                continue
-            os.unlink(name, dir_fd=dfd)
-            os.close(fd)
-            removed.append(name)
-        return created, removed
-    finally:
-        os.close(dfd)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
-from .leases import holdings
+from .holders import holdings
 from .paths import Layout
 from .users import user_name
 

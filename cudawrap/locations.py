@@ -12,6 +12,8 @@ CONFIG_FILE = "etc/cudawrap/config.toml"
 STATE_DIR = "var/lib/cudawrap"
 REGISTRY_FILE = STATE_DIR + "/registry.json"
 REGISTRY_LOCK = STATE_DIR + "/registry.lock"
+# `cudawrap drain` (drains.py); the shim checks it exists before importing drains.
+DRAINS = STATE_DIR + "/drains"
 RUNTIME_DIR = "run/cudawrap"
 LEASE_DIR = RUNTIME_DIR + "/leases"
 QUEUE_DIR = RUNTIME_DIR + "/queue"

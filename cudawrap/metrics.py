@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import ledger
 from .drains import covering, drained
-from .leases import holdings
+from .holders import holdings
 from .paths import Layout
 from .users import user_name
 

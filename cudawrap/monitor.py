@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 from . import invcache, policy, snapshot
 from .errors import CannotWrite, CudawrapError, NvmlUnavailable
 from .devices import Inventory
-from .leases import _proc_locks, fd_holders
+from .holders import _proc_locks, fd_holders
 from .paths import Layout
 from .sync import sync_leases, sync_slots
 

@@ -181,48 +181,40 @@ def mig_by_ids(gpu_uuid: str, gi: int, ci: int) -> Optional[str]:
     return None
 
 
-def current(layout: Inventory, devices: List[Device]) -> Optional[List[Device]]:
-    """DEVICES of LAYOUT (``invcache``) with their processes and memory now, for the shim.
+def matches(layout: Inventory) -> bool:
+    """Whether LAYOUT (``invcache``) may still describe the machine, for the shim.
 
-    None when LAYOUT may no longer describe the machine -- another GPU count or driver,
-    a device NVML cannot find by its UUID (a MIG instance destroyed), any NVML error (a
-    GPU lost) -- and the caller must enumerate. Only DEVICES are read: a launch's candidates,
-    and of them only what a decision uses: memory used only where process lists are hidden
-    (elsewhere it is None, "not read"), two NVML calls a device in the usual case.
+    False with another GPU count or driver, or any NVML error (the caller must enumerate).
+    Nothing is read of the devices: a launch reads only those it is about to take
+    (``refresh``, by UUID), and a MIG instance destroyed since the layout was written is
+    not found there, so it is never handed out.
     """
     nv = init(direct=True)
     try:
-        if (nv.nvmlDeviceGetCount() != len(layout.gpus)
-                or nv.nvmlSystemGetDriverVersion() != layout.driver_version):
-            return None
-        out = []
-        for d in devices:
-            handle = nv.nvmlDeviceGetHandleByUUID(d.uuid)  # MIG instances' UUIDs too
-            pids = _pids(nv, handle)
-            used = None if pids is not None else int(nv.nvmlDeviceGetMemoryInfo(handle).used) // MIB
-            _handles[d.uuid] = (nv, handle)
-            out.append(Device(d.uuid, d.name, d.parent_uuid, d.gpu_index, d.mig_slot, d.memory_total_mib,
-                              used, pids))
+        return (nv.nvmlDeviceGetCount() == len(layout.gpus)
+                and nv.nvmlSystemGetDriverVersion() == layout.driver_version)
     except nv.NVMLError:
-        return None
-    return out
+        return False
 
 
 def refresh(device: Device) -> Optional[Device]:
     """The same device with current processes and memory; None if NVML lost it."""
     entry = _handles.get(device.uuid)
     if entry is None:
-        # First NVML use in this process (the shim started from a snapshot): the launch
-        # path, so the lean binding.
-        inventory(direct=True)
-        entry = _handles.get(device.uuid)
-    if entry is None:
-        return None
-    nv, handle = entry
+        # Not enumerated in this process (the shim started from a snapshot or the layout):
+        # found by its UUID, through the lean binding of the launch path.
+        nv = init(direct=True)
+        try:
+            handle = nv.nvmlDeviceGetHandleByUUID(device.uuid)  # MIG instances' UUIDs too
+        except nv.NVMLError:
+            return None  # gone (a MIG instance destroyed) or its GPU lost
+        _handles[device.uuid] = (nv, handle)
+    else:
+        nv, handle = entry
     try:
         # A handle is a position (GPU, MIG slot): after a MIG reconfiguration the slot may
         # hold another instance, whose data must not pass for this one's.
-        if nv.nvmlDeviceGetUUID(handle) != device.uuid:
+        if entry is not None and nv.nvmlDeviceGetUUID(handle) != device.uuid:
             return None
         pids, used, total = _usage(nv, handle)
         # Utilisation only where it was read before: someone filters on it.

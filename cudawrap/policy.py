@@ -94,6 +94,20 @@ def _read_cache(root: str) -> Optional[Dict[str, Any]]:
     return data
 
 
+# The filters (filters.py), in the order they are checked, and so the order in which
+# filters.explain() names them, with the values that filter nothing. Kept here so that a
+# launch without any filter need not import filters.py.
+FILTER_KEYS = ("devices", "model", "min_memory_mib", "min_free_memory_mib", "max_utilization")
+UNFILTERED: Dict[str, Any] = {
+    "devices": (), "model": "", "min_memory_mib": 0, "min_free_memory_mib": 0, "max_utilization": 100,
+}
+
+
+def filtered(value: Dict[str, Any]) -> bool:
+    """Whether VALUE (key -> value, the policy in force) sets any filter."""
+    return any(value.get(k, UNFILTERED[k]) != UNFILTERED[k] for k in FILTER_KEYS)
+
+
 # key -> the environment variable a user sets to ask for it in one run.
 RUN_ENV = (
     ("gpus", "CUDAWRAP_GPUS"),
@@ -137,7 +151,7 @@ def narrow(settings: Dict[str, Tuple[Any, str]], key: str, raw: Any, source: str
         check_count(settings, value)
         settings[key] = (value, source)
         return
-    from .filters import UNFILTERED, narrowed
+    from .filters import narrowed
 
     admin, admin_source = settings.get(key, (UNFILTERED[key], "default"))
     combined = narrowed(key, admin, value)

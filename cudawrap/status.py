@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import NvmlUnavailable
-from .leases import Holding, fd_holders, holdings
+from .holders import Holding, fd_holders, holdings
 from .locations import REAL_PREFIX
 from .paths import Layout
 from .users import user_name

@@ -7,18 +7,20 @@ layout cache (``invcache``) are rebuilt.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from . import invcache, policy
 from .claims import Claims, claim, claims_dir
 from .devices import Inventory
 from .errors import CannotWrite, NvmlUnavailable
 from .installation import prepare_runtime
-from .leases import _proc_locks, sync_lease_files, sync_slot_files
+from .holders import _proc_locks
+from .leases import OPEN_FLAGS
 from .paths import Layout
 from .text import printable
 from .waitqueue import WaitQueue
@@ -144,3 +146,66 @@ def _sync(layout: Layout) -> SyncReport:
         report.lines.append(f"removed {len(swept)} file(s) from the queue directory that no waiter holds")
     policy.write_cache(str(layout.root))
     return report
+
+
+def sync_lease_files(lease_dir: str, present: Iterable[str], keep: Iterable[str] = ()) -> Tuple[List[str], List[str]]:
+    """Create lease files for PRESENT devices and remove those of vanished, unheld ones.
+
+    Root runs this (install, boot, `cudawrap sync`). KEEP lists devices whose GPU is lost
+    or failing: their files stay, so a job still holding one keeps excluding others.
+    Returns (created, removed).
+    """
+    present = set(present)
+    keep = set(keep) | present
+    return _sync_files(lease_dir, present,
+                       lambda name: name not in keep and (name.startswith("GPU-") or name.startswith("MIG-")))
+
+
+def sync_slot_files(share_dir: str, wanted: Dict[str, int]) -> Tuple[List[str], List[str]]:
+    """Make the slot files <uuid>.1 .. <uuid>.N of each device in WANTED (uuid -> N >= 2);
+    remove the others once unheld. Root runs this with the lease files. (created, removed)."""
+    names = {f"{uuid}.{k}" for uuid, n in wanted.items() if n > 1 for k in range(1, n + 1)}
+    return _sync_files(share_dir, names, lambda name: name not in names)
+
+
+def _sync_files(directory: str, make: Iterable[str], removable: Callable[[str], bool]) -> Tuple[List[str], List[str]]:
+    """Create the lock files MAKE in DIRECTORY (0644, root's) and remove those REMOVABLE says
+    once nobody holds them; (created, removed).
+
+    Every file is made, opened and removed relative to the directory, itself opened with
+    O_NOFOLLOW. A file still locked (a running job's) stays until a later sync; one removed
+    is unlinked while we hold its lock, so nobody can win it on the dead inode.
+    """
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(dfd, 0o755)
+        created: List[str] = []
+        removed: List[str] = []
+        for name in sorted(make):
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                             dir_fd=dfd)
+            except FileExistsError:
+                continue
+            os.fchmod(fd, 0o644)  # the umask must not make them unreadable for users
+            os.close(fd)
+            created.append(name)
+        for name in sorted(os.listdir(dfd)):
+            if not removable(name):
+                continue
+            try:
+                fd = os.open(name, OPEN_FLAGS, dir_fd=dfd)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)  # still held: removed on a later sync
+                continue
+            os.unlink(name, dir_fd=dfd)
+            os.close(fd)
+            removed.append(name)
+        return created, removed
+    finally:
+        os.close(dfd)

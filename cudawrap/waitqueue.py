@@ -28,9 +28,10 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 
+    from .schedule import Waiter
+
 from .errors import NoDeviceError, SetupError
 from .leases import SYNC_HINT, first_pids, lock_table
-from .schedule import Waiter
 
 SUFFIX = ".wait"
 # A user may have this many runs waiting at once: bounds what one user adds to every scan.
@@ -154,6 +155,8 @@ class WaitQueue:
 
     def scan(self, clean: bool = True) -> Scan:
         """Every live and valid waiter; dead entries we may remove are removed (CLEAN)."""
+        from .schedule import Waiter  # here, not at the top: a launch nobody waits before never scans
+
         waiters: List[Waiter] = []
         paths: Dict[str, str] = {}
         try:

@@ -9,7 +9,8 @@ from cudawrap.acquire import Acquirer
 from cudawrap.devices import Device
 from cudawrap.errors import NoDeviceError
 from cudawrap.installation import prepare_runtime
-from cudawrap.leases import LeaseFiles, sync_lease_files
+from cudawrap.leases import LeaseFiles
+from cudawrap.sync import sync_lease_files
 from cudawrap.paths import Layout
 from cudawrap.waitqueue import WaitQueue
 

@@ -48,18 +48,63 @@ def test_sync_keeps_the_layout_without_usage(installed):
     assert all(d.pids is None and d.memory_used_mib == 0 for d in layout.devices)
 
 
-def test_current_reads_candidates_and_notices_a_destroyed_instance(installed):
+def test_the_layout_matches_until_the_gpus_change_and_devices_are_read_by_uuid(installed):
     inst = installed("a100-mig7")
     layout = invcache.read(str(inst.layout.root))
     uuids = inst.machine.leaf_uuids()
     inst.machine.add_process(4242, uuids[1], 2048)
-    live = nvml.current(layout, list(layout.devices[:2]))
-    assert [d.uuid for d in live] == uuids[:2]
-    assert live[0].pids == () and live[1].pids == (4242,)
-    assert live[1].memory_used_mib is None  # not needed where the process list is known
+    assert nvml.matches(layout)
+    nvml._handles.clear()  # as in a fresh shim: nothing enumerated
+    first, second = (nvml.refresh(d) for d in layout.devices[:2])
+    assert (first.uuid, first.pids, second.uuid, second.pids) == (uuids[0], (), uuids[1], (4242,))
     _drop_mig(inst.machine, uuids[0])
-    assert nvml.current(layout, list(layout.devices[:2])) is None
-    assert nvml.current(layout, list(layout.devices[1:2])) is not None  # only candidates are read
+    nvml._handles.clear()
+    assert nvml.refresh(layout.devices[0]) is None  # destroyed: never handed out
+    assert nvml.refresh(layout.devices[1]) is not None
+    assert nvml.matches(layout)  # the GPU count and driver still match
+    grown = type(layout)(layout.driver_version, layout.gpus + layout.gpus, layout.devices)
+    assert not nvml.matches(grown)
+    assert not nvml.matches(type(layout)("999.0", layout.gpus, layout.devices))
+
+
+def test_a_launch_without_the_monitor_reads_only_the_devices_it_tries(installed, monkeypatch):
+    """56 MIG instances on 8 GPUs: NVML is asked about the devices the launch tries, not all 56."""
+    from cudawrap import launch, policy
+
+    inst = installed("dgx-a100-mig56")
+    root = str(inst.layout.root)
+    uuids = inst.machine.leaf_uuids()
+    parents = {d.uuid: d.parent_uuid for d in invcache.read(root).devices}
+    inst.machine.add_process(4242, uuids[0], 2048)  # not cudawrap's: the first choice is occupied
+    read = []
+    real = nvml.refresh
+    monkeypatch.setattr(nvml, "refresh", lambda device: read.append(device.uuid) or real(device))
+    monkeypatch.setattr(nvml, "inventory", None)  # an enumeration would fail the test
+    nvml._handles.clear()
+    grant = launch.obtain(root, "recon", policy.effective(root, None, environ={}), {})
+    try:
+        assert grant.lease.uuids != [uuids[0]]
+        # spread: the occupied instance counts against its GPU, so the next try is on another
+        assert read == [uuids[0]] + grant.lease.uuids
+        assert parents[grant.lease.uuids[0]] != parents[uuids[0]]
+    finally:
+        grant.lease.release()
+
+
+def test_simultaneous_launches_without_waiting_all_get_a_device_on_a_dgx(installed):
+    """Each launch probes the locks of all 56 instances to spread; a probe must not make the
+    others, deciding at the same moment, see the free devices taken (CUDAWRAP_WAIT=0 fails)."""
+    inst = installed("dgx-a100-mig56")
+    inst.wrap("recon")
+    procs = [inst.start("recon", "--hold", "3", CUDAWRAP_WAIT="0") for _ in range(24)]
+    try:
+        lines = [ready_line(p) for p in procs]
+        devices = [line["cvd"] for line in lines]
+        assert len(set(devices)) == len(devices) == 24
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_a_gpu_lost_at_sync_leaves_no_cache(installed):

@@ -47,7 +47,7 @@ def test_the_daemon_keeps_the_snapshot_and_refuses_a_second_one(installed, daemo
     inst.layout.usage_snapshot.unlink()
     doctor = inst.cli("doctor")
     assert b"note: monitor: not running: launches pay NVML themselves" in doctor.stdout, doctor.stdout
-    assert b"candidate devices" in doctor.stdout  # sync left the layout cache
+    assert b"the devices it tries" in doctor.stdout  # sync left the layout cache
 
 
 def test_doctor_says_when_launches_enumerate_every_device(installed):

@@ -35,7 +35,7 @@ def _when(at: float) -> str:
 
 
 def _holders_of(layout: Layout, uuids: List[str]) -> Dict[str, int]:
-    from ..leases import holders
+    from ..holders import holders
 
     held = holders(str(layout.lease_dir))
     return {u: held[u] for u in uuids if u in held}
