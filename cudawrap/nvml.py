@@ -21,6 +21,10 @@ MIB = 1024 * 1024
 # uuid -> (binding, NVML handle) from the last inventory(), so the waiting loop can
 # re-query one device without enumerating the machine again.
 _handles: Dict[str, Tuple[Any, Any]] = {}
+# The lean binding once nvmlInit succeeded through it in this process (the shim's): a real
+# driver's nvmlInit only counts a second call, but without persistence mode the first can
+# take seconds, and a launch must not risk paying that twice.
+_direct_ready: List[Any] = []
 
 
 def _binding(direct: bool) -> Any:
@@ -53,6 +57,8 @@ def init(direct: bool = False) -> Any:
         ) from None
     except nv.NVMLError as exc:
         raise NvmlUnavailable(f"NVML could not start: {exc}") from None
+    if direct and not _direct_ready:
+        _direct_ready.append(nv)
     return nv
 
 
@@ -203,7 +209,7 @@ def refresh(device: Device) -> Optional[Device]:
     if entry is None:
         # Not enumerated in this process (the shim started from a snapshot or the layout):
         # found by its UUID, through the lean binding of the launch path.
-        nv = init(direct=True)
+        nv = _direct_ready[0] if _direct_ready else init(direct=True)
         try:
             handle = nv.nvmlDeviceGetHandleByUUID(device.uuid)  # MIG instances' UUIDs too
         except nv.NVMLError:

@@ -68,8 +68,9 @@ def test_the_layout_matches_until_the_gpus_change_and_devices_are_read_by_uuid(i
 
 
 def test_a_launch_without_the_monitor_reads_only_the_devices_it_tries(installed, monkeypatch):
-    """56 MIG instances on 8 GPUs: NVML is asked about the devices the launch tries, not all 56."""
-    from cudawrap import launch, policy
+    """56 MIG instances on 8 GPUs: NVML is asked about the devices the launch tries, not all 56,
+    and started once (without persistence mode nvmlInit can take seconds)."""
+    from cudawrap import launch, nvmldirect, policy
 
     inst = installed("dgx-a100-mig56")
     root = str(inst.layout.root)
@@ -80,13 +81,18 @@ def test_a_launch_without_the_monitor_reads_only_the_devices_it_tries(installed,
     real = nvml.refresh
     monkeypatch.setattr(nvml, "refresh", lambda device: read.append(device.uuid) or real(device))
     monkeypatch.setattr(nvml, "inventory", None)  # an enumeration would fail the test
+    inits = []
+    real_init = nvmldirect.nvmlInit
+    monkeypatch.setattr(nvmldirect, "nvmlInit", lambda: inits.append(1) or real_init())
     nvml._handles.clear()
+    nvml._direct_ready.clear()  # as in a fresh shim
     grant = launch.obtain(root, "recon", policy.effective(root, None, environ={}), {})
     try:
         assert grant.lease.uuids != [uuids[0]]
         # spread: the occupied instance counts against its GPU, so the next try is on another
         assert read == [uuids[0]] + grant.lease.uuids
         assert parents[grant.lease.uuids[0]] != parents[uuids[0]]
+        assert len(inits) == 1
     finally:
         grant.lease.release()
 
