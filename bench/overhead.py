@@ -194,6 +194,8 @@ def run_launch(bench: Bench, topologies: List[str], reps: int, warmup: int, rss_
                                 sim.environ(), reps, warmup, maxrss=bench.maxrss, rss_reps=rss_reps)
                 result["breakdown_with_monitor"] = breakdown(sim, breakdown_reps)
             found[MONITORED] = block[MONITORED]
+            # Shown beside the monitored row: its ratios are to these, not to the first block's.
+            result["monitor_block_bare_ms"] = {k: block[k]["median_ms"] for k in (BARE, BARE_S)}
             result["monitor_cpu"] = monitor_cpu(sim, monitor_s)
         out[topology] = result
     return out

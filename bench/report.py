@@ -310,6 +310,11 @@ def _scale(scale: Dict[str, Any]) -> List[str]:
                       "first-release dispatch p50 / p95 ms", "all dispatch p50 / p95 ms", "grant p50 / p95 ms",
                       "overlaps / failures", "FIFO error vs queue (Kendall)", "makespan × ideal"], rows))
     out.append("")
+    locks = scale.get("lock_table_read_ms")
+    if locks:
+        out += [f"One read of `/proc/locks`, which every decision makes (who holds which lease): "
+                f"{locks['cold']} ms cold (after 0.2 s without one), {locks['warm']} ms read again at once. "
+                "A hand-over that must first look pays the cold figure.", ""]
     return out
 
 
@@ -400,11 +405,17 @@ def summary(results: Dict[str, Any]) -> str:
         met = [f"{text}: {_verdict(verdict[key])}" for key, text in goals if key in verdict]
         if met:
             out += ["Targets for a wrapped launch, on every topology: " + "; ".join(met) + ".", ""]
+        bares = [(f"{_short(t, d)}", d["monitor_block_bare_ms"]) for t, d in tops if d.get("monitor_block_bare_ms")]
+        monitor_note = ["* the monitor's rows come from a second block of rounds, with the monitor running, "
+                        "and their ratios are to that block's own bare starts: "
+                        + "; ".join(f"{name}: `-I` {b.get('python -I -c pass')} ms, `-IS` {b.get('python -IS -c pass')} ms"
+                                    for name, b in bares) + "."] if bares else []
         out += ["* *median ms*: median wall time from spawn to exit of interleaved runs; "
                 "*(k/n failed)*: k of the n runs exited non-zero (no device for the program).",
                 "* *× `-I`*: that median over the median of `python -I -c pass` (site on, no user "
                 "environment) of the interpreter the installed shim runs, measured in the same rounds.",
                 "* *× `-IS`*: the same over `python -IS -c pass` (site off, as the shim starts).",
+               ] + monitor_note + [
                 "* the peers' rows run Python from their own venv (the same base interpreter); "
                 "`gpuselect()` at the top of a script is that script's whole launch.",
                 "* " + STANDIN_NOTE, ""]
