@@ -523,7 +523,13 @@ class Acquirer:
                     # Far back (or no inotify): decide again only once the queue has changed
                     # and few enough arrived before us; a stat until then.
                     current = _mtime(self.queue.dir)
-                    if current == token or self.queue.ahead(entry.name) >= NEAR:
+                    ahead = NEAR if current == token else self.queue.ahead(entry.name)
+                    if ahead >= NEAR:
+                        if current != token:
+                            # Our place, as far as arrivals tell: the position of our last decision
+                            # undercounts in a batch (those arriving with us were not listed yet),
+                            # and it sets how often we look.
+                            position = max(ahead, NEAR)
                         token = current
                         time.sleep(min(FAR_POLL_S * max(1.0, position / 100), max(0.0, deadline - now)))
                         continue
