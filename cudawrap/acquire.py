@@ -304,9 +304,9 @@ class Acquirer:
         them (the monitor's snapshot). Without the monitor nothing is read yet; where the
         placement then depends on how busy each physical GPU is (spread or pack over the
         MIG instances of several GPUs), every candidate's lock is tried first (and let go at
-        once), and those held count as busy. The preferred devices are then judged one by one (NVML read
-        now for a device not read yet), so such a launch reads one device, not all 56 of
-        a DGX.
+        once), and those held count as busy. The preferred devices are then judged one by
+        one (NVML read now for a device not read yet), so such a launch reads one device,
+        not all 56 of a DGX.
         """
         if self.share or self._limit(self.uid) or not self.queue.idle():
             return None
@@ -523,14 +523,13 @@ class Acquirer:
                     # Far back (or no inotify): decide again only once the queue has changed
                     # and few enough arrived before us; a stat until then.
                     current = _mtime(self.queue.dir)
-                    ahead = NEAR if current == token else self.queue.ahead(entry.name)
-                    if ahead >= NEAR:
-                        if current != token:
+                    ahead = None if current == token else self.queue.ahead(entry.name)
+                    if ahead is None or ahead >= NEAR:
+                        if ahead is not None:
                             # Our place, as far as arrivals tell: the position of our last decision
                             # undercounts in a batch (those arriving with us were not listed yet),
                             # and it sets how often we look.
-                            position = max(ahead, NEAR)
-                        token = current
+                            position, token = ahead, current
                         time.sleep(min(FAR_POLL_S * max(1.0, position / 100), max(0.0, deadline - now)))
                         continue
                 token = _mtime(self.queue.dir)

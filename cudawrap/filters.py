@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from .devices import Device, Inventory
 
-from .policy import FILTER_KEYS, UNFILTERED  # kept in policy: a launch without filters skips this module
+from .policy import FILTER_KEYS, UNFILTERED, filtered  # kept in policy: a launch without filters skips this module
 
 
 class Request:
@@ -64,7 +64,7 @@ class Request:
     @property
     def filtered(self) -> bool:
         """Whether any filter is set (without one, every device passes)."""
-        return any(getattr(self, k) != UNFILTERED[k] for k in FILTER_KEYS)
+        return filtered({k: getattr(self, k) for k in FILTER_KEYS})
 
     def describe(self) -> str:
         """The filters in words, for "waiting for …" lines: "model 'H100', 30000 MiB free"."""

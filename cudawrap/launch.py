@@ -303,12 +303,11 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
             from . import nvml
 
             refresh = nvml.refresh
-            if job is not None or min_free_mib > 0:
-                # Slurm's indices need the GPUs, a free-memory floor every device's memory
-                inventory = nvml.inventory(direct=True)
-            elif layout:
+            if layout and job is None and min_free_mib <= 0:
                 inventory, unread = _read_nvml(root)
             else:
+                # Slurm's indices need the GPUs, a free-memory floor every device's memory
+                # (and a retry without the layout, every device NVML has now)
                 inventory = nvml.inventory(direct=True)
     except NvmlUnavailable as exc:
         if value["no_driver"] == "fail":

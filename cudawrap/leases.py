@@ -14,7 +14,7 @@ import stat
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+    from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from .devices import Device, Gpu, Inventory
 from .errors import SetupError
