@@ -10,67 +10,14 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from sim import MONITORED, Bench, Sim
 from stats import (Job, dispatch_latencies, intervals, kendall_distance, median, ms, overlaps,
-                   rank_displacement, read_job_log, summary_ms)
-
-from cudawrap.waitqueue import parse_name
-
-
-class QueueWatcher(threading.Thread):
-    """Watches cudawrap's queue directory while a run lasts.
-
-    For every waiter (by pid) it records its queue key, which orders arrivals, and the
-    last time its entry was seen: the entry is removed right after the waiter got its
-    devices, so that time (+ up to one period) is when cudawrap granted them.
-    """
-
-    def __init__(self, queue_dir: Path, period: float = 0.005) -> None:
-        super().__init__(daemon=True)
-        self.queue_dir = str(queue_dir)
-        self.period = period
-        self.keys: Dict[int, int] = {}
-        self.last_seen: Dict[int, float] = {}
-        self.first_seen: Dict[int, float] = {}
-        self._halt = threading.Event()
-
-    def snapshot(self) -> int:
-        """Record the entries present now; returns how many there are."""
-        try:
-            names = os.listdir(self.queue_dir)
-        except OSError:
-            return 0
-        now = time.time()
-        count = 0
-        for name in names:
-            parsed = parse_name(name)  # <arrival ns>.<pid>.<request>.<reserve>.wait
-            if parsed is None:
-                continue
-            key, pid = parsed[0], parsed[1]
-            self.keys.setdefault(pid, key)
-            self.last_seen[pid] = now
-            self.first_seen.setdefault(pid, now)
-            count += 1
-        return count
-
-    def granted(self, pid: int) -> Optional[float]:
-        """When PID left the queue (half a period after it was last seen), if it was seen."""
-        seen = self.last_seen.get(pid)
-        return None if seen is None else seen + self.period / 2
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            self.snapshot()
-            self._halt.wait(self.period)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join()
+                   rank_displacement, read_job_log, released, summary_ms)
+from watch import Clock
 
 
 def wait_all(procs: List[subprocess.Popen], deadline: float) -> int:
@@ -154,36 +101,37 @@ def standin_costs(sim: Sim, reps: int) -> dict:
     return {"startup_ms": ms(median(startup)), "end_to_exit_ms": ms(median(teardown))}
 
 
-def burst_once(sim: Sim, tool: str, n: int, hold: float) -> dict:
+def burst_once(sim: Sim, tool: str, n: int, hold: float, program: str = "job") -> dict:
+    """N simultaneous launches of PROGRAM: "job" (the Python stand-in) or "hold" (C, no
+    interpreter: what is left is cudawrap's hand-overs, for the makespan target)."""
     with sim.monitor(tool == MONITORED):
-        return _burst(sim, tool, n, hold)
+        return _burst(sim, tool, n, hold, program)
 
 
-def _burst(sim: Sim, tool: str, n: int, hold: float) -> dict:
-    logdir = sim.work / f"burst-{tool}"
+def _burst(sim: Sim, tool: str, n: int, hold: float, program: str) -> dict:
+    logdir = sim.work / f"burst-{tool}-{program}"
     logdir.mkdir(parents=True, exist_ok=True)
     env = sim.environ()
-    watcher = QueueWatcher(sim.layout.queue_dir) if tool.startswith("cudawrap") else None
-    if watcher:
-        watcher.start()
+    watcher = Clock(sim.layout.queue_dir if tool.startswith("cudawrap") else None)
     jobs = [Job(i, 0.0) for i in range(n)]
     procs: List[subprocess.Popen] = []
     with open(logdir / "stderr.txt", "ab") as err:
         t0 = time.time()
         for job in jobs:
-            argv = sim.argv(tool, "job", sim.job_args(hold, logdir / f"{job.index}.log"))
+            log = logdir / f"{job.index}.log"
+            argv = sim.argv(tool, program, sim.job_args(hold, log) if program == "job" else [f"{hold:g}", str(log)])
             job.spawned = time.time()
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=logdir))
+            watcher.add(procs[-1].pid)
         ideal = math.ceil(n / sim.devices) * hold
         killed = wait_all(procs, time.monotonic() + 3 * ideal + 60)
-    if watcher:
-        watcher.stop()
+    watcher.stop()
     for job, proc in zip(jobs, procs):
         job.rc = proc.returncode
         read_job_log(job, logdir / f"{job.index}.log")
-        if watcher:
-            job.queue_key = watcher.keys.get(proc.pid)
-            job.granted = watcher.granted(proc.pid)
+        job.exited = watcher.exited.get(proc.pid)
+        job.queue_key = watcher.keys.get(proc.pid)
+        job.granted = watcher.granted(proc.pid)
     ran = [j for j in jobs if j.ran]
     pairs, involved = overlaps(ran)
     ends = [j.end for j in ran if j.end is not None]
@@ -192,7 +140,7 @@ def _burst(sim: Sim, tool: str, n: int, hold: float) -> dict:
     lat = dispatch_latencies(ran)
     grant = dispatch_latencies(ran, at="granted")
     steady: dict = {}
-    if watcher:
+    if tool.startswith("cudawrap"):
         # Once every launch has either queued or started, the burst's start-up storm (N
         # interpreters importing at once on few cores) is over: hand-overs after that.
         arrived = [watcher.first_seen.get(p.pid, j.start) for j, p in zip(jobs, procs) if j.start is not None]
@@ -225,12 +173,13 @@ def _after(jobs: List[Job], settled: float, at: str) -> List[float]:
     out: List[float] = []
     for spans in intervals(jobs).values():
         for prev, job in zip(spans, spans[1:]):
-            if prev.end is None or prev.end <= settled or not job.spawned < prev.end <= job.start:
+            end = released(prev, at)
+            if end is None or end <= settled or not job.spawned < end <= job.start:
                 continue
             if at == "start":
-                out.append(job.start - prev.end)
+                out.append(job.start - end)
             elif job.granted is not None:
-                out.append(max(job.granted - prev.end, 0.0))
+                out.append(max(job.granted - end, 0.0))
     return out
 
 
@@ -262,14 +211,16 @@ def _release(sim: Sim, lead: float, hold: float) -> dict:
     logdir.mkdir(parents=True, exist_ok=True)
     env = sim.environ()
     k = sim.devices
-    watcher = QueueWatcher(sim.layout.queue_dir)
+    watcher = Clock(sim.layout.queue_dir)
     holders = [subprocess.Popen(sim.argv("cudawrap", "job", sim.job_args(3600, logdir / f"h{i}.log")), env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(k)]
+    for proc in holders:
+        watcher.add(proc.pid)
     if not _wait_for_starts([logdir / f"h{i}.log" for i in range(k)], time.monotonic() + 60):
         for proc in holders:
             proc.kill()
+        watcher.stop()
         return {"error": "holders did not start"}
-    watcher.start()
     jobs = [Job(i, 0.0) for i in range(k)]
     procs: List[subprocess.Popen] = []
     with open(logdir / "stderr.txt", "ab") as err:
@@ -277,6 +228,7 @@ def _release(sim: Sim, lead: float, hold: float) -> dict:
             job.spawned = time.time()
             procs.append(subprocess.Popen(sim.argv("cudawrap", "job", sim.job_args(hold, logdir / f"{job.index}.log")),
                                           env=env, stdout=subprocess.DEVNULL, stderr=err))
+            watcher.add(procs[-1].pid)
         deadline = time.monotonic() + 60
         while len([p for p in procs if p.pid in watcher.keys]) < k and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -285,21 +237,25 @@ def _release(sim: Sim, lead: float, hold: float) -> dict:
             proc.terminate()
         wait_all(holders + procs, time.monotonic() + 60 + 3 * hold)
     watcher.stop()
-    freed: Dict[str, float] = {}
-    for i in range(k):
+    freed: Dict[str, float] = {}  # end lines (for dispatch)
+    released_at: Dict[str, float] = {}  # exits: the leases released (for grants)
+    for i, proc in enumerate(holders):
         holder = Job(-1 - i, 0.0)
         read_job_log(holder, logdir / f"h{i}.log")
+        holder.exited = watcher.exited.get(proc.pid)
         for device in holder.devices:
             if holder.end is not None:
                 freed[device] = holder.end
+                released_at[device] = released(holder, "granted")
     for job, proc in zip(jobs, procs):
         job.rc = proc.returncode
+        job.exited = watcher.exited.get(proc.pid)
         job.queue_key = watcher.keys.get(proc.pid)
         job.granted = watcher.granted(proc.pid)
         read_job_log(job, logdir / f"{job.index}.log")
     ran = [j for j in jobs if j.ran]
-    idle = dispatch_latencies(ran, freed, at="granted")
-    last_free = max(freed.values()) if freed else None
+    idle = dispatch_latencies(ran, released_at, at="granted")
+    last_free = max(released_at.values()) if released_at else None
     by_arrival = sorted((j for j in ran if j.granted is not None), key=lambda j: j.queue_key or 0)
     return {"grant_after_last_free_ms_by_arrival": [ms(j.granted - last_free) for j in by_arrival] if last_free else [],
             "lead_s": lead, "devices": k, "waiters": k, "ok": len(ran), "failures": k - len(ran),
@@ -308,7 +264,7 @@ def _release(sim: Sim, lead: float, hold: float) -> dict:
 
 
 def run_burst(bench: Bench, topologies: List[str], n: int, hold: float, standin_reps: int,
-              release_leads: List[float]) -> dict:
+              release_leads: List[float], makespan: Optional[dict] = None) -> dict:
     out: Dict[str, dict] = {}
     for topology in topologies:
         per_tool: Dict[str, dict] = {}
@@ -324,4 +280,10 @@ def run_burst(bench: Bench, topologies: List[str], n: int, hold: float, standin_
             if MONITORED in bench.peers.available():
                 release[f"{lead:g}+monitor"] = simultaneous_release(bench.sim(topology), lead, hold, monitored=True)
         out[topology] = {"standin": standin, "tools": per_tool, "simultaneous_release": release}
+        if makespan and topology == topologies[0]:
+            # Issue 11's burst: N one-second runs of a C program, cudawrap only (the peers
+            # share devices, so their makespans say nothing).
+            out[topology]["makespan"] = {
+                tool: burst_once(bench.sim(topology), tool, makespan["n"], makespan["hold"], "hold")
+                for tool in bench.peers.available() if tool.startswith("cudawrap")}
     return out

@@ -54,7 +54,7 @@ MODES: Dict[str, Dict[str, Any]] = {
         "launch": {"topologies": ["a100-mig7", "dgx-a100-mig56"], "reps": 30, "warmup": 3, "rss_reps": 5,
                    "breakdown_reps": 7, "monitor_s": 20.0},
         "burst": {"topologies": ["a100-mig7", "four-gpus"], "n": 100, "hold": 1.0, "standin_reps": 7,
-                  "release_leads": [0.3, 1.5]},
+                  "release_leads": [0.3, 1.5], "makespan": {"n": 50, "hold": 1.0}},
         # Releases spread 0.1 s apart: 2 cores start about 10 stand-ins a second with room
         # to spare, so dispatch measures cudawrap rather than a saturated CPU.
         "scale": {"topology": "dgx-a100-mig56", "waiters": [50, 500], "hold": 6.0, "window": 10.0,
@@ -65,7 +65,7 @@ MODES: Dict[str, Dict[str, Any]] = {
         "launch": {"topologies": ["a100-mig7", "dgx-a100-mig56"], "reps": 5, "warmup": 1, "rss_reps": 1,
                    "breakdown_reps": 1, "monitor_s": 4.0},
         "burst": {"topologies": ["a100-mig7"], "n": 20, "hold": 0.4, "standin_reps": 2,
-                  "release_leads": [0.3]},
+                  "release_leads": [0.3], "makespan": {"n": 20, "hold": 0.4}},
         "scale": {"topology": "dgx-a100-mig56", "waiters": [20, 60], "hold": 2.0, "window": 1.5,
                   "spread": 2.0, "stagger": 0.005, "decision_reps": 1},
         "nvml": {"topology": "four-gpus", "delays_ms": [0, 500], "reps": 1},
@@ -74,7 +74,7 @@ MODES: Dict[str, Dict[str, Any]] = {
         "launch": {"topologies": ["a100-mig7"], "reps": 2, "warmup": 1, "rss_reps": 1, "breakdown_reps": 1,
                    "monitor_s": 1.0},
         "burst": {"topologies": ["a100-mig7"], "n": 9, "hold": 0.2, "standin_reps": 1,
-                  "release_leads": [0.2]},
+                  "release_leads": [0.2], "makespan": {"n": 9, "hold": 0.2}},
         "scale": {"topology": "a100-mig7", "waiters": [3, 8], "hold": 0.2, "window": 0.3,
                   "spread": 0.1, "stagger": 0.005, "decision_reps": 1},
         "nvml": {"topology": "four-gpus", "delays_ms": [0, 50], "reps": 1},
@@ -223,7 +223,7 @@ def main(argv: List[str]) -> int:
             c = config["burst"]
             print(f"bench: bursts of {c['n']} on {', '.join(c['topologies'])} ...", file=sys.stderr, flush=True)
             results["burst"] = run_burst(bench, c["topologies"], c["n"], c["hold"], c["standin_reps"],
-                                         c["release_leads"])
+                                         c["release_leads"], c.get("makespan"))
             timings["burst"] = time.monotonic() - started - sum(timings.values())
             foreign["burst"] = meter.lap()
         if "scale" in config:

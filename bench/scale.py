@@ -27,10 +27,11 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from burst import QueueWatcher, order_metrics, wait_all
+from burst import order_metrics, wait_all
 from overhead import PROBE, time_launch
 from sim import MONITORED, Bench, Sim
 from stats import Job, dispatch_latencies, intervals, median, ms, overlaps, read_job_log, summary_ms
+from watch import Clock
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -154,13 +155,14 @@ def scale_once(sim: Sim, waiters: int, hold: float, window: float, spread: float
     env = sim.environ()
     jobs = [Job(i, 0.0) for i in range(waiters)]
     procs: List[subprocess.Popen] = []
-    watcher = QueueWatcher(sim.layout.queue_dir, period=0.01)
+    watcher = Clock(sim.layout.queue_dir)
     t_spawn = time.monotonic()
     with open(logdir / "stderr.txt", "ab") as err:
         for job in jobs:
             argv = sim.argv("cudawrap", "job", sim.job_args(hold, logdir / f"{job.index}.log"))
             job.spawned = time.time()
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=logdir))
+            watcher.add(procs[-1].pid)
             if stagger:
                 time.sleep(stagger)
         deadline = time.monotonic() + 60 + waiters * 0.5
@@ -171,7 +173,6 @@ def scale_once(sim: Sim, waiters: int, hold: float, window: float, spread: float
         cpu = waiter_cpu([p.pid for p in procs], window)
         cpu["in_queue"] = in_queue
         refusal["with_waiters"] = refusal_ms(sim, max(decision_reps, 3))
-        watcher.start()  # from here on, catch any late arrival too
         freed: Dict[str, float] = {}
         gap = spread / max(len(held), 1)
         for uuid, fd in held.items():
@@ -185,6 +186,7 @@ def scale_once(sim: Sim, waiters: int, hold: float, window: float, spread: float
         job.rc = proc.returncode
         job.queue_key = watcher.keys.get(proc.pid)
         job.granted = watcher.granted(proc.pid)
+        job.exited = watcher.exited.get(proc.pid)
         read_job_log(job, logdir / f"{job.index}.log")
     ran = [j for j in jobs if j.ran]
     pairs, involved = overlaps(ran)

@@ -161,7 +161,7 @@ class Sim:
     """One simulated machine with cudawrap installed and every tool ready to launch."""
 
     def __init__(self, work: Path, lib_dir: Path, true_exe: Path, topology: str, peers: Peers,
-                 install: Install) -> None:
+                 install: Install, hold_exe: Optional[Path] = None) -> None:
         self.work = work
         self.topology_name = topology
         self.peers = peers
@@ -182,6 +182,11 @@ class Sim:
         self.fakecuda = _install_script(FAKECUDA, self.bindir / "fakecuda", shebang)
         self.true_wrapped = self._wrap("true-w", self.true)
         self.job_wrapped = self._wrap("job", self.fakecuda)
+        self.hold = self.hold_wrapped = None
+        if hold_exe is not None:
+            self.hold = self.bindir / "hold"
+            shutil.copy2(hold_exe, self.hold)
+            self.hold_wrapped = self._wrap("hold-w", self.hold)
         # nvidia-smi needs pynvml, which this interpreter's site-packages has: no -S.
         _install_script(PEERS_DIR / "nvidia-smi", self.bindir / "nvidia-smi", f"#!{sys.executable} -I")
         _install_script(PEERS_DIR / "getgpu", self.bindir / "getgpu")
@@ -275,16 +280,16 @@ class Sim:
         return env
 
     def argv(self, tool: str, program: str, args: List[str]) -> List[str]:
-        """The command line that launches PROGRAM ("true" or "job") with ARGS through TOOL.
+        """The command line that launches PROGRAM ("true", "job" or "hold") with ARGS through TOOL.
 
         "direct" runs the program itself; "cudawrap" its wrapped name. The peers pick a
         device and start the unwrapped program with CUDA_VISIBLE_DEVICES set.
         """
-        plain = str(self.true if program == "true" else self.fakecuda)
+        plain = str({"true": self.true, "hold": self.hold}.get(program, self.fakecuda))
         if tool == "direct":
             return [plain] + args
         if tool in ("cudawrap", MONITORED):
-            return [str(self.true_wrapped if program == "true" else self.job_wrapped)] + args
+            return [str({"true": self.true_wrapped, "hold": self.hold_wrapped}.get(program, self.job_wrapped))] + args
         if tool == "gpuselect":
             if not self.peers.gpuselect_python:
                 raise LookupError("gpuselect is not available")
@@ -340,6 +345,7 @@ class Bench:
         self.lib_dir = build_fakenvml(work / "fakenvml")
         self.true_exe = build_c(work / "cbin", "true")
         self.maxrss = build_c(work / "cbin", "maxrss")
+        self.hold_exe = build_c(work / "cbin", "hold")
         self.peers = peers
         self._count = 0
 
@@ -347,4 +353,4 @@ class Bench:
         """A fresh machine and install root (nothing held, nothing queued)."""
         self._count += 1
         return Sim(self.work / f"sim{self._count}-{topology}", self.lib_dir, self.true_exe, topology, self.peers,
-                   self.install)
+                   self.install, self.hold_exe)

@@ -70,6 +70,7 @@ class Job:
         self.rc: Optional[int] = None
         self.queue_key: Optional[int] = None  # cudawrap's queue key, if it queued
         self.granted: Optional[float] = None  # when it left cudawrap's queue (~ got its device)
+        self.exited: Optional[float] = None  # when its process exited (its lease released)
 
     @property
     def ran(self) -> bool:
@@ -77,7 +78,8 @@ class Job:
 
     def to_dict(self) -> dict:
         return {"i": self.index, "spawned": self.spawned, "pid": self.pid, "start": self.start,
-                "end": self.end, "devices": self.devices, "rc": self.rc, "queue_key": self.queue_key, "granted": self.granted}
+                "end": self.end, "devices": self.devices, "rc": self.rc, "queue_key": self.queue_key, "granted": self.granted,
+                "exited": self.exited}
 
 
 def read_job_log(job: Job, path: Path) -> None:
@@ -130,6 +132,15 @@ def overlaps(jobs: Sequence[Job]) -> Tuple[int, int]:
     return pairs, len(involved)
 
 
+def released(job: Job, at: str) -> Optional[float]:
+    """When JOB's device was freed, as seen from AT: for a dispatch (to the next start line)
+    its end line; for a grant, its exit where that was clocked (the lease goes with the
+    process, after the stand-in's own teardown), else its end line."""
+    if at == "granted" and job.exited is not None:
+        return job.exited
+    return job.end
+
+
 def dispatch_latencies(jobs: Sequence[Job], freed: Optional[Dict[str, float]] = None,
                        at: str = "start") -> List[float]:
     """Device freed -> next job started on it, for each hand-over to a job already waiting.
@@ -138,7 +149,7 @@ def dispatch_latencies(jobs: Sequence[Job], freed: Optional[Dict[str, float]] = 
     waiting for it) and started after. FREED adds initial release times per device (for
     devices first held by someone else, as in the scale run). AT="granted" measures to
     the moment the job left cudawrap's queue instead of its start line (jobs that never
-    queued are left out).
+    queued are left out), from the moment the lease was released (see `released`).
     """
     out: List[float] = []
     for device, spans in intervals(jobs).items():
@@ -149,6 +160,7 @@ def dispatch_latencies(jobs: Sequence[Job], freed: Optional[Dict[str, float]] = 
                     out.append(job.start - previous_end)
                 elif job.granted is not None:
                     out.append(max(job.granted - previous_end, 0.0))
-            if job.end is not None:
-                previous_end = job.end if previous_end is None else max(previous_end, job.end)
+            end = released(job, at)
+            if end is not None:
+                previous_end = end if previous_end is None else max(previous_end, end)
     return out

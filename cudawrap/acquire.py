@@ -46,6 +46,8 @@ NEAR = 48
 FAR_POLL_S = 1.0
 # A watcher re-looks this often even without events (NVML state has no event to watch).
 WATCH_S = 1.0
+# A look amended by events (a lease released, a run that left) serves at most this long.
+AMEND_S = 10.0
 # Without inotify (out of watches) the watchers poll this often.
 POLL_S = 0.02
 # A run given devices that has not taken them after this long loses its turn for STALL_S.
@@ -545,7 +547,7 @@ class Acquirer:
                     verdicts, free = self.decide(scan, me, queued=True)
                 verdict = verdicts[entry.name]
                 if trace:  # CUDAWRAP_DEBUG: every decision, for an admin asking "why"
-                    os.write(2, (f"cudawrap: decision at {time.time():.3f}: free={free} skipped="
+                    os.write(2, (f"cudawrap[{os.getpid()}]: decision at {time.time():.3f}: free={free} skipped="
                                  f"{sorted(self.skip_keys)} " + "; ".join(
                                      f"{k.split('.')[1]}:{v.kind}:{','.join(v.devices)}"
                                      for k, v in sorted(verdicts.items(), key=lambda kv: kv[1].position))
@@ -581,7 +583,8 @@ class Acquirer:
                     own, world = None, []
                 watcher = position < WATCHERS
                 if watcher and own is not None and not world:
-                    world = [own.add(self.leases.dir, inotify.IN_CLOSE_NOWRITE | inotify.IN_CLOSE_WRITE),
+                    world = [own.add(self.leases.dir, inotify.IN_CLOSE_NOWRITE | inotify.IN_CLOSE_WRITE
+                                     | inotify.IN_OPEN),
                              own.add(self.queue.dir, inotify.IN_CREATE | inotify.IN_DELETE
                                      | inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO)]
                     continue  # something may have changed before the watch existed
@@ -602,11 +605,40 @@ class Acquirer:
                 if self.offered:
                     timeout = min(timeout, max(0.0, min(self.offered.values()) + GRACE_S - now))
                 timeout = min(timeout, max(0.0, deadline - now))
+                self.stale.update(d.uuid for d in self.candidates if d.uuid not in free)
                 if own is None:
                     time.sleep(timeout)
-                elif poller.poll(timeout * 1000):
-                    own.drain()
-                self.stale.update(d.uuid for d in self.candidates if d.uuid not in free)
+                    continue
+                looked_at = time.monotonic()
+                until = looked_at + timeout
+                released: Set[str] = set()  # lease files closed since this look
+                departed: Set[str] = set()  # queue entries removed since
+                pending = False  # another run's turn on what was amended: it should leave soon
+                while True:
+                    left = (min(until, time.monotonic() + 0.1) if pending else until) - time.monotonic()
+                    if left <= 0 or not poller.poll(left * 1000):
+                        break  # time for a full look
+                    # A job ended (its lease file closed) or a run left the queue: decide on this
+                    # look, amended by what the events say, and take our turn at once. A
+                    # newcomer, a lease file opened (a lock may have been taken), a poke or a
+                    # cancel, an old look: a full look instead.
+                    seen = _amendments(own.events(), world)
+                    if seen is None or not watcher or time.monotonic() - looked_at > AMEND_S:
+                        break
+                    released |= seen[0]
+                    departed |= seen[1]
+                    verdicts, outcome = self._after_release(scan, me, released, departed, verdicts,
+                                                            entry.name, trace)
+                    if outcome is not None:
+                        self._hand_over(verdicts, scan, entry.name)
+                        return outcome
+                    if verdicts[entry.name].kind == GRANTED:
+                        break  # our turn, and the race for the locks lost: a full look
+                    # Another run's turn: it takes its devices and leaves the queue (an event);
+                    # should it not within 0.1 s, a full look (which passes it over after
+                    # GRACE_S). Poked, though not our turn here: a full look as soon, as the
+                    # poker's look may be newer. Nobody's turn: the look stands, keep waiting.
+                    pending = seen[2] or any(v.kind == GRANTED for k, v in verdicts.items() if k != entry.name)
         except KeyboardInterrupt:
             raise Interrupted("interrupted while waiting for a device") from None
         finally:
@@ -616,11 +648,118 @@ class Acquirer:
             if own is not None:
                 own.close()
 
+    def _after_release(self, scan: Scan, me: Waiter, closed: Set[str], departed: Set[str],
+                       before: Dict[str, Verdict], key: str, trace: bool
+                       ) -> Tuple[Dict[str, Verdict], Optional[Lease]]:
+        """A hand-over without reading /proc/locks: (verdicts, our lease if it is our turn).
+
+        That read costs ~8 ms when nothing read it in the last moment (the kernel waits out an
+        RCU grace period first), most of a hand-over. So the last look stands, amended: the
+        leases of CLOSED count free; the runs of DEPARTED have left the queue, holding what
+        BEFORE (the last verdicts) gave them. The look is otherwise current, as any other
+        change (a newcomer, a lease file opened) makes the next one a full look. A wrong
+        amendment costs a turn at most, never a device twice: should a closed lease still be
+        held (someone only probed it), the flock says so and nothing is taken."""
+        from .schedule import GRANTED
+
+        from .proc import exiting, state
+
+        table = dict(scan.table)
+        releasing = []
+        for uuid in closed:
+            # Any process that looked at the machine had every lease file open and closes them
+            # all when it goes (or execs its job): a close frees a lease only if its holders
+            # are on their way out. The kernel reports the close a moment before it drops
+            # the lock: the lock itself says when.
+            ident = self.leases.ident(uuid)
+            locks = table.get(ident)
+            if locks is not None and all(exiting(pid) for pid, _ex in locks):
+                releasing.append((uuid, ident))
+        for uuid, ident in releasing:
+            holders = [pid for pid, _ex in table.pop(ident)]
+            for _ in range(20):
+                if self.leases.try_lock(uuid):
+                    self.leases.unlock(uuid)
+                    break
+                if all(state(pid) in (None, b"Z") for pid in holders):
+                    # They have exited and it is held: taken again since (by whom, below)
+                    table[ident] = [(-1, True)]
+                    break
+                time.sleep(0.0005)  # still exiting: the lock goes with its files
+            else:
+                table[ident] = [(pid, True) for pid in holders]
+        if departed:
+            # Runs that left the queue took devices free at the look or freed since (or gave
+            # up). Which: their locks say; a probe holds a lock for microseconds, and a taker
+            # that meets one decides again, as after any lost race. Who: the runs that left,
+            # in their order of the last verdicts, each as many as it asked for.
+            takers = sorted((w for w in scan.waiters if w.key in departed),
+                            key=lambda w: before[w.key].position if w.key in before else len(before))
+            slots = [w.pid for w in takers for _ in range(w.count)]
+            for uuid in self.current:
+                ident = self.leases.ident(uuid)
+                if ident is None or uuid in self.lost or (ident in table and table[ident][0][0] != -1):
+                    continue
+                if self.leases.try_lock(uuid):
+                    self.leases.unlock(uuid)
+                    table.pop(ident, None)
+                else:
+                    table[ident] = [(slots.pop(0) if slots else -1, True)]
+        waiters = [w for w in scan.waiters if w.key not in departed]
+        queued = any(w.key == key for w in waiters)
+        for _ in range(3):
+            verdicts, free = self.decide(Scan(waiters, table, scan.paths), me, queued=queued)
+            verdict = verdicts[key]
+            if trace:
+                os.write(2, f"cudawrap[{os.getpid()}]: released {sorted(closed)} at {time.time():.3f}: {verdict.kind} "
+                            f"{','.join(verdict.devices)} (free={free})\n".encode())
+            if verdict.kind != GRANTED:
+                return verdicts, None
+            lease = self._take(verdict.devices)
+            if lease is not None:
+                return verdicts, lease
+            # Another watcher, amending its own look, took them: count them held, decide again.
+            for uuid in verdict.devices:
+                ident = self.leases.ident(uuid)
+                if ident is not None:
+                    table.setdefault(ident, [(-1, True)])
+        return verdicts, None
+
     def _hand_over(self, verdicts: Dict[str, Verdict], scan: Scan, me: str) -> None:
         """We leave the line: wake those who now move into the watching places."""
         for key, v in verdicts.items():
-            if key != me and v.position <= WATCHERS and key in scan.paths:
+            # The watchers saw us leave (they watch the queue); the next in line becomes one.
+            if key != me and v.position == WATCHERS and key in scan.paths:
                 poke(scan.paths[key])
+
+
+def _amendments(events: List[Tuple[int, int, str]], world: List[int]
+                ) -> Optional[Tuple[Set[str], Set[str], bool]]:
+    """(lease files closed, queue entries removed, poked) if that is all EVENTS say; None if
+    anything else happened: a queue entry made (a newcomer may come first), a lease file
+    opened (a lock may have been taken since the last look), our entry written to (a
+    cancel). A poke (our entry opened): someone's look says we moved up or it is our turn.
+    WORLD: the watches on the lease and the queue directory."""
+    from . import inotify
+    from .waitqueue import SUFFIX
+
+    if len(world) != 2:
+        return None
+    closed: Set[str] = set()
+    departed: Set[str] = set()
+    poked = False
+    for wd, mask, name in events:
+        if wd == world[0] and mask & (inotify.IN_CLOSE_WRITE | inotify.IN_CLOSE_NOWRITE):
+            closed.add(name)
+        elif wd == world[1] and mask & inotify.IN_DELETE and name.endswith(SUFFIX):
+            departed.add(name)
+        elif wd == world[1] and mask & inotify.IN_CLOSE_WRITE:
+            pass  # an entry closed after writing (its owner leaving)
+        elif wd not in world and mask == inotify.IN_OPEN:
+            poked = True
+        else:
+            return None
+    return closed, departed, poked
 
 
 def describe_wait(text: str) -> str:

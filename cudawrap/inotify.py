@@ -9,7 +9,7 @@ import os
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Optional
+    from typing import List, Optional, Tuple
 
 IN_MODIFY = 0x2
 IN_CLOSE_WRITE = 0x8
@@ -18,6 +18,7 @@ IN_OPEN = 0x20
 IN_MOVED_TO = 0x80
 IN_CREATE = 0x100
 IN_DELETE = 0x200
+IN_Q_OVERFLOW = 0x4000
 _IN_NONBLOCK = 0o4000
 _IN_CLOEXEC = 0o2000000
 
@@ -54,6 +55,26 @@ class Watch:
 
     def fileno(self) -> int:
         return self.fd
+
+    def events(self) -> List[Tuple[int, int, str]]:
+        """(watch descriptor, mask, name) of every event queued now; name is "" for the watched
+        path itself. An IN_Q_OVERFLOW event (wd -1) means some were lost."""
+        import struct
+
+        out: List[Tuple[int, int, str]] = []
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except (BlockingIOError, OSError):
+                return out
+            if not data:
+                return out
+            at = 0
+            while at + 16 <= len(data):
+                wd, mask, _cookie, size = struct.unpack_from("iIII", data, at)
+                raw = data[at + 16:at + 16 + size]
+                out.append((wd, mask, raw.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")))
+                at += 16 + size
 
     def drain(self) -> None:
         try:

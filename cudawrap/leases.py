@@ -140,7 +140,10 @@ class LeaseFiles:
         if fd is None:
             return False
         if not _flock_current(fd, self.path(uuid), how):
-            self.forget(uuid)
+            if not _same_file(fd, self.path(uuid)):
+                self.forget(uuid)  # replaced by sync: open the new one next time
+            # else held: keep the descriptor (reopening it would tell the watchers that a
+            # lock may have been taken, and make them all look at the machine again)
             return False
         return True
 
@@ -203,15 +206,20 @@ def _flock_current(fd: int, path: str, how: int) -> bool:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             return False
         raise
-    try:
-        current = os.stat(path, follow_symlinks=False)
-    except OSError:
-        current = None
-    mine = os.fstat(fd)
-    if current is None or (current.st_ino, current.st_dev) != (mine.st_ino, mine.st_dev):
+    if not _same_file(fd, path):
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False
     return True
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether FD is still the file at PATH (sync has not replaced or removed it)."""
+    try:
+        current = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return (current.st_ino, current.st_dev) == (mine.st_ino, mine.st_dev)
 
 
 def lease_file_inventory(lease_dir: str) -> Optional[Inventory]:

@@ -3,20 +3,41 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Optional
+    from typing import List, Optional
 
 GONE = None
 
 
-def state(pid: int) -> Optional[bytes]:
-    """PID's state letter (b"R", b"S", b"T", b"Z", ...); None when there is no such process,
-    b"?" when it cannot be read. The command name may hold ")" and spaces: the state is the
-    first field after the last ")"."""
+def _stat(pid: int) -> Optional[List[bytes]]:
+    """The fields of /proc/PID/stat after the command name (which may hold ")" and spaces:
+    they start after the last ")"), from the state on; None when there is no such process,
+    [] when it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
+            return f.read().rsplit(b")", 1)[1].split()
     except FileNotFoundError:
         return GONE
-    except OSError:
-        return b"?"
+    except (OSError, IndexError):
+        return []
+
+
+def state(pid: int) -> Optional[bytes]:
+    """PID's state letter (b"R", b"S", b"T", b"Z", ...); None when there is no such process,
+    b"?" when it cannot be read."""
+    fields = _stat(pid)
+    if fields is None:
+        return GONE
     return fields[0] if fields else b"?"
+
+
+# include/linux/sched.h: set when the process has begun to exit (its files close next).
+PF_EXITING = 0x4
+
+
+def exiting(pid: int) -> bool:
+    """Whether PID is gone, a zombie, or on its way out (PF_EXITING): its descriptors, and
+    the locks on them, are closed or about to be."""
+    fields = _stat(pid)
+    if fields is None or (fields and fields[0] in (b"Z", b"X", b"x")):
+        return True
+    return len(fields) > 6 and fields[6].isdigit() and bool(int(fields[6]) & PF_EXITING)

@@ -1,0 +1,198 @@
+"""The fast hand-over: a watcher takes a freed device on its last look, amended by events.
+
+A full look reads /proc/locks, which costs ~8 ms when nobody read it a moment before; a
+waiter whose turn it is takes a device its holder released without that read. What it
+trusts instead is tested here: only a holder that is really gone frees a lease (any process
+closes every lease file it looked at), the kernel's flock decides every take, and anything
+the events cannot amend (a newcomer, a lease file opened, a cancel) means a full look.
+"""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from cudawrap import acquire, inotify, waitqueue
+from cudawrap.acquire import Acquirer, _amendments
+from cudawrap.devices import Device
+from cudawrap.installation import prepare_runtime
+from cudawrap.leases import LeaseFiles
+from cudawrap.paths import Layout
+from cudawrap.proc import exiting
+from cudawrap.sync import sync_lease_files
+from cudawrap.waitqueue import WaitQueue
+
+UUIDS = [f"GPU-00000000-aaaa-bbbb-cccc-00000000000{i}" for i in (1, 2)]
+HOLD = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Layout:
+    layout = Layout(tmp_path)
+    prepare_runtime(layout)
+    sync_lease_files(str(layout.lease_dir), UUIDS)
+    return layout
+
+
+def hold(path: str) -> subprocess.Popen:
+    """A process holding PATH's lease until its stdin closes."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"held\n"
+    return proc
+
+
+def end(proc: subprocess.Popen) -> float:
+    proc.stdin.close()
+    proc.wait()
+    return time.monotonic()
+
+
+class Reads:
+    """Every look at /proc/locks a waiter makes, timed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.at: List[float] = []
+        real = waitqueue.lock_table
+
+        def counted():  # type: ignore[no-untyped-def]
+            self.at.append(time.monotonic())
+            return real()
+
+        monkeypatch.setattr(waitqueue, "lock_table", counted)
+
+
+def devices() -> List[Device]:
+    return [Device(u, "H100", u, i, None, 80000, 0, ()) for i, u in enumerate(UUIDS)]
+
+
+def waiter(runtime: Layout, out: list) -> threading.Thread:
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), devices(),
+                        devices(), 1, refresh=lambda d: d)
+
+    def run() -> None:
+        lease = acquirer.acquire(10.0, b"pid=1\n")
+        out.append((time.monotonic(), lease))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def queued(runtime: Layout) -> None:
+    deadline = time.monotonic() + 5
+    while not any(n.endswith(".wait") for n in os.listdir(runtime.queue_dir)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)  # its watches are set up and it has looked
+
+
+def test_a_released_device_is_taken_without_reading_the_lock_table(runtime: Layout,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    holders = [hold(f"{runtime.lease_dir}/{u}") for u in UUIDS]
+    reads = Reads(monkeypatch)
+    got: list = []
+    thread = waiter(runtime, got)
+    queued(runtime)
+    freed = end(holders[1])
+    thread.join(5)
+    taken, lease = got[0]
+    assert lease.uuids == [UUIDS[1]]
+    # Its last look came before the release; none between the release and the grant.
+    assert not [t for t in reads.at if freed <= t <= taken]
+    lease.release()
+    end(holders[0])
+
+
+def test_closing_a_held_lease_file_frees_nothing(runtime: Layout) -> None:
+    """Every process that looked closes the lease files: only the holder's going frees one."""
+    holders = [hold(f"{runtime.lease_dir}/{u}") for u in UUIDS]
+    got: list = []
+    thread = waiter(runtime, got)
+    queued(runtime)
+    for _ in range(20):  # others' looks ending
+        for uuid in UUIDS:
+            os.close(os.open(f"{runtime.lease_dir}/{uuid}", os.O_RDONLY))
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert got == [] and all(p.poll() is None for p in holders)
+    end(holders[0])
+    thread.join(5)
+    assert got[0][1].uuids == [UUIDS[0]]
+    got[0][1].release()
+    end(holders[1])
+
+
+def test_a_lease_whose_taker_left_a_child_with_it_stays_held(runtime: Layout) -> None:
+    """The process that took the lock has exited, a child keeps the descriptor: the taker
+    being gone frees nothing; the child's end does."""
+    path = f"{runtime.lease_dir}/{UUIDS[0]}"
+    other = hold(f"{runtime.lease_dir}/{UUIDS[1]}")
+    # The parent exits at once (fork() is true there); the child keeps the lock until EOF.
+    child = subprocess.Popen([sys.executable, "-c", HOLD.replace("sys.stdin.read()", "os.fork() or sys.stdin.read()"),
+                              path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert child.stdout.readline() == b"held\n"
+    child.wait()
+    got: list = []
+    thread = waiter(runtime, got)
+    queued(runtime)
+    for _ in range(5):
+        os.close(os.open(path, os.O_RDONLY))
+        time.sleep(0.05)
+    assert got == []
+    child.stdin.close()  # the child sees EOF and exits
+    thread.join(5)
+    assert got and got[0][1].uuids == [UUIDS[0]]
+    got[0][1].release()
+    end(other)
+
+
+def test_exiting_is_true_only_for_processes_on_their_way_out() -> None:
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not exiting(alive.pid)
+        os.kill(alive.pid, signal.SIGSTOP)
+        assert not exiting(alive.pid)  # stopped, not leaving
+        os.kill(alive.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not exiting(alive.pid):  # a zombie until reaped
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        alive.kill()
+        alive.wait()
+    assert exiting(alive.pid)  # reaped: gone
+
+
+LEASES, QUEUE, OWN = 2, 3, 1
+CLOSE = inotify.IN_CLOSE_NOWRITE
+
+
+@pytest.mark.parametrize("events, expected", [
+    ([(LEASES, CLOSE, "GPU-a")], ({"GPU-a"}, set(), False)),
+    ([(LEASES, inotify.IN_CLOSE_WRITE, "GPU-a"), (QUEUE, inotify.IN_DELETE, "1.2.1sa.300.wait")],
+     ({"GPU-a"}, {"1.2.1sa.300.wait"}, False)),
+    ([(QUEUE, inotify.IN_CLOSE_WRITE, "1.2.1sa.300.wait"), (OWN, inotify.IN_OPEN, "")], (set(), set(), True)),
+    ([(QUEUE, inotify.IN_DELETE, ".new-12-34")], None),  # a newcomer's temporary file: it arrives
+    ([(LEASES, CLOSE, "GPU-a"), (LEASES, inotify.IN_OPEN, "GPU-b")], None),  # a lock may be taken
+    ([(QUEUE, inotify.IN_CREATE, ".new-12-34")], None),  # a newcomer
+    ([(QUEUE, inotify.IN_MOVED_TO, "1.2.1sa.300.wait")], None),
+    ([(OWN, inotify.IN_MODIFY, "")], None),  # a cancel
+    ([(-1, inotify.IN_Q_OVERFLOW, "")], None),  # events lost
+])
+def test_what_events_can_amend_a_look(events, expected) -> None:  # type: ignore[no-untyped-def]
+    assert _amendments(events, [LEASES, QUEUE]) == expected
+
+
+def test_without_its_watches_a_waiter_amends_nothing() -> None:
+    assert _amendments([(LEASES, CLOSE, "GPU-a")], []) is None
