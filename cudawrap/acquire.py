@@ -611,6 +611,10 @@ class Acquirer:
                     continue
                 looked_at = time.monotonic()
                 until = looked_at + timeout
+                # Between users the order rests on how many devices each holds, which an
+                # amended look has been seen to get wrong (CI: three users, one turn
+                # misgiven); until that is found, several users waiting means full looks.
+                one_user = len({w.uid for w in scan.waiters}) <= 1
                 released: Set[str] = set()  # lease files closed since this look
                 departed: Set[str] = set()  # queue entries removed since
                 pending = False  # another run's turn on what was amended: it should leave soon
@@ -623,7 +627,7 @@ class Acquirer:
                     # newcomer, a lease file opened (a lock may have been taken), a poke or a
                     # cancel, an old look: a full look instead.
                     seen = _amendments(own.events(), world)
-                    if seen is None or not watcher or time.monotonic() - looked_at > AMEND_S:
+                    if seen is None or not watcher or time.monotonic() - looked_at > AMEND_S or not one_user:
                         break
                     released |= seen[0]
                     departed |= seen[1]
