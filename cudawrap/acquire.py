@@ -48,6 +48,9 @@ FAR_POLL_S = 1.0
 WATCH_S = 1.0
 # A look amended by events (a lease released, a run that left) serves at most this long.
 AMEND_S = 10.0
+# In an amended lock table: a lease found held whose holder the look cannot name (pid -1:
+# no process, so it counts for no waiting user).
+UNKNOWN_HOLDER = (-1, True)
 # Without inotify (out of watches) the watchers poll this often.
 POLL_S = 0.02
 # A run given devices that has not taken them after this long loses its turn for STALL_S.
@@ -323,13 +326,8 @@ class Acquirer:
                 if u not in self.stale and (d.pids or (d.pids is None and self.occupied(d)))}
         unread = any(u in self.stale for u in pool)  # no monitor: NVML has not been asked yet
         if unread and self.placement != "random" and 1 < len({self.parents[u] for u in pool}) < len(pool):
-            held = []
-            for uuid in pool:
-                if self.leases.try_lock(uuid):
-                    # Let go at once: a run deciding meanwhile must not see every free device taken.
-                    self.leases.unlock(uuid)
-                else:
-                    held.append(uuid)
+            # Let go at once: a run deciding meanwhile must not see every free device taken.
+            held = [uuid for uuid in pool if not self.leases.free_now(uuid)]
             busy.update(held)
             pool = [u for u in pool if u not in held]
         from .placement import place  # not schedule: the rest of it is for runs that wait
@@ -664,9 +662,8 @@ class Acquirer:
         change (a newcomer, a lease file opened) makes the next one a full look. A wrong
         amendment costs a turn at most, never a device twice: should a closed lease still be
         held (someone only probed it), the flock says so and nothing is taken."""
-        from .schedule import GRANTED
-
         from .proc import exiting, state
+        from .schedule import GRANTED
 
         table = dict(scan.table)
         releasing = []
@@ -682,12 +679,11 @@ class Acquirer:
         for uuid, ident in releasing:
             holders = [pid for pid, _ex in table.pop(ident)]
             for _ in range(20):
-                if self.leases.try_lock(uuid):
-                    self.leases.unlock(uuid)
+                if self.leases.free_now(uuid):
                     break
                 if all(state(pid) in (None, b"Z") for pid in holders):
                     # They have exited and it is held: taken again since (by whom, below)
-                    table[ident] = [(-1, True)]
+                    table[ident] = [UNKNOWN_HOLDER]
                     break
                 time.sleep(0.0005)  # still exiting: the lock goes with its files
             else:
@@ -702,13 +698,12 @@ class Acquirer:
             slots = [w.pid for w in takers for _ in range(w.count)]
             for uuid in self.current:
                 ident = self.leases.ident(uuid)
-                if ident is None or uuid in self.lost or (ident in table and table[ident][0][0] != -1):
+                if ident is None or uuid in self.lost or (ident in table and table[ident][0][0] != UNKNOWN_HOLDER[0]):
                     continue
-                if self.leases.try_lock(uuid):
-                    self.leases.unlock(uuid)
+                if self.leases.free_now(uuid):
                     table.pop(ident, None)
                 else:
-                    table[ident] = [(slots.pop(0) if slots else -1, True)]
+                    table[ident] = [(slots.pop(0), True) if slots else UNKNOWN_HOLDER]
         waiters = [w for w in scan.waiters if w.key not in departed]
         queued = any(w.key == key for w in waiters)
         for _ in range(3):
@@ -726,7 +721,7 @@ class Acquirer:
             for uuid in verdict.devices:
                 ident = self.leases.ident(uuid)
                 if ident is not None:
-                    table.setdefault(ident, [(-1, True)])
+                    table.setdefault(ident, [UNKNOWN_HOLDER])
         return verdicts, None
 
     def _hand_over(self, verdicts: Dict[str, Verdict], scan: Scan, me: str) -> None:

@@ -35,7 +35,7 @@ def _lib():  # type: ignore[no-untyped-def]
 
 
 class Watch:
-    """One inotify instance; fileno() for poll, drain() to consume what woke us."""
+    """One inotify instance; fileno() for poll, events() to read (and consume) what woke us."""
 
     def __init__(self) -> None:
         self.fd = _lib().inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
@@ -75,13 +75,6 @@ class Watch:
                 raw = data[at + 16:at + 16 + size]
                 out.append((wd, mask, raw.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")))
                 at += 16 + size
-
-    def drain(self) -> None:
-        try:
-            while os.read(self.fd, 65536):
-                pass
-        except (BlockingIOError, OSError):
-            pass
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -147,6 +147,14 @@ class LeaseFiles:
             return False
         return True
 
+    def free_now(self, uuid: str) -> bool:
+        """Whether nobody holds UUID's lease: its lock, tried and let go at once (it is held
+        for microseconds; a taker meeting it decides again, as after any lost race)."""
+        if not self.try_lock(uuid):
+            return False
+        self.unlock(uuid)
+        return True
+
     def try_share(self, uuid: str, slots: int) -> bool:
         """Take a share of UUID: the shared lock on its lease file, then the exclusive lock on
         the first free of its SLOTS slot files. False (nothing held) if an exclusive run
