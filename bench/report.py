@@ -170,7 +170,7 @@ def _targets(results: Dict[str, Any]) -> List[str]:
         "scale_grant_p95_under_100ms": "scale: grant p95 < 100 ms",
         "scale_no_overlap": "scale: 0 overlaps, 0 failures",
         "scale_dispatch_p95_under_100ms": "scale: dispatch p95 < 100 ms",
-        "waiters_cpu_under_5pct": "scale: all waiters together < 5 % of one core",
+        "waiters_cpu_under_5pct": "scale: all waiters together < 5 % of one core while they wait (after the arrivals' tail)",
     }
     verdict = targets(results)
     if not verdict:
@@ -325,7 +325,10 @@ def _scale(scale: Dict[str, Any]) -> List[str]:
         most = (dec.get("all_but_one_busy") or {}).get("decision_ms")
         with_monitor = (dec.get("all_but_one_busy_with_monitor") or {}).get("decision_ms")
         order = r["order"]
-        rows.append([count, r["all_queued_after_s"], cpu["all_waiters_pct_of_one_core"],
+        tail = cpu.get("arrival_tail") or {}
+        rows.append([count, r["all_queued_after_s"],
+                     f"{_fmt(tail.get('all_waiters_pct_of_one_core'), 2)} ({_fmt(tail.get('window_s'), 1)} s)",
+                     cpu["all_waiters_pct_of_one_core"],
                      cpu.get("schedstat_all_waiters_pct_of_one_core"), cpu.get("schedstat_busiest_waiter_pct"),
                      cpu["rss_median_mib"], f"{_fmt(none, 2)} / {_fmt(most, 2)} / {_fmt(with_monitor, 2)}",
                      f"{_fmt(r['refusal_all_busy_ms'].get('no_waiters'))} / "
@@ -333,7 +336,8 @@ def _scale(scale: Dict[str, Any]) -> List[str]:
                      _pair(r["dispatch_first_release"]), _pair(r["dispatch"]), _pair(r.get("grant", {})),
                      f"{r['overlap_pairs']} / {r['failures']}",
                      _fmt(order.get("queue_kendall_distance"), 3), _fmt(r["makespan_ratio"], 2)])
-    out.append(table(["waiters", "all queued after s", "waiters' CPU % of a core (stat)", "(schedstat)",
+    out.append(table(["waiters", "all queued after s", "arrivals' tail: CPU % of a core (window)",
+                      "waiters' CPU % of a core (stat)", "(schedstat)",
                       "busiest waiter %", "RSS per waiter MiB", "decision ms (0 / all-but-1 busy / same with monitor)",
                       "refusal at wait=0 ms (0 / W queued)",
                       "first-release dispatch p50 / p95 ms", "all dispatch p50 / p95 ms", "grant p50 / p95 ms",
@@ -481,8 +485,10 @@ def summary(results: Dict[str, Any]) -> str:
     if scale:
         parts = []
         for count, r in scale["runs"].items():
+            tail = r["cpu_while_waiting"].get("arrival_tail") or {}
             parts.append(f"{count} waiters: {r['cpu_while_waiting']['all_waiters_pct_of_one_core']} % of one core "
-                         f"altogether, grant p95 {_fmt(r.get('grant', {}).get('p95_ms'))} ms, "
+                         f"altogether while waiting ({_fmt(tail.get('all_waiters_pct_of_one_core'), 2)} % in the "
+                         f"{_fmt(tail.get('window_s'), 1)} s after the last one queued), grant p95 {_fmt(r.get('grant', {}).get('p95_ms'))} ms, "
                          f"{r['overlap_pairs']} overlaps, {r['failures']} failed")
         out += [f"**Scale** ({scale['topology']}): " + "; ".join(parts) + ".", ""]
     nvml = results.get("nvml") or {}

@@ -57,7 +57,7 @@ MODES: Dict[str, Dict[str, Any]] = {
                   "release_leads": [0.3, 1.5], "makespan": {"n": 50, "hold": 1.0}},
         # Releases spread 0.1 s apart: 2 cores start about 10 stand-ins a second with room
         # to spare, so dispatch measures cudawrap rather than a saturated CPU.
-        "scale": {"topology": "dgx-a100-mig56", "waiters": [50, 500], "hold": 6.0, "window": 10.0,
+        "scale": {"topology": "dgx-a100-mig56", "waiters": [50, 500], "hold": 6.0, "window": 10.0, "settle": 3.0,
                   "spread": 5.6, "stagger": 0.005, "decision_reps": 3},
         "nvml": {"topology": "four-gpus", "delays_ms": [0, 100, 500, 2000], "reps": 5},
     },
@@ -66,7 +66,7 @@ MODES: Dict[str, Dict[str, Any]] = {
                    "breakdown_reps": 1, "monitor_s": 4.0},
         "burst": {"topologies": ["a100-mig7"], "n": 20, "hold": 0.4, "standin_reps": 2,
                   "release_leads": [0.3], "makespan": {"n": 20, "hold": 0.4}},
-        "scale": {"topology": "dgx-a100-mig56", "waiters": [20, 60], "hold": 2.0, "window": 1.5,
+        "scale": {"topology": "dgx-a100-mig56", "waiters": [20, 60], "hold": 2.0, "window": 1.5, "settle": 1.0,
                   "spread": 2.0, "stagger": 0.005, "decision_reps": 1},
         "nvml": {"topology": "four-gpus", "delays_ms": [0, 500], "reps": 1},
     },
@@ -75,7 +75,7 @@ MODES: Dict[str, Dict[str, Any]] = {
                    "monitor_s": 1.0},
         "burst": {"topologies": ["a100-mig7"], "n": 9, "hold": 0.2, "standin_reps": 1,
                   "release_leads": [0.2], "makespan": {"n": 9, "hold": 0.2}},
-        "scale": {"topology": "a100-mig7", "waiters": [3, 8], "hold": 0.2, "window": 0.3,
+        "scale": {"topology": "a100-mig7", "waiters": [3, 8], "hold": 0.2, "window": 0.3, "settle": 0.1,
                   "spread": 0.1, "stagger": 0.005, "decision_reps": 1},
         "nvml": {"topology": "four-gpus", "delays_ms": [0, 50], "reps": 1},
     },
@@ -232,7 +232,7 @@ def main(argv: List[str]) -> int:
             c = config["scale"]
             print(f"bench: scale, {c['waiters']} waiters on {c['topology']} ...", file=sys.stderr, flush=True)
             results["scale"] = run_scale(bench, c["topology"], c["waiters"], c["hold"], c["window"],
-                                         c["spread"], c["stagger"], c["decision_reps"])
+                                         c["settle"], c["spread"], c["stagger"], c["decision_reps"])
             timings["scale"] = time.monotonic() - started - sum(timings.values())
             foreign["scale"] = meter.lap()
         if "nvml" in config:

@@ -9,7 +9,9 @@ For each number of waiters W, on a fresh machine:
 2. the benchmark itself takes every device's lease (flock, as a running job would), so
    the launches that follow all queue;
 3. W wrapped stand-ins are launched, a few ms apart; once all W are in the queue, their
-   CPU use is read from /proc over a window (utime+stime, and schedstat where present);
+   CPU use is read from /proc over the next SETTLE seconds (the arrivals' tail: those
+   queued earlier still look at the newcomers) and then over a window, the waiting
+   itself (utime+stime, and schedstat where present);
 4. the leases are released one by one, spread over a short interval, and every waiter
    runs its job (holding its device HOLD seconds); dispatch latency, FIFO order against
    the queue's own arrival order, overlaps and makespan are read from the logs.
@@ -138,8 +140,8 @@ def ideal_makespan(freed: List[float], waiters: int, hold: float) -> float:
     return last - min(freed)
 
 
-def scale_once(sim: Sim, waiters: int, hold: float, window: float, spread: float, stagger: float,
-               decision_reps: int) -> dict:
+def scale_once(sim: Sim, waiters: int, hold: float, window: float, settle: float, spread: float,
+               stagger: float, decision_reps: int) -> dict:
     uuids = list(sim.leaf_uuids)
     decision = {"none_busy": probe(sim, decision_reps)}
     held = hold_leases(sim, uuids[:-1])
@@ -170,7 +172,11 @@ def scale_once(sim: Sim, waiters: int, hold: float, window: float, spread: float
             time.sleep(0.05)
         queued_after = time.monotonic() - t_spawn
         in_queue = watcher.snapshot()
+        # The arrivals' own work (the watchers look at each newcomer, the far waiters settle)
+        # ends a moment after the last one queued: measured apart, then the waiting itself.
+        tail = waiter_cpu([p.pid for p in procs], settle)
         cpu = waiter_cpu([p.pid for p in procs], window)
+        cpu["arrival_tail"] = {k: tail[k] for k in ("window_s", "all_waiters_pct_of_one_core")}
         cpu["in_queue"] = in_queue
         refusal["with_waiters"] = refusal_ms(sim, max(decision_reps, 3))
         freed: Dict[str, float] = {}
@@ -231,9 +237,9 @@ def lock_table_read_ms(reps: int = 7) -> Dict[str, float]:
 
 
 def run_scale(bench: Bench, topology: str, waiters: List[int], hold: float, window: float,
-              spread: float, stagger: float, decision_reps: int) -> dict:
+              settle: float, spread: float, stagger: float, decision_reps: int) -> dict:
     runs = {}
     for count in waiters:
         sim = bench.sim(topology)
-        runs[str(count)] = scale_once(sim, count, hold, window, spread, stagger, decision_reps)
+        runs[str(count)] = scale_once(sim, count, hold, window, settle, spread, stagger, decision_reps)
     return {"topology": topology, "runs": runs, "lock_table_read_ms": lock_table_read_ms()}

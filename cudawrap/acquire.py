@@ -28,6 +28,7 @@ from .devices import Device
 from .errors import Interrupted, NoDeviceError
 from .sharing import MPS, MPS_SERVER_COMM, Sharing
 from .leases import Lease, LeaseFiles, lock_table
+from .proc import exiting
 # The scheduler (schedule.py) is imported where a decision is made: a launch nobody waits
 # before takes its devices without one (_uncontended), and the shim pays for every module.
 from .waitqueue import Entry, Scan, WaitQueue, poke
@@ -37,11 +38,12 @@ WATCHERS = 8
 IDLE_S = 30.0
 # Only the first NEAR in line keep an inotify instance (to be poked): Linux allows a user 128
 # (fs.inotify.max_user_instances), and a batch of 500 runs must not use them all up, leaving
-# the runs at the head to poll. Those further back (or without an instance) look at the queue
-# directory's mtime, a single stat, every FAR_POLL_S x (their position / 100), at least
-# FAR_POLL_S; when it changed, they count the entries that arrived before theirs (one listing,
-# no lock table) and decide again once fewer than NEAR did, or IDLE_S x (position / NEAR) after
-# their last decision (500 waiters looking every 30 s would cost a quarter of a core).
+# the runs at the head to poll. Those further back (or without an instance) sleep until runs
+# leave the queue (farwait: dnotify, or the directory's mtime polled), at most once every
+# FAR_POLL_S x (their position / 100), at least FAR_POLL_S; then they count how many of the
+# runs ahead at their last look have left (one listing, no lock table) and decide again once
+# fewer than NEAR are left, or IDLE_S x (position / NEAR) after their last decision (500
+# waiters looking every 30 s would cost a quarter of a core).
 NEAR = 48
 FAR_POLL_S = 1.0
 # A watcher re-looks this often even without events (NVML state has no event to watch).
@@ -101,13 +103,6 @@ def _stopped(pid: int) -> bool:
     from .proc import state
 
     return state(pid) in (b"T", b"t")
-
-
-def _mtime(path: str) -> int:
-    try:
-        return os.stat(path).st_mtime_ns
-    except OSError:
-        return 0
 
 
 def _jitter() -> None:
@@ -182,6 +177,10 @@ class Acquirer:
         self.skip_users: Dict[int, float] = {}
         self.top: Set[str] = set()
         self.limits: Dict[int, int] = {}
+        # Processes seen holding a lease. NVML data read while one ran (a monitor snapshot
+        # half a second old) still lists it once it has exited: its pid is then no work.
+        # Other pids count even if not found here: in a container, NVML names host pids.
+        self.holders: Set[int] = set()
 
     # -- judging devices -------------------------------------------------------------
     def occupied(self, device: Device) -> bool:
@@ -192,7 +191,7 @@ class Acquirer:
             return False
         if device.pids is None:
             return (device.memory_used_mib or 0) > self.busy_memory_mib
-        return any(not _mps_server(pid) for pid in device.pids)
+        return any(not _mps_server(pid) and not (pid in self.holders and exiting(pid)) for pid in device.pids)
 
     def _recheck(self, uuid: str, now: float) -> bool:
         """Re-read DEVICE from NVML if its data may be stale; True if it is now free."""
@@ -236,6 +235,9 @@ class Acquirer:
             if locks is not None:
                 busy.add(uuid)
                 self.stale.add(uuid)
+                if len(self.holders) > 4096:
+                    self.holders.clear()  # a long wait through many jobs: only recent ones matter
+                self.holders.update(pid for pid, _ex in locks)
                 if any(exclusive for _pid, exclusive in locks):
                     uid = _uid_of(locks[0][0])
                     held[uid] = held.get(uid, 0) + 1
@@ -478,11 +480,13 @@ class Acquirer:
                                    self.share)
         # Those at the head now were there before us: they need no poke from us later.
         self.top = {k for k, v in verdicts.items() if v.position < WATCHERS and k != probe.key}
-        return self._wait(entry, deadline, wait_s, on_wait, verdict)
+        ahead = {k for k, v in verdicts.items() if v.position < verdict.position and k != probe.key}
+        return self._wait(entry, deadline, wait_s, on_wait, verdict, ahead)
 
     def _wait(self, entry: Entry, deadline: float, wait_s: float,
-              on_wait: Optional[Callable[[str], None]], first: Verdict) -> Lease:
+              on_wait: Optional[Callable[[str], None]], first: Verdict, ahead: Set[str]) -> Lease:
         from . import inotify
+        from .farwait import FarWait
         import select
         import signal  # waiting only: `signal` pulls in enum (~5 ms)
 
@@ -500,9 +504,12 @@ class Acquirer:
         # The newcomer decided just before it queued: far back, it need not decide again
         # until the queue changes (a full look at 500 entries is ~10 ms, and each arrival of a
         # batch would otherwise pay it twice).
-        position = first.position
+        position = placed = first.position
         last_decision = time.monotonic() if position >= NEAR else 0.0
-        token = _mtime(self.queue.dir)  # the queue directory's mtime at our last decision
+        before: Optional[Set[str]] = ahead  # the runs ahead of us at our last look
+        far: Optional[FarWait] = None  # far back: woken when runs leave the queue
+        # Once devices are reserved for us (policy reserve_after) we move up: look then.
+        reserve_at = time.monotonic() + self.reserve_after
         told = ""  # the kind of wait last reported
         trace = bool(os.environ.get("CUDAWRAP_DEBUG"))
         verdicts: Dict[str, Verdict] = {}
@@ -519,21 +526,33 @@ class Acquirer:
                     raise NoDeviceError(f"no device within {wait_s:g} s: {verdicts[entry.name].text}"
                                         if entry.name in verdicts else f"no device within {wait_s:g} s",
                                         hint="try again later, or set CUDAWRAP_WAIT=SECONDS")
-                if own is None and position >= WATCHERS and now - last_decision < IDLE_S * max(1.0, position / NEAR):
-                    # Far back (or no inotify): decide again only once the queue has changed
-                    # and few enough arrived before us; a stat until then.
-                    current = _mtime(self.queue.dir)
-                    ahead = None if current == token else self.queue.ahead(entry.name)
-                    if ahead is None or ahead >= NEAR:
-                        if ahead is not None:
-                            # Our place, as far as arrivals tell: the position of our last decision
-                            # undercounts in a batch (those arriving with us were not listed yet),
-                            # and it sets how often we look.
-                            position, token = ahead, current
-                        time.sleep(min(FAR_POLL_S * max(1.0, position / 100), max(0.0, deadline - now)))
+                if (own is None and position >= WATCHERS and now < reserve_at
+                        and now - last_decision < IDLE_S * max(1.0, position / NEAR)):
+                    # Far back (or no inotify): decide again only once enough of those ahead of
+                    # us at our last look have left; asleep until a run leaves the queue.
+                    if far is None:
+                        far = FarWait(self.queue.dir)
+                    moved = far.moved()
+                    if moved:
+                        if before is None:
+                            before = {k for k, v in verdicts.items() if v.position < placed}
+                        try:
+                            listed = os.listdir(self.queue.dir)
+                        except OSError:
+                            listed = []  # (all gone: decide)
+                        # Junk can only add names, never remove those we counted.
+                        position = max(0, placed - len(before.difference(listed)))
+                    if not moved or position >= NEAR:
+                        far.wait(FAR_POLL_S * max(1.0, position / 100),
+                                 min(last_decision + IDLE_S * max(1.0, position / NEAR), reserve_at, deadline) - now,
+                                 moved)
                         continue
-                token = _mtime(self.queue.dir)
+                if now >= reserve_at:
+                    reserve_at = float("inf")  # devices are reserved for us from now: one look to see it
+                if far is not None:
+                    far.moved()  # what happens from this look on counts for the next far wait
                 last_decision = now
+                before = None
                 scan = self.queue.scan()
                 me = next((w for w in scan.waiters if w.key == entry.name), None)
                 if me is None:  # our entry is not seen as valid (cannot happen unless tampered with)
@@ -568,7 +587,7 @@ class Acquirer:
                     told = verdict.kind
                 if self._watch_others(verdicts, scan, entry.name):
                     continue
-                position = verdict.position
+                position = placed = verdict.position
                 if position < NEAR and own is None:
                     own = inotify.open_watch()
                     if own is not None:
@@ -604,6 +623,8 @@ class Acquirer:
                     timeout = min(timeout, max(0.0, min(self.offered.values()) + GRACE_S - now))
                 timeout = min(timeout, max(0.0, deadline - now))
                 self.stale.update(d.uuid for d in self.candidates if d.uuid not in free)
+                if own is None and not watcher:
+                    continue  # to the far wait above
                 if own is None:
                     time.sleep(timeout)
                     continue
@@ -649,6 +670,8 @@ class Acquirer:
             self.queue.leave(entry)
             if own is not None:
                 own.close()
+            if far is not None:
+                far.close()
 
     def _after_release(self, scan: Scan, me: Waiter, closed: Set[str], departed: Set[str],
                        before: Dict[str, Verdict], key: str, trace: bool
@@ -662,7 +685,7 @@ class Acquirer:
         change (a newcomer, a lease file opened) makes the next one a full look. A wrong
         amendment costs a turn at most, never a device twice: should a closed lease still be
         held (someone only probed it), the flock says so and nothing is taken."""
-        from .proc import exiting, state
+        from .proc import state
         from .schedule import GRANTED
 
         table = dict(scan.table)

@@ -145,14 +145,6 @@ class WaitQueue:
         except OSError:
             return False
 
-    def ahead(self, name: str) -> int:
-        """How many entries arrived before NAME (names sort in arrival order): one listing."""
-        try:
-            with os.scandir(self.dir) as it:
-                return sum(1 for item in it if item.name < name and item.name.endswith(SUFFIX))
-        except OSError:
-            return 0
-
     def scan(self, clean: bool = True) -> Scan:
         """Every live and valid waiter; dead entries we may remove are removed (CLEAN)."""
         from .schedule import Waiter  # here, not at the top: a launch nobody waits before never scans
@@ -283,13 +275,23 @@ class WaitQueue:
         if dynamic:
             body += f"min_free_mib={min_free_mib}\nmax_util={max_util}\n".encode()
         # Created 0600 and locked before anyone else may open it: a reader that took a
-        # shared lock first would otherwise stall us (and be blamed on us).
+        # shared lock first would otherwise stall us (and be blamed on us). Unnamed
+        # (O_TMPFILE) until linked into place, so that joining removes no temporary name:
+        # far-back waiters sleep until something is removed (farwait).
         key_ns = time.time_ns()
-        while True:
-            tmp = f"{self.dir}/.new-{pid}-{key_ns}"
+        tmp = None
+        try:
+            fd = os.open(self.dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            source = f"/proc/self/fd/{fd}"  # linked with AT_SYMLINK_FOLLOW, as open(2) shows
+            link: Dict[str, int] = {"src_dir_fd": fd}  # any dir fd makes os.link use linkat (not link(), which
+            # would try to link the /proc symlink itself); an absolute path ignores it
+        except (AttributeError, OSError):  # a file system without O_TMPFILE: a named one
+            fd = -1
+            link = {}
+        while fd < 0:
+            tmp = source = f"{self.dir}/.new-{pid}-{key_ns}"
             try:
                 fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                break
             except FileExistsError:  # planted by someone else: never opened, just avoided
                 key_ns += 1
             except OSError as exc:
@@ -305,7 +307,7 @@ class WaitQueue:
                 name = entry_name(key_ns, pid, count, placement, candidates is not None or dynamic,
                                   reserve_after, share)
                 try:
-                    os.link(tmp, self.dir + "/" + name)  # link, unlike rename, never replaces
+                    os.link(source, self.dir + "/" + name, **link)  # link, unlike rename, never replaces
                     break
                 except FileExistsError:
                     key_ns += 1
@@ -314,10 +316,11 @@ class WaitQueue:
             raise SetupError(f"cannot join the wait queue in {self.dir}: {exc.strerror}",
                              hint="ask an admin to check the runtime file system (`cudawrap doctor`)") from None
         finally:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
         return Entry(name, fd, self.dir + "/" + name)
 
     def leave(self, entry: Entry) -> None:

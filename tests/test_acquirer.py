@@ -1,5 +1,7 @@
 """The acquisition algorithm on real lease files and a real queue, with NVML data injected."""
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -88,3 +90,31 @@ def test_each_user_may_have_a_bounded_number_of_waiting_runs(runtime: Layout) ->
     with pytest.raises(NoDeviceError, match=f"you already have {MAX_ENTRIES_PER_USER} runs waiting"):
         queue.enqueue(1, "spread", None, 300.0, b"", mine=MAX_ENTRIES_PER_USER)
     assert os.listdir(runtime.queue_dir) == []
+
+
+def test_a_stale_snapshot_listing_the_job_that_held_the_lease_does_not_keep_it_busy(runtime: Layout) -> None:
+    """NVML data read while a job ran (a monitor snapshot) lists its pid after it ended: a
+    pid seen holding the lease and now gone is no work. A gone pid never seen holding one
+    still counts (in a container NVML names host pids, which look gone)."""
+    queue = WaitQueue(str(runtime.queue_dir))
+    path = LeaseFiles(str(runtime.lease_dir)).path(UUID)
+    job = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                            f"fd = os.open({path!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                            "print(flush=True); sys.stdin.read()"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    job.stdout.readline()
+    snapshot = Device(UUID, "H100", UUID, 0, None, 80000, 4000, (job.pid,))
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [snapshot], [snapshot], 1,
+                        refresh=lambda device: snapshot)
+    ends = threading.Timer(0.3, job.stdin.close)
+    ends.start()
+    lease = acquirer.acquire(5.0, b"pid=2\n")
+    ends.join()
+    job.wait()
+    assert lease.uuids == [UUID]
+    lease.release()
+    # The same snapshot to a run that never saw that pid hold the lease: busy.
+    other = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [snapshot], [snapshot], 1,
+                     refresh=lambda device: snapshot)
+    with pytest.raises(NoDeviceError):
+        other.acquire(0.3, b"pid=3\n")

@@ -2,14 +2,27 @@
 
 Linux gives a user 128 inotify instances by default; a batch of one user's runs must leave
 them to the runs at the head of the line (which would otherwise poll), and the runs further
-back must still be served in turn once they move up.
+back must still be served in turn once they move up. They sleep until runs leave the queue
+(dnotify's SIGIO, farwait.py): a quiet queue wakes none of them.
 """
 import os
+import signal
+import threading
 import time
 
 from corefix import ready_line, wait_for
 
 from cudawrap.acquire import NEAR
+from cudawrap.farwait import FarWait
+from cudawrap.waitqueue import WaitQueue
+
+SIGIO_BIT = 1 << (signal.SIGIO - 1)
+
+
+def proc_status(pid):  # type: ignore[no-untyped-def]
+    """/proc/PID/status as a dict of its fields."""
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
 
 
 def inotify_holders(pids):  # type: ignore[no-untyped-def]
@@ -50,9 +63,29 @@ def test_far_waiters_give_their_inotify_instance_back_and_are_still_served(insta
         time.sleep(1.5)  # every waiter has made its first decision and settled
         watching = inotify_holders([p.pid for p in waiters])
         assert NEAR - 4 <= len(watching) <= NEAR, len(watching)
+        # Those without an instance wait for dnotify's SIGIO (its handler is theirs while they
+        # wait), and a queue where nothing leaves wakes none of them: no context switch in
+        # 2.5 s (polling would wake each every second).
+        far = [pid for pid in arrival if pid not in watching]
+        assert far and all(int(proc_status(pid)["SigCgt"], 16) & SIGIO_BIT for pid in far)
+        switches = {pid: proc_status(pid)["voluntary_ctxt_switches"] for pid in far}
+        time.sleep(2.5)
+        assert {pid: proc_status(pid)["voluntary_ctxt_switches"] for pid in far} == switches
+        # A cancel (a write to its entry) wakes a far waiter at once, not at its next look.
+        gone = next(p for p in waiters if p.pid == far[0])
+        assert inst.cli("cancel", str(gone.pid)).returncode == 0
+        assert gone.wait(timeout=10) == 75
+        n -= 1
+        arrival.remove(gone.pid)
+        # The last one holds its devices a moment: the program it runs (the same process)
+        # must not inherit a blocked SIGIO, nor is SIGIO handled any more.
+        last = next(p for p in waiters if p.pid == arrival[-1])
         holder.kill()
         holder.wait()
-        assert [p.wait(timeout=120) for p in waiters] == [0] * n
+        assert [p.wait(timeout=120) for p in waiters if p is not last and p is not gone] == [0] * (n - 1)
+        status = proc_status(last.pid)
+        assert not int(status["SigBlk"], 16) & SIGIO_BIT and not int(status["SigCgt"], 16) & SIGIO_BIT
+        assert last.wait(timeout=30) == 0
         starts = [j["pid"] for j in inst.jobs() if j["event"] == "start"]
         assert starts == arrival  # one user: served in arrival order, the far ones too
     finally:
@@ -60,3 +93,54 @@ def test_far_waiters_give_their_inotify_instance_back_and_are_still_served(insta
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def test_farwait_is_signalled_by_removals_and_writes_not_arrivals(tmp_path):  # type: ignore[no-untyped-def]
+    queue = tmp_path / "queue"
+    queue.mkdir(mode=0o1777)
+    queue.chmod(0o1777)
+    q = WaitQueue(str(queue))
+    far = FarWait(str(queue))
+    try:
+        assert far.notified and not far.moved()
+        entry = q.enqueue(1, "spread", None, 300.0, b"")  # linked into place unnamed: no removal
+        assert not far.moved()
+        other = q.enqueue(1, "spread", None, 300.0, b"")
+        with open(other.path, "a") as f:  # what `cudawrap cancel` does
+            f.write("cancel=root\n")
+        assert far.moved() and not far.moved()
+        q.leave(entry)
+        far.wait(0.0, 30.0, False)  # returns at once: the removal is already signalled
+        assert far.moved()
+        started = time.monotonic()
+        far.wait(0.1, 0.3, True)  # nothing: waits it out
+        assert time.monotonic() - started >= 0.3 and not far.moved()
+        q.leave(other)
+    finally:
+        far.close()
+    # As it was: SIGIO neither blocked nor handled, nothing pending.
+    assert signal.SIGIO not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.getsignal(signal.SIGIO) is signal.SIG_DFL
+    assert signal.SIGIO not in signal.sigpending()
+    assert sorted(os.listdir(queue)) == []
+
+
+def test_farwait_polls_outside_the_main_thread_and_when_the_program_uses_sigio(tmp_path):  # type: ignore[no-untyped-def]
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    made = []
+    thread = threading.Thread(target=lambda: made.append(FarWait(str(queue))))
+    thread.start()
+    thread.join()
+    previous = signal.signal(signal.SIGIO, lambda *a: None)
+    try:
+        made.append(FarWait(str(queue)))
+    finally:
+        signal.signal(signal.SIGIO, previous)
+    assert len(made) == 2 and not any(far.notified or far.moved() for far in made)
+    time.sleep(0.01)  # a later mtime, on any file system's clock
+    (queue / "x").write_text("")
+    assert all(far.moved() and not far.moved() for far in made)
+    for far in made:
+        far.close()
+    assert signal.SIGIO not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
