@@ -563,6 +563,7 @@ class Acquirer:
                     me.candidates, me.min_free_mib, me.max_util = self.wanted, self.min_free_mib, self.max_util
                     verdicts, free = self.decide(scan, me, queued=True)
                 verdict = verdicts[entry.name]
+                position = placed = verdict.position
                 if trace:  # CUDAWRAP_DEBUG: every decision, for an admin asking "why"
                     os.write(2, (f"cudawrap[{os.getpid()}]: decision at {time.time():.3f}: free={free} skipped="
                                  f"{sorted(self.skip_keys)} " + "; ".join(
@@ -587,7 +588,6 @@ class Acquirer:
                     told = verdict.kind
                 if self._watch_others(verdicts, scan, entry.name):
                     continue
-                position = placed = verdict.position
                 if position < NEAR and own is None:
                     own = inotify.open_watch()
                     if own is not None:
@@ -697,8 +697,12 @@ class Acquirer:
             # the lock: the lock itself says when.
             ident = self.leases.ident(uuid)
             locks = table.get(ident)
-            if locks is not None and all(exiting(pid) for pid, _ex in locks):
+            if locks is None:
+                continue
+            if all(exiting(pid) for pid, _ex in locks):
                 releasing.append((uuid, ident))
+            elif self.leases.free_now(uuid):
+                del table[ident]  # let go by a process that lives on (the API's Lease.release)
         for uuid, ident in releasing:
             holders = [pid for pid, _ex in table.pop(ident)]
             for _ in range(20):

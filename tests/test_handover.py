@@ -114,6 +114,35 @@ def test_a_released_device_is_taken_without_reading_the_lock_table(runtime: Layo
     end(holders[0])
 
 
+def test_a_lease_let_go_by_a_process_that_lives_on_is_taken_without_reading_the_lock_table(
+        runtime: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API's Lease.release closes the lease file and the process goes on: the waiter's
+    flock finds it free on the close, with no full look."""
+    holders = [hold(f"{runtime.lease_dir}/{u}") for u in UUIDS]
+    let_go = subprocess.Popen([sys.executable, "-c", HOLD.replace("sys.stdin.read()", "sys.stdin.readline(); "
+                                                                  "os.close(fd); print('closed', flush=True); "
+                                                                  "sys.stdin.read()"),
+                               f"{runtime.lease_dir}/{UUIDS[1]}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    end(holders.pop())
+    assert let_go.stdout.readline() == b"held\n"
+    reads = Reads(monkeypatch)
+    got: list = []
+    thread = waiter(runtime, got)
+    queued(runtime)
+    let_go.stdin.write(b"\n")
+    let_go.stdin.flush()
+    assert let_go.stdout.readline() == b"closed\n"
+    freed = time.monotonic()
+    thread.join(5)
+    assert let_go.poll() is None  # it lives on
+    taken, lease = got[0]
+    assert lease.uuids == [UUIDS[1]]
+    assert not [t for t in reads.at if freed <= t <= taken]
+    lease.release()
+    end(let_go)
+    end(holders[0])
+
+
 def test_closing_a_held_lease_file_frees_nothing(runtime: Layout) -> None:
     """Every process that looked closes the lease files: only the holder's going frees one."""
     holders = [hold(f"{runtime.lease_dir}/{u}") for u in UUIDS]
