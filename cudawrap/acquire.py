@@ -28,7 +28,6 @@ from .devices import Device
 from .errors import Interrupted, NoDeviceError
 from .sharing import MPS, MPS_SERVER_COMM, Sharing
 from .leases import Lease, LeaseFiles, lock_table
-from .proc import exiting
 # The scheduler (schedule.py) is imported where a decision is made: a launch nobody waits
 # before takes its devices without one (_uncontended), and the shim pays for every module.
 from .waitqueue import Entry, Scan, WaitQueue, poke
@@ -96,6 +95,12 @@ def _mps_server(pid: int) -> bool:
             return f.read().startswith(MPS_SERVER_COMM)
     except OSError:
         return False
+
+
+def _exited(pid: int) -> bool:
+    from .proc import exiting  # only once a lease holder was seen: not on a launch's path
+
+    return exiting(pid)
 
 
 def _stopped(pid: int) -> bool:
@@ -191,7 +196,7 @@ class Acquirer:
             return False
         if device.pids is None:
             return (device.memory_used_mib or 0) > self.busy_memory_mib
-        return any(not _mps_server(pid) and not (pid in self.holders and exiting(pid)) for pid in device.pids)
+        return any(not _mps_server(pid) and not (pid in self.holders and _exited(pid)) for pid in device.pids)
 
     def _recheck(self, uuid: str, now: float) -> bool:
         """Re-read DEVICE from NVML if its data may be stale; True if it is now free."""
@@ -685,7 +690,7 @@ class Acquirer:
         change (a newcomer, a lease file opened) makes the next one a full look. A wrong
         amendment costs a turn at most, never a device twice: should a closed lease still be
         held (someone only probed it), the flock says so and nothing is taken."""
-        from .proc import state
+        from .proc import exiting, state
         from .schedule import GRANTED
 
         table = dict(scan.table)
