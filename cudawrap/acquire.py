@@ -635,10 +635,6 @@ class Acquirer:
                     continue
                 looked_at = time.monotonic()
                 until = looked_at + timeout
-                # Between users the order rests on how many devices each holds, which an
-                # amended look has been seen to get wrong (CI: three users, one turn
-                # misgiven); until that is found, several users waiting means full looks.
-                one_user = len({w.uid for w in scan.waiters}) <= 1
                 released: Set[str] = set()  # lease files closed since this look
                 departed: Set[str] = set()  # queue entries removed since
                 pending = False  # another run's turn on what was amended: it should leave soon
@@ -651,7 +647,7 @@ class Acquirer:
                     # newcomer, a lease file opened (a lock may have been taken), a poke or a
                     # cancel, an old look: a full look instead.
                     seen = _amendments(own.events(), world)
-                    if seen is None or not watcher or time.monotonic() - looked_at > AMEND_S or not one_user:
+                    if seen is None or not watcher or time.monotonic() - looked_at > AMEND_S:
                         break
                     released |= seen[0]
                     departed |= seen[1]
@@ -723,9 +719,11 @@ class Acquirer:
         if departed:
             # Runs that left the queue took devices free at the look or freed since (or gave
             # up). Which: their locks say; a probe holds a lock for microseconds, and a taker
-            # that meets one decides again, as after any lost race. Who: the runs that left,
-            # in their order of the last verdicts, each as many as it asked for.
-            takers = sorted((w for w in scan.waiters if w.key in departed),
+            # that meets one decides again, as after any lost race. Who: the runs that left
+            # and still live (one that has exited since holds nothing: its device, if held,
+            # was taken by someone else), in their order of the last verdicts, each as many
+            # as it asked for.
+            takers = sorted((w for w in scan.waiters if w.key in departed and not exiting(w.pid)),
                             key=lambda w: before[w.key].position if w.key in before else len(before))
             slots = [w.pid for w in takers for _ in range(w.count)]
             for uuid in self.current:

@@ -143,6 +143,43 @@ def test_a_lease_let_go_by_a_process_that_lives_on_is_taken_without_reading_the_
     end(holders[0])
 
 
+def test_devices_taken_since_the_look_are_counted_for_the_runs_that_left_and_still_live(
+        runtime: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between two users, a turn rests on how many devices each holds. Since the last look
+    a1 and b1 left the queue, each having taken a device; a1's job has ended since (its
+    device is free again) and b1's holds the other. The device b1 holds is b1's, not the
+    dead a1's (which would count one device for a1's user and none for b1's)."""
+    from cudawrap.schedule import Waiter
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    b1 = hold(f"{runtime.lease_dir}/{UUIDS[1]}")
+    files = LeaseFiles(str(runtime.lease_dir))
+    idents = [files.ident(u) for u in UUIDS]
+    acquirer = Acquirer(files, WaitQueue(str(runtime.queue_dir)), devices(), devices(), 1, refresh=lambda d: d)
+
+    def waiter(key: str, pid: int) -> Waiter:
+        return Waiter(key, os.geteuid(), pid, 1, None, "spread", 300.0, time.time(), "?", 0, 100, False)
+
+    me = waiter("a3", os.getpid())
+    # The last look: both devices held by jobs that have ended since (dead pids).
+    look = waitqueue.Scan([waiter("a1", dead.pid), waiter("b1", b1.pid), me],
+                          {idents[0]: [(dead.pid, True)], idents[1]: [(dead.pid, True)]}, {})
+    seen: list = []
+    decide = acquirer.decide
+
+    def recorded(scan, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(dict(scan.table))
+        return decide(scan, *args, **kwargs)
+
+    monkeypatch.setattr(acquirer, "decide", recorded)
+    _verdicts, lease = acquirer._after_release(look, me, set(UUIDS), {"a1", "b1"}, {}, "a3", False)
+    assert lease is not None and lease.uuids == [UUIDS[0]]  # the free one, ours
+    assert seen[0] == {idents[1]: [(b1.pid, True)]}
+    lease.release()
+    end(b1)
+
+
 def test_closing_a_held_lease_file_frees_nothing(runtime: Layout) -> None:
     """Every process that looked closes the lease files: only the holder's going frees one."""
     holders = [hold(f"{runtime.lease_dir}/{u}") for u in UUIDS]
