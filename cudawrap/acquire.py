@@ -558,7 +558,7 @@ class Acquirer:
                     far.moved()  # what happens from this look on counts for the next far wait
                 last_decision = now
                 before = None
-                scan = self.queue.scan()
+                scan = self.queue.scan(mine=entry.name)
                 me = next((w for w in scan.waiters if w.key == entry.name), None)
                 if me is None:  # our entry is not seen as valid (cannot happen unless tampered with)
                     me = self._me(entry.name)

@@ -145,8 +145,9 @@ class WaitQueue:
         except OSError:
             return False
 
-    def scan(self, clean: bool = True) -> Scan:
-        """Every live and valid waiter; dead entries we may remove are removed (CLEAN)."""
+    def scan(self, clean: bool = True, mine: str = "") -> Scan:
+        """Every live and valid waiter; dead entries we may remove are removed (CLEAN).
+        MINE: the caller's own entry, alive whatever the lock table says (we hold its lock)."""
         from .schedule import Waiter  # here, not at the top: a launch nobody waits before never scans
 
         waiters: List[Waiter] = []
@@ -167,7 +168,7 @@ class WaitQueue:
                 continue
             key_ns, pid, count, placement, narrowed, reserve_s, share = parsed
             path = self.dir + "/" + item.name
-            holder = locks.get((self.dev, item.inode()))
+            holder = pid if item.name == mine else locks.get((self.dev, item.inode()))
             if holder != pid:
                 if holder is None and clean:
                     self._remove_dead(path)
