@@ -20,8 +20,10 @@ import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
+    import select
     from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+    from .inotify import Watch
     from .schedule import Verdict, Waiter
 
 from .devices import Device
@@ -490,7 +492,6 @@ class Acquirer:
 
     def _wait(self, entry: Entry, deadline: float, wait_s: float,
               on_wait: Optional[Callable[[str], None]], first: Verdict, ahead: Set[str]) -> Lease:
-        from . import inotify
         from .farwait import FarWait
         import select
         import signal  # waiting only: `signal` pulls in enum (~5 ms)
@@ -503,7 +504,7 @@ class Acquirer:
                 previous[s] = signal.signal(s, _raise_signal)
             except ValueError:  # not the main thread: the caller keeps its own handlers
                 pass
-        own = None  # one inotify instance: our entry, and the machine while a watcher
+        own: Optional[Watch] = None  # one inotify instance: our entry, and the machine while a watcher
         world: List[int] = []  # its watches on the lease and queue directories
         poller = select.poll()
         # The newcomer decided just before it queued: far back, it need not decide again
@@ -513,6 +514,7 @@ class Acquirer:
         last_decision = time.monotonic() if position >= NEAR else 0.0
         before: Optional[Set[str]] = ahead  # the runs ahead of us at our last look
         far: Optional[FarWait] = None  # far back: woken when runs leave the queue
+        poked = False  # woken by an event while not watching: a poke (we moved up) or a cancel
         # Once devices are reserved for us (policy reserve_after) we move up: look then.
         reserve_at = time.monotonic() + self.reserve_after
         told = ""  # the kind of wait last reported
@@ -558,6 +560,15 @@ class Acquirer:
                     far.moved()  # what happens from this look on counts for the next far wait
                 last_decision = now
                 before = None
+                # Watch before looking where this look will probably say so (the place we
+                # expect; a poke says we moved up): what changes during the look is then an
+                # event, and the look need not be made again once the watch exists (~10 ms at
+                # 500 waiters, paid by every run moving up).
+                if own is None and position < NEAR:
+                    own = self._watch_entry(entry, poller)
+                if own is not None and not world and (position < WATCHERS or poked):
+                    world = self._watch_world(own)
+                poked = False
                 scan = self.queue.scan(mine=entry.name)
                 me = next((w for w in scan.waiters if w.key == entry.name), None)
                 if me is None:  # our entry is not seen as valid (cannot happen unless tampered with)
@@ -594,10 +605,8 @@ class Acquirer:
                 if self._watch_others(verdicts, scan, entry.name):
                     continue
                 if position < NEAR and own is None:
-                    own = inotify.open_watch()
+                    own = self._watch_entry(entry, poller)
                     if own is not None:
-                        own.add(entry.path, inotify.IN_OPEN | inotify.IN_MODIFY)
-                        poller.register(own.fileno(), select.POLLIN)
                         continue  # something may have changed before the watch existed
                 elif position >= NEAR and own is not None:
                     poller.unregister(own.fileno())
@@ -605,10 +614,7 @@ class Acquirer:
                     own, world = None, []
                 watcher = position < WATCHERS
                 if watcher and own is not None and not world:
-                    world = [own.add(self.leases.dir, inotify.IN_CLOSE_NOWRITE | inotify.IN_CLOSE_WRITE
-                                     | inotify.IN_OPEN),
-                             own.add(self.queue.dir, inotify.IN_CREATE | inotify.IN_DELETE
-                                     | inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO)]
+                    world = self._watch_world(own)
                     continue  # something may have changed before the watch existed
                 if not watcher and world and own is not None:
                     for wd in world:
@@ -648,6 +654,7 @@ class Acquirer:
                     # cancel, an old look: a full look instead.
                     seen = _amendments(own.events(), world)
                     if seen is None or not watcher or time.monotonic() - looked_at > AMEND_S:
+                        poked = not watcher
                         break
                     released |= seen[0]
                     departed |= seen[1]
@@ -753,6 +760,26 @@ class Acquirer:
                 if ident is not None:
                     table.setdefault(ident, [UNKNOWN_HOLDER])
         return verdicts, None
+
+    def _watch_entry(self, entry: Entry, poller: select.poll) -> Optional[Watch]:
+        """An inotify instance watching our entry (pokes, a cancel); None if none is left."""
+        from . import inotify
+        import select
+
+        own = inotify.open_watch()
+        if own is not None:
+            own.add(entry.path, inotify.IN_OPEN | inotify.IN_MODIFY)
+            poller.register(own.fileno(), select.POLLIN)
+        return own
+
+    def _watch_world(self, own: Watch) -> List[int]:
+        """Watch the machine as a watcher does: lease files opened and closed, runs coming
+        and leaving (OWN's watches on the lease and queue directories)."""
+        from . import inotify
+
+        return [own.add(self.leases.dir, inotify.IN_CLOSE_NOWRITE | inotify.IN_CLOSE_WRITE | inotify.IN_OPEN),
+                own.add(self.queue.dir, inotify.IN_CREATE | inotify.IN_DELETE
+                        | inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO)]
 
     def _hand_over(self, verdicts: Dict[str, Verdict], scan: Scan, me: str) -> None:
         """We leave the line: wake those who now move into the watching places."""
