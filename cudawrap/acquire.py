@@ -492,6 +492,7 @@ class Acquirer:
 
     def _wait(self, entry: Entry, deadline: float, wait_s: float,
               on_wait: Optional[Callable[[str], None]], first: Verdict, ahead: Set[str]) -> Lease:
+        from . import inotify
         from .farwait import FarWait
         import select
         import signal  # waiting only: `signal` pulls in enum (~5 ms)
@@ -514,7 +515,7 @@ class Acquirer:
         last_decision = time.monotonic() if position >= NEAR else 0.0
         before: Optional[Set[str]] = ahead  # the runs ahead of us at our last look
         far: Optional[FarWait] = None  # far back: woken when runs leave the queue
-        poked = False  # woken by an event while not watching: a poke (we moved up) or a cancel
+        poked = False  # woken while not watching by a poke: we moved up, or were given devices
         # Once devices are reserved for us (policy reserve_after) we move up: look then.
         reserve_at = time.monotonic() + self.reserve_after
         told = ""  # the kind of wait last reported
@@ -652,9 +653,14 @@ class Acquirer:
                     # look, amended by what the events say, and take our turn at once. A
                     # newcomer, a lease file opened (a lock may have been taken), a poke or a
                     # cancel, an old look: a full look instead.
-                    seen = _amendments(own.events(), world)
+                    events = [e for e in own.events() if not e[1] & inotify.IN_IGNORED]
+                    if not events:
+                        continue  # only the kernel confirming watches we removed: no news
+                    seen = _amendments(events, world)
                     if seen is None or not watcher or time.monotonic() - looked_at > AMEND_S:
-                        poked = not watcher
+                        # Our entry opened: poked (moved up, or given devices); watch as we look.
+                        poked = not watcher and any(mask & inotify.IN_OPEN for wd, mask, _name in events
+                                                    if wd not in world)
                         break
                     released |= seen[0]
                     departed |= seen[1]
