@@ -789,9 +789,15 @@ class Acquirer:
 
     def _hand_over(self, verdicts: Dict[str, Verdict], scan: Scan, me: str) -> None:
         """We leave the line: wake those who now move into the watching places."""
+        from .schedule import GRANTED
+
+        # The watchers see us leave (they watch the queue), but those behind them do not:
+        # wake the next in line, and as many more as runs were given devices with us (they
+        # leave too, and their views of the line may be older than ours: each wakes the
+        # same few, so that none who moves up is left asleep, unwatched, until IDLE_S).
+        leaving = sum(1 for v in verdicts.values() if v.kind == GRANTED)
         for key, v in verdicts.items():
-            # The watchers saw us leave (they watch the queue); the next in line becomes one.
-            if key != me and v.position == WATCHERS and key in scan.paths:
+            if key != me and WATCHERS <= v.position < WATCHERS + max(1, leaving) and key in scan.paths:
                 poke(scan.paths[key])
 
 

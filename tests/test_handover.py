@@ -262,3 +262,28 @@ def test_what_events_can_amend_a_look(events, expected) -> None:  # type: ignore
 
 def test_without_its_watches_a_waiter_amends_nothing() -> None:
     assert _amendments([(LEASES, CLOSE, "GPU-a")], []) is None
+
+
+def test_a_run_leaving_wakes_everyone_it_moves_into_the_watching_places(
+        runtime: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seven runs given devices at once leave together: the seven behind the watchers all
+    move into the watching places. Each leaver wakes them all (its view of the line may be
+    older than the others'), not only the next in line: one left unwoken would sleep through
+    its turn (IDLE_S) if nobody looked meanwhile, as the last run of a benchmark burst did."""
+    module = sys.modules["cudawrap.acquire"]  # (the package exports a function of that name)
+    from cudawrap.schedule import BUSY, GRANTED, Verdict
+
+    keys = [f"w{i:02d}" for i in range(20)]
+    verdicts = {k: Verdict(GRANTED if i < 7 else BUSY, i, "") for i, k in enumerate(keys)}
+    look = waitqueue.Scan([], {}, {k: f"/queue/{k}" for k in keys})
+    poked: list = []
+    monkeypatch.setattr(module, "poke", poked.append)
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), devices(),
+                        devices(), 1, refresh=lambda d: d)
+    acquirer._hand_over(verdicts, look, "w00")
+    assert sorted(poked) == [f"/queue/w{i:02d}" for i in range(module.WATCHERS, module.WATCHERS + 7)]
+    # Alone in its turn, it wakes the next in line only.
+    poked.clear()
+    alone = {k: Verdict(GRANTED if i == 0 else BUSY, i, "") for i, k in enumerate(keys)}
+    acquirer._hand_over(alone, look, "w00")
+    assert poked == [f"/queue/w{module.WATCHERS:02d}"]
