@@ -507,6 +507,9 @@ class Acquirer:
                 pass
         own: Optional[Watch] = None  # one inotify instance: our entry, and the machine while a watcher
         world: List[int] = []  # its watches on the lease and queue directories
+        # Watches of `own` removed since (the kernel never reuses a watch descriptor within
+        # an instance): what they still report happened while unwatched, and is no news.
+        removed: Set[int] = set()
         poller = select.poll()
         # The newcomer decided just before it queued: far back, it need not decide again
         # until the queue changes (a full look at 500 entries is ~10 ms, and each arrival of a
@@ -613,6 +616,7 @@ class Acquirer:
                     poller.unregister(own.fileno())
                     own.close()  # give the instance back for those nearer the head
                     own, world = None, []
+                    removed = set()
                 watcher = position < WATCHERS
                 if watcher and own is not None and not world:
                     world = self._watch_world(own)
@@ -620,6 +624,7 @@ class Acquirer:
                 if not watcher and world and own is not None:
                     for wd in world:
                         own.remove(wd)
+                    removed.update(wd for wd in world if wd >= 0)  # (-1: never added; -1 also marks an overflow)
                     world = []
                 if watcher and own is not None and min(world) >= 0:
                     # The head alone re-looks WATCH_S apart (NVML changes have no event); the
@@ -653,9 +658,9 @@ class Acquirer:
                     # look, amended by what the events say, and take our turn at once. A
                     # newcomer, a lease file opened (a lock may have been taken), a poke or a
                     # cancel, an old look: a full look instead.
-                    events = [e for e in own.events() if not e[1] & inotify.IN_IGNORED]
+                    events = [e for e in own.events() if e[0] not in removed]
                     if not events:
-                        continue  # only the kernel confirming watches we removed: no news
+                        continue  # only what watches we removed saw (and IN_IGNORED for them)
                     seen = _amendments(events, world)
                     if seen is None or not watcher or time.monotonic() - looked_at > AMEND_S:
                         # Our entry opened: poked (moved up, or given devices); watch as we look.

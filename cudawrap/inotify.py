@@ -19,7 +19,6 @@ IN_MOVED_TO = 0x80
 IN_CREATE = 0x100
 IN_DELETE = 0x200
 IN_Q_OVERFLOW = 0x4000
-IN_IGNORED = 0x8000  # a watch removed (by us, or its file gone)
 _IN_NONBLOCK = 0o4000
 _IN_CLOEXEC = 0o2000000
 
