@@ -21,7 +21,7 @@ import time
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     import select
-    from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+    from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
     from .inotify import Watch
     from .schedule import Verdict, Waiter
@@ -58,6 +58,8 @@ UNKNOWN_HOLDER = (-1, True)
 POLL_S = 0.02
 # A run given devices that has not taken them after this long loses its turn for STALL_S.
 GRACE_S = 0.5
+# Tries of a lease before a taker counts it taken (see Acquirer._lock).
+PROBE_TRIES = 4
 STALL_S = 5.0
 # Within one user only arrival order is at stake, so a slow process of the same user (a
 # loaded machine) is given longer before its own later runs pass it.
@@ -373,7 +375,7 @@ class Acquirer:
         shared = [u for u in uuids if self.share and self.slots.get(u, 1) > 1]
         for uuid in uuids:
             if not (self.leases.try_share(uuid, self.slots[uuid]) if uuid in shared
-                    else self.leases.try_lock(uuid)):
+                    else self._lock(uuid)):
                 break
             locked.append(uuid)
             if uuid not in self.joined and not self._eligible(uuid, now):
@@ -384,6 +386,29 @@ class Acquirer:
         for uuid in locked:
             self.leases.unlock(uuid)
         return None
+
+    def _vacant(self, uuid: str) -> bool:
+        """Whether nobody holds UUID, as the watchers ask it all at once as a lease frees.
+
+        A device of one slot is only ever locked exclusively: probed shared (LeaseFiles.unheld),
+        the watchers' probes never meet, where exclusive ones did, each reading another's
+        probe as a taker (and the run whose turn it was lost it until the next full look,
+        ~100 ms). A device shared in slots needs the exclusive probe (its sharers hold shared
+        locks)."""
+        if self.slots.get(uuid, 1) > 1:
+            return self.leases.free_now(uuid)
+        return self.leases.unheld(uuid)
+
+    def _lock(self, uuid: str) -> bool:
+        """UUID's lease, tried a few times over a millisecond: the watchers probe a lease as
+        it frees (LeaseFiles.unheld), just as the run whose turn it is takes it, each probe
+        holding a shared lock for microseconds. One try would lose that run its turn to a
+        probe, and ~100 ms until the next full look."""
+        for _ in range(PROBE_TRIES - 1):
+            if self.leases.try_lock(uuid):
+                return True
+            time.sleep(0.0003)
+        return self.leases.try_lock(uuid)
 
     def _shares_hold(self, uuids: Sequence[str]) -> bool:
         """Whether the shares just taken of UUIDS stand: no device over its slots (an admin
@@ -649,6 +674,7 @@ class Acquirer:
                 until = looked_at + timeout
                 released: Set[str] = set()  # lease files closed since this look
                 departed: Set[str] = set()  # queue entries removed since
+                decided_on = _signature(scan)  # what the verdicts were last decided on
                 pending = False  # another run's turn on what was amended: it should leave soon
                 while True:
                     left = (min(until, time.monotonic() + 0.1) if pending else until) - time.monotonic()
@@ -667,10 +693,20 @@ class Acquirer:
                         poked = not watcher and any(mask & inotify.IN_OPEN for wd, mask, _name in events
                                                     if wd not in world)
                         break
+                    if not (seen[0] or seen[1] or seen[2]):
+                        continue  # only the lease directory listed: nothing to decide on
                     released |= seen[0]
                     departed |= seen[1]
-                    verdicts, outcome = self._after_release(scan, me, released, departed, verdicts,
-                                                            entry.name, trace)
+                    amended = self._amend(scan, released, departed, verdicts)
+                    if _signature(amended) == decided_on:
+                        # Nothing freed, taken or left since the verdicts (a run that took its
+                        # device closing the other lease files, a holder's probe): they stand.
+                        # Eight watchers deciding again on each such event kept the one whose
+                        # turn it was off the CPU for milliseconds.
+                        pending = pending or seen[2]
+                        continue
+                    decided_on = _signature(amended)
+                    verdicts, outcome = self._after_release(amended, me, entry.name, released, trace)
                     if outcome is not None:
                         self._hand_over(verdicts, scan, entry.name)
                         return outcome
@@ -692,10 +728,9 @@ class Acquirer:
             if far is not None:
                 far.close()
 
-    def _after_release(self, scan: Scan, me: Waiter, closed: Set[str], departed: Set[str],
-                       before: Dict[str, Verdict], key: str, trace: bool
-                       ) -> Tuple[Dict[str, Verdict], Optional[Lease]]:
-        """A hand-over without reading /proc/locks: (verdicts, our lease if it is our turn).
+    def _amend(self, scan: Scan, closed: Set[str], departed: Set[str], before: Dict[str, Verdict]) -> Scan:
+        """SCAN (the last full look) as the events since say it is now, without reading
+        /proc/locks (see _after_release).
 
         That read costs ~8 ms when nothing read it in the last moment (the kernel waits out an
         RCU grace period first), most of a hand-over. So the last look stands, amended: the
@@ -705,7 +740,6 @@ class Acquirer:
         amendment costs a turn at most, never a device twice: should a closed lease still be
         held (someone only probed it), the flock says so and nothing is taken."""
         from .proc import exiting, state
-        from .schedule import GRANTED
 
         table = dict(scan.table)
         releasing = []
@@ -725,7 +759,7 @@ class Acquirer:
         for uuid, ident in releasing:
             holders = [pid for pid, _ex in table.pop(ident)]
             for _ in range(20):
-                if self.leases.free_now(uuid):
+                if self._vacant(uuid):
                     break
                 if all(state(pid) in (None, b"Z") for pid in holders):
                     # They have exited and it is held: taken again since (by whom, below)
@@ -736,11 +770,10 @@ class Acquirer:
                 table[ident] = [(pid, True) for pid in holders]
         if departed:
             # Runs that left the queue took devices free at the look or freed since (or gave
-            # up). Which: their locks say; a probe holds a lock for microseconds, and a taker
-            # that meets one decides again, as after any lost race. Who: the runs that left
-            # and still live (one that has exited since holds nothing: its device, if held,
-            # was taken by someone else), in their order of the last verdicts, each as many
-            # as it asked for.
+            # up). Which: their locks say (a probe holds a shared lock for microseconds; a
+            # taker that meets one tries again). Who: the runs that left and still live (one
+            # that has exited since holds nothing: its device, if held, was taken by someone
+            # else), in their order of the last verdicts, each as many as it asked for.
             takers = sorted((w for w in scan.waiters if w.key in departed and not exiting(w.pid)),
                             key=lambda w: before[w.key].position if w.key in before else len(before))
             slots = [w.pid for w in takers for _ in range(w.count)]
@@ -748,14 +781,21 @@ class Acquirer:
                 ident = self.leases.ident(uuid)
                 if ident is None or uuid in self.lost or (ident in table and table[ident][0][0] != UNKNOWN_HOLDER[0]):
                     continue
-                if self.leases.free_now(uuid):
+                if self._vacant(uuid):
                     table.pop(ident, None)
                 else:
                     table[ident] = [(slots.pop(0), True) if slots else UNKNOWN_HOLDER]
-        waiters = [w for w in scan.waiters if w.key not in departed]
-        queued = any(w.key == key for w in waiters)
+        return Scan([w for w in scan.waiters if w.key not in departed], table, scan.paths)
+
+    def _after_release(self, amended: Scan, me: Waiter, key: str, closed: Set[str], trace: bool
+                       ) -> Tuple[Dict[str, Verdict], Optional[Lease]]:
+        """A hand-over on an AMENDED look: (verdicts, our lease if it is our turn)."""
+        from .schedule import GRANTED
+
+        table = dict(amended.table)
+        queued = any(w.key == key for w in amended.waiters)
         for _ in range(3):
-            verdicts, free = self.decide(Scan(waiters, table, scan.paths), me, queued=queued)
+            verdicts, free = self.decide(Scan(amended.waiters, table, amended.paths), me, queued=queued)
             verdict = verdicts[key]
             if trace:
                 os.write(2, f"cudawrap[{os.getpid()}]: released {sorted(closed)} at {time.time():.3f}: {verdict.kind} "
@@ -806,6 +846,11 @@ class Acquirer:
                 poke(scan.paths[key])
 
 
+def _signature(scan: Scan) -> Tuple[int, FrozenSet[Tuple[Tuple[int, int], Tuple[Tuple[int, bool], ...]]]]:
+    """What a decision on SCAN depends on that events change: who waits, who holds what."""
+    return len(scan.waiters), frozenset((ident, tuple(locks)) for ident, locks in scan.table.items())
+
+
 def _amendments(events: List[Tuple[int, int, str]], world: List[int]
                 ) -> Optional[Tuple[Set[str], Set[str], bool]]:
     """(lease files closed, queue entries removed, poked) if that is all EVENTS say; None if
@@ -822,6 +867,12 @@ def _amendments(events: List[Tuple[int, int, str]], world: List[int]
     departed: Set[str] = set()
     poked = False
     for wd, mask, name in events:
+        if wd == world[0] and not name:
+            # The lease directory itself, listed (the monitor does, twice a second; so does
+            # every newcomer): a listing takes no lock and frees none. Read as "a lock may
+            # have been taken", it sent every watcher to a full look at once, all queued on
+            # /proc/locks, just as a device freed: a hand-over of ~50 ms.
+            continue
         if wd == world[0] and mask & (inotify.IN_CLOSE_WRITE | inotify.IN_CLOSE_NOWRITE):
             closed.add(name)
         elif wd == world[1] and mask & inotify.IN_DELETE and name.endswith(SUFFIX):

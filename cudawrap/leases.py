@@ -155,6 +155,15 @@ class LeaseFiles:
         self.unlock(uuid)
         return True
 
+    def unheld(self, uuid: str) -> bool:
+        """Whether nobody holds UUID's lease exclusively: a shared lock, tried and let go at
+        once. Unlike free_now, two such probes never meet: only a taker (exclusive) meets
+        one, and tries again (Acquirer._lock). A device held by sharers reads unheld."""
+        if not self.try_lock(uuid, fcntl.LOCK_SH):
+            return False
+        self.unlock(uuid)
+        return True
+
     def try_share(self, uuid: str, slots: int) -> bool:
         """Take a share of UUID: the shared lock on its lease file, then the exclusive lock on
         the first free of its SLOTS slot files. False (nothing held) if an exclusive run

@@ -173,11 +173,143 @@ def test_devices_taken_since_the_look_are_counted_for_the_runs_that_left_and_sti
         return decide(scan, *args, **kwargs)
 
     monkeypatch.setattr(acquirer, "decide", recorded)
-    _verdicts, lease = acquirer._after_release(look, me, set(UUIDS), {"a1", "b1"}, {}, "a3", False)
+    amended = acquirer._amend(look, set(UUIDS), {"a1", "b1"}, {})
+    _verdicts, lease = acquirer._after_release(amended, me, "a3", set(UUIDS), False)
     assert lease is not None and lease.uuids == [UUIDS[0]]  # the free one, ours
     assert seen[0] == {idents[1]: [(b1.pid, True)]}
     lease.release()
     end(b1)
+
+
+ACQUIRE = sys.modules["cudawrap.acquire"]  # (the package exports a function of that name)
+PROBE = HOLD.replace("fcntl.LOCK_EX", "fcntl.LOCK_SH")  # another watcher's probe, caught mid-probe
+
+
+def probe(path: str) -> subprocess.Popen:
+    """A process holding a shared lock on PATH, as a watcher's probe does for microseconds
+    (longer when it is preempted meanwhile), until its stdin closes."""
+    proc = subprocess.Popen([sys.executable, "-c", PROBE, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"held\n"
+    return proc
+
+
+def test_probes_of_a_lease_do_not_meet_and_a_holder_is_seen(runtime: Layout) -> None:
+    """Every watcher probes a freed lease on the same event: a probe must not read another's
+    as a taker. An exclusive probe (free_now) does; a shared one (unheld) does not, and
+    still sees a real holder."""
+    files = LeaseFiles(str(runtime.lease_dir))
+    other = probe(f"{runtime.lease_dir}/{UUIDS[0]}")
+    assert files.unheld(UUIDS[0])
+    assert not files.free_now(UUIDS[0])  # what the watchers used to ask: read as taken
+    end(other)
+    holder = hold(f"{runtime.lease_dir}/{UUIDS[0]}")
+    assert not files.unheld(UUIDS[0])
+    end(holder)
+    assert files.unheld(UUIDS[0]) and files.free_now(UUIDS[0])
+
+
+def amend_case(runtime: Layout, slots: int = 1):  # type: ignore[no-untyped-def]
+    """An acquirer, its lease files' idents, and a helper making Waiters."""
+    from cudawrap.schedule import Waiter
+
+    files = LeaseFiles(str(runtime.lease_dir))
+    acquirer = Acquirer(files, WaitQueue(str(runtime.queue_dir)), devices(), devices(), 1, refresh=lambda d: d)
+    acquirer.slots = {u: slots for u in UUIDS}
+
+    def waiter(key: str, pid: int) -> Waiter:
+        return Waiter(key, os.geteuid(), pid, 1, None, "spread", 300.0, time.time(), "?", 0, 100, False)
+
+    return acquirer, [files.ident(u) for u in UUIDS], waiter
+
+
+def test_a_lease_freed_while_another_watcher_probes_it_counts_free(runtime: Layout) -> None:
+    """The job on device 0 has ended; as this watcher amends its look, another watcher's
+    probe holds the lease. Read as a taker, that probe cost the run whose turn it was its
+    turn until the next full look (~100 ms in the benchmark burst): it counts free."""
+    acquirer, idents, waiter = amend_case(runtime)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    b1 = hold(f"{runtime.lease_dir}/{UUIDS[1]}")
+    look = waitqueue.Scan([waiter("a3", os.getpid())],
+                          {idents[0]: [(dead.pid, True)], idents[1]: [(b1.pid, True)]}, {})
+    other = probe(f"{runtime.lease_dir}/{UUIDS[0]}")
+    assert acquirer._amend(look, {UUIDS[0]}, set(), {}).table == {idents[1]: [(b1.pid, True)]}
+    end(other)
+    # Taken since by a real taker (an exclusive lock): held, by someone the look cannot name.
+    taker = hold(f"{runtime.lease_dir}/{UUIDS[0]}")
+    assert acquirer._amend(look, {UUIDS[0]}, set(), {}).table[idents[0]] == [ACQUIRE.UNKNOWN_HOLDER]
+    end(taker)
+    end(b1)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_device_a_run_that_left_may_have_taken_is_probed_as_its_locks_allow(runtime: Layout, slots: int) -> None:
+    """a1 left the queue; device 0 was free at the look. Only a shared lock on it: another
+    watcher's probe on a device of one slot (free), a sharer's share on a device of two
+    (a1 took a share: held)."""
+    acquirer, idents, waiter = amend_case(runtime, slots)
+    b1 = hold(f"{runtime.lease_dir}/{UUIDS[1]}")
+    a1 = subprocess.Popen(["sleep", "30"])
+    look = waitqueue.Scan([waiter("a1", a1.pid), waiter("a3", os.getpid())], {idents[1]: [(b1.pid, True)]}, {})
+    shared = probe(f"{runtime.lease_dir}/{UUIDS[0]}")
+    table = acquirer._amend(look, set(), {"a1"}, {}).table
+    assert table.get(idents[0]) == (None if slots == 1 else [(a1.pid, True)])
+    end(shared)
+    a1.kill()
+    a1.wait()
+    end(b1)
+
+
+def test_a_taker_that_meets_a_probe_tries_again(runtime: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run whose turn it is takes the lease just as the other watchers probe it: a lock
+    found held for a moment is tried again, and only one held throughout is lost."""
+    acquirer, _idents, _waiter = amend_case(runtime)
+    files = acquirer.leases
+    real = files.try_lock
+    tries: List[str] = []
+
+    def probed_meanwhile(uuid: str, *args):  # type: ignore[no-untyped-def]
+        tries.append(uuid)
+        return len(tries) >= ACQUIRE.PROBE_TRIES and real(uuid, *args)
+
+    monkeypatch.setattr(files, "try_lock", probed_meanwhile)
+    lease = acquirer._take([UUIDS[0]])
+    assert lease is not None and lease.uuids == [UUIDS[0]] and len(tries) == ACQUIRE.PROBE_TRIES
+    lease.release()
+    tries.clear()
+    monkeypatch.setattr(files, "try_lock", lambda uuid, *args: tries.append(uuid) and False)
+    assert acquirer._take([UUIDS[0]]) is None and len(tries) == ACQUIRE.PROBE_TRIES
+
+
+def test_events_that_change_nothing_are_not_decided_on(runtime: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that took its device closes every other lease file (held by running jobs): each
+    watcher amends its look on that and finds it unchanged. Deciding again on it anyway, the
+    eight watchers kept the CPU from the one whose turn it was."""
+    holders = [hold(f"{runtime.lease_dir}/{u}") for u in UUIDS]
+    lookers = [os.open(f"{runtime.lease_dir}/{u}", os.O_RDONLY) for _ in range(20) for u in UUIDS]
+    decided: List[float] = []
+    real = Acquirer.decide
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        decided.append(time.monotonic())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Acquirer, "decide", counted)
+    got: list = []
+    thread = waiter(runtime, got)
+    queued(runtime)
+    before = len(decided)
+    for fd in lookers:  # closed, not opened: an open means a full look
+        os.close(fd)
+        time.sleep(0.005)
+    time.sleep(0.1)
+    # At most one full look meanwhile (the head looks again every WATCH_S).
+    assert len(decided) - before <= 1 and got == []
+    end(holders[0])
+    thread.join(5)
+    assert got[0][1].uuids == [UUIDS[0]]
+    got[0][1].release()
+    end(holders[1])
 
 
 def test_closing_a_held_lease_file_frees_nothing(runtime: Layout) -> None:
@@ -249,6 +381,9 @@ CLOSE = inotify.IN_CLOSE_NOWRITE
     ([(LEASES, inotify.IN_CLOSE_WRITE, "GPU-a"), (QUEUE, inotify.IN_DELETE, "1.2.1sa.300.wait")],
      ({"GPU-a"}, {"1.2.1sa.300.wait"}, False)),
     ([(QUEUE, inotify.IN_CLOSE_WRITE, "1.2.1sa.300.wait"), (OWN, inotify.IN_OPEN, "")], (set(), set(), True)),
+    # The lease directory listed (the monitor, a newcomer): no lock taken, none freed.
+    ([(LEASES, inotify.IN_OPEN, ""), (LEASES, CLOSE, "")], (set(), set(), False)),
+    ([(LEASES, inotify.IN_OPEN, ""), (LEASES, CLOSE, "GPU-a"), (LEASES, CLOSE, "")], ({"GPU-a"}, set(), False)),
     ([(QUEUE, inotify.IN_DELETE, ".new-12-34")], None),  # a newcomer's temporary file: it arrives
     ([(LEASES, CLOSE, "GPU-a"), (LEASES, inotify.IN_OPEN, "GPU-b")], None),  # a lock may be taken
     ([(QUEUE, inotify.IN_CREATE, ".new-12-34")], None),  # a newcomer
