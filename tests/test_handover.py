@@ -298,13 +298,17 @@ def test_events_that_change_nothing_are_not_decided_on(runtime: Layout, monkeypa
     got: list = []
     thread = waiter(runtime, got)
     queued(runtime)
+    deadline = time.monotonic() + 5
+    while decided and time.monotonic() - decided[-1] < 0.3:  # its first looks are over
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     before = len(decided)
     for fd in lookers:  # closed, not opened: an open means a full look
         os.close(fd)
         time.sleep(0.005)
     time.sleep(0.1)
-    # At most one full look meanwhile (the head looks again every WATCH_S).
-    assert len(decided) - before <= 1 and got == []
+    # 40 closes; a full look or two meanwhile at most (the head looks again every WATCH_S).
+    assert len(decided) - before <= 2 and got == []
     end(holders[0])
     thread.join(5)
     assert got[0][1].uuids == [UUIDS[0]]
