@@ -157,6 +157,16 @@ class Install:
         }
 
 
+def monitor_nice(layout: Layout) -> int:
+    """The Nice= of the monitor's systemd unit as install.sh writes it (0 if it sets none)."""
+    from cudawrap.installation import render_monitor_unit
+
+    for line in render_monitor_unit(layout).splitlines():
+        if line.startswith("Nice="):
+            return int(line.split("=", 1)[1])
+    return 0
+
+
 class Sim:
     """One simulated machine with cudawrap installed and every tool ready to launch."""
 
@@ -241,8 +251,9 @@ class Sim:
             snap.unlink()
         except FileNotFoundError:
             pass
-        proc = subprocess.Popen([self.install.cudawrap, "monitor"], env=self.machine.environ(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # At the priority the installed service gives it (its unit's Nice=), as root runs it.
+        proc = subprocess.Popen(["nice", "-n", str(monitor_nice(self.layout)), self.install.cudawrap, "monitor"],
+                                env=self.machine.environ(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.monitor_pid = proc.pid
         try:
             deadline = time.monotonic() + 60
