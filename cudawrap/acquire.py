@@ -15,6 +15,7 @@ by the others, its user for STALL_S, so nobody can hold others up for longer tha
 """
 from __future__ import annotations
 
+import fcntl  # (leases.py has loaded it: free on the shim path)
 import os
 import time
 
@@ -390,18 +391,16 @@ class Acquirer:
     def _vacant(self, uuid: str) -> bool:
         """Whether nobody holds UUID, as the watchers ask it all at once as a lease frees.
 
-        A device of one slot is only ever locked exclusively: probed shared (LeaseFiles.unheld),
-        the watchers' probes never meet, where exclusive ones did, each reading another's
+        A device of one slot is only ever locked exclusively: probed shared (LeaseFiles.free_now
+        with LOCK_SH), the watchers' probes never meet, where exclusive ones did, each reading another's
         probe as a taker (and the run whose turn it was lost it until the next full look,
         ~100 ms). A device shared in slots needs the exclusive probe (its sharers hold shared
         locks)."""
-        if self.slots.get(uuid, 1) > 1:
-            return self.leases.free_now(uuid)
-        return self.leases.unheld(uuid)
+        return self.leases.free_now(uuid, fcntl.LOCK_EX if self.slots.get(uuid, 1) > 1 else fcntl.LOCK_SH)
 
     def _lock(self, uuid: str) -> bool:
         """UUID's lease, tried a few times over a millisecond: the watchers probe a lease as
-        it frees (LeaseFiles.unheld), just as the run whose turn it is takes it, each probe
+        it frees (_vacant), just as the run whose turn it is takes it, each probe
         holding a shared lock for microseconds. One try would lose that run its turn to a
         probe, and ~100 ms until the next full look."""
         for _ in range(PROBE_TRIES - 1):
@@ -698,14 +697,15 @@ class Acquirer:
                     released |= seen[0]
                     departed |= seen[1]
                     amended = self._amend(scan, released, departed, verdicts)
-                    if _signature(amended) == decided_on:
+                    signature = _signature(amended)
+                    if signature == decided_on:
                         # Nothing freed, taken or left since the verdicts (a run that took its
                         # device closing the other lease files, a holder's probe): they stand.
                         # Eight watchers deciding again on each such event kept the one whose
                         # turn it was off the CPU for milliseconds.
                         pending = pending or seen[2]
                         continue
-                    decided_on = _signature(amended)
+                    decided_on = signature
                     verdicts, outcome = self._after_release(amended, me, entry.name, released, trace)
                     if outcome is not None:
                         self._hand_over(verdicts, scan, entry.name)

@@ -147,19 +147,14 @@ class LeaseFiles:
             return False
         return True
 
-    def free_now(self, uuid: str) -> bool:
+    def free_now(self, uuid: str, how: int = fcntl.LOCK_EX) -> bool:
         """Whether nobody holds UUID's lease: its lock, tried and let go at once (it is held
-        for microseconds; a taker meeting it decides again, as after any lost race)."""
-        if not self.try_lock(uuid):
-            return False
-        self.unlock(uuid)
-        return True
+        for microseconds; a taker meeting it tries again, Acquirer._lock).
 
-    def unheld(self, uuid: str) -> bool:
-        """Whether nobody holds UUID's lease exclusively: a shared lock, tried and let go at
-        once. Unlike free_now, two such probes never meet: only a taker (exclusive) meets
-        one, and tries again (Acquirer._lock). A device held by sharers reads unheld."""
-        if not self.try_lock(uuid, fcntl.LOCK_SH):
+        HOW = LOCK_SH asks only whether nobody holds it exclusively: two such probes never
+        meet, where exclusive ones read each other as holders. A device held by sharers
+        reads free that way."""
+        if not self.try_lock(uuid, how):
             return False
         self.unlock(uuid)
         return True

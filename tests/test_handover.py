@@ -6,6 +6,7 @@ trusts instead is tested here: only a holder that is really gone frees a lease (
 closes every lease file it looked at), the kernel's flock decides every take, and anything
 the events cannot amend (a newcomer, a lease file opened, a cancel) means a full look.
 """
+import fcntl
 import os
 import signal
 import subprocess
@@ -195,17 +196,17 @@ def probe(path: str) -> subprocess.Popen:
 
 def test_probes_of_a_lease_do_not_meet_and_a_holder_is_seen(runtime: Layout) -> None:
     """Every watcher probes a freed lease on the same event: a probe must not read another's
-    as a taker. An exclusive probe (free_now) does; a shared one (unheld) does not, and
+    as a taker. An exclusive probe (free_now) does; a shared one (LOCK_SH) does not, and
     still sees a real holder."""
     files = LeaseFiles(str(runtime.lease_dir))
     other = probe(f"{runtime.lease_dir}/{UUIDS[0]}")
-    assert files.unheld(UUIDS[0])
+    assert files.free_now(UUIDS[0], fcntl.LOCK_SH)
     assert not files.free_now(UUIDS[0])  # what the watchers used to ask: read as taken
     end(other)
     holder = hold(f"{runtime.lease_dir}/{UUIDS[0]}")
-    assert not files.unheld(UUIDS[0])
+    assert not files.free_now(UUIDS[0], fcntl.LOCK_SH)
     end(holder)
-    assert files.unheld(UUIDS[0]) and files.free_now(UUIDS[0])
+    assert files.free_now(UUIDS[0], fcntl.LOCK_SH) and files.free_now(UUIDS[0])
 
 
 def amend_case(runtime: Layout, slots: int = 1):  # type: ignore[no-untyped-def]
