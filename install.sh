@@ -201,6 +201,7 @@ closed() { # why other users cannot run $pyreal, from probe's $blocked
 }
 
 joined() { # ITEM...: the items separated by "; "
+    [ $# -gt 0 ] || return 0
     local out=$1
     shift
     for item in "$@"; do out+="; $item"; done
@@ -228,14 +229,18 @@ else
     reasons=() fallback="" chosen=""
     path_py=$(command -v python3 || true)
     [ -n "$path_py" ] || reasons+=("no python3 on PATH")
-    for py in ${path_py:+"$path_py"} "$SYSTEM_PYTHON"; do
-        if [ "$py" = "$SYSTEM_PYTHON" ]; then
-            [ -n "$path_py" ] && [ "$path_py" -ef "$py" ] && continue  # the same file, tried already
-            if [ ! -e "$py" ]; then
-                reasons+=("no $SYSTEM_PYTHON")
-                continue
-            fi
-        fi
+    # sudo's stock PATH finds the system's python3 itself: one candidate then, not none (the
+    # same path twice was skipped twice as "tried already").
+    candidates=()
+    [ -z "$path_py" ] || candidates+=("$path_py")
+    if [ -n "$path_py" ] && [ "$path_py" -ef "$SYSTEM_PYTHON" ]; then
+        :  # the same file as python3 on PATH: tried once, above
+    elif [ -e "$SYSTEM_PYTHON" ]; then
+        candidates+=("$SYSTEM_PYTHON")
+    else
+        reasons+=("no $SYSTEM_PYTHON")
+    fi
+    for py in ${candidates[@]+"${candidates[@]}"}; do
         if ! probe "$py"; then
             reasons+=("$why")
             continue

@@ -47,6 +47,11 @@ def install_sh(*args: str, env: Optional[Dict[str, str]] = None, cwd: Optional[P
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
 
 
+# The PATH `sudo` gives on a stock Debian/Ubuntu server (secure_path): python3 there is the
+# system's /usr/bin/python3 itself, a case install.sh once failed on (issue 28).
+STOCK_SUDO_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
 def clean_env(base: Optional[Dict[str, str]] = None, **extra: str) -> Dict[str, str]:
     """BASE (default os.environ) without anything that points cudawrap or Python elsewhere."""
     env = dict(os.environ if base is None else base)

@@ -27,7 +27,7 @@ from cudawrap.installation import (
 )
 from cudawrap.manpages import PAGES, man_path, render as render_man
 from fakemachine import FAKECUDA, LIBNAME, FakeMachine
-from installfix import INSTALL_SH, SOURCE, clean_env, install_sh, snapshot, wheel_args
+from installfix import INSTALL_SH, SOURCE, STOCK_SUDO_PATH, clean_env, install_sh, snapshot, wheel_args
 
 PACKAGING = SOURCE / "packaging"
 IS_ROOT = os.geteuid() == 0
@@ -218,7 +218,10 @@ def test_readme_try_it_without_a_gpu_works_as_written(tmp_path, wheelhouse):
     script = script.replace("/tmp/", f"{tmp_path}/")
     if wheelhouse:
         script = script.replace("./install.sh ", f"./install.sh --wheelhouse {wheelhouse} ", 1)
-    r = subprocess.run(["bash", "-e", "-c", script], cwd=SOURCE, env=clean_env(), stdin=subprocess.DEVNULL,
+    # Under the stock PATH of a Debian/Ubuntu server, as a new admin runs it: python3 is then
+    # the system's own, the case that once failed (issue 28), whatever this machine's PATH.
+    r = subprocess.run(["bash", "-e", "-c", script], cwd=SOURCE, env=clean_env(PATH=STOCK_SUDO_PATH),
+                       stdin=subprocess.DEVNULL,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "exit 75" in r.stdout
@@ -536,7 +539,10 @@ def test_system_install_wrap_run_as_user_uninstall(public_dir, fakenvml_lib, whe
     original = prog.read_bytes()
     installed = False
     try:
-        r = install_sh("--python", python, *wheel_args(wheelhouse), env=env)
+        # README's command as written, `sudo ./install.sh`: no --python, sudo's stock PATH, so
+        # install.sh finds the system's python3 by itself.
+        assert shutil.which("python3", path=STOCK_SUDO_PATH) == python
+        r = install_sh(*wheel_args(wheelhouse), env=dict(env, PATH=STOCK_SUDO_PATH))
         installed = True
         assert r.returncode == 0, r.stdout + r.stderr
         assert os.readlink(system.bin_dir / "cudawrap") == str(system.venv_dir / "bin" / "cudawrap")
