@@ -48,6 +48,10 @@ deb:
 	tar -cf - --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./dist \
 		--exclude='*.egg-info' --exclude=__pycache__ --exclude=./.pytest_cache --exclude=./.whl \
 		--exclude=./bench/results . | tar -C build/deb/cudawrap -xf -
+	# The commit, for `cudawrap --version` (debian/rules reads it; the copy has no .git).
+	-commit=$$(git -c safe.directory="$(CURDIR)" rev-parse --short=12 HEAD 2>/dev/null) && \
+		if [ -n "$$(git -c safe.directory="$(CURDIR)" status --porcelain --untracked-files=no)" ]; then \
+		commit="$$commit with uncommitted changes"; fi && echo "$$commit" > build/deb/cudawrap/debian/build-commit
 	cd build/deb/cudawrap && dpkg-buildpackage -b -us -uc
 	cp build/deb/cudawrap_*.deb dist/
 	@ls dist/cudawrap_*.deb

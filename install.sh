@@ -3,7 +3,7 @@
 #
 #   sudo ./install.sh                      system install (root /)
 #   ./install.sh --prefix DIR              everything under DIR, no root needed
-#   sudo ./install.sh --uninstall [--unwrap-all]
+#   sudo ./install.sh --uninstall [--unwrap-all | --keep-wraps]
 #
 # This half makes a private virtual environment and pip-installs the package into it;
 # `python -m cudawrap.installation` (cudawrap/installation.py) does the rest from there,
@@ -33,7 +33,7 @@ die() {
 usage() {
     cat <<'EOF'
 Usage: ./install.sh [--prefix DIR] [--python PATH] [--wheelhouse DIR] [--with-plot]
-       ./install.sh --uninstall [--unwrap-all] [--prefix DIR]
+       ./install.sh --uninstall [--unwrap-all | --keep-wraps] [--prefix DIR]
 
 Install cudawrap from this source directory, or upgrade an existing install in place
 (wrapped programs keep working, the shim is refreshed, the config file is kept).
@@ -48,12 +48,16 @@ Install cudawrap from this source directory, or upgrade an existing install in p
   --with-plot       also install matplotlib, for `cudawrap usage --plot FILE.png`
   --uninstall       remove what install.sh installed; refused while programs are wrapped
   --unwrap-all      with --uninstall: run `cudawrap unwrap --all` first
+  --keep-wraps      with --uninstall, to move to the Debian package: keep the wrapped
+                    programs, the registry, the config and the leases for it (they
+                    cannot start until `apt-get install ./cudawrap_VERSION_all.deb`)
   -h, --help        show this help
 
 Exit codes: 0 done (also when no NVIDIA driver was found: that is a warning),
 64 bad option, 65 programs still wrapped, 66 nothing to uninstall or no such file,
-69 no suitable Python (or no venv module), 70 the installed package is incomplete,
-73 cannot write there, 74 a file could not be written or removed, 77 not root,
+69 no suitable Python (or no venv module), 70 the installed package is incomplete
+(or too old for --keep-wraps), 73 cannot write there, 74 a file could not be written
+or removed, 75 a `cudawrap monitor --daemon` did not stop, 77 not root,
 1 pip or venv creation failed; other codes are those of `cudawrap sync` or `cudawrap unwrap`.
 EOF
 }
@@ -64,7 +68,7 @@ need_value() { # OPTION COUNT VALUE
     fi
 }
 
-prefix="" python="" wheelhouse="" action=install unwrap_all=0 prefix_given=0 extras=""
+prefix="" python="" wheelhouse="" action=install unwrap_all=0 keep_wraps=0 prefix_given=0 extras=""
 while [ $# -gt 0 ]; do
     case $1 in
         -h | --help) usage; exit 0 ;;
@@ -77,12 +81,18 @@ while [ $# -gt 0 ]; do
         --with-plot) extras="[plot]"; shift ;;
         --uninstall) action=uninstall; shift ;;
         --unwrap-all) unwrap_all=1; shift ;;
+        --keep-wraps) keep_wraps=1; shift ;;
         -*) die $EX_USAGE "unknown option '$1' (see ./install.sh --help)" ;;
         *) die $EX_USAGE "unexpected argument '$1' (see ./install.sh --help)" ;;
     esac
 done
-if [ "$unwrap_all" = 1 ] && [ "$action" != uninstall ]; then
-    die $EX_USAGE "--unwrap-all goes with --uninstall (see ./install.sh --help)"
+for flag in unwrap_all keep_wraps; do
+    if [ "${!flag}" = 1 ] && [ "$action" != uninstall ]; then
+        die $EX_USAGE "--${flag/_/-} goes with --uninstall (see ./install.sh --help)"
+    fi
+done
+if [ "$unwrap_all" = 1 ] && [ "$keep_wraps" = 1 ]; then
+    die $EX_USAGE "--unwrap-all and --keep-wraps exclude each other: unwrap the programs, or keep them for the Debian package"
 fi
 if [ "$action" = uninstall ] && { [ -n "$python" ] || [ -n "$wheelhouse" ]; }; then
     die $EX_USAGE "--python and --wheelhouse are for installing, not with --uninstall"
@@ -114,6 +124,15 @@ if [ "$action" = uninstall ]; then
     step "uninstalling cudawrap from $root"
     args=(uninstall --root "$root")
     [ "$unwrap_all" = 1 ] && args+=(--unwrap-all)
+    if [ "$keep_wraps" = 1 ]; then
+        # The installed package's own code does the uninstall: one from before --keep-wraps
+        # would refuse the switch only after its usage text.
+        case $("$vpy" -I -m cudawrap.installation uninstall --help 2>/dev/null || true) in
+            *--keep-wraps*) ;;
+            *) die $EX_SOFTWARE "the cudawrap installed in $root predates --keep-wraps: upgrade it first ('sudo ./install.sh' from this source), then run this again" ;;
+        esac
+        args+=(--keep-wraps)
+    fi
     cd /  # the venv is about to go away; do not sit in it
     "$vpy" -I -m cudawrap.installation "${args[@]}"
     exit 0
@@ -348,10 +367,21 @@ else
     warn "could not build the client wheel for users (pip wheel: $(tail -n 1 "$tmp/wheel.log")); the install goes on without it"
 fi
 
+# Which build this is, for `cudawrap --version` and doctor: the checkout's commit (git is
+# asked once, here), and the day of the install.
+build="installed $(date -u +%Y-%m-%d)"
+if [ -e "$SRC/.git" ] && command -v git >/dev/null 2>&1 &&
+    commit=$(git -c safe.directory="$SRC" -C "$SRC" rev-parse --short=12 HEAD 2>/dev/null); then
+    if [ -n "$(git -c safe.directory="$SRC" -C "$SRC" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+        commit+=" with uncommitted changes"
+    fi
+    build="commit $commit, $build"
+fi
+
 # ---- the rest, from the installed package -------------------------------------------------
 created_args=()
 for dir in ${created[@]+"${created[@]}"}; do created_args+=(--created "$dir"); done
-(cd "$tmp" && "$vpy" -I -m cudawrap.installation install --root "$root" --python "$vpy" --source "$SRC" \
+(cd "$tmp" && "$vpy" -I -m cudawrap.installation install --root "$root" --python "$vpy" --source "$SRC" --build "$build" \
     ${created_args[@]+"${created_args[@]}"} ${wheel_args[@]+"${wheel_args[@]}"}) || exit $?
 
 step "cudawrap sync: a lease file for every GPU and MIG instance"

@@ -46,6 +46,34 @@ def running(pid_file: str) -> Optional[int]:
         os.close(fd)
 
 
+def stop(pid_file: str, wait_s: float = 10.0) -> Optional[int]:
+    """End the live daemon holding PID_FILE and wait until it has; its pid, or None if none ran.
+
+    The pid is signalled only while the pid file's lock is held, so it is the daemon's and
+    not a reused one. A daemon still alive after WAIT_S seconds raises TimeoutError; one
+    whose pid cannot be read (-1 from running) raises ProcessLookupError.
+    """
+    import signal
+    import time
+
+    pid = running(pid_file)
+    if pid is None:
+        return None
+    if pid < 0:
+        raise ProcessLookupError(f"{pid_file} is locked but holds no pid")
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return pid  # gone between the look and the signal
+    deadline = time.monotonic() + wait_s
+    # The kernel drops the lock when the process ends: that, not the pid, says it is gone.
+    while running(pid_file) is not None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {pid} did not exit within {wait_s:g} s of SIGTERM")
+        time.sleep(0.02)
+    return pid
+
+
 def detach(pid_file: str, log_file: str) -> int:
     """Fork into the background; returns in the daemon only (the caller's process exits 0).
 

@@ -91,6 +91,12 @@ class _Doctor:
 
         return fix
 
+    def check_version(self) -> None:
+        """Which build runs: the commit or date install.sh or the .deb recorded, if any."""
+        from .paths import version_text
+
+        self.add(LEVEL_OK, "version", f"cudawrap {version_text()}")
+
     def check_shim(self) -> None:
         shim = os.fspath(self.layout.shim)
         subject = "shim"
@@ -420,6 +426,7 @@ def check(
     """Every finding about LAYOUT; with REPAIR (admins only), fix what can be fixed."""
     doctor = _Doctor(layout, repair, Dpkg.from_environment() if dpkg is None else dpkg,
                      os.environ if environ is None else environ)
+    doctor.check_version()
     doctor.check_shim()
     doctor.check_config()
     doctor.check_runtime()

@@ -135,6 +135,21 @@ def prepare(layout: Layout, python: str = sys.executable) -> None:
     _dir(layout.shim_dir, 0o755)
 
 
+def prepare_package(layout: Layout, python: str) -> None:
+    """The .deb's postinst: prepare, then the wrapped programs' own shims (an upgrade, or
+    programs handed over by `install.sh --uninstall --keep-wraps`)."""
+    prepare(layout, python)
+    refresh_program_shims(layout, _package_say)
+
+
+def _package_say(line: str) -> None:
+    """A step or warning of the .deb's maintainer scripts, which speak as `cudawrap:`."""
+    if line.startswith("==> "):
+        print(f"cudawrap: {line[4:]}", flush=True)
+    else:
+        print(line.replace(f"{PROG}: ", "cudawrap: ", 1), file=sys.stderr, flush=True)
+
+
 # --- install.sh's second half -----------------------------------------------------------
 #
 # install.sh makes the virtual environment and pip-installs the package into it, then runs
@@ -421,7 +436,7 @@ def check_command_links(layout: Layout) -> None:
 
 
 def install(layout: Layout, python: str, source: Optional[Path], created: List[Path],
-            say: Callable[[str], None] = _say, wheel: Optional[Path] = None) -> None:
+            say: Callable[[str], None] = _say, wheel: Optional[Path] = None, build: str = "") -> None:
     """Everything after pip: the install root, config, boot files, commands on PATH.
 
     CREATED are the directories install.sh made for the virtual environment. Idempotent:
@@ -436,12 +451,36 @@ def install(layout: Layout, python: str, source: Optional[Path], created: List[P
     manifest.add(TREE, layout.venv_dir)
     try:
         _install(layout, python, source, manifest, say)
+        if build:
+            write_build(layout, build)
+            say(f"==> build: {build} (`cudawrap --version` and `cudawrap doctor` show it)")
         if wheel is not None:
             _install_wheel(layout, wheel, manifest, say)
     finally:
         if layout.state_dir.is_dir():
             manifest.save(layout)
     say(f"==> {'upgraded' if upgrade else 'installed'} cudawrap {__version__} in {layout.root}")
+
+
+def refresh_program_shims(layout: Layout, say: Callable[[str], None]) -> None:
+    """An upgrade: each wrapped program's own shim, rewritten for this version."""
+    from .errors import CudawrapError
+    from .wrap import refresh_shims
+
+    try:
+        for done in refresh_shims(layout):
+            say(f"==> {done}")
+    except (CudawrapError, OSError) as exc:
+        why = exc.message if isinstance(exc, CudawrapError) else exc.strerror
+        say(f"{PROG}: warning: the wrapped programs' shims were not refreshed ({why}); "
+            "run `cudawrap doctor --repair` once that is fixed")
+
+
+def write_build(layout: Layout, build: str) -> None:
+    """Record which build this install is (the source's commit, the date) in its venv."""
+    from .paths import BUILD_MARKER
+
+    _write_text(layout.venv_dir / BUILD_MARKER, build.strip() + "\n")
 
 
 def _install(layout: Layout, python: str, source: Optional[Path], manifest: Manifest,
@@ -459,16 +498,7 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
     if not shim_existed:
         manifest.add(FILE, layout.shim)
     say(f"==> shim {layout.shim} (interpreter {python}, version {shim_version(layout.shim)})")
-    from .errors import CudawrapError
-    from .wrap import refresh_shims
-
-    try:
-        for done in refresh_shims(layout):  # an upgrade: each wrapped program's own shim
-            say(f"==> {done}")
-    except (CudawrapError, OSError) as exc:
-        why = exc.message if isinstance(exc, CudawrapError) else exc.strerror
-        say(f"{PROG}: warning: the wrapped programs' shims were not refreshed ({why}); "
-            "run `cudawrap doctor --repair` once that is fixed")
+    refresh_program_shims(layout, say)
 
     config = layout.config_file
     if os.path.lexists(config):
@@ -584,8 +614,34 @@ def _wrapped(layout: Layout, environ: Dict[str, str]) -> List[str]:
     return [row["link"] for row in json.loads(done.stdout)]
 
 
-def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _say) -> None:
-    """Remove what the manifest records; refuse while programs are wrapped (unless UNWRAP_ALL)."""
+def stop_monitor(layout: Layout, say: Callable[[str], None] = _say, why: str = "") -> None:
+    """Stop a `cudawrap monitor --daemon` of LAYOUT (it would recreate the runtime area), and say so."""
+    from . import locations as loc
+    from .daemon import stop
+
+    pid_file = loc.under(str(layout.root), loc.MONITOR_PID)
+    try:
+        pid = stop(pid_file)
+    except (ProcessLookupError, TimeoutError) as exc:
+        raise InstallError(f"cannot stop `cudawrap monitor --daemon` ({pid_file}): {exc}; stop it "
+                           f"yourself, then run this again", 75) from None
+    if pid is not None:
+        say(f"==> stopped `cudawrap monitor --daemon` (pid {pid}){why}")
+
+
+# What --keep-wraps leaves for the Debian package, which takes over the same layout.
+def _handed_over(layout: Layout) -> List[Path]:
+    return [layout.state_dir, layout.runtime_dir, layout.config_file, layout.shim]
+
+
+def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _say,
+              keep_wraps: bool = False) -> None:
+    """Remove what the manifest records; refuse while programs are wrapped (unless UNWRAP_ALL).
+
+    KEEP_WRAPS is the move to the Debian package: the wrapped programs, their shims, the
+    registry and state, the configuration and the runtime area (the leases of running
+    programs) stay for the package, which installs the same layout.
+    """
     import shutil
     import subprocess
 
@@ -595,11 +651,12 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
                            f"in {layout.root} by install.sh", 66)
     environ = dict(os.environ, CUDAWRAP_ROOT=str(layout.root))
     wrapped = _wrapped(layout, environ)
-    if wrapped and not unwrap_all:
+    if wrapped and not (unwrap_all or keep_wraps):
         raise InstallError(
-            f"{len(wrapped)} program(s) still wrapped: {', '.join(wrapped)}; unwrap them "
-            f"(cudawrap unwrap --all), or run install.sh --uninstall --unwrap-all", 65)
-    if wrapped:
+            f"{len(wrapped)} program(s) still wrapped: {', '.join(wrapped)}; unwrap them with install.sh "
+            f"--uninstall --unwrap-all, or, moving to the Debian package, keep them for it with "
+            f"install.sh --uninstall --keep-wraps", 65)
+    if wrapped and unwrap_all:
         say(f"==> unwrapping {len(wrapped)} program(s)")
         done = subprocess.run([str(layout.venv_dir / "bin" / "cudawrap"), "unwrap", "--all"], env=environ)
         left = _wrapped(layout, environ)
@@ -621,12 +678,17 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
         if done.returncode != 0:
             say(f"install.sh: warning: `cudawrap mps stop` failed (exit {done.returncode}); "
                 f"MPS control daemons may still run")
+    stop_monitor(layout, say, " (once the package is installed, start it again where systemd does not run)"
+                 if keep_wraps else "")
 
     allowed_trees = {str(layout.venv_dir), str(layout.state_dir), str(layout.runtime_dir)}
     root = str(layout.root).rstrip("/") + "/"
+    kept = {str(p) for p in _handed_over(layout)} if keep_wraps else set()
 
     def remove(entry: Dict[str, str]) -> None:
         kind, path = entry.get("kind"), Path(entry["path"])
+        if str(path) in kept:
+            return
         if not (str(path).startswith(root) or str(path) == str(layout.root)):
             say(f"install.sh: warning: {path} is outside {layout.root}; left alone")
             return
@@ -677,7 +739,14 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
         remove(entry)
     if systemd_running(layout):
         _systemctl("daemon-reload")
-    say(f"==> removed cudawrap from {layout.root}")
+    if not keep_wraps:
+        say(f"==> removed cudawrap from {layout.root}")
+        return
+    say(f"==> removed install.sh's cudawrap from {layout.root}, keeping for the Debian package: the wrapped "
+        f"programs and their shims ({layout.shim_dir}), {layout.state_dir} (registry, drains, ledger), "
+        f"{layout.config_file} and {layout.runtime_dir} (the leases of running programs)")
+    say("==> wrapped programs cannot start until the package is installed: now run "
+        "`sudo apt-get install ./cudawrap_VERSION_all.deb` (or `sudo ./install.sh` to go back)")
 
 
 COMPLETION_HEADER = """\
@@ -734,6 +803,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     inst.add_argument("--created", type=Path, action="append", default=[],
                       help="a directory install.sh created for the virtual environment")
     inst.add_argument("--wheel", type=Path, help="the client wheel to leave for users")
+    inst.add_argument("--build", default="", help="which build this is (commit, date), for --version")
     prep = sub.add_parser("prepare", help="directories, runtime area and shim of an install root (the .deb's "
                                            "postinst)")
     prep.add_argument("--root", required=True, type=Path)
@@ -741,6 +811,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     rem = sub.add_parser("uninstall")
     rem.add_argument("--root", required=True, type=Path)
     rem.add_argument("--unwrap-all", action="store_true")
+    rem.add_argument("--keep-wraps", action="store_true",
+                     help="keep the wrapped programs, registry and config for the Debian package")
+    stopper = sub.add_parser("stop-monitor", help="stop a `cudawrap monitor --daemon` (the .deb's prerm)")
+    stopper.add_argument("--root", required=True, type=Path)
     renderers = {
         "render-config": "the commented default configuration",
         "render-completion": "packaging/cudawrap.bash-completion",
@@ -759,20 +833,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.stdout.write(_render(args.action, Layout(args.root.absolute())))
         return 0
     layout = Layout(args.root.absolute())
-    if args.action == "prepare":
-        prepare(layout, args.python)
-        return 0
+    who = "cudawrap" if args.action in ("prepare", "stop-monitor") else PROG  # the .deb's scripts
     try:
-        if args.action == "install":
-            install(layout, args.python, args.source, args.created, wheel=args.wheel)
+        if args.action == "prepare":
+            prepare_package(layout, args.python)
+        elif args.action == "install":
+            install(layout, args.python, args.source, args.created, wheel=args.wheel, build=args.build)
+        elif args.action == "stop-monitor":
+            stop_monitor(layout, _package_say)
         else:
-            uninstall(layout, args.unwrap_all)
+            uninstall(layout, args.unwrap_all, keep_wraps=args.keep_wraps)
     except InstallError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{who}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:
         where = f" {exc.filename}" if exc.filename else ""
-        print(f"{PROG}: error:{where}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"{who}: error:{where}: {exc.strerror or exc}", file=sys.stderr)
         return 74
     sys.stdout.flush()
     return 0

@@ -17,6 +17,9 @@ from . import locations as loc
 # install.sh writes the root here, inside the private virtual environment, so the CLI
 # entry points know where they were installed without any environment variable.
 ROOT_MARKER = "cudawrap-root"
+# Which build is installed (the source's commit, the install or build date), beside it:
+# written once by install.sh or the .deb's build, read by --version and doctor.
+BUILD_MARKER = "cudawrap-build"
 REAL_PREFIX = loc.REAL_PREFIX
 # Room for a temporary name's prefix and the digest within NAME_MAX (255 bytes).
 SHIM_NAME_BYTES = 200
@@ -135,6 +138,22 @@ def installed_root() -> Optional[Path]:
     except OSError:
         return None
     return Path(text) if text else None
+
+
+def installed_build() -> str:
+    """What install.sh or the .deb recorded about the running build ("" if nothing)."""
+    try:
+        return (Path(sys.prefix) / BUILD_MARKER).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def version_text() -> str:
+    """The version, with the installed build when one was recorded: `0.1.0 (commit …, installed …)`."""
+    from . import __version__
+
+    build = installed_build()
+    return f"{__version__} ({build})" if build else __version__
 
 
 def default_layout() -> Layout:

@@ -62,6 +62,22 @@ def clean_env(base: Optional[Dict[str, str]] = None, **extra: str) -> Dict[str, 
     return env
 
 
+def source_commit() -> Optional[str]:
+    """The checkout's commit as install.sh and `make deb` record it; None outside a git checkout."""
+    done = subprocess.run(["git", "-c", f"safe.directory={SOURCE}", "-C", str(SOURCE), "rev-parse", "--short=12",
+                           "HEAD"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return done.stdout.strip() if done.returncode == 0 and (SOURCE / ".git").exists() else None
+
+
+def process_gone(pid: int) -> bool:
+    """Whether PID has exited (a zombie nobody reaped yet counts: it runs no code)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def wheel_args(wheelhouse: Optional[Path]) -> List[str]:
     return ["--wheelhouse", str(wheelhouse)] if wheelhouse else []
 

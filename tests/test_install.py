@@ -15,7 +15,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import pytest
 
@@ -27,7 +27,11 @@ from cudawrap.installation import (
 )
 from cudawrap.manpages import PAGES, man_path, render as render_man
 from fakemachine import FAKECUDA, LIBNAME, FakeMachine
-from installfix import INSTALL_SH, SOURCE, STOCK_SUDO_PATH, clean_env, install_sh, snapshot, wheel_args
+from cudawrap.daemon import running
+from cudawrap import locations as loc
+from installfix import (
+    INSTALL_SH, SOURCE, STOCK_SUDO_PATH, clean_env, install_sh, process_gone, snapshot, source_commit, wheel_args,
+)
 
 PACKAGING = SOURCE / "packaging"
 IS_ROOT = os.geteuid() == 0
@@ -136,6 +140,7 @@ def test_prefix_install_wrap_upgrade_uninstall(tmp_path, machine, wheelhouse):
     r = run(cudawrap, "config", "--json", env=env)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["config_file"] == str(layout.config_file)
+    assert_build_shown(cudawrap, env, "installed")
 
     # Wrap the stand-in with the prefix's create-cudawrap and run it on the simulated machine.
     prog = stand_in(tmp_path / "apps" / "recon")
@@ -170,19 +175,52 @@ def test_prefix_install_wrap_upgrade_uninstall(tmp_path, machine, wheelhouse):
     assert r.returncode == 0, r.stderr
     layout.config_file.write_bytes(written)  # as installed again: the uninstall may remove it
 
-    # Uninstall refuses while a program is wrapped, and changes nothing.
+    # Uninstall refuses while a program is wrapped, and changes nothing; it names both ways on.
     before = snapshot(prefix)
     r = install_sh("--uninstall", "--prefix", str(prefix), env=env)
-    one_error(r, 65, "1 program(s) still wrapped", str(prog), "--unwrap-all")
+    one_error(r, 65, "1 program(s) still wrapped", str(prog), "--uninstall --unwrap-all",
+              "--uninstall --keep-wraps")
     assert snapshot(prefix) == before
 
+    # A monitor started without systemd is stopped by the uninstall (it would recreate run/cudawrap).
+    pid = start_monitor_daemon(cudawrap, layout, env)
+
     # --unwrap-all: the real program is back under its name, byte for byte; nothing is left.
-    r = install_sh("--uninstall", "--unwrap-all", "--prefix", str(prefix), env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        r = install_sh("--uninstall", "--unwrap-all", "--prefix", str(prefix), env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"==> stopped `cudawrap monitor --daemon` (pid {pid})" in r.stdout
+        assert process_gone(pid)
+    finally:
+        if not process_gone(pid):
+            os.kill(pid, 9)
     assert not prefix.exists(), snapshot(prefix)
     assert not prog.is_symlink() and prog.read_bytes() == original
     assert stat.S_IMODE(prog.stat().st_mode) == mode
     assert os.listdir(prog.parent) == ["recon"]
+
+
+def assert_build_shown(cudawrap: Path, env: dict, when: str) -> None:
+    """`cudawrap --version` and doctor name the build: the checkout's commit and WHEN's date."""
+    commit = source_commit()
+    r = run(cudawrap, "--version", env=env)
+    assert r.returncode == 0, r.stderr
+    if commit:
+        assert re.search(rf"^cudawrap {re.escape(__version__)} \(commit {commit}(?: with uncommitted changes)?, "
+                         rf"{when} \d{{4}}-\d\d-\d\d\)$", r.stdout.strip()), r.stdout
+    else:
+        assert re.search(rf"\({when} \d{{4}}-\d\d-\d\d\)$", r.stdout.strip()), r.stdout
+    version = r.stdout.strip().split(None, 1)[1]
+    r = run(cudawrap, "doctor", env=env)
+    assert f"ok: version: cudawrap {version}\n" in r.stdout, r.stdout
+
+
+def start_monitor_daemon(cudawrap: Path, layout: Layout, env: dict) -> int:
+    r = run(cudawrap, "monitor", "--daemon", env=env)
+    assert r.returncode == 0, r.stderr
+    pid = running(loc.under(str(layout.root), loc.MONITOR_PID))
+    assert pid and pid > 0
+    return pid
 
 
 def test_uninstall_keeps_an_edited_config_and_what_was_there(tmp_path, machine, wheelhouse):
@@ -271,13 +309,15 @@ def public_script(public_dir: Path) -> Path:
     (["--prefix"], 64, ["--prefix needs a value"]),
     (["--prefix="], 64, ["--prefix needs a value"]),
     (["--unwrap-all", "--prefix", "X"], 64, ["--unwrap-all goes with --uninstall"]),
+    (["--keep-wraps", "--prefix", "X"], 64, ["--keep-wraps goes with --uninstall"]),
+    (["--uninstall", "--keep-wraps", "--unwrap-all", "--prefix", "X"], 64, ["exclude each other"]),
     (["--uninstall", "--wheelhouse", "/tmp", "--prefix", "X"], 64, ["not with --uninstall"]),
     (["--prefix", "X", "--wheelhouse", "/nonexistent-wheels"], 66, ["--wheelhouse /nonexistent-wheels: no such directory"]),
     (["--prefix", "X", "--python", "/nonexistent/python3"], 69, ["--python /nonexistent/python3: no such file"]),
     (["--prefix", "X", "--python", "/bin/true"], 69, ["/bin/true does not run as a Python interpreter"]),
     (["--uninstall", "--prefix", "X"], 66, ["cudawrap is not installed in"]),
 ], ids=["unknown-option", "stray-argument", "prefix-without-value", "empty-prefix", "unwrap-all-alone",
-        "uninstall-with-wheelhouse", "no-wheelhouse", "no-such-python", "not-a-python", "nothing-to-uninstall"])
+        "keep-wraps-alone", "keep-and-unwrap", "uninstall-with-wheelhouse", "no-wheelhouse", "no-such-python", "not-a-python", "nothing-to-uninstall"])
 def test_refusals(tmp_path, args, code, words):
     args = [str(tmp_path / "cw") if a == "X" else a for a in args]
     r = install_sh(*args, env=clean_env())
@@ -510,6 +550,29 @@ def public_machine(public_dir: Path, fakenvml_lib: Path) -> FakeMachine:
     return fake
 
 
+def acquire_from_user_venv(wheel: Path, python: str, as_user: List[str], user: pwd.struct_passwd,
+                           public_dir: Path, wheelhouse: Optional[Path], fake: FakeMachine, env: dict) -> None:
+    """USER pip-installs WHEEL into a venv of their own and leases a device with cudawrap.acquire()."""
+    mine = public_dir / "user-venv"
+    mine.mkdir()
+    os.chown(mine, user.pw_uid, user.pw_gid)
+    links = []
+    if wheelhouse:
+        shutil.copytree(wheelhouse, public_dir / "wheels")
+        (public_dir / "wheels").chmod(0o755)  # a copy of a private directory
+        links = ["--no-index", "--find-links", str(public_dir / "wheels")]
+    user_env = dict(env, HOME=str(mine))
+    r = run(*as_user, python, "-m", "venv", mine / "venv", env=user_env)
+    assert r.returncode == 0, r.stderr
+    r = run(*as_user, mine / "venv" / "bin" / "pip", "install", "-q", *links, wheel, env=user_env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    code = "import os, cudawrap; print(cudawrap.acquire()[0], os.environ['CUDA_VISIBLE_DEVICES'])"
+    r = run(*as_user, mine / "venv" / "bin" / "python", "-c", code, env=user_env, cwd=mine)
+    assert r.returncode == 0, r.stderr
+    uuid_, cvd = r.stdout.split()
+    assert uuid_ == cvd and uuid_ in fake.leaf_uuids()
+
+
 @pytest.fixture
 def throwaway_user() -> Iterator[pwd.struct_passwd]:
     name = "cwtest" + uuid.uuid4().hex[:8]
@@ -560,24 +623,7 @@ def test_system_install_wrap_run_as_user_uninstall(public_dir, fakenvml_lib, whe
         # The user's own venv with the client wheel install.sh left: it leases from the system
         # install with no CUDAWRAP_ROOT, queued with the wrapped programs.
         (wheel,) = wheel_dir(system).glob("cudawrap-*.whl")
-        mine = public_dir / "user-venv"
-        mine.mkdir()
-        os.chown(mine, throwaway_user.pw_uid, throwaway_user.pw_gid)
-        links = []
-        if wheelhouse:
-            shutil.copytree(wheelhouse, public_dir / "wheels")
-            (public_dir / "wheels").chmod(0o755)  # a copy of a private directory
-            links = ["--no-index", "--find-links", str(public_dir / "wheels")]
-        user_env = dict(env, HOME=str(mine))
-        r = run(*as_user, python, "-m", "venv", mine / "venv", env=user_env)
-        assert r.returncode == 0, r.stderr
-        r = run(*as_user, mine / "venv" / "bin" / "pip", "install", "-q", *links, wheel, env=user_env)
-        assert r.returncode == 0, r.stdout + r.stderr
-        code = "import os, cudawrap; print(cudawrap.acquire()[0], os.environ['CUDA_VISIBLE_DEVICES'])"
-        r = run(*as_user, mine / "venv" / "bin" / "python", "-c", code, env=user_env, cwd=mine)
-        assert r.returncode == 0, r.stderr
-        uuid_, cvd = r.stdout.split()
-        assert uuid_ == cvd and uuid_ in fake.leaf_uuids()
+        acquire_from_user_venv(wheel, python, as_user, throwaway_user, public_dir, wheelhouse, fake, env)
 
         r = install_sh("--uninstall", "--unwrap-all", env=env)
         installed = r.returncode != 0

@@ -1,11 +1,13 @@
 """`cudawrap monitor --daemon` for installs without systemd, and what `cudawrap doctor` says about it."""
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
 from cudawrap import locations as loc
-from cudawrap.daemon import running
+from cudawrap.daemon import running, stop
 from corefix import wait_for
 
 
@@ -55,3 +57,37 @@ def test_doctor_says_when_launches_enumerate_every_device(installed):
     inst.layout.inventory_cache.unlink()
     doctor = inst.cli("doctor")
     assert b"each enumerates every device through NVML" in doctor.stdout, doctor.stdout
+
+
+def test_stop_ends_the_daemon_and_waits_for_its_lock(installed, daemon_pids):
+    """What install.sh --uninstall and the .deb's prerm use: the daemon is gone when it returns."""
+    inst = installed("four-gpus")
+    pid_file = loc.under(str(inst.layout.root), loc.MONITOR_PID)
+    assert stop(pid_file) is None  # none runs: nothing to do, nothing signalled
+    assert inst.cli("monitor", "--daemon").returncode == 0
+    pid = running(pid_file)
+    daemon_pids.append(pid)
+    assert stop(pid_file) == pid
+    assert running(pid_file) is None
+
+
+def test_stop_says_when_the_holder_will_not_exit(tmp_path):
+    """A holder that ignores SIGTERM is reported, not waited on forever (and not SIGKILLed)."""
+    pid_file = tmp_path / "monitor.pid"
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+fd = os.open({str(pid_file)!r}, os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, str(os.getpid()).encode())
+print("ready", flush=True)
+sys.stdin.read()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        with pytest.raises(TimeoutError, match=f"pid {holder.pid} did not exit"):
+            stop(str(pid_file), wait_s=0.2)
+        assert holder.poll() is None
+    finally:
+        holder.kill()
+        holder.wait()

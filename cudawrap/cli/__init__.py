@@ -16,8 +16,8 @@ from typing import List, Optional
 from plumbum import cli
 from plumbum.cli.switches import SwitchError
 
-from .. import __version__
 from ..errors import CudawrapError
+from ..paths import version_text
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Cudawrap(Group):
     """
 
     PROGNAME = "cudawrap"
-    VERSION = __version__
+    VERSION = version_text()
 
     debug = cli.Flag(["--debug"], help="show tracebacks and debug logging")
 

@@ -15,13 +15,12 @@ from typing import Any, Dict, Sequence
 
 from plumbum import cli
 
-from .. import __version__
 from ..config import (
     DESCRIPTIONS, FOREIGN_RULES, FOREVER, MULTI_MIG_RULES, NO_DRIVER_RULES, PLACEMENTS, format_wait, parse_wait,
     validate_policy,
 )
 from ..errors import ConfigError, StateError, UsageError
-from ..paths import default_layout
+from ..paths import default_layout, version_text
 from ..text import printable
 from . import Command, report
 from .filterswitches import FilterSwitches
@@ -70,7 +69,7 @@ class CreateCudawrap(FilterSwitches, Command):
     """
 
     PROGNAME = "create-cudawrap"
-    VERSION = __version__
+    VERSION = version_text()
     USAGE = "    {progname} [SWITCHES] PROGRAM...\n"
 
     gpus = cli.SwitchAttr(["--gpus"], str, argname="N", help=DESCRIPTIONS["gpus"])
