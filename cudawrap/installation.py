@@ -622,9 +622,9 @@ def stop_monitor(layout: Layout, say: Callable[[str], None] = _say, why: str = "
     pid_file = loc.under(str(layout.root), loc.MONITOR_PID)
     try:
         pid = stop(pid_file)
-    except (ProcessLookupError, TimeoutError) as exc:
-        raise InstallError(f"cannot stop `cudawrap monitor --daemon` ({pid_file}): {exc}; stop it "
-                           f"yourself, then run this again", 75) from None
+    except OSError as exc:  # it will not exit, its pid is unreadable, or it is not ours to signal
+        raise InstallError(f"cannot stop `cudawrap monitor --daemon` ({pid_file}): {exc.strerror or exc}; "
+                           f"stop it yourself, then run this again", 75) from None
     if pid is not None:
         say(f"==> stopped `cudawrap monitor --daemon` (pid {pid}){why}")
 
@@ -656,6 +656,9 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
             f"{len(wrapped)} program(s) still wrapped: {', '.join(wrapped)}; unwrap them with install.sh "
             f"--uninstall --unwrap-all, or, moving to the Debian package, keep them for it with "
             f"install.sh --uninstall --keep-wraps", 65)
+    # Before anything is removed, so that a monitor that will not stop leaves all as it was.
+    stop_monitor(layout, say, " (once the package is installed, start it again where systemd does not run)"
+                 if keep_wraps else "")
     if wrapped and unwrap_all:
         say(f"==> unwrapping {len(wrapped)} program(s)")
         done = subprocess.run([str(layout.venv_dir / "bin" / "cudawrap"), "unwrap", "--all"], env=environ)
@@ -678,8 +681,6 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
         if done.returncode != 0:
             say(f"install.sh: warning: `cudawrap mps stop` failed (exit {done.returncode}); "
                 f"MPS control daemons may still run")
-    stop_monitor(layout, say, " (once the package is installed, start it again where systemd does not run)"
-                 if keep_wraps else "")
 
     allowed_trees = {str(layout.venv_dir), str(layout.state_dir), str(layout.runtime_dir)}
     root = str(layout.root).rstrip("/") + "/"
