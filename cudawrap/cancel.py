@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .paths import Layout
 
 from .errors import NotPermitted, StateError, UsageError
+from .proc import real_uid
 from .users import user_name
 
 CANCELLED_EXIT = os.EX_TEMPFAIL  # 75, as for a wait that ran out
@@ -31,18 +32,6 @@ class Waiter:
         self.uid = uid  # the entry's owner, who also owns that pid
         self.key = key  # its place in the queue
         self.path = path  # its entry
-
-
-def proc_uid(pid: int) -> Optional[int]:
-    """The real uid of PID, or None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def waiters(root: str) -> List[Waiter]:
@@ -80,7 +69,7 @@ def check(pid: int, waiting: Dict[int, Waiter], held: Dict[int, List[str]], call
                          hint=f"to stop it, signal it: kill {pid} (as its owner or root)")
     waiter = waiting.get(pid)
     if waiter is None:
-        what = "no such process" if proc_uid(pid) is None else "it is not in the wait queue"
+        what = "no such process" if real_uid(pid) is None else "it is not in the wait queue"
         raise StateError(f"pid {pid} is not a run waiting for a device ({what})",
                          hint="`cudawrap status` lists the waiting runs and their pids")
     if caller_uid != 0 and waiter.uid != caller_uid:

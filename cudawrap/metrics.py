@@ -18,6 +18,7 @@ from . import ledger
 from .drains import covering, drained
 from .holders import holdings
 from .paths import Layout
+from .proc import real_uid
 from .users import user_name
 
 log = logging.getLogger(__name__)
@@ -145,10 +146,8 @@ def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
         shares = len(holding.pids) if holding is not None and not holding.exclusive else 0
         user = ""
         if pid is not None:
-            try:
-                user = user_name(os.stat(f"/proc/{pid}").st_uid)
-            except OSError:
-                user = "?"
+            uid = real_uid(pid)
+            user = "?" if uid is None else user_name(uid)
         rows.append({"uuid": uuid, "gpu": gpu, "name": name, "user": user, "shares": shares,
                      "drained": covering(drains, uuid, parent) is not None,
                      "memory_used_bytes": None if used is None else used << 20})
