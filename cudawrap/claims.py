@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import stat
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from . import locations as loc
+from .safepath import create_new
 
 CLAIMS_ENV = "CUDAWRAP_DEVICE_CLAIMS"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -124,28 +124,10 @@ def _live(root: str, uuid: str) -> bool:
         return False
 
 
-def _new_file(dfd: int, text: str) -> str:
-    """A new file holding TEXT in the directory, under a random name nobody can have made."""
-    for _ in range(100):
-        tmp = f".new.{secrets.token_hex(8)}"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                         dir_fd=dfd)
-        except FileExistsError:
-            continue
-        try:
-            os.write(fd, text.encode("utf-8", "surrogateescape"))
-            os.fchmod(fd, 0o644)
-        finally:
-            os.close(fd)
-        return tmp
-    raise FileExistsError(errno.EEXIST, "no free temporary name", tmp)
-
-
 def _write(dfd: int, uuid: str, root: str, replace: bool) -> bool:
     """Claim UUID for ROOT; False if another claim got there first or what is there cannot
     be replaced."""
-    tmp = _new_file(dfd, root + "\n")
+    tmp = create_new(dfd, ".new.", (root + "\n").encode("utf-8", "surrogateescape"))
     try:
         if replace:
             os.rename(tmp, uuid, src_dir_fd=dfd, dst_dir_fd=dfd)
