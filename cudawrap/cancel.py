@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 from .errors import NotPermitted, StateError, UsageError
 from .proc import real_uid
-from .users import user_name
+from .users import either, user_name
 
 CANCELLED_EXIT = os.EX_TEMPFAIL  # 75, as for a wait that ran out
 
@@ -73,9 +73,13 @@ def check(pid: int, waiting: Dict[int, Waiter], held: Dict[int, List[str]], call
         raise StateError(f"pid {pid} is not a run waiting for a device ({what})",
                          hint="`cudawrap status` lists the waiting runs and their pids")
     if caller_uid != 0 and waiter.uid != caller_uid:
-        raise NotPermitted(f"pid {pid} is {user_name(waiter.uid)}'s run; only {user_name(waiter.uid)} "
-                           f"or root may cancel it")
+        raise _not_yours(waiter)
     return waiter
+
+
+def _not_yours(waiter: Waiter) -> NotPermitted:
+    return NotPermitted(f"pid {waiter.pid} is {user_name(waiter.uid)}'s run; only {either(waiter.uid, 0)} "
+                        "may cancel it")
 
 
 def cancel(layout: Layout, pids: Sequence[int], caller_uid: Optional[int] = None) -> List[Waiter]:
@@ -97,6 +101,5 @@ def cancel(layout: Layout, pids: Sequence[int], caller_uid: Optional[int] = None
         except FileNotFoundError:
             pass  # it got its device or ended since the check: nothing left to cancel
         except PermissionError:
-            raise NotPermitted(f"pid {waiter.pid} is {user_name(waiter.uid)}'s run; only "
-                               f"{user_name(waiter.uid)} or root may cancel it") from None
+            raise _not_yours(waiter) from None
     return chosen
