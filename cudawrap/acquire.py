@@ -192,9 +192,9 @@ class Acquirer:
         # half a second old) still lists it once it has exited: its pid is then no work.
         # Other pids count even if not found here: in a container, NVML names host pids.
         self.holders: Set[int] = set()
-        # (lease file, pids that took its locks) -> the uid of each lock's holder, where a
-        # taker had exited: its heir, found by a search of /proc (see _owners).
-        self.heirs: Dict[Tuple[Tuple[int, int], Tuple[int, ...]], List[int]] = {}
+        # (lease file, pids that took its locks) -> the real uid of each lock's holder, read
+        # once per lease (see _owners).
+        self.owners: Dict[Tuple[Tuple[int, int], Tuple[int, ...]], List[int]] = {}
 
     # -- judging devices -------------------------------------------------------------
     def occupied(self, device: Device) -> bool:
@@ -286,22 +286,23 @@ class Acquirer:
         lives on in a descriptor it passed on (acquire(), fork, exit): the holder is then
         looked for among the processes this run may inspect (its own user's, every one for
         root), so that a user's own runs count such a lease against their limit. What was
-        found is remembered while the kernel shows the same takers.
+        found, as every holder's uid, is remembered while the kernel shows the same takers
+        on that lease: a decision reads /proc only for leases taken since the last one.
         """
-        owners = {ident: [_uid_of(pid) for pid, _ex in locks] for ident, locks in held.items()}
-        gone = {ident: tuple(pid for pid, _ex in held[ident]) for ident, uids in owners.items() if -1 in uids}
-        todo = {ident: [None if uid < 0 else pid for pid, uid in zip(pids, owners[ident])]
-                for ident, pids in gone.items() if (ident, pids) not in self.heirs}
-        if todo:
+        keys = {ident: (ident, tuple(pid for pid, _ex in locks)) for ident, locks in held.items()}
+        new = {ident: [_uid_of(pid) for pid, _ex in held[ident]] for ident, key in keys.items()
+               if key not in self.owners}
+        gone = {ident: [None if uid < 0 else pid for (pid, _ex), uid in zip(held[ident], uids)]
+                for ident, uids in new.items() if -1 in uids}
+        if gone:
             from .holders import heirs  # only with a taker gone: not on a launch's usual path
 
-            if len(self.heirs) > 4096:
-                self.heirs.clear()
-            for ident, pids in heirs(todo).items():
-                self.heirs[(ident, gone[ident])] = [-1 if p is None else _uid_of(p) for p in pids]
-        for ident, pids in gone.items():
-            owners[ident] = self.heirs[(ident, pids)]
-        return owners
+            for ident, pids in heirs(gone).items():
+                new[ident] = [-1 if p is None else _uid_of(p) for p in pids]
+        if len(self.owners) + len(new) > 4096:
+            self.owners.clear()  # a long wait through many jobs: only the current leases matter
+        self.owners.update((keys[ident], uids) for ident, uids in new.items())
+        return {ident: self.owners[key] for ident, key in keys.items()}
 
     def usable(self) -> int:
         return len([d for d in self.candidates if d.uuid not in self.lost and d.uuid not in self.unavailable])
