@@ -66,8 +66,9 @@ class Claims:
     mine: List[str] = field(default_factory=list)
     others: Dict[str, str] = field(default_factory=dict)  # uuid -> the install root managing it
     warning: Optional[str] = None  # claims could not be made at all (the devices are still managed)
-    # uuid -> why no claim could be made for it (another user's object in the way); root's
-    # install leases such a device all the same (it is in MINE), a user's does not.
+    # uuid -> why no claim could be made for it (something that is no claim in the way);
+    # root's install leases such a device all the same (it is in MINE), a user's install
+    # only when that thing is its own user's.
     unclaimed: Dict[str, str] = field(default_factory=dict)
 
 
