@@ -80,10 +80,11 @@ def _raise_signal(signum: int, frame: object) -> None:
 
 
 def _uid_of(pid: int) -> int:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return -1
+    """PID's real uid (whose lease it is, a setuid program exec'd on it included); -1 if gone."""
+    from .proc import real_uid  # only once a lease is seen held
+
+    uid = real_uid(pid)
+    return -1 if uid is None else uid
 
 
 def _free_mib(device: Device) -> Optional[int]:
@@ -191,6 +192,9 @@ class Acquirer:
         # half a second old) still lists it once it has exited: its pid is then no work.
         # Other pids count even if not found here: in a container, NVML names host pids.
         self.holders: Set[int] = set()
+        # (lease file, pids that took its locks) -> the real uid of each lock's holder, read
+        # once per lease (see _owners).
+        self.owners: Dict[Tuple[Tuple[int, int], Tuple[int, ...]], List[int]] = {}
 
     # -- judging devices -------------------------------------------------------------
     def occupied(self, device: Device) -> bool:
@@ -237,8 +241,9 @@ class Acquirer:
         busy: Set[str] = set()
         used: Dict[str, List[int]] = {}
         closed: Set[str] = set()  # shared, but to take no new shares
-        for uuid in self.current:
-            ident = self.leases.ident(uuid)
+        idents = {uuid: self.leases.ident(uuid) for uuid in self.current}
+        owners = self._owners({ident: table[ident] for ident in idents.values() if ident in table})
+        for uuid, ident in idents.items():
             if ident is None:
                 continue  # no lease file: cannot be leased (not synced yet)
             locks = table.get(ident)
@@ -249,11 +254,11 @@ class Acquirer:
                     self.holders.clear()  # a long wait through many jobs: only recent ones matter
                 self.holders.update(pid for pid, _ex in locks)
                 if any(exclusive for _pid, exclusive in locks):
-                    uid = _uid_of(locks[0][0])
+                    uid = owners[ident][0]
                     held[uid] = held.get(uid, 0) + 1
                     continue
                 # Shared: each shared lock on the lease file is one share (see sharing.py).
-                used[uuid] = [_uid_of(pid) for pid, _ex in locks]
+                used[uuid] = owners[ident]
                 for uid in used[uuid]:
                     held[uid] = held.get(uid, 0) + self.sharing.cost(self.slots[uuid])
                 if uuid in self.lost or uuid in self.unavailable:
@@ -273,6 +278,31 @@ class Acquirer:
         from .schedule import Shares
 
         return free, held, busy, Shares(slots, used, self.sharing.mode == MPS, self.sharing.counts_as)
+
+    def _owners(self, held: Dict[Tuple[int, int], List[Tuple[int, bool]]]) -> Dict[Tuple[int, int], List[int]]:
+        """Lease file -> the real uid of each lock's holder on it (-1 where none is known).
+
+        The kernel records the pid that took a lock. Where that process has exited, the lock
+        lives on in a descriptor it passed on (acquire(), fork, exit): the holder is then
+        looked for among the processes this run may inspect (its own user's, every one for
+        root), so that a user's own runs count such a lease against their limit. What was
+        found, as every holder's uid, is remembered while the kernel shows the same takers
+        on that lease: a decision reads /proc only for leases taken since the last one.
+        """
+        keys = {ident: (ident, tuple(pid for pid, _ex in locks)) for ident, locks in held.items()}
+        new = {ident: [_uid_of(pid) for pid, _ex in held[ident]] for ident, key in keys.items()
+               if key not in self.owners}
+        gone = {ident: [None if uid < 0 else pid for (pid, _ex), uid in zip(held[ident], uids)]
+                for ident, uids in new.items() if -1 in uids}
+        if gone:
+            from .holders import heirs  # only with a taker gone: not on a launch's usual path
+
+            for ident, pids in heirs(gone).items():
+                new[ident] = [-1 if p is None else _uid_of(p) for p in pids]
+        if len(self.owners) + len(new) > 4096:
+            self.owners.clear()  # a long wait through many jobs: only the current leases matter
+        self.owners.update((keys[ident], uids) for ident, uids in new.items())
+        return {ident: self.owners[key] for ident, key in keys.items()}
 
     def usable(self) -> int:
         return len([d for d in self.candidates if d.uuid not in self.lost and d.uuid not in self.unavailable])

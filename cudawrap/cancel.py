@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from .paths import Layout
 
 from .errors import NotPermitted, StateError, UsageError
-from .users import user_name
+from .proc import real_uid
+from .users import either, user_name
 
 CANCELLED_EXIT = os.EX_TEMPFAIL  # 75, as for a wait that ran out
 
@@ -31,18 +32,6 @@ class Waiter:
         self.uid = uid  # the entry's owner, who also owns that pid
         self.key = key  # its place in the queue
         self.path = path  # its entry
-
-
-def proc_uid(pid: int) -> Optional[int]:
-    """The real uid of PID, or None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def waiters(root: str) -> List[Waiter]:
@@ -80,13 +69,17 @@ def check(pid: int, waiting: Dict[int, Waiter], held: Dict[int, List[str]], call
                          hint=f"to stop it, signal it: kill {pid} (as its owner or root)")
     waiter = waiting.get(pid)
     if waiter is None:
-        what = "no such process" if proc_uid(pid) is None else "it is not in the wait queue"
+        what = "no such process" if real_uid(pid) is None else "it is not in the wait queue"
         raise StateError(f"pid {pid} is not a run waiting for a device ({what})",
                          hint="`cudawrap status` lists the waiting runs and their pids")
     if caller_uid != 0 and waiter.uid != caller_uid:
-        raise NotPermitted(f"pid {pid} is {user_name(waiter.uid)}'s run; only {user_name(waiter.uid)} "
-                           f"or root may cancel it")
+        raise _not_yours(waiter)
     return waiter
+
+
+def _not_yours(waiter: Waiter) -> NotPermitted:
+    return NotPermitted(f"pid {waiter.pid} is {user_name(waiter.uid)}'s run; only {either(waiter.uid, 0)} "
+                        "may cancel it")
 
 
 def cancel(layout: Layout, pids: Sequence[int], caller_uid: Optional[int] = None) -> List[Waiter]:
@@ -108,6 +101,5 @@ def cancel(layout: Layout, pids: Sequence[int], caller_uid: Optional[int] = None
         except FileNotFoundError:
             pass  # it got its device or ended since the check: nothing left to cancel
         except PermissionError:
-            raise NotPermitted(f"pid {waiter.pid} is {user_name(waiter.uid)}'s run; only "
-                               f"{user_name(waiter.uid)} or root may cancel it") from None
+            raise _not_yours(waiter) from None
     return chosen

@@ -242,6 +242,29 @@ class _Doctor:
             self.add(LEVEL_NOTE, "leases", f"NVML unavailable ({exc.message}): lease files not checked")
         return None
 
+    def check_metrics(self) -> None:
+        """Whether the monitor will write the metrics file: never where a user could plant it."""
+        from .config import load_config
+        from .metrics import textfile_problem
+
+        try:
+            path = load_config(self.layout.config_file)["textfile"]
+        except CudawrapError:
+            return  # check_config reports it
+        if not path:
+            return
+        try:  # the monitor runs as root, or as the owner of a prefix install
+            trusted = {0, os.stat(self.layout.state_dir).st_uid}
+        except OSError:
+            trusted = {0}
+        problem = textfile_problem(path, trusted)
+        if problem:
+            self.add(LEVEL_ERROR, "metrics", f"[metrics] textfile {path}: {problem}; the monitor refuses to "
+                                             "write it (choose a directory only root may write, or a sticky "
+                                             "one of root's)")
+        else:
+            self.add(LEVEL_OK, "metrics", f"{path}: written by the monitor every cycle")
+
     def check_audit(self) -> None:
         problem = audit.channel_problem()
         if problem:
@@ -431,6 +454,7 @@ def check(
     doctor.check_config()
     doctor.check_runtime()
     doctor.check_monitor()
+    doctor.check_metrics()
     doctor.check_audit()
     if repair and os.path.isdir(layout.state_dir):
         with registry.lock(layout):

@@ -86,18 +86,29 @@ def holdings(lease_dir: str) -> Dict[str, Holding]:
         if (st.st_dev, st.st_ino) in table:
             files[(st.st_dev, st.st_ino)] = name
     found = fd_holders(files, {pid for key in files for pid, _ex in table[key]})
-    everyone: Optional[List[int]] = None
-    out: Dict[str, Holding] = {}
-    for key, name in files.items():
-        entries = table[key]
-        verified = found.get(key, [])
-        pids: List[Optional[int]] = [pid if pid in verified else None for pid, _ex in entries]
-        if None in pids:  # a taker gone: its child holds the lock now, look for whoever does
-            if everyone is None:
-                everyone = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-            others = [p for p in fd_holders([key], everyone).get(key, []) if p not in pids]
-            pids = [p if p is not None else (others.pop(0) if others else None) for p in pids]
-        out[name] = Holding(any(ex for _pid, ex in entries), pids)
+    takers = {key: [pid if pid in found.get(key, []) else None for pid, _ex in table[key]] for key in files}
+    takers = heirs(takers)
+    return {name: Holding(any(ex for _pid, ex in table[key]), takers[key]) for key, name in files.items()}
+
+
+def heirs(takers: Dict[Tuple[int, int], List[Optional[int]]]) -> Dict[Tuple[int, int], List[Optional[int]]]:
+    """TAKERS (file -> a pid per lock, None where the pid that took it no longer holds it)
+    with each None replaced by a process that holds the lock through its own descriptor
+    now, where one is found: the taker exited and its child (fork, daemon) holds the lease.
+
+    Every process is searched, once for all files, and only when a taker is gone; a user
+    can search only their own processes (root every one), so another user's heir, or a
+    setuid program's, stays None.
+    """
+    wanted = [key for key, pids in takers.items() if None in pids]
+    if not wanted:
+        return takers
+    everyone = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    found = fd_holders(wanted, everyone)
+    out = dict(takers)
+    for key in wanted:
+        others = [p for p in found.get(key, []) if p not in takers[key]]
+        out[key] = [p if p is not None else (others.pop(0) if others else None) for p in takers[key]]
     return out
 
 

@@ -171,7 +171,7 @@ class Proc:
 
 def proc(pid: int) -> Optional[Proc]:
     """PID as /proc shows it, or None if it is gone."""
-    from .cancel import proc_uid
+    from .proc import real_uid
     from .status import printable
 
     try:
@@ -184,7 +184,7 @@ def proc(pid: int) -> Optional[Proc]:
             argv = [a.decode("utf-8", "replace") for a in f.read(8192).split(b"\0") if a]
     except (OSError, IndexError, ValueError):
         return None
-    uid = proc_uid(pid)
+    uid = real_uid(pid)
     if uid is None:
         return None
     try:

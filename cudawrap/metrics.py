@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 from . import ledger
 from .drains import covering, drained
 from .holders import holdings
 from .paths import Layout
+from .proc import real_uid
+from .safepath import Unsafe
 from .users import user_name
 
 log = logging.getLogger(__name__)
@@ -116,17 +118,61 @@ def render(devices: Sequence[Dict[str, Any]], waiting: Dict[int, int], counters:
     return "\n".join(out) + "\n"
 
 
-def write_textfile(path: str, text: str) -> None:
-    """Replace PATH with TEXT atomically (node_exporter reads only complete *.prom files)."""
-    directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # not *.prom: never collected
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+def open_textfile_dir(path: str, trusted: Optional[Collection[int]] = None) -> int:
+    """A descriptor on the directory of the metrics file PATH, checked from /: every directory
+    on the way root's (or the monitor's user's) and writable by nobody else, the last one
+    allowed to be sticky like /tmp. Raises safepath.Unsafe (or OSError) otherwise: in a
+    directory a user may write, they could make the file root is about to write into."""
+    from .safepath import open_dir
+
+    return open_dir(os.path.dirname(os.path.abspath(path)), trusted, sticky_ok=True)
+
+
+def textfile_problem(path: str, trusted: Optional[Collection[int]] = None) -> Optional[str]:
+    """Why the monitor refuses to write the metrics file PATH, or None. TRUSTED: the users
+    whose directories it may write in (default: root and this process's user, the monitor's)."""
+    from .safepath import Unsafe
+
     try:
-        os.write(fd, text.encode())
-        os.fchmod(fd, 0o644)
+        os.close(open_textfile_dir(path, trusted))
+    except Unsafe as exc:
+        return f"its directory is not root's alone: {exc.why}"
+    except OSError as exc:
+        return f"its directory cannot be opened: {exc.strerror or exc}"
+    return None
+
+
+def refuse_unsafe_textfile(layout: Layout) -> None:
+    """Raise ConfigError when [metrics] textfile names a file the monitor would not write."""
+    from .config import load_config
+    from .errors import ConfigError
+
+    path = load_config(layout.config_file)["textfile"]
+    problem = textfile_problem(path) if path else None
+    if problem:
+        raise ConfigError(f"[metrics] textfile {path}: {problem}",
+                          hint="choose a directory only root may write (or a sticky one of root's, like /tmp)")
+
+
+def write_textfile(path: str, text: str) -> None:
+    """Replace PATH with TEXT atomically (node_exporter reads only complete *.prom files).
+
+    The text goes to a new file of a random name (O_EXCL, not *.prom: never collected) in the
+    checked directory, then is renamed over PATH there; rename replaces whatever a user left
+    at PATH in a sticky directory, and never follows it."""
+    from .safepath import create_new
+
+    name = os.path.basename(path)
+    dfd = open_textfile_dir(path)
+    try:
+        tmp = create_new(dfd, f".{name}.", text.encode(), suffix=".tmp")
+        try:
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError:
+            os.unlink(tmp, dir_fd=dfd)
+            raise
     finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        os.close(dfd)
 
 
 def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
@@ -145,10 +191,8 @@ def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
         shares = len(holding.pids) if holding is not None and not holding.exclusive else 0
         user = ""
         if pid is not None:
-            try:
-                user = user_name(os.stat(f"/proc/{pid}").st_uid)
-            except OSError:
-                user = "?"
+            uid = real_uid(pid)
+            user = "?" if uid is None else user_name(uid)
         rows.append({"uuid": uuid, "gpu": gpu, "name": name, "user": user, "shares": shares,
                      "drained": covering(drains, uuid, parent) is not None,
                      "memory_used_bytes": None if used is None else used << 20})
@@ -214,6 +258,8 @@ class MonitorHook:
                 write_textfile(path, render(device_rows(self.layout, inventory), obs.waiting, self.counters))
             except OSError as exc:
                 error = error or f"cannot write the metrics file {path}: {exc.strerror or exc}"
+            except Unsafe as exc:
+                error = error or f"not writing the metrics file {path}: its directory is not root's alone: {exc.why}"
         self._say(error)
         return obs
 

@@ -5,7 +5,7 @@ import os
 
 from .errors import NotPermitted, StateError
 from .paths import Layout
-from .users import user_name
+from .users import either, user_name
 
 
 def is_admin(layout: Layout) -> bool:
@@ -42,6 +42,8 @@ def require_admin(layout: Layout, action: str = "change wrapped programs") -> No
         ) from None
     except OSError as exc:
         raise NotPermitted(f"cannot check who owns {layout.state_dir}: {exc.strerror}") from None
+    if owner == 0:  # a prefix install root made: its owner adds no one
+        raise NotPermitted(f"only root may {action}; you are {me}: run it with sudo")
     raise NotPermitted(
-        f"only root or {user_name(owner)} (owner of {layout.state_dir}) may {action}; you are {me}"
+        f"only {either(0, owner)} (owner of {layout.state_dir}) may {action}; you are {me}"
     )

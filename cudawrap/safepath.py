@@ -16,7 +16,9 @@ every file of the install anyway, and act only on their own files).
 """
 from __future__ import annotations
 
+import errno
 import os
+import secrets
 import stat
 from typing import Collection, FrozenSet, List, Optional
 
@@ -53,11 +55,13 @@ def _check(where: str, st: os.stat_result, trusted: Collection[int], last: bool)
         raise Unsafe(f"{where} is writable by {whom} (mode {stat.S_IMODE(st.st_mode):04o})")
 
 
-def open_dir(path: str, trusted: Optional[Collection[int]] = None) -> int:
+def open_dir(path: str, trusted: Optional[Collection[int]] = None, *, sticky_ok: bool = False) -> int:
     """An O_DIRECTORY descriptor on PATH, reached one checked component at a time from /.
 
     Raises Unsafe when a directory on the way (PATH included) or a symlink followed is not a
     trusted user's, or is writable by others; OSError when PATH cannot be reached at all.
+    STICKY_OK lets PATH itself be a trusted user's sticky directory that others may write
+    (like /tmp): for files made there with create_new, which nobody else can replace.
     """
     trusted = trusted_uids() if trusted is None else trusted
     if not os.path.isabs(path):
@@ -67,7 +71,7 @@ def open_dir(path: str, trusted: Optional[Collection[int]] = None) -> int:
     where = "/"
     links = 0
     try:
-        _check(where, os.fstat(fd), trusted, not todo)
+        _check(where, os.fstat(fd), trusted, not todo and not sticky_ok)
         while todo:
             name = todo.pop(0)
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -88,11 +92,34 @@ def open_dir(path: str, trusted: Optional[Collection[int]] = None) -> int:
             os.close(fd)
             fd = nxt
             where = os.path.normpath(os.path.join(where, name))
-            _check(where, os.fstat(fd), trusted, not todo)
+            _check(where, os.fstat(fd), trusted, not todo and not sticky_ok)
         return fd
     except BaseException:
         os.close(fd)
         raise
+
+
+def create_new(dfd: int, prefix: str, data: bytes, suffix: str = "", mode: int = 0o644) -> str:
+    """Write DATA to a new file in the directory DFD, named PREFIX, random letters, SUFFIX;
+    its name. Made with O_EXCL and O_NOFOLLOW: nothing another user made there first (a file
+    to have root write into, a symlink to have it write elsewhere) is ever opened."""
+    for _ in range(100):
+        name = f"{prefix}{secrets.token_hex(8)}{suffix}"
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                         dir_fd=dfd)
+        except FileExistsError:
+            continue
+        try:
+            os.write(fd, data)
+            os.fchmod(fd, mode)  # whatever the umask
+        except BaseException:
+            os.close(fd)
+            os.unlink(name, dir_fd=dfd)
+            raise
+        os.close(fd)
+        return name
+    raise FileExistsError(errno.EEXIST, "no free temporary name", prefix)
 
 
 def unsafe_reason(path: str, trusted: Optional[Collection[int]] = None, *, file: bool = False) -> Optional[str]:

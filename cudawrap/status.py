@@ -14,6 +14,7 @@ from .errors import NvmlUnavailable
 from .holders import Holding, fd_holders, holdings
 from .locations import REAL_PREFIX
 from .paths import Layout
+from .proc import real_uid
 from .users import user_name
 from .waitqueue import WaitQueue
 
@@ -77,7 +78,10 @@ def process_info(pid: int) -> Dict[str, Any]:
     """User, command line and start time of PID from /proc (what `ps` would say)."""
     info: Dict[str, Any] = {"pid": pid, "user": "?", "command": "?", "program": "?", "since": "?"}
     try:
-        info["user"] = user_name(os.stat(f"/proc/{pid}").st_uid)
+        uid = real_uid(pid)
+        if uid is None:
+            return info
+        info["user"] = user_name(uid)
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read(4096).decode("utf-8", "replace").split("\0")
         info["command"] = printable(" ".join(argv).strip(), 4096)

@@ -129,8 +129,13 @@ def _sync(layout: Layout) -> SyncReport:
             report.lines.append(f"warning: {claims.warning}")
         for uuid in report.created:
             report.lines.append(f"lease file created for {uuid}")
+        for uuid, why in sorted(claims.unclaimed.items()):
+            done = ("leased here all the same; remove it to claim the device machine-wide"
+                    if uuid in claims.mine else "not leased here: another install may manage it")
+            report.lines.append(f"warning: {uuid} not claimed: {printable(why)}; {done}")
         for uuid in report.removed:
-            why = "managed by another install" if uuid in claims.others else "vanished device"
+            why = ("managed by another install" if uuid in claims.others else
+                   "unclaimed" if uuid in claims.unclaimed else "vanished device")
             report.lines.append(f"lease file removed for {why} {uuid}")
         for uuid, other in sorted(claims.others.items()):
             report.lines.append(f"warning: {uuid} is managed by the cudawrap install at {printable(other)} "

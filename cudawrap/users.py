@@ -10,3 +10,8 @@ def user_name(uid: int) -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return f"uid {uid}"
+
+
+def either(*uids: int) -> str:
+    """"root or alice" for UIDS, in their order, each user named once ("root", not "root or root")."""
+    return " or ".join(dict.fromkeys(user_name(uid) for uid in uids))

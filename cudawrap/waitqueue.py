@@ -200,10 +200,9 @@ class WaitQueue:
         """Whether UID owns process PID (the lock holder), remembered per entry."""
         known = self._owner_ok.get(ident)
         if known is None:
-            try:
-                known = os.stat(f"/proc/{pid}").st_uid == uid
-            except OSError:
-                known = False
+            from .proc import real_uid  # only for an entry not seen before
+
+            known = real_uid(pid) == uid
             if len(self._owner_ok) > 4 * MAX_ENTRIES_PER_USER:
                 self._owner_ok.clear()
             self._owner_ok[ident] = known

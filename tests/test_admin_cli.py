@@ -359,7 +359,8 @@ def test_others_may_list_but_not_change(shared_tmp: Path) -> None:
         code, out, err = run_as(NOBODY, NOBODY, argv, env)
         assert code == 77, (argv, err)
         (line,) = err.splitlines()
-        assert "only root or root (owner of" in line and "you are nobody" in line
+        # a prefix install root made: root named once, not "only root or root (owner of …)"
+        assert ": only root may " in line and " or root" not in line and "you are nobody" in line, line
     assert admin.snapshot() == before
 
 

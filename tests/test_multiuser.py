@@ -562,6 +562,58 @@ def test_claims_a_user_plants_keep_root_from_no_device(mu) -> None:  # type: ign
     assert r.returncode == 0, r.stderr
 
 
+# alice's objects under device names in the claims directory: what each one is, made by her.
+PLANT = r"""
+import os, sys
+claims, empty, full, plain, link, fifo = sys.argv[1:]
+os.mkdir(os.path.join(claims, empty))
+os.mkdir(os.path.join(claims, full))
+open(os.path.join(claims, full, "keep"), "w").close()
+open(os.path.join(claims, plain), "w").write("/nonexistent\n")
+os.symlink("/etc/passwd", os.path.join(claims, link))
+os.mkfifo(os.path.join(claims, fifo))
+"""
+
+
+def test_objects_a_user_plants_under_device_names_keep_root_from_no_device(mu) -> None:  # type: ignore[no-untyped-def]
+    """alice makes a directory (empty, and one with a file in it), a file, a symlink and a
+    FIFO under device names in the sticky claims directory before root's first sync. Root's
+    sync succeeds, leases every device, claims each one it can and names the one it cannot
+    (the directory it may not empty), with its owner; bob's own install leases none of those."""
+    inst = mu("a100-mig7")
+    alice, bob = inst.world.alice, inst.world.bob
+    claims = inst.machine.claims_dir
+    uuids = sorted(inst.machine.leaf_uuids())
+    for uuid in uuids:  # as on a fresh machine: no claims, no lease files yet
+        (claims / uuid).unlink()
+        (inst.layout.lease_dir / uuid).unlink()
+    empty, full, plain, link, fifo = uuids[:5]
+    done = inst.py(alice, PLANT, str(claims), empty, full, plain, link, fifo)
+    assert done.returncode == 0, done.stderr
+    done = inst.cli(None, "sync")
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode() + out
+    assert sorted(os.listdir(inst.layout.lease_dir)) == uuids  # every device leased by root's install
+    for uuid in set(uuids) - {full}:
+        assert (claims / uuid).read_text() == f"{inst.layout.root}\n" and (claims / uuid).stat().st_uid == 0
+    assert (claims / full / "keep").exists() and not (claims / link).is_symlink()
+    warned = [line for line in out.splitlines() if "not claimed" in line]
+    assert warned == [f"warning: {full} not claimed: {claims}/{full} is a directory made by {alice.name}, not a "
+                      "claim; leased here all the same; remove it to claim the device machine-wide"], out
+    inst.wrap("recon")
+    inst.allow(full)
+    r = inst.run(bob, str(inst.bindir / "recon"), CUDAWRAP_WAIT="0")
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[0])["devices"] == [full], r.stderr
+    # bob's own install cannot tell who manages the device under alice's directory: it leaves it.
+    mine = inst.dir / "bob-prefix"
+    mine.mkdir()
+    os.chown(mine, bob.uid, bob.gid)
+    code = (f"import json, sys; sys.path[:0] = {inst.world.path!r}\nfrom cudawrap.claims import claim\n"
+            "c = claim(sys.argv[1], sys.argv[2:]); print(json.dumps([c.mine, c.unclaimed]))")
+    leased, unclaimed = json.loads(inst.py(bob, code, str(mine), full).stdout)
+    assert leased == [] and f"a directory made by {alice.name}" in unclaimed[full]
+
+
 def test_a_users_prefix_install_leaves_the_system_installs_devices_alone(mu) -> None:  # type: ignore[no-untyped-def]
     """alice's own prefix install, synced by her, honours the claims of root's install while
     it manages the devices; a device root's install no longer has is hers to lease."""

@@ -46,6 +46,11 @@ def test_cancel_own_run_anyones_as_root_and_never_someone_elses(mu) -> None:  # 
     done = inst.cli(bob, "cancel", str(mine.pid))
     assert done.returncode == 77, done.stderr
     assert "only cwtest1 or root" in one_line(done)
+    # Root's run: root is named once, not "only root or root".
+    roots = waiter(inst, None)
+    done = inst.cli(bob, "cancel", str(roots.pid))
+    assert done.returncode == 77 and one_line(done).endswith("'s run; only root may cancel it"), done.stderr
+    roots.kill()
     # All or none: with one of the pids refused, his own is not cancelled either.
     done = inst.cli(bob, "cancel", str(theirs.pid), str(mine.pid))
     assert done.returncode == 77

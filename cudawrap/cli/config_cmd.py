@@ -126,7 +126,15 @@ class ConfigCommand(Command):
         for key, note in NOTES.items():
             if key in settings and settings[key][0] != DEFAULTS[key]:
                 print(f"# note: {key}: {note}")
+        if any(n for _who, n, _src in limit_rows):
+            print(f"# note: limits: {LIMITS_NOTE}")
         return 0
+
+
+# What a limit cannot catch without a root process between users and their leases.
+LIMITS_NOTE = ("each run counts its user's leases from the kernel's locks and the descriptors it may "
+               "read; a lease handed to a setuid program or to another user's process after the process "
+               "that took it exited counts for nobody (README, Limits per user)")
 
 
 def _sharing_rows(sharing: Dict[str, Any]) -> List[Tuple[str, Any, str]]:

@@ -54,6 +54,10 @@ class MonitorCommand(Command):
         require_admin(layout, "run the monitor")
         if not 0.05 <= self.period <= 60:
             raise UsageError(f"--period {self.period}: choose between 0.05 and 60 seconds")
+        if not self.once:
+            from ..metrics import refuse_unsafe_textfile
+
+            refuse_unsafe_textfile(layout)
         if self.daemon:
             self._detach(layout)
         elif self.once:
