@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE.parent.parent  # the cudawrap checkout the kit belongs to
 PROBE_SRC = HERE / "probe.c"
+TRUE_SRC = SOURCE / "bench" / "true.c"  # the trivial program the launch benchmarks time
 EX_USAGE, EX_UNAVAILABLE, EX_NOPERM = 64, 69, 77
 EXIT_BUSY = 75  # a wrapped run that got no device
 WAIT = "60"  # CUDAWRAP_WAIT of every wrapped run: no check can hang on a lost turn
@@ -39,6 +40,8 @@ ALL_CHECKS = ("lease", "burst", "kill9", "foreign", "foreign-monitor", "accounts
               "torch", "overhead", "overhead-monitor", "stall")
 STALL_LIMIT_S = 0.25  # issue 31: slowest launch after a foreign exit, over the normal launch
 KILL_LIMIT_S = 1.0
+CHECK_LIMIT_S = {"torch": 240.0}  # each check's time limit; others get DEFAULT_LIMIT_S
+DEFAULT_LIMIT_S = 90.0
 SNAPSHOT_PERIOD_S = 0.5  # how often `cudawrap monitor` rewrites its snapshot  # "kill -9 frees the device at once"
 
 TORCH_SCRIPT = """\
@@ -59,6 +62,10 @@ class CheckFailed(Exception):
     """A check's expectation did not hold; the message is its FAIL detail."""
 
 
+class TimedOut(CheckFailed):
+    """A check ran past its time limit."""
+
+
 class Skipped(Exception):
     """A check cannot run here; the message says why."""
 
@@ -72,9 +79,9 @@ def hex_of(uuid: Optional[str]) -> str:
     return re.sub(r"[^0-9a-f]", "", text)
 
 
-def overlaps(runs: Sequence[Dict[str, Any]]) -> int:
-    """The most runs that were running at one instant (probe start..end intervals)."""
-    events = sorted([(r["start"], 1) for r in runs] + [(r["end"], -1) for r in runs], key=lambda e: (e[0], e[1]))
+def overlaps(runs: Sequence[Dict[str, Any]], since: str = "start") -> int:
+    """The most runs that were running at one instant (probe SINCE..end intervals)."""
+    events = sorted([(r[since], 1) for r in runs] + [(r["end"], -1) for r in runs], key=lambda e: (e[0], e[1]))
     most = now = 0
     for _, step in events:
         now += step
@@ -248,17 +255,17 @@ class Kit:
 
     # ---- set-up -----------------------------------------------------------------------
 
-    def build_probe(self) -> None:
+    def build(self) -> None:
+        """The probe (run directly), a copy of it to wrap, and a trivial program to wrap."""
         cc = shlex.split(os.environ.get("CC", "cc"))
-        probe = self.bin / "probe"
-        done = subprocess.run(cc + ["-O2", "-o", str(probe), str(PROBE_SRC), "-ldl"], capture_output=True,
-                              text=True, timeout=120)
-        if done.returncode != 0:
-            raise SystemExit(self.fatal(EX_UNAVAILABLE, f"cannot build {PROBE_SRC} with {' '.join(cc)}: "
-                                                        f"{done.stderr.strip()[-300:]}"))
-        probe.chmod(0o755)
-        shutil.copy2(probe, self.bin / "cw-probe")
-        shutil.copy2(shutil.which("true") or "/bin/true", self.bin / "cw-true")
+        for source, out, libs in ((PROBE_SRC, "probe", ["-ldl"]), (TRUE_SRC, "cw-true", [])):
+            done = subprocess.run(cc + ["-O2", "-o", str(self.bin / out), str(source)] + libs, capture_output=True,
+                                  text=True, timeout=120)
+            if done.returncode != 0:
+                raise SystemExit(self.fatal(EX_UNAVAILABLE, f"cannot build {source} with {' '.join(cc)}: "
+                                                            f"{done.stderr.strip()[-300:]}"))
+            (self.bin / out).chmod(0o755)
+        shutil.copy2(self.bin / "probe", self.bin / "cw-probe")
 
     def install(self) -> None:
         if self.args.root:
@@ -292,8 +299,8 @@ class Kit:
 
     def machine(self) -> None:
         """What the GPU machine is (for the report), and the device the kit competes for."""
-        code = ("import json, pynvml as n; n.nvmlInit(); d = n.nvmlDeviceGetHandleByIndex(0); "
-                "print(json.dumps({'driver': n.nvmlSystemGetDriverVersion(), "
+        code = ("import json, sys, pynvml as n; n.nvmlInit(); "
+                "print(json.dumps({'venv_python': sys.version.split()[0], 'driver': n.nvmlSystemGetDriverVersion(), "
                 "'cuda': n.nvmlSystemGetCudaDriverVersion(), 'count': n.nvmlDeviceGetCount(), "
                 "'gpus': [[n.nvmlDeviceGetName(h), n.nvmlDeviceGetUUID(h), n.nvmlDeviceGetMemoryInfo(h).total >> 20] "
                 "for h in (n.nvmlDeviceGetHandleByIndex(i) for i in range(n.nvmlDeviceGetCount()))]}))")
@@ -310,7 +317,7 @@ class Kit:
         known = [g[1] for g in self.info.get("gpus", [])]
         self.target = next((u for u in known if hex_of(u) == hex_of(first)), first)
         self.info.update(cuda_devices=direct.result["devices"], target=self.target, host=socket.gethostname(),
-                         python=sys.version.split()[0], kernel=os.uname().release)
+                         python=sys.version.split()[0], kernel=os.uname().release, commit=self.commit())
         # Another install on this machine may manage the device (its claim): then no check can run.
         trial = self.start([str(self.bin / "cw-true")], self.pinned(CUDAWRAP_WAIT="0")).finish(60)
         if trial.rc != 0:
@@ -318,6 +325,15 @@ class Kit:
             said = " / ".join((sync.stdout + sync.stderr).strip().splitlines()[-3:])
             raise SystemExit(self.fatal(EX_UNAVAILABLE, f"a wrapped run cannot lease {self.target}: exit {trial.rc}: "
                                                         f"{trial.tail()}; `cudawrap sync` says: {said}"))
+
+    def commit(self) -> Optional[str]:
+        """The cudawrap commit under test, where the checkout has its .git."""
+        try:
+            done = subprocess.run(["git", "-C", str(SOURCE), "describe", "--always", "--dirty"], capture_output=True,
+                                  text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() or None if done.returncode == 0 else None
 
     def torch_python(self) -> Optional[str]:
         python = shutil.which("python3")
@@ -566,8 +582,8 @@ class Kit:
         pipes = [r["mps_pipe"] for r in results]
         if not all(pipes):
             raise CheckFailed(f"a shared run got no CUDA_MPS_PIPE_DIRECTORY: {pipes}")
-        if overlaps(results) != 2:
-            raise CheckFailed("the two MPS clients did not run at once")
+        if overlaps(results, since="ready") != 2:  # both had their contexts at once
+            raise CheckFailed("the two MPS clients did not hold their contexts at once")
         return (f"two MPS clients at once on {self.target} (thread limit {results[0]['mps_threads']} %), "
                 f"pipe {pipes[0]}", data)
 
@@ -656,8 +672,18 @@ class Kit:
         if began > self.deadline:
             self.record(name, "SKIP", f"out of time (--budget {self.args.budget:.0f} s)", {}, 0)
             return
+        limit = CHECK_LIMIT_S.get(name, DEFAULT_LIMIT_S)
+
+        def expired(_signum: int, _frame: Any) -> None:
+            raise TimedOut(f"still running after its limit of {limit:.0f} s")
+
+        signal.signal(signal.SIGALRM, expired)
+        signal.setitimer(signal.ITIMER_REAL, limit)
         try:
-            detail, data = method()
+            try:
+                detail, data = method()
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
             status = "PASS"
         except Skipped as e:
             status, detail, data = "SKIP", str(e), {}
@@ -669,7 +695,7 @@ class Kit:
         self.record(name, status, detail, data, time.monotonic() - began)
 
     def main(self) -> int:
-        self.build_probe()
+        self.build()
         python = self.torch_python()
         if python:
             script = self.bin / "cw-torch"
@@ -740,6 +766,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code = 130
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
+    except Exception:  # a bug of the kit's: still clean up and report what ran
+        import traceback
+
+        traceback.print_exc()
+        code = 70
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
