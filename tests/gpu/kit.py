@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""The real-GPU kit: install cudawrap into a temporary prefix and check, on this machine's
-GPU, the behaviours users rely on. README.md beside this file says how to run it.
+"""The real-GPU kit: cudawrap's promises checked on this machine's GPU, as root, offline.
+
+It installs cudawrap into a temporary prefix and checks, on this machine's GPU, the
+behaviours users rely on. README.md beside this file says how to run it.
 
 One line per check on stdout (``PASS name: detail``, ``FAIL name: detail``, ``SKIP name:
 why``) and, with ``--report FILE``, a JSON report. Exit 0 when no check failed, 1 when one
@@ -259,6 +261,16 @@ class Kit:
         """The probe (run directly), a copy of it to wrap, and a trivial program to wrap."""
         cc = shlex.split(os.environ.get("CC", "cc"))
         for source, out, libs in ((PROBE_SRC, "probe", ["-ldl"]), (TRUE_SRC, "cw-true", [])):
+            if self.args.prebuilt:  # built on another machine: this one has no C compiler
+                built = Path(self.args.prebuilt) / ("true" if out == "cw-true" else out)
+                if not os.access(built, os.X_OK):
+                    raise SystemExit(self.fatal(EX_USAGE, f"--prebuilt {self.args.prebuilt}: no executable {built}"))
+                shutil.copy2(built, self.bin / out)
+                continue
+            if not shutil.which(cc[0]):
+                raise SystemExit(self.fatal(EX_UNAVAILABLE, f"no C compiler ({cc[0]}) to build the probe: install "
+                                                            f"one, or build it elsewhere and give --prebuilt DIR "
+                                                            f"(tests/gpu/README.md)"))
             done = subprocess.run(cc + ["-O2", "-o", str(self.bin / out), str(source)] + libs, capture_output=True,
                                   text=True, timeout=120)
             if done.returncode != 0:
@@ -731,6 +743,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=10, metavar="N", help="rounds of the timed checks (10)")
     parser.add_argument("--budget", type=float, default=270, metavar="SECONDS",
                         help="checks not begun by then are skipped (270)")
+    parser.add_argument("--prebuilt", metavar="DIR", help="DIR/probe and DIR/true, built where there is a compiler")
     parser.add_argument("--keep", action="store_true", help="keep the temporary prefix (for debugging)")
     args = parser.parse_args(argv)
     if args.only:
