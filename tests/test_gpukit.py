@@ -197,3 +197,38 @@ def test_the_kit_passes_its_checks_on_the_simulated_machine(stand_ins: Path, gpu
     assert kit_users() == users_before
     assert set(Path("/tmp").glob("cwkit-*")) == bases_before
     assert gpu_machine.registrations() == []
+
+
+@root_only
+@pytest.mark.slow
+def test_an_interrupted_kit_removes_its_accounts_prefix_and_processes(stand_ins: Path, gpu_machine: FakeMachine,
+                                                                     wheelhouse: Optional[Path],
+                                                                     tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    users_before = kit_users()
+    bases_before = set(Path("/tmp").glob("cwkit-*"))
+    args = [sys.executable, str(KIT), "--report", str(report), "--only", "lease,accounts"]
+    running = subprocess.Popen(args + (["--wheelhouse", str(wheelhouse)] if wheelhouse else []),
+                               env=gpu_machine.environ(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert running.stdout is not None
+        first = running.stdout.readline()  # the machine line, then the lease check
+        second = running.stdout.readline()
+        assert first.startswith("kit: ") and second.startswith("PASS lease: "), (first, second)
+        while not (len(kit_users()) == len(users_before) + 2 and gpu_machine.registrations()):
+            assert running.poll() is None, running.stderr.read() if running.stderr else ""
+            time.sleep(0.01)  # the accounts check: both accounts made, the first one's run holds the GPU
+        running.terminate()
+        out, err = running.communicate(timeout=120)
+    finally:
+        if running.poll() is None:
+            running.kill()
+            running.wait()
+    assert running.returncode == 130, err
+    assert "kit: interrupted; cleaning up" in err
+    doc = json.loads(report.read_text())
+    assert [c["name"] for c in doc["checks"]] == ["lease"]  # what ran before the interruption
+    assert kit_users() == users_before
+    assert set(Path("/tmp").glob("cwkit-*")) == bases_before
+    assert gpu_machine.registrations() == []
