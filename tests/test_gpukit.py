@@ -193,6 +193,8 @@ def test_the_kit_passes_its_checks_on_the_simulated_machine(stand_ins: Path, gpu
     burst = checks["burst"]["data"]
     assert len(burst["runs"]) == 4 and kit.overlaps(burst["runs"]) == 1 and min(burst["gaps_s"]) >= 0
     assert checks["accounts"]["data"]["first"]["uid"] != checks["accounts"]["data"]["second"]["uid"]
+    # The simulated GPU was claimed in the simulated machine's claims directory, never the host's.
+    assert not (Path("/run/cudawrap-devices") / gpu_machine.gpu_uuids()[0]).exists()
     # Everything it made is gone: accounts, prefix, processes on the GPU.
     assert kit_users() == users_before
     assert set(Path("/tmp").glob("cwkit-*")) == bases_before

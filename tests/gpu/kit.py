@@ -36,6 +36,8 @@ SOURCE = HERE.parent.parent  # the cudawrap checkout the kit belongs to
 PROBE_SRC = HERE / "probe.c"
 TRUE_SRC = SOURCE / "bench" / "true.c"  # the trivial program the launch benchmarks time
 EX_USAGE, EX_UNAVAILABLE, EX_NOPERM = 64, 69, 77
+# The machine's, not an install's: the claims directory of a simulated machine (CI) stays.
+CLAIMS_ENV = "CUDAWRAP_DEVICE_CLAIMS"
 EXIT_BUSY = 75  # a wrapped run that got no device
 WAIT = "60"  # CUDAWRAP_WAIT of every wrapped run: no check can hang on a lost turn
 ALL_CHECKS = ("lease", "burst", "kill9", "foreign", "foreign-monitor", "accounts", "drain", "slots", "mps",
@@ -196,9 +198,9 @@ class Kit:
 
     def env(self, **extra: str) -> Dict[str, str]:
         """This process's environment without anything of cudawrap or CUDA's, plus EXTRA."""
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("CUDAWRAP_", "CUDA_MPS_")) and k not in ("CUDA_VISIBLE_DEVICES", "PYTHONPATH",
-                                                                           "VIRTUAL_ENV")}
+        env = {k: v for k, v in os.environ.items() if k == CLAIMS_ENV or (
+               not k.startswith(("CUDAWRAP_", "CUDA_MPS_")) and k not in ("CUDA_VISIBLE_DEVICES", "PYTHONPATH",
+                                                                          "VIRTUAL_ENV"))}
         env["CUDAWRAP_WAIT"] = WAIT
         env.update(extra)
         return env
