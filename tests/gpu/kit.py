@@ -737,8 +737,9 @@ class Kit:
         self.install()
         self.wrap()
         self.machine()
-        print(f"kit: {self.info.get('gpus', '?')} driver {self.info.get('driver', '?')}; device under test "
-              f"{self.target}; install {self.info.get('install_seconds', 0)} s", flush=True)
+        gpus = ", ".join(f"{name} ({mib} MiB)" for name, _, mib in self.info.get("gpus", [])) or "GPUs unknown"
+        print(f"kit: {gpus}; driver {self.info.get('driver', '?')}; device under test {self.target}; cudawrap "
+              f"{self.info.get('commit') or '?'}; install {self.info.get('install_seconds', 0)} s", flush=True)
         for name in self.args.only or ALL_CHECKS:
             self.run_check(name)
         return 1 if any(r["status"] == "FAIL" for r in self.results) else 0
