@@ -6,7 +6,8 @@ behaviours users rely on. README.md beside this file says how to run it.
 
 One line per check on stdout (``PASS name: detail``, ``FAIL name: detail``, ``SKIP name:
 why``) and, with ``--report FILE``, a JSON report. Exit 0 when no check failed, 1 when one
-did, 64 bad usage, 77 not root, 69 no probe could be built or run, 1 when the install failed.
+did or the install failed, 64 bad usage, 69 no probe could be built or run, 70 a bug of the
+kit's (traceback on stderr), 77 not root, 130 interrupted.
 
 Standard library only, Python 3.9+, run as root (it creates two temporary accounts). It
 removes what it made (the prefix, the accounts, its processes) at the end, even on failure.
