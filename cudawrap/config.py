@@ -74,6 +74,7 @@ def _choice(choices: Tuple[str, ...]) -> Callable[[Any], str]:
             raise ValueError(f"{_shown(value)} is not one of {', '.join(choices)}")
         return value
 
+    parse.choices = choices  # type: ignore[attr-defined]  # for shell completion
     return parse
 
 

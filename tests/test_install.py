@@ -92,7 +92,7 @@ def test_boot_unit_runs_sync_after_the_driver():
 def test_bash_completion_loads_and_completes(tmp_path):
     script = (
         f"source {PACKAGING / 'cudawrap.bash-completion'}\n"
-        "COMP_WORDS=(cudawrap un); COMP_CWORD=1; _cudawrap_completion; echo \"${COMPREPLY[*]}\"\n"
+        "COMP_WORDS=(cudawrap un); COMP_CWORD=1; _cudawrap; echo \"${COMPREPLY[*]}\"\n"
         "complete -p create-cudawrap\n")
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
