@@ -199,7 +199,8 @@ class WrapOutcome:
 
 def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg, force: bool = False) -> Candidate:
     """Check that PATH can be wrapped; raise a CudawrapError naming it if not. FORCE wraps a
-    program an RPM package owns (which an update of the package silently unwraps)."""
+    program of the base system (every run of it would take a device) or one an RPM package
+    owns (which an update of the package silently unwraps)."""
     if not path:
         raise UsageError("an empty path cannot be wrapped")
     if "\n" in path:
@@ -269,6 +270,11 @@ def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg, force: bool
     owner = dpkg.owner(link)
     if owner is not None:
         package, diversion = owner
+        system = dpkg.system_package(package)
+        if system is not None and not force:
+            raise StateError(f"{link}: belongs to {system[0]}, a package {system[1]} (part of the base "
+                             f"system), so every run of {name} on this machine, by any user or script, "
+                             "would take a device; wrap a CUDA program, or give --force if that is meant")
         diverter = dpkg.diverter(diversion)
         if diverter == PACKAGE:
             raise StateError(f"{link}: dpkg already diverts it for cudawrap but the registry has no "
