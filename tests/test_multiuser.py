@@ -504,6 +504,8 @@ def test_a_service_accounts_program_in_roots_directory_is_wrapped_with_a_warning
     assert os.readlink(prog) == str(inst.layout.program_shim(str(prog))) and real.stat().st_uid == svc.uid
     ran = inst.run(svc, str(prog))
     assert ran.returncode == 0 and ran.stdout.decode().startswith("nc GPU-"), ran.stderr
+    checked = inst.cli(None, "doctor")
+    assert checked.returncode == 0, checked.stdout + checked.stderr  # a wrap like any other
     # As the warning says: the owner changes what runs, but cannot move a name in root's directory.
     edited = inst.run(svc, "sh", "-c", 'printf "#!/bin/sh\\necho changed\\n" > "$1"', "sh", str(real))
     assert edited.returncode == 0, edited.stderr
