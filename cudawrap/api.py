@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 from . import launch, policy
 from .config import parse_gpus, parse_wait
 from .errors import UsageError
-from .leases import LEASE_ENV
+from .leases import LEASE_ENV, PROGRAM_ENV
 from .paths import default_layout
 
 _held: Optional[launch.Grant] = None
@@ -59,12 +59,13 @@ def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None, *,
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     grant = launch.obtain(root, prog, settings, os.environ, count=count)
     _saved.clear()
-    _saved.update({name: os.environ.get(name) for name in (LEASE_ENV, launch.CVD)})
+    _saved.update({name: os.environ.get(name) for name in (LEASE_ENV, PROGRAM_ENV, launch.CVD)})
     if grant.lease is not None:
         # Inheritable, so a program this process execs (or a child that keeps its fds)
         # keeps the devices leased while it runs on them.
         grant.lease.keep_across_exec()
         os.environ[LEASE_ENV] = grant.lease.marker()
+        os.environ.pop(PROGRAM_ENV, None)  # a wrapped parent's name is not this lease's
     if grant.visible is not None:
         os.environ[launch.CVD] = grant.visible
     for name in grant.drop:

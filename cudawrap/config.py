@@ -74,6 +74,7 @@ def _choice(choices: Tuple[str, ...]) -> Callable[[Any], str]:
             raise ValueError(f"{_shown(value)} is not one of {', '.join(choices)}")
         return value
 
+    parse.choices = choices  # type: ignore[attr-defined]  # for shell completion
     return parse
 
 
@@ -293,6 +294,16 @@ SHARING_DESCRIPTIONS: Dict[str, str] = {
 }
 
 
+# Every table the file may hold and its keys; "*" is a name the admin chooses. The default
+# file (cudawrap.defaults) shows each of them.
+SCHEMA: Dict[str, Mapping[str, Callable[[Any], Any]]] = {
+    "devices": DEVICE_KEYS, "policy": POLICY_KEYS, "limits": LIMIT_KEYS,
+    "limits.users.*": LIMIT_ENTRY_KEYS, "limits.groups.*": LIMIT_ENTRY_KEYS,
+    "sharing": SHARING_KEYS, "sharing.devices.*": SHARING_DEVICE_KEYS, "programs.*": POLICY_KEYS,
+    **OPS_SECTIONS,
+}
+
+
 def no_sharing() -> Dict[str, Any]:
     return {"slots": Setting(1, "default"), "mode": Setting("time-slicing", "default"), "devices": {}}
 
@@ -424,8 +435,8 @@ def parse_config(path: Path, text: str) -> Config:
         else:
             raise ConfigError(
                 f"{_where(path, lines, None, section)}: unknown section [{section}]",
-                hint="known sections: [devices], [policy], [limits], [sharing], [programs.\"NAME\"], "
-                     "[metrics], [ledger]",
+                hint="known sections: " + ", ".join("[" + name.replace("*", '"NAME"') + "]"
+                                                    for name in SCHEMA if name.count(".") < 2),
             )
     return Config(path=path, settings=settings, programs=programs, limits=limits, sharing=sharing)
 

@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any, Dict, Iterable, List
 
-from .config import DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, OPS_SECTIONS, POLICY_KEYS
+from .config import DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, OPS_SECTIONS, POLICY_KEYS, SHARING_DESCRIPTIONS
 
 HEADER = """\
 # cudawrap configuration.
@@ -58,6 +58,29 @@ LIMITS_EXAMPLE = """\
 """
 
 
+# [sharing]'s optional keys have no fixed default: absent, each is derived from the device's
+# slots. The value shown is what it is with slots = 1, so uncommenting one changes nothing.
+SHARING_SHOWN = {"slots": "1", "mode": '"time-slicing"', "thread_percentage": "100",
+                 "memory_limit_mib": "0", "counts_as": "1.0"}
+
+SHARING_EXAMPLE = """\
+# One device's slots, by its UUID or a prefix (a GPU- prefix covers its MIG instances).
+# Run `cudawrap sync` after changing slots.
+#
+#[sharing.devices."GPU-8f3a"]
+#slots = 4
+"""
+
+
+def _sharing_table() -> List[str]:
+    lines = ["# How shared runs share a device (README: Sharing a GPU); runs share only with",
+             "# share = true (a program's policy, `cudawrap run --share` or CUDAWRAP_SHARE=1).",
+             "[sharing]"]
+    for key, what in SHARING_DESCRIPTIONS.items():
+        lines += [f"# {what}", f"#{key} = {SHARING_SHOWN[key]}"]
+    return lines
+
+
 def toml_value(value: Any) -> str:
     """VALUE written as a TOML literal the config parser reads back to the same value."""
     if isinstance(value, bool):
@@ -96,5 +119,6 @@ def render_config() -> str:
     for name, keys in sections().items():
         parts.append("\n".join(_table(name, keys)) + "\n")
     parts.append(LIMITS_EXAMPLE)
+    parts.append("\n".join(_sharing_table()) + "\n" + "#\n" + SHARING_EXAMPLE)
     parts.append(PROGRAMS_EXAMPLE)
     return "\n".join(parts)

@@ -127,6 +127,20 @@ class Dpkg:
                 return packages, listed
         return None
 
+    def system_package(self, packages: str) -> Optional[Tuple[str, str]]:
+        """(package, why) for the first of PACKAGES (as `dpkg-query --search` lists them: "a, b")
+        that every system of this kind has: marked Essential, or of Priority required or
+        important. None when none is."""
+        for package in (p.strip() for p in packages.split(",") if p.strip()):
+            _, out, _ = self._run("dpkg-query", ["--show", "--showformat", "${Essential} ${Priority}\\n",
+                                                 "--", package], ok=(0, 1))
+            essential, _, priority = (out.splitlines() or [""])[0].partition(" ")
+            if essential == "yes":
+                return package, "marked Essential"
+            if priority in ("required", "important"):
+                return package, f"of Priority {priority}"
+        return None
+
     def diverter(self, name: str) -> Optional[str]:
         """The package diverting dpkg name NAME ("LOCAL" for a local diversion), or None."""
         if not self.available:

@@ -19,7 +19,7 @@ from . import audit
 from . import locations as loc
 from .errors import (CannotExecute, CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound,
                      UsageError)
-from .leases import LEASE_ENV, Lease, LeaseFiles, inherited_lease
+from .leases import LEASE_ENV, PROGRAM_ENV, Lease, LeaseFiles, inherited_lease
 
 CVD = "CUDA_VISIBLE_DEVICES"
 CVD_B = CVD.encode()
@@ -119,6 +119,7 @@ class Grant:
         self.visible = visible  # value for CUDA_VISIBLE_DEVICES; None = leave it as it is
         self.extra = extra or {}  # more variables: an MPS client's
         self.drop: Tuple[bytes, ...] = ()  # variables to remove
+        self.program: Optional[str] = None  # the wrapped name, for a run a shim started
 
     def apply(self, env: Dict[bytes, bytes]) -> Dict[bytes, bytes]:
         for name in self.drop:
@@ -128,6 +129,10 @@ class Grant:
             env[CVD_B] = self.visible.encode()
         if self.lease is not None:
             env[LEASE_ENV.encode()] = self.lease.marker().encode()
+            if self.program:
+                env[PROGRAM_ENV.encode()] = self.program.encode()
+            else:  # `cudawrap run` inside a wrapped program: its command is not that program
+                env.pop(PROGRAM_ENV.encode(), None)
         return env
 
 
@@ -489,6 +494,7 @@ def run_shim(root: str, argv: List[str], link: Optional[str] = None) -> NoReturn
     real = real_program(link, shim, root)
     settings = effective(root, os.path.abspath(link))
     grant = obtain(root, prog, settings, os.environ)
+    grant.program = prog
     if os.environ.get("CUDAWRAP_VERBOSE"):
         say(prog, f"{CVD}={grant.visible if grant.visible is not None else '(unchanged)'} -> {real}")
     if not os.path.lexists(real):

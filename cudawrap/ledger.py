@@ -169,10 +169,11 @@ class Proc:
     exe: str
 
 
-def proc(pid: int) -> Optional[Proc]:
-    """PID as /proc shows it, or None if it is gone."""
+def proc(pid: int, devices: Sequence[str] = ()) -> Optional[Proc]:
+    """PID as /proc shows it, or None if it is gone; its program by its wrapped name where it
+    holds one of DEVICES as a wrapped program's run."""
     from .proc import real_uid
-    from .status import printable
+    from .status import printable, wrapped_name
 
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
@@ -196,8 +197,9 @@ def proc(pid: int) -> Optional[Proc]:
     from .locations import REAL_PREFIX
 
     names = [os.path.basename(a) for a in argv[:4]]
-    program = next((n[len(REAL_PREFIX):] for n in names if n.startswith(REAL_PREFIX) and len(n) > len(REAL_PREFIX)),
-                   names[0] if names else os.path.basename(exe))
+    program = wrapped_name(pid, devices) or next(
+        (n[len(REAL_PREFIX):] for n in names if n.startswith(REAL_PREFIX) and len(n) > len(REAL_PREFIX)),
+        names[0] if names else os.path.basename(exe))
     return Proc(pid, uid, ticks, boot_time() + ticks / os.sysconf("SC_CLK_TCK"), printable(program, 200), exe)
 
 
@@ -308,7 +310,7 @@ def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = 
         share_cost: Optional[Callable[[str], float]] = None
         for pid, devices in by_pid.items():
             devices.sort()
-            p = proc(pid)
+            p = proc(pid, devices)
             known = next((i for i, r in opened.items() if r["pid"] == pid and r["devices"] == devices
                           and (p is None or r["ticks"] == p.ticks)), None)
             if known is not None:

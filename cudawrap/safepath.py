@@ -45,13 +45,16 @@ def _who(uids: Collection[int]) -> str:
     return " or ".join(sorted(user_name(u) for u in uids))
 
 
-def _check(where: str, st: os.stat_result, trusted: Collection[int], last: bool) -> None:
-    if st.st_uid not in trusted:
+_WRITERS = {0o020: "its group", 0o002: "others", 0o022: "its group and others"}
+
+
+def _check(where: str, st: os.stat_result, trusted: Collection[int], last: bool, any_owner: bool = False) -> None:
+    if st.st_uid not in trusted and not any_owner:
         raise Unsafe(f"{where} is owned by {user_name(st.st_uid)}, not {_who(trusted)}")
     if stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and not last:
         return  # like /tmp: others may add names, but not rename or remove ours
     if st.st_mode & 0o022:
-        whom = "its group and others" if st.st_mode & 0o002 else "its group"
+        whom = _WRITERS[st.st_mode & 0o022]
         raise Unsafe(f"{where} is writable by {whom} (mode {stat.S_IMODE(st.st_mode):04o})")
 
 
@@ -122,11 +125,15 @@ def create_new(dfd: int, prefix: str, data: bytes, suffix: str = "", mode: int =
     raise FileExistsError(errno.EEXIST, "no free temporary name", prefix)
 
 
-def unsafe_reason(path: str, trusted: Optional[Collection[int]] = None, *, file: bool = False) -> Optional[str]:
+def unsafe_reason(path: str, trusted: Optional[Collection[int]] = None, *, file: bool = False,
+                  any_owner: bool = False) -> Optional[str]:
     """Why PATH is not safe for root to act on, or None if it is.
 
     PATH is a directory, or with FILE a file whose directory is checked and which itself
     (and what a symlink at PATH leads to) must be a trusted user's and writable by nobody else.
+    With ANY_OWNER the file (not a symlink, not a directory) may be another user's: in a
+    trusted directory its owner can change its contents, but not rename it or swap it for a
+    link, so what root's commands rename is still what they checked.
     """
     trusted = trusted_uids() if trusted is None else trusted
     try:
@@ -142,8 +149,8 @@ def unsafe_reason(path: str, trusted: Optional[Collection[int]] = None, *, file:
         if stat.S_ISLNK(st.st_mode):
             if st.st_uid not in trusted:
                 raise Unsafe(f"{path} is a symlink made by {user_name(st.st_uid)}")
-            return unsafe_reason(os.path.realpath(path), trusted, file=True)
-        _check(path, st, trusted, True)
+            return unsafe_reason(os.path.realpath(path), trusted, file=True, any_owner=any_owner)
+        _check(path, st, trusted, True, any_owner)
     except Unsafe as exc:
         return exc.why
     except OSError:

@@ -74,8 +74,32 @@ def program_name(argv: Sequence[str]) -> str:
     return name[len(REAL_PREFIX):] if name.startswith(REAL_PREFIX) and len(name) > len(REAL_PREFIX) else name
 
 
-def process_info(pid: int) -> Dict[str, Any]:
-    """User, command line and start time of PID from /proc (what `ps` would say)."""
+def wrapped_name(pid: int, uuids: Iterable[str] = ()) -> Optional[str]:
+    """The wrapped name PID runs under, from the environment its shim gave it (which survives
+    the program's own execs), if that environment also has the lease of one of UUIDS (any
+    lease when none is given): a command of `cudawrap run` started from a wrapped program
+    keeps that program's variables but has a lease of its own. None when there is none, or
+    PID's environment cannot be read (another user's process)."""
+    from .leases import LEASE_ENV, PROGRAM_ENV
+
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            block = f.read(1 << 20)
+    except OSError:
+        return None
+    env = dict(item.split(b"=", 1) for item in block.split(b"\0") if b"=" in item)
+    name = env.get(PROGRAM_ENV.encode(), b"").decode("utf-8", "replace")
+    marker = env.get(LEASE_ENV.encode(), b"").decode("utf-8", "replace")
+    leased = {part.split(":")[1] for part in marker.split(",") if part.count(":") >= 1}
+    wanted = set(uuids)
+    if not name or not leased or (wanted and not wanted & leased):
+        return None
+    return os.path.basename(name) or None
+
+
+def process_info(pid: int, uuids: Iterable[str] = ()) -> Dict[str, Any]:
+    """User, command line and start time of PID from /proc (what `ps` would say); its program
+    by the wrapped name its shim ran it as, when it holds the lease of one of UUIDS."""
     info: Dict[str, Any] = {"pid": pid, "user": "?", "command": "?", "program": "?", "since": "?"}
     try:
         uid = real_uid(pid)
@@ -85,7 +109,7 @@ def process_info(pid: int) -> Dict[str, Any]:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read(4096).decode("utf-8", "replace").split("\0")
         info["command"] = printable(" ".join(argv).strip(), 4096)
-        info["program"] = printable(program_name(argv), 200)
+        info["program"] = printable(wrapped_name(pid, uuids) or program_name(argv), 200)
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         started = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
@@ -159,7 +183,7 @@ def _holder(held: Dict[str, Holding], uuid: str) -> Optional[Dict[str, Any]]:
     if uuid not in held:
         return None
     pid = held[uuid].pid
-    return dict(_UNKNOWN_HOLDER) if pid is None else process_info(pid)
+    return dict(_UNKNOWN_HOLDER) if pid is None else process_info(pid, [uuid])
 
 
 def _shares(held: Dict[str, Holding], uuid: str, slots: int) -> Optional[Dict[str, Any]]:
@@ -168,7 +192,8 @@ def _shares(held: Dict[str, Holding], uuid: str, slots: int) -> Optional[Dict[st
     if holding is None or holding.exclusive:
         return None
     return {"used": len(holding.pids), "slots": slots,
-            "holders": [dict(_UNKNOWN_HOLDER) if pid is None else process_info(pid) for pid in holding.pids]}
+            "holders": [dict(_UNKNOWN_HOLDER) if pid is None else process_info(pid, [uuid])
+                        for pid in holding.pids]}
 
 
 def _foreign(lease_dir: str, uuid: str, pids: Iterable[int]) -> List[int]:
@@ -335,8 +360,14 @@ def _lease(d: Dict[str, Any]) -> str:
     if shares:  # "2/4 shared: alice pid 123, alice pid 456"
         who = ", ".join("?" if h["pid"] is None else f"{_cut(h['user'], 8)} pid {h['pid']}"
                         for h in shares["holders"])
-        return f"{shares['used']}/{shares['slots']} shared: {who}"
-    return holder_text(d["holder"])
+        text = f"{shares['used']}/{shares['slots']} shared: {who}"
+    else:
+        text = holder_text(d["holder"])
+    if not d.get("drains"):
+        return text
+    # Drained: nobody new gets it, whether or not a run still holds it (drain --wait waits for that run).
+    reason = d["drains"][0]["reason"] or "-"
+    return f"drained: {reason}" if text == "free" else f"{text}; drained"
 
 
 def _others(d: Dict[str, Any]) -> str:
@@ -370,26 +401,28 @@ DRAINED_COLUMNS: List[Column] = [
 ]
 
 
-def table(rows: Sequence[Dict[str, Any]], columns: Sequence[Column]) -> List[str]:
-    """ROWS as aligned lines under COLUMNS' headers."""
+def table(rows: Sequence[Dict[str, Any]], columns: Sequence[Column], cut: bool = True) -> List[str]:
+    """ROWS as aligned lines under COLUMNS' headers; each cell cut to its column's widest if CUT
+    (for a terminal: a script reading the table gets every cell whole)."""
     cells = [[header for header, _, _ in columns]]
-    cells += [[_cut(cell(row), widest) for _, cell, widest in columns] for row in rows]
+    cells += [[_cut(cell(row), widest if cut else 0) for _, cell, widest in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     return ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
 
 
-def render(status: Dict[str, Any]) -> List[str]:
-    """`cudawrap status` as text: which install, the devices, who waits, who holds the queue."""
+def render(status: Dict[str, Any], cut: bool = True) -> List[str]:
+    """`cudawrap status` as text: which install, the devices, who waits, who holds the queue;
+    long cells cut to fit a terminal if CUT."""
     held = sum(1 for d in status["devices"] if d["holder"])
     count = (f"devices unknown, {len(status['devices'])} lease files" if status["nvml_error"]
              else f"{len(status['devices'])} devices")
     lines = [f"install root {status['root']}: {count}, {held} leased, {len(status['waiting'])} waiting"]
     if status["devices"]:
-        lines += table(status["devices"], DEVICE_COLUMNS)
+        lines += table(status["devices"], DEVICE_COLUMNS, cut)
     if status.get("drained"):
         lines.append("")
-        lines += table([dict(d, uuid=u) for u, d in sorted(status["drained"].items())], DRAINED_COLUMNS)
+        lines += table([dict(d, uuid=u) for u, d in sorted(status["drained"].items())], DRAINED_COLUMNS, cut)
     if status["waiting"]:
         lines.append("")
-        lines += table(status["waiting"], WAITING_COLUMNS)
+        lines += table(status["waiting"], WAITING_COLUMNS, cut)
     return lines

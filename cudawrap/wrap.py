@@ -181,6 +181,7 @@ class Candidate:
     package: Optional[str]  # the dpkg package shipping it
     diversion: Optional[str]  # the name to divert (as dpkg knows it), when a package ships it
     rpm: Optional[str] = None  # the RPM package owning it, when wrapped with --force anyway
+    owner: Optional[str] = None  # the user owning the program's file, when not root (or the prefix's owner)
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,8 @@ class WrapOutcome:
 
 def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg, force: bool = False) -> Candidate:
     """Check that PATH can be wrapped; raise a CudawrapError naming it if not. FORCE wraps a
-    program an RPM package owns (which an update of the package silently unwraps)."""
+    program of the base system (every run of it would take a device) or one an RPM package
+    owns (which an update of the package silently unwraps)."""
     if not path:
         raise UsageError("an empty path cannot be wrapped")
     if "\n" in path:
@@ -214,7 +216,7 @@ def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg, force: bool
         raise StateError(f"{link}: no such file; give the path of an installed program") from None
     except OSError as exc:
         raise StateError(f"{link}: cannot examine it: {exc.strerror}") from None
-    why = unsafe_reason(link, file=True)
+    why = unsafe_reason(link, file=True, any_owner=True)
     if why is not None:
         raise StateError(f"{link}: {why}, so they could swap it for a symlink that root's commands would "
                          f"follow; put the program where only {_trusted_names()} can write (such as "
@@ -268,6 +270,11 @@ def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg, force: bool
     owner = dpkg.owner(link)
     if owner is not None:
         package, diversion = owner
+        system = dpkg.system_package(package)
+        if system is not None and not force:
+            raise StateError(f"{link}: belongs to {system[0]}, a package {system[1]} (part of the base "
+                             f"system), so every run of {name} on this machine, by any user or script, "
+                             "would take a device; wrap a CUDA program, or give --force if that is meant")
         diverter = dpkg.diverter(diversion)
         if diverter == PACKAGE:
             raise StateError(f"{link}: dpkg already diverts it for cudawrap but the registry has no "
@@ -280,7 +287,10 @@ def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg, force: bool
         raise StateError(f"{link}: belongs to the RPM package {rpm}, and rpm cannot divert files: an update "
                          f"of {rpm} would silently unwrap it; wrap a copy outside the package's files, or "
                          "give --force and wrap it again after every update")
-    return Candidate(link, real, symlink, package, diversion, rpm)
+    from .users import user_name
+
+    owner = None if st.st_uid in trusted_uids() else user_name(st.st_uid)
+    return Candidate(link, real, symlink, package, diversion, rpm, owner)
 
 
 def _trusted_names() -> str:
@@ -415,10 +425,14 @@ def wrap_programs(
                 failed.append(Failure(cand.link, exc))
         if wrapped:
             refresh_launch_cache(layout)
+    done = [c for c in good if any(e.link == c.link for e in wrapped)]
     warnings = tuple(
         f"warning: {c.link} belongs to the RPM package {c.rpm}: an update of {c.rpm} silently unwraps it; "
         f"run 'create-cudawrap --force {c.link}' again after every update"
-        for c in good if c.rpm is not None and any(e.link == c.link for e in wrapped))
+        for c in done if c.rpm is not None) + tuple(
+        f"warning: {c.link} is owned by {c.owner}, who can still change what it runs (its contents), "
+        f"though not rename or replace it: only {_trusted_names()} can write in {os.path.dirname(c.link)}"
+        for c in done if c.owner is not None)
     return WrapOutcome(tuple(wrapped), tuple(failed), warnings)
 
 

@@ -232,6 +232,45 @@ def test_default_file_parses_to_the_defaults_and_so_does_every_line_uncommented(
     assert {k: s.source for k, s in config.settings.items()} == {k: f"{P}:{n}" for k, n in numbers.items()}
 
 
+def _tables_and_keys(data, label=""):
+    """{table: its keys} of parsed TOML DATA, a name the admin chose ("recon") shown as "*";
+    a table that only holds tables ([limits.users]) is not one of its own."""
+    from cudawrap.config import SCHEMA
+
+    out = {label: set()} if label in SCHEMA else {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            name = f"{label}.{key}" if label else key
+            generic = f"{label}.*" if label else "*"
+            for table, keys in _tables_and_keys(value, generic if generic in SCHEMA else name).items():
+                out.setdefault(table, set()).update(keys)
+        else:
+            out.setdefault(label, set()).add(key)
+    return out
+
+
+def test_default_file_shows_every_table_and_key_of_the_schema_and_nothing_else():
+    import re
+    import sys
+
+    from cudawrap.config import SCHEMA
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    # Every commented-out setting and table header, uncommented: what an admin could turn on.
+    text = "\n".join(line[1:] if re.match(r"#(\[|[a-z_]+ = )", line) else line
+                     for line in render_config().splitlines())
+    shown = _tables_and_keys(tomllib.loads(text))
+    schema = {table: set(keys) for table, keys in SCHEMA.items()}
+    assert set(shown) == set(schema)
+    for table, keys in shown.items():
+        # A [programs."NAME"] example shows two of the [policy] keys it may hold; the rest, all.
+        assert keys <= schema[table] if table == "programs.*" else keys == schema[table], table
+    parse_config(P, text)  # and all of it is valid
+
+
 def test_default_file_example_program_table_parses_when_uncommented():
     text = render_config().replace('#[programs."recon"]\n#gpus = 2\n#wait = 600', '[programs."recon"]\ngpus = 2\nwait = 600')
     config = parse_config(P, text)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 PACKAGE = "cudawrap-test-fakeprog"
 
 
-def build_deb(out: Path, version: str, path: str = "usr/bin/fakeprog") -> Path:
+def build_deb(out: Path, version: str, path: str = "usr/bin/fakeprog", fields: str = "") -> Path:
     tree = out / f"tree-{version}-{path.replace('/', '_')}"
     (tree / "DEBIAN").mkdir(parents=True)
     prog = tree / path
@@ -30,7 +30,7 @@ def build_deb(out: Path, version: str, path: str = "usr/bin/fakeprog") -> Path:
     prog.chmod(0o755)
     (tree / "DEBIAN" / "control").write_text(
         f"Package: {PACKAGE}\nVersion: {version}\nArchitecture: all\n"
-        "Maintainer: cudawrap tests <tests@example.invalid>\nDescription: a program to wrap\n")
+        f"Maintainer: cudawrap tests <tests@example.invalid>\n{fields}Description: a program to wrap\n")
     deb = out / f"fakeprog_{version}_{path.replace('/', '_')}.deb"
     subprocess.run(["dpkg-deb", "--root-owner-group", "-b", str(tree), str(deb)], check=True,
                    capture_output=True)
@@ -250,3 +250,27 @@ def test_kill_9_while_wrapping_a_packaged_program(sandbox: Sandbox, debs) -> Non
                 assert admin.cli("unwrap", str(sandbox.prog)).returncode == 0
             assert snapshot(sandbox.root / "usr") == original, (syscall, when)
     assert killed >= 5
+
+
+@pytest.mark.parametrize("fields, why", [
+    ("Essential: yes\n", "marked Essential"),
+    ("Priority: required\n", "of Priority required"),
+    ("Priority: important\n", "of Priority important"),
+], ids=["essential", "required", "important"])
+def test_a_base_system_program_is_refused_unless_forced(sandbox: Sandbox, tmp_path: Path, fields: str,
+                                                        why: str) -> None:
+    """Every `true` on the machine taking a GPU lease is not what an admin means by default."""
+    sandbox.dpkg("-i", str(build_deb(tmp_path, "1", fields=fields)))
+    admin = sandbox.admin
+    before = snapshot(sandbox.root)
+    refused = admin.create(str(sandbox.prog))
+    assert refused.returncode == 65
+    assert one_line(refused) == (
+        f"create-cudawrap: {sandbox.prog}: belongs to {PACKAGE}, a package {why} (part of the base system), so "
+        "every run of fakeprog on this machine, by any user or script, would take a device; wrap a CUDA "
+        "program, or give --force if that is meant")
+    assert snapshot(sandbox.root) == before and sandbox.diversions() == []
+    forced = admin.create("--force", str(sandbox.prog))
+    assert forced.returncode == 0, forced.stderr
+    assert sandbox.diversions() == [DIVERSION] and run(sandbox.prog) == "fakeprog v1 \n"
+

@@ -96,7 +96,7 @@ def test_boot_unit_runs_sync_after_the_driver():
 def test_bash_completion_loads_and_completes(tmp_path):
     script = (
         f"source {PACKAGING / 'cudawrap.bash-completion'}\n"
-        "COMP_WORDS=(cudawrap un); COMP_CWORD=1; _cudawrap_completion; echo \"${COMPREPLY[*]}\"\n"
+        "COMP_WORDS=(cudawrap un); COMP_CWORD=1; _cudawrap; echo \"${COMPREPLY[*]}\"\n"
         "complete -p create-cudawrap\n")
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -246,13 +246,22 @@ def test_uninstall_keeps_an_edited_config_and_what_was_there(tmp_path, machine, 
         "etc", "etc/cudawrap", "etc/cudawrap/config.toml"}
 
 
+def readme_block(name: str) -> str:
+    text = (SOURCE / "README.md").read_text(encoding="utf-8")
+    block = text.split(f"<!-- {name}:start -->\n")[1].split(f"<!-- {name}:end -->")[0]
+    return "\n".join(line for line in block.splitlines() if not line.startswith("```"))
+
+
 @pytest.mark.slow
 def test_readme_try_it_without_a_gpu_works_as_written(tmp_path, wheelhouse):
     """README's walk-through, run as one script with `bash -e`, in tmp_path instead of /tmp."""
     text = (SOURCE / "README.md").read_text(encoding="utf-8")
-    block = text.split("<!-- try:start -->\n")[1].split("<!-- try:end -->")[0]
-    script = "\n".join(line for line in block.splitlines() if not line.startswith("```"))
+    script = readme_block("try")
     assert "./install.sh --prefix /tmp/cw" in script and "--uninstall" in script
+    # Every command of the install by its path there: after a failed install, a bare
+    # `cudawrap` would quietly answer from another install on PATH.
+    bare = [line for line in script.splitlines() if re.match(r"\s*(cudawrap|create-cudawrap)\b", line)]
+    assert bare == [] and "export PATH" not in script, bare
     script = script.replace("/tmp/", f"{tmp_path}/")
     if wheelhouse:
         script = script.replace("./install.sh ", f"./install.sh --wheelhouse {wheelhouse} ", 1)
@@ -273,6 +282,36 @@ def test_readme_try_it_without_a_gpu_works_as_written(tmp_path, wheelhouse):
     assert "recon: waiting for a device: every device it may use is busy; position 1 in line (pid" in r.stderr
     assert "recon: got GPU-" in r.stderr
     assert os.listdir(tmp_path) == []  # step 5 removed everything
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_readme_try_it_with_several_users_works_as_written(mu_world, wheelhouse):
+    """README's several-users walk-through, run by root with two real accounts for alice and
+    bob (`sudo -u NAME` as runuser, `sudo` itself as root already), in a directory all can reach."""
+    script = readme_block("try-users")
+    alice, bob = mu_world.alice, mu_world.bob
+    public = Path(tempfile.mkdtemp(prefix="cudawrap-try-"))
+    try:
+        public.chmod(0o755)
+        script = script.replace("/tmp/", f"{public}/")
+        script = script.replace("sudo -u alice ", f"runuser -u {alice.name} -- ")
+        script = script.replace("sudo -u bob ", f"runuser -u {bob.name} -- ")
+        script = script.replace("sudo ", "")
+        if wheelhouse:
+            script = script.replace("./install.sh ", f"./install.sh --wheelhouse {wheelhouse} ", 1)
+        r = subprocess.run(["bash", "-e", "-c", script], cwd=SOURCE, env=clean_env(PATH=STOCK_SUDO_PATH),
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        tables = [t for t in r.stdout.split("install root ")[1:]]
+        bobs, roots = tables[-2], tables[-1]  # the two status tables of step 3
+        assert bobs.count("held (holder not visible to you)") == 4, r.stdout
+        assert len(re.findall(rf"pid \d+ {alice.name} recon", roots)) == 4, r.stdout
+        assert "recon: waiting for a device: every device it may use is busy; position 1 in line (pid" in r.stderr
+        assert "recon: got GPU-" in r.stderr
+        assert os.listdir(public) == []  # step 4 removed everything
+    finally:
+        shutil.rmtree(public, ignore_errors=True)
 
 
 # ---- refusals: one line, a distinct exit code, nothing changed --------------------------

@@ -93,6 +93,7 @@ def test_environment_is_byte_identical_but_for_the_device(installed, tmp_path):
     expected[b"CUDA_VISIBLE_DEVICES"] = granted.encode()
     lease = got.pop(b"CUDAWRAP_LEASE")
     assert lease.endswith(b":" + granted.encode())
+    assert got.pop(b"CUDAWRAP_PROGRAM") == b"recon"  # the wrapped name, for status and the ledger
     assert got == expected
 
 

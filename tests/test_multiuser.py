@@ -478,9 +478,43 @@ def test_root_refuses_to_wrap_in_a_users_directory(mu) -> None:  # type: ignore[
     assert snapshot(home) == before
     # A program root's directory holds but a user may write is refused the same way.
     theirs = sh_program(inst.bindir / "theirs", "#!/bin/sh\necho theirs\n")
-    theirs.chmod(0o757)
-    done = inst.cli(None, str(theirs), prog="create-cudawrap")
-    assert done.returncode == 65 and "is writable by its group and others (mode 0757)" in one_line(done)
+    for mode, whom in ((0o757, "others"), (0o775, "its group"), (0o777, "its group and others")):
+        theirs.chmod(mode)
+        done = inst.cli(None, str(theirs), prog="create-cudawrap")
+        assert done.returncode == 65 and one_line(done) == (
+            f"create-cudawrap: {theirs}: {theirs} is writable by {whom} (mode {mode:04o}), so they could swap it "
+            "for a symlink that root's commands would follow; put the program where only root can write (such as "
+            "/opt/app/bin) and wrap it there")
+
+
+def test_a_service_accounts_program_in_roots_directory_is_wrapped_with_a_warning(mu) -> None:  # type: ignore[no-untyped-def]
+    """/opt/app/bin is root's, the program its service account's: the account can change the
+    program's contents but cannot rename or replace it, so root's renames act on what they checked."""
+    inst = mu("four-gpus")
+    svc = inst.world.alice
+    prog = sh_program(inst.bindir / "nc", '#!/bin/sh\necho "nc $CUDA_VISIBLE_DEVICES"\n')
+    os.chown(prog, svc.uid, svc.gid)
+    done = inst.cli(None, str(prog), prog="create-cudawrap")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode().startswith(f"wrapped {prog} (real program: {inst.bindir}/CUDAWRAP_nc, renamed)")
+    assert one_line(done) == (
+        f"create-cudawrap: warning: {prog} is owned by {svc.name}, who can still change what it runs (its "
+        f"contents), though not rename or replace it: only root can write in {inst.bindir}")
+    real = inst.bindir / "CUDAWRAP_nc"
+    assert os.readlink(prog) == str(inst.layout.program_shim(str(prog))) and real.stat().st_uid == svc.uid
+    ran = inst.run(svc, str(prog))
+    assert ran.returncode == 0 and ran.stdout.decode().startswith("nc GPU-"), ran.stderr
+    checked = inst.cli(None, "doctor")
+    assert checked.returncode == 0, checked.stdout + checked.stderr  # a wrap like any other
+    # As the warning says: the owner changes what runs, but cannot move a name in root's directory.
+    edited = inst.run(svc, "sh", "-c", 'printf "#!/bin/sh\\necho changed\\n" > "$1"', "sh", str(real))
+    assert edited.returncode == 0, edited.stderr
+    assert inst.run(None, str(prog)).stdout == b"changed\n"
+    moved = inst.run(svc, "mv", str(real), str(inst.bindir / "elsewhere"))
+    assert moved.returncode != 0 and real.exists()
+    # The changed program is the owner's deploy: doctor says so, and unwrap puts it back as it is now.
+    assert inst.cli(None, "unwrap", "--force", str(prog)).returncode == 0
+    assert prog.stat().st_uid == svc.uid and prog.read_bytes() == b"#!/bin/sh\necho changed\n"
 
 
 def test_a_user_swapping_a_wrapped_directory_for_a_symlink_redirects_nothing(mu) -> None:  # type: ignore[no-untyped-def]

@@ -1,7 +1,11 @@
 """`cudawrap status` as a table: 80 columns, the holder's program by name, the install root."""
+import json
+import sys
+
 import pytest
 
-from corefix import ready_line
+from corefix import ready_line, wait_for
+from fakemachine import FAKECUDA
 from cudawrap.status import program_name, render
 
 
@@ -54,3 +58,119 @@ def test_holder_is_shown_by_program_name(installed):
     finally:
         holder.kill()
         holder.wait()
+
+
+# Wrapped programs that exec another program to do the work, as launchers do: the process
+# that holds the lease is then `python3 …/fakecuda.py`, with no trace of recon in its argv.
+LAUNCHERS = {
+    "sh-script": '#!/bin/sh\nexec "{python}" -u "{fakecuda}" "$@"\n',
+    "python-script": '#!{python}\nimport os, sys\n'
+                     'os.execv(sys.executable, [sys.executable, "-u", "{fakecuda}"] + sys.argv[1:])\n',
+}
+
+
+@pytest.mark.parametrize("kind", list(LAUNCHERS))
+def test_a_wrapped_script_is_known_by_its_wrapped_name_everywhere(installed, tmp_path, kind):
+    inst = installed("four-gpus")
+    launcher = tmp_path / kind
+    launcher.write_text(LAUNCHERS[kind].format(python=sys.executable, fakecuda=FAKECUDA))
+    recon = inst.wrap("recon", launcher)
+    holder = inst.start(str(recon), "--hold", "60")
+    try:
+        ready_line(holder)
+        lines = inst.cli("status").stdout.decode().splitlines()
+        assert any(f"pid {holder.pid} " in line and line.split()[6:7] == ["recon"] for line in lines), lines
+        held = [d["holder"] for d in json.loads(inst.cli("status", "--json").stdout)["devices"] if d["holder"]]
+        assert [(h["pid"], h["program"]) for h in held] == [(holder.pid, "recon")]
+        assert inst.cli("monitor", "--once").returncode == 0  # the ledger sees the grant
+    finally:
+        holder.kill()
+        holder.wait()
+    assert inst.cli("monitor", "--once").returncode == 0  # and the end
+    done = inst.cli("usage", "--by", "program", "--since", "1h", "--json")
+    assert done.returncode == 0, done.stderr
+    assert [r["program"] for r in json.loads(done.stdout)] == ["recon"]
+
+
+def test_a_drained_device_says_so_in_the_lease_column_with_its_reason(installed):
+    inst = installed("four-gpus")
+    recon = inst.wrap("recon")
+    holder = inst.start(str(recon), "--hold", "60")
+    try:
+        held = ready_line(holder)["devices"][0]
+        uuids = [d["uuid"] for d in json.loads(inst.cli("status", "--json").stdout)["devices"]]
+        free = next(u for u in uuids if u != held)
+        for uuid in (held, free):
+            assert inst.cli("drain", uuid, "--reason", "fan swap").returncode == 0
+        lines = inst.cli("status").stdout.decode().splitlines()
+        row = {line.split()[1]: line for line in lines[2:] if line[:1].isdigit()}
+        assert "drained: fan swap" in row[free[:12]] and " free" not in row[free[:12]], lines
+        assert f"pid {holder.pid} " in row[held[:12]] and "; drained" in row[held[:12]], lines
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_long_cells_are_cut_for_a_terminal_only():
+    reason = "1 usable device free, 1 more needed; position 1 in line, behind 3 runs of bob"
+    status = {"root": "/", "devices": [], "queue_lock_holder": None, "nvml_error": None,
+              "waiting": [{"user": "annabelle", "pid": 4194300, "count": 2, "program": "train_segmentation.py",
+                           "position": 1, "reason": reason}]}
+    assert not any(reason in line for line in render(status))  # a terminal: 80 columns
+    piped = render(status, cut=False)
+    assert any(line.endswith(reason) and "annabelle" in line and "train_segmentation.py" in line
+               for line in piped), piped
+    assert not any("~" in line for line in piped)
+
+
+def test_status_piped_prints_whole_cells(installed):
+    inst = installed("four-gpus")
+    recon = inst.wrap("recon")
+    holders = [inst.start(str(recon), "--hold", "60") for _ in range(4)]
+    waiter = None
+    try:
+        for holder in holders:
+            ready_line(holder)
+        waiter = inst.start(str(recon))
+        wait_for(lambda: json.loads(inst.cli("status", "--json").stdout)["waiting"])
+        reason = json.loads(inst.cli("status", "--json").stdout)["waiting"][0]["reason"]
+        assert len(reason) > 38  # wider than the WHY column on a terminal
+        lines = inst.cli("status").stdout.decode().splitlines()  # a pipe, not a terminal
+        assert any(line.endswith(reason) for line in lines), lines
+    finally:
+        for proc in holders + ([waiter] if waiter else []):
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.root
+def test_what_an_ordinary_user_sees_as_readme_says(mu):
+    """README "Status": your own runs in full, other users' holders hidden, every waiter and drain."""
+    inst = mu("four-gpus")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    theirs = [inst.start(alice, "recon", "--hold", "60") for _ in range(3)]
+    got = [ready_line(p)["devices"][0] for p in theirs]
+    mine = inst.start(bob, "recon", "--hold", "60")
+    my_device = ready_line(mine)["devices"][0]
+    waiter = inst.start(alice, "recon")
+    wait_for(lambda: json.loads(inst.cli(None, "status", "--json").stdout)["waiting"])
+    assert inst.cli(None, "drain", got[0], "--reason", "fan swap").returncode == 0
+    done = inst.cli(bob, "status")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.decode().splitlines()
+    rows = {line.split()[1]: line for line in lines[2:6]}
+    assert f"pid {mine.pid} {bob.name} recon" in rows[my_device[:12]], lines
+    for uuid in got:
+        assert "held (holder not visible to you)" in rows[uuid[:12]] and rows[uuid[:12]].endswith("unknown"), lines
+        assert str(theirs[got.index(uuid)].pid) not in rows[uuid[:12]]
+    assert "held (holder not visible to you); drained" in rows[got[0][:12]], lines
+    assert any(line.startswith(got[0][:16]) and line.endswith("fan swap") for line in lines), lines
+    assert any(line.split()[1:4] == [alice.name, str(waiter.pid), "1"] for line in lines[7:]), lines
+    # Root sees every holder.
+    root_lines = inst.cli(None, "status").stdout.decode()
+    assert all(f"pid {p.pid} {alice.name} recon" in root_lines for p in theirs), root_lines
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+    assert "another user's run shows as `held (holder not visible to you)`" in readme

@@ -87,8 +87,10 @@ class CreateCudawrap(FilterSwitches, Command):
                                help=DESCRIPTIONS["multi_mig"])
     max_gpus = cli.SwitchAttr(["--max-gpus"], str, argname="N", help=DESCRIPTIONS["max_gpus"])
     devices = cli.SwitchAttr(["--devices"], str, argname="UUID|INDEX,...", help=DESCRIPTIONS["devices"])
-    force = cli.Flag(["--force"], help="wrap a program an RPM package owns although an update of that "
-                                       "package silently unwraps it (refused otherwise); nothing else")
+    force = cli.Flag(["--force"], help="wrap a program of the base system (a Debian package marked Essential "
+                                       "or of Priority required/important), or one an RPM package owns although "
+                                       "an update of that package silently unwraps it (both refused otherwise); "
+                                       "nothing else")
 
     def policy(self) -> Dict[str, Any]:
         """The per-program policy from the switches, raw (as the registry stores it), checked."""

@@ -96,6 +96,7 @@ class StatusCommand(Command):
     as_json = cli.Flag(["--json"], help="machine-readable output (with --watch: one line per refresh)")
     watch = cli.Flag(["-w", "--watch"], help="refresh every SECONDS (default 2) until Ctrl-C")
     count = cli.SwitchAttr(["--count"], str, argname="N", help="with --watch: stop after N refreshes")
+    terminal: Optional[bool] = None  # whether the output goes to a terminal (--watch draws into a buffer)
 
     def main(self, *seconds: str) -> int:
         if not self.watch:
@@ -120,7 +121,7 @@ class StatusCommand(Command):
         if self.as_json:
             print(json.dumps(status, indent=None if self.watch else 2))  # nvml_error says when there is no driver
             return 0
-        for line in render(status):
+        for line in render(status, cut=sys.stdout.isatty() if self.terminal is None else self.terminal):
             print(line)
         if status["nvml_error"]:
             # The devices are unknown: the table shows at most the lease files of the last sync.
@@ -140,7 +141,8 @@ def _watch(command: StatusCommand, period: float, count: Optional[int]) -> int:
     import time
     from contextlib import redirect_stdout
 
-    in_place = sys.stdout.isatty() and not command.as_json
+    command.terminal = sys.stdout.isatty()
+    in_place = command.terminal and not command.as_json
     shown = 0
     try:
         while True:
