@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 from .devices import Device
 from .errors import Interrupted, NoDeviceError
-from .sharing import MPS, MPS_SERVER_COMM, Sharing
+from .sharing import MPS, Sharing, mps_daemon
 from .leases import Lease, LeaseFiles, lock_table
 # The scheduler (schedule.py) is imported where a decision is made: a launch nobody waits
 # before takes its devices without one (_uncontended), and the shim pays for every module.
@@ -93,13 +93,15 @@ def _free_mib(device: Device) -> Optional[int]:
     return device.memory_total_mib - device.memory_used_mib
 
 
-def _mps_server(pid: int) -> bool:
-    """Whether PID is an MPS server: it stays on a device its clients have left."""
-    try:
-        with open(f"/proc/{pid}/comm", "rb") as f:
-            return f.read().startswith(MPS_SERVER_COMM)
-    except OSError:
+def _mps_server(pid: int, daemon: Optional[int]) -> bool:
+    """Whether PID is an MPS server of cudawrap's: a child of DAEMON, the control daemon
+    `cudawrap mps start` runs for the device (None: none runs). Never by its name: anyone can
+    run a program named nvidia-cuda-mps-server."""
+    if daemon is None:
         return False
+    from .proc import parent  # only once a process was seen on a device
+
+    return parent(pid) == daemon
 
 
 def _exited(pid: int) -> bool:
@@ -146,8 +148,10 @@ class Acquirer:
         share: bool = False,
         sharing: Optional[Sharing] = None,
         unread: Sequence[str] = (),
+        root: Optional[str] = None,
     ) -> None:
         self.leases = leases
+        self.root = root  # the install's: where its MPS daemons' pid files are
         self.queue = queue
         self.candidates = list(candidates)
         self.count = count
@@ -196,12 +200,25 @@ class Acquirer:
     def occupied(self, device: Device) -> bool:
         """Whether NVML shows work cudawrap did not start on DEVICE (its lease being free).
 
-        An MPS server left by shared runs that ended is not work: it idles until stopped."""
+        The MPS server of cudawrap's daemon for DEVICE, left by shared runs that ended, is
+        not work: it idles until stopped."""
         if self.foreign == "ignore":
             return False
         if device.pids is None:
             return (device.memory_used_mib or 0) > self.busy_memory_mib
-        return any(not _mps_server(pid) and not (pid in self.holders and _exited(pid)) for pid in device.pids)
+        daemon: Optional[int] = -1  # not read yet: only once a process is seen
+        for pid in device.pids:
+            if pid in self.holders and _exited(pid):
+                continue
+            if daemon == -1:
+                daemon = self.mps_daemon(device.uuid)
+            if not _mps_server(pid, daemon):
+                return True
+        return False
+
+    def mps_daemon(self, uuid: str) -> Optional[int]:
+        """The pid of the MPS control daemon cudawrap runs for UUID, or None."""
+        return mps_daemon(self.root, uuid, self.leases.owner) if self.root is not None else None
 
     def _recheck(self, uuid: str, now: float) -> bool:
         """Re-read DEVICE from NVML if its data may be stale; True if it is now free."""

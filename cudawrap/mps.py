@@ -31,12 +31,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from . import locations as loc
 from .errors import ConfigError, MpsUnavailable, NvmlUnavailable, SetupError
 from .paths import Layout
-from .sharing import MPS, Sharing, mps_log_dir, mps_pipe_dir, settings as sharing_settings
+from .sharing import MPS, MPS_PID_FILE, Sharing, mps_log_dir, mps_pipe_dir, settings as sharing_settings
 
 log = logging.getLogger(__name__)
 
 CONTROL = "nvidia-cuda-mps-control"
-PID_FILE = "nvidia-cuda-mps-control.pid"  # the daemon's, in its pipe directory
+PID_FILE = MPS_PID_FILE
 ASK_TIMEOUT_S = 10.0
 START_TIMEOUT_S = 10.0
 # MPS listens on unix sockets in the pipe directory, whose addresses hold 108 bytes: the

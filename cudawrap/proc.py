@@ -30,6 +30,12 @@ def state(pid: int) -> Optional[bytes]:
     return fields[0] if fields else b"?"
 
 
+def parent(pid: int) -> Optional[int]:
+    """PID's parent pid; None when there is no such process or it cannot be read."""
+    fields = _stat(pid)
+    return int(fields[1]) if fields and len(fields) > 1 and fields[1].isdigit() else None
+
+
 # include/linux/sched.h: set when the process has begun to exit (its files close next).
 PF_EXITING = 0x4
 

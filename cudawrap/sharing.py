@@ -19,7 +19,7 @@ from . import locations as loc
 
 TIME_SLICING = "time-slicing"
 MPS = "mps"
-MPS_SERVER_COMM = b"nvidia-cuda-mps"  # /proc/PID/comm of nvidia-cuda-mps-server (cut at 15)
+MPS_PID_FILE = "nvidia-cuda-mps-control.pid"  # the control daemon's, in its pipe directory
 
 
 def slot_path(root: str, uuid: str, slot: int) -> str:
@@ -30,6 +30,33 @@ def mps_pipe_dir(root: str, uuid: str) -> str:
     """The pipe directory of the MPS control daemon for UUID: one daemon per device, so MPS's
     one-user-at-a-time rule is per device, as cudawrap schedules it."""
     return f"{loc.under(root, loc.MPS_DIR)}/{uuid}"
+
+
+def mps_daemon(root: str, uuid: str, owner: int) -> Optional[int]:
+    """The pid of the MPS control daemon `cudawrap mps start` runs for UUID, or None.
+
+    Named by the pid file the daemon writes in UUID's pipe directory, which only OWNER (the
+    install's owner) can write; it counts only if that process is OWNER's too (a daemon that
+    died leaves its pid file, and its pid may be reused by anyone)."""
+    import os
+
+    try:
+        fd = os.open(f"{mps_pipe_dir(root, uuid)}/{MPS_PID_FILE}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        owned = os.fstat(fd).st_uid == owner
+        text = os.read(fd, 32).strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not (owned and text.isdigit()):
+        return None
+    try:
+        return int(text) if os.stat(f"/proc/{int(text)}").st_uid == owner else None
+    except OSError:
+        return None
 
 
 def mps_log_dir(root: str, uuid: str) -> str:

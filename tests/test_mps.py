@@ -424,3 +424,46 @@ def test_stand_in_serves_one_user_at_a_time(mu: Callable[..., MuInstall]) -> Non
         assert "PEAK clients=2" in log.read_text()
     finally:
         kill_daemons(pipe)
+
+
+# ---- which MPS server is cudawrap's --------------------------------------------------------------
+
+
+def test_an_idle_server_of_cudawraps_daemon_leaves_the_device_free(mps: Mps) -> None:
+    """The server a daemon of `cudawrap mps start` keeps after its clients end is not work."""
+    mps.inst.write_config(MPS_CONFIG + f'\n[devices]\nallow = ["{H100}"]\n')
+    assert mps.cli("mps", "start").returncode == 0
+    client = mps.client(H100, "--hold", "0")
+    server = ready_line(client)["mps_server"]
+    assert client.wait(timeout=30) == 0
+    client.stdout.close()
+    wait_for(lambda: mps.inst.machine.compute_pids().get(H100) == [server])  # idle, on the device
+    mps.inst.wrap("recon")
+    done = mps.inst.run("recon", CUDAWRAP_WAIT="0", PATH=mps.path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[0])["devices"] == [H100]
+
+
+@pytest.mark.root
+@root_only
+@pytest.mark.parametrize("mode", ["time-slicing", "mps"])
+def test_a_job_named_like_the_mps_server_is_another_users_work(mu: Callable[..., MuInstall], mode: str) -> None:
+    """A program run through a link named nvidia-cuda-mps-server (its /proc comm says so) is not
+    cudawrap's MPS server: only a child of the daemon cudawrap started for the device is."""
+    inst = mu("four-gpus")
+    alice, bob = inst.world.alice, inst.world.bob
+    d0 = inst.machine.leaf_uuids()[0]
+    inst.wrap("recon")
+    inst.layout.config_file.write_text(f'[sharing]\nslots = 2\nmode = "{mode}"\n\n[devices]\nallow = ["{d0}"]\n')
+    inst.layout.config_file.chmod(0o644)
+    inst.sync()
+    named = inst.dir / "nvidia-cuda-mps-server"
+    named.symlink_to(inst.bindir / "CUDAWRAP_recon")
+    job = inst.start(alice, str(named), "--hold", "600", CUDA_VISIBLE_DEVICES=d0)
+    pid = ready_line(job)["pid"]
+    assert Path(f"/proc/{pid}/comm").read_text() == "nvidia-cuda-mps\n"
+    wait_for(lambda: inst.machine.compute_pids().get(d0) == [pid])
+    for share in (None, "1"):
+        done = inst.run(bob, "recon", CUDAWRAP_WAIT="0", CUDAWRAP_SHARE=share)
+        assert done.returncode == 75, (share, done.stdout, done.stderr)
+        assert b"no free device" in done.stderr, done.stderr
