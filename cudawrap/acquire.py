@@ -259,18 +259,22 @@ class Acquirer:
             if ident is None:
                 continue  # no lease file: cannot be leased (not synced yet)
             locks = table.get(ident)
-            if locks is not None:
+            apart = self._slots_apart(uuid, locks, table)
+            if locks is not None or apart:
                 busy.add(uuid)
                 self.stale.add(uuid)
                 if len(self.holders) > 4096:
                     self.holders.clear()  # a long wait through many jobs: only recent ones matter
-                self.holders.update(pid for pid, _ex in locks)
-                if any(exclusive for _pid, exclusive in locks):
+                self.holders.update(pid for pid, _ex in locks or ())
+                if locks is not None and any(exclusive for _pid, exclusive in locks):
                     uid = _uid_of(locks[0][0])
                     held[uid] = held.get(uid, 0) + 1
+                    for uid in map(_uid_of, apart):
+                        held[uid] = held.get(uid, 0) + self.sharing.cost(self.slots[uuid])
                     continue
-                # Shared: each shared lock on the lease file is one share (see sharing.py).
-                used[uuid] = [_uid_of(pid) for pid, _ex in locks]
+                # Shared: each shared lock on the lease file is one share (see sharing.py),
+                # and so is each slot locked apart from the lease.
+                used[uuid] = [_uid_of(pid) for pid, _ex in locks or ()] + [_uid_of(pid) for pid in apart]
                 for uid in used[uuid]:
                     held[uid] = held.get(uid, 0) + self.sharing.cost(self.slots[uuid])
                 if uuid in self.lost or uuid in self.unavailable:
@@ -290,6 +294,27 @@ class Acquirer:
         from .schedule import Shares
 
         return free, held, busy, Shares(slots, used, self.sharing.mode == MPS, self.sharing.counts_as)
+
+    def _slots_apart(self, uuid: str, locks: Optional[List[Tuple[int, bool]]],
+                     table: Dict[Tuple[int, int], List[Tuple[int, bool]]]) -> List[int]:
+        """The takers of UUID's slot files locked by no process that locked its lease file too.
+
+        A share takes both locks in one process (LeaseFiles.try_share), so its two lines in
+        the lock table name the same pid. A slot locked alone keeps a sharer out as surely as
+        a share does, but the lease file does not show it: without this, every shared run
+        would be given the device, fail to lock a slot and, after its wait, give up, while
+        the device looked free to all. A process that is closing its files is left out: at
+        its exit the kernel may drop its lease lock a moment before its slot's."""
+        if self.slots[uuid] < 2:
+            return []
+        sharers = {pid for pid, _ex in locks or ()}
+        apart = [pid for ident in self.leases.slot_idents(uuid, self.slots[uuid])
+                 for pid, _ex in table.get(ident, ()) if pid not in sharers]
+        if not apart:
+            return apart
+        from .proc import closing
+
+        return [pid for pid in apart if not closing(pid)]
 
     def usable(self) -> int:
         return len([d for d in self.candidates if d.uuid not in self.lost and d.uuid not in self.unavailable])
@@ -773,8 +798,10 @@ class Acquirer:
                 releasing.append((uuid, ident))
             elif self.leases.free_now(uuid):
                 del table[ident]  # let go by a process that lives on (the API's Lease.release)
+                self._forget_slots(table, uuid, {pid for pid, _ex in locks})
         for uuid, ident in releasing:
             holders = [pid for pid, _ex in table.pop(ident)]
+            self._forget_slots(table, uuid, set(holders))
             for _ in range(20):
                 if self._vacant(uuid):
                     break
@@ -803,6 +830,19 @@ class Acquirer:
                 else:
                     table[ident] = [(slots.pop(0), True) if slots else UNKNOWN_HOLDER]
         return Scan([w for w in scan.waiters if w.key not in departed], table, scan.paths)
+
+    def _forget_slots(self, table: Dict[Tuple[int, int], List[Tuple[int, bool]]], uuid: str,
+                      pids: Set[int]) -> None:
+        """Drop from TABLE the locks of PIDS on UUID's slot files: their shares ended with their
+        lease locks (left there, they would read as slots locked apart from the lease)."""
+        if self.slots.get(uuid, 1) < 2:
+            return
+        for ident in self.leases.slot_idents(uuid, self.slots[uuid]):
+            left = [lock for lock in table.get(ident, ()) if lock[0] not in pids]
+            if left:
+                table[ident] = left
+            else:
+                table.pop(ident, None)
 
     def _after_release(self, amended: Scan, me: Waiter, key: str, closed: Set[str], trace: bool
                        ) -> Tuple[Dict[str, Verdict], Optional[Lease]]:

@@ -47,3 +47,13 @@ def exiting(pid: int) -> bool:
     if fields is None or (fields and fields[0] in (b"Z", b"X", b"x")):
         return True
     return len(fields) > 6 and fields[6].isdigit() and bool(int(fields[6]) & PF_EXITING)
+
+
+def closing(pid: int) -> bool:
+    """Whether PID lives and has begun to exit (PF_EXITING, not yet a zombie): its files are
+    being closed now. A zombie's files are closed: locks still held there are someone else's
+    (a child that inherited them), as are those of a pid that is gone."""
+    fields = _stat(pid)
+    if not fields or fields[0] in (b"Z", b"X", b"x"):
+        return False
+    return len(fields) > 6 and fields[6].isdigit() and bool(int(fields[6]) & PF_EXITING)

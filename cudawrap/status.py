@@ -11,7 +11,8 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import NvmlUnavailable
-from .holders import Holding, fd_holders, holdings
+from .holders import Holding, fd_holders, holdings, slots_apart
+from .leases import lock_table
 from .locations import REAL_PREFIX
 from .paths import Layout
 from .users import user_name
@@ -124,7 +125,7 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
 
             settings = effective(str(layout.root), None)
             limits = settings.get("limits", (None, ""))[0]
-            acquirer = Acquirer(LeaseFiles(str(layout.lease_dir)), queue, inventory.devices,
+            acquirer = Acquirer(LeaseFiles(str(layout.lease_dir), str(layout.share_dir)), queue, inventory.devices,
                                 inventory.devices, 1,
                                 limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
                                 sharing=Sharing(settings["sharing"][0]), root=str(layout.root))
@@ -158,13 +159,20 @@ def _holder(held: Dict[str, Holding], uuid: str) -> Optional[Dict[str, Any]]:
     return dict(_UNKNOWN_HOLDER) if pid is None else process_info(pid)
 
 
-def _shares(held: Dict[str, Holding], uuid: str, slots: int) -> Optional[Dict[str, Any]]:
-    """UUID's shares if it is shared now: slots used and taken, and who holds each."""
+def _named(pid: Optional[int], **extra: Any) -> Dict[str, Any]:
+    return dict(_UNKNOWN_HOLDER if pid is None else process_info(pid), **extra)
+
+
+def _shares(held: Dict[str, Holding], uuid: str, slots: int,
+            apart: Sequence[Optional[int]] = ()) -> Optional[Dict[str, Any]]:
+    """UUID's shares if it is shared now: slots used and taken, and who holds each; a slot
+    locked apart from the lease file (APART: its holders) is a share too, marked "lease": false."""
     holding = held.get(uuid)
-    if holding is None or holding.exclusive:
+    if (holding is None and not apart) or (holding is not None and holding.exclusive):
         return None
-    return {"used": len(holding.pids), "slots": slots,
-            "holders": [dict(_UNKNOWN_HOLDER) if pid is None else process_info(pid) for pid in holding.pids]}
+    pids = holding.pids if holding is not None else []
+    return {"used": len(pids) + len(apart), "slots": slots,
+            "holders": [_named(pid, lease=True) for pid in pids] + [_named(pid, lease=False) for pid in apart]}
 
 
 def _foreign(lease_dir: str, uuid: str, pids: Iterable[int]) -> List[int]:
@@ -199,7 +207,7 @@ def _processes(pids: Optional[Any], holder: Optional[Dict[str, Any]],
     """Every compute process on a device: who, what, how much memory, and whether it holds the lease."""
     if pids is None:
         return None  # the driver hides them from this user
-    sharers = {h["pid"] for h in shares["holders"]} if shares else set()
+    sharers = {h["pid"] for h in shares["holders"] if h.get("lease", True)} if shares else set()
     out = []
     for pid in pids:
         info = process_info(pid)
@@ -225,7 +233,9 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
     from .sharing import Sharing, configured
 
     lease_dir = str(layout.lease_dir)
-    held = holdings(lease_dir)
+    table = lock_table()
+    held = holdings(lease_dir, table)
+    apart = slots_apart(lease_dir, str(layout.share_dir), table)
     try:
         sharing = configured(str(layout.root))
     except Exception:  # a broken config is `cudawrap config`'s to report; status still shows leases
@@ -243,7 +253,7 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
 
         for d in inventory.devices:
             holder = _holder(held, d.uuid)
-            shares = _shares(held, d.uuid, sharing.slots_for(d.uuid, d.parent_uuid))
+            shares = _shares(held, d.uuid, sharing.slots_for(d.uuid, d.parent_uuid), apart.get(d.uuid, ()))
             # With the holder unknown its processes cannot be told from others': unknown too.
             unknown = d.pids is None or (holder is not None and holder["pid"] is None)
             foreign = None if unknown else _foreign(lease_dir, d.uuid, d.pids)
@@ -253,6 +263,7 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
                 "mig_slot": d.mig_slot, "memory_used_mib": d.memory_used_mib,
                 "memory_total_mib": d.memory_total_mib, "lease_file": d.uuid in lease_files,
                 "holder": holder, "foreign_pids": foreign, "shares": shares,
+                "slots_apart": [_named(pid) for pid in apart.get(d.uuid, ())],
                 "slots": sharing.slots_for(d.uuid, d.parent_uuid),
                 "index": d.gpu_index, "product": product(d, inventory),
                 "mig_profile": d.name if d.is_mig else None, **readings,
@@ -263,7 +274,8 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
             devices.append({"uuid": uuid, "name": "?", "gpu_index": -1, "parent": "?", "mig_slot": None,
                             "memory_used_mib": 0, "memory_total_mib": 0, "lease_file": True,
                             "holder": holder, "foreign_pids": None,
-                            "shares": _shares(held, uuid, sharing.slots_for(uuid)),
+                            "shares": _shares(held, uuid, sharing.slots_for(uuid), apart.get(uuid, ())),
+                            "slots_apart": [_named(pid) for pid in apart.get(uuid, ())],
                             "slots": sharing.slots_for(uuid),
                             "index": None, "product": None, "mig_profile": None, **_NO_READINGS,
                             "processes": None, "waiters": [], "drains": []})
@@ -328,11 +340,18 @@ def _lease(d: Dict[str, Any]) -> str:
     if not d["lease_file"]:
         return "no lease file (run `cudawrap sync`)"
     shares = d.get("shares")
-    if shares:  # "2/4 shared: alice pid 123, alice pid 456"
-        who = ", ".join("?" if h["pid"] is None else f"{_cut(h['user'], 8)} pid {h['pid']}"
-                        for h in shares["holders"])
+    if shares:  # "2/4 shared: alice pid 123, alice pid 456"; "eve pid 9 (slot only)": no lease lock
+        who = ", ".join(_sharer(h) for h in shares["holders"])
         return f"{shares['used']}/{shares['slots']} shared: {who}"
+    apart = d.get("slots_apart")
+    if apart:  # held whole, and slots locked besides
+        return f"{holder_text(d['holder'])}; slots locked apart: {', '.join(_sharer(h) for h in apart)}"
     return holder_text(d["holder"])
+
+
+def _sharer(h: Dict[str, Any]) -> str:
+    who = "?" if h["pid"] is None else f"{_cut(h['user'], 8)} pid {h['pid']}"
+    return who if h.get("lease", True) else f"{who} (slot only)"
 
 
 def _others(d: Dict[str, Any]) -> str:
@@ -376,7 +395,7 @@ def table(rows: Sequence[Dict[str, Any]], columns: Sequence[Column]) -> List[str
 
 def render(status: Dict[str, Any]) -> List[str]:
     """`cudawrap status` as text: which install, the devices, who waits, who holds the queue."""
-    held = sum(1 for d in status["devices"] if d["holder"])
+    held = sum(1 for d in status["devices"] if d["holder"] or d.get("shares"))
     count = (f"devices unknown, {len(status['devices'])} lease files" if status["nvml_error"]
              else f"{len(status['devices'])} devices")
     lines = [f"install root {status['root']}: {count}, {held} leased, {len(status['waiting'])} waiting"]
