@@ -104,6 +104,15 @@ def _mps_server(pid: int, daemon: Optional[int]) -> bool:
     return parent(pid) == daemon
 
 
+def mps_strangers(pids: Sequence[int], uids: Set[int], daemon: Optional[int],
+                  gone: Callable[[int], bool] = lambda pid: False) -> List[int]:
+    """Of PIDS on a device shared through MPS, those of users who hold no share there (UIDS
+    do), other than the MPS server of DAEMON (cudawrap's control daemon for the device): MPS
+    clients connected without a lease, or other work. The daemon serves one user at a time,
+    so a sharer's next client would wait behind them. GONE: pids known to be no work."""
+    return [pid for pid in pids if _uid_of(pid) not in uids and not gone(pid) and not _mps_server(pid, daemon)]
+
+
 def _exited(pid: int) -> bool:
     from .proc import exiting  # only once a lease holder was seen: not on a launch's path
 
@@ -172,6 +181,7 @@ class Acquirer:
         self.share = share
         self.slots = {u: self.sharing.slots_for(u, p) for u, p in self.parents.items()}
         self.joined: Set[str] = set()  # devices that had sharers at the last decision
+        self.used: Dict[str, List[int]] = {}  # and the uid of each of their shares
         now = time.monotonic() if checked_at is None else checked_at
         self.checked_at: Dict[str, float] = {d.uuid: now for d in all_devices}
         # Devices whose data may be stale: their lease was held at some look since they were
@@ -275,6 +285,8 @@ class Acquirer:
                 # Shared: each shared lock on the lease file is one share (see sharing.py),
                 # and so is each slot locked apart from the lease.
                 used[uuid] = [_uid_of(pid) for pid, _ex in locks or ()] + [_uid_of(pid) for pid in apart]
+                if self._strangers(uuid, set(used[uuid])):
+                    closed.add(uuid)  # its sharers' next clients would wait behind another user's
                 for uid in used[uuid]:
                     held[uid] = held.get(uid, 0) + self.sharing.cost(self.slots[uuid])
                 if uuid in self.lost or uuid in self.unavailable:
@@ -294,6 +306,24 @@ class Acquirer:
         from .schedule import Shares
 
         return free, held, busy, Shares(slots, used, self.sharing.mode == MPS, self.sharing.counts_as)
+
+    def _strangers(self, uuid: str, uids: Set[int]) -> bool:
+        """Whether UUID is shared through MPS and NVML shows a process there of a user who
+        holds no share on it (see mps_strangers): it takes no new shares until they are gone."""
+        pids = self.current[uuid].pids
+        if self.sharing.mode != MPS or not pids or self.foreign == "ignore":
+            return False
+        return bool(mps_strangers(pids, uids, self.mps_daemon(uuid), lambda pid: pid in self.holders and _exited(pid)))
+
+    def _joinable(self, uuid: str) -> bool:
+        """Whether a share of UUID, which has sharers, may be taken: under MPS, NVML read
+        again shows no user there but its sharers and us (see _strangers)."""
+        if self.sharing.mode != MPS:
+            return True
+        fresh = self.refresh(self.current[uuid]) if self.refresh else None
+        if fresh is not None:
+            self.current[uuid] = fresh
+        return not self._strangers(uuid, set(self.used.get(uuid, ())) | {self.uid})
 
     def _slots_apart(self, uuid: str, locks: Optional[List[Tuple[int, bool]]],
                      table: Dict[Tuple[int, int], List[Tuple[int, bool]]]) -> List[int]:
@@ -343,6 +373,7 @@ class Acquirer:
             self.unavailable = set(self.drained())
         free, held, busy, shares = self.machine(scan.table)
         self.joined = set(shares.used)
+        self.used = shares.used
         limits = {w.uid: self._limit(w.uid) for w in waiters}
         fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free or u in shares.used}
         from .schedule import decide
@@ -410,8 +441,9 @@ class Acquirer:
         """Lock exactly UUIDS now (all or none) and hand them over as a Lease.
 
         A shared run takes a share of each device that has slots (a device of one slot
-        whole); joining sharers, it does not judge the device by NVML (their processes are
-        not foreign), opening a device it does, as an exclusive run would.
+        whole); joining sharers, it does not judge the device by NVML as foreign work (their
+        processes are not foreign) except, under MPS, the processes of users without a share
+        there (_joinable); opening a device it does, as an exclusive run would.
         """
         now = time.monotonic()
         locked: List[str] = []
@@ -421,7 +453,7 @@ class Acquirer:
                     else self._lock(uuid)):
                 break
             locked.append(uuid)
-            if uuid not in self.joined and not self._eligible(uuid, now):
+            if not (self._joinable(uuid) if uuid in self.joined else self._eligible(uuid, now)):
                 break
         else:
             if not shared or self._shares_hold(shared):

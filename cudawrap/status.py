@@ -186,6 +186,28 @@ def _foreign(lease_dir: str, uuid: str, pids: Iterable[int]) -> List[int]:
     return [p for p in pids if p not in lessees]
 
 
+def _mps_without_share(root: str, lease_dir: str, uuid: str, pids: Optional[Sequence[int]],
+                       table: Dict[Tuple[int, int], List[Tuple[int, bool]]]) -> List[Dict[str, Any]]:
+    """Under MPS, the processes on UUID of users who hold no share there, besides the server of
+    cudawrap's daemon for it (an MPS client connected without a lease): they keep the
+    device's other users waiting. Shares are the lease file's locks, by the owner of each taker."""
+    from .acquire import _uid_of, mps_strangers
+    from .sharing import mps_daemon
+
+    if not pids:
+        return []
+    try:
+        st = os.stat(os.path.join(lease_dir, uuid), follow_symlinks=False)
+        owner = os.stat(lease_dir).st_uid
+    except OSError:
+        return []
+    daemon = mps_daemon(root, uuid, owner)
+    if daemon is None:
+        return []  # no daemon of cudawrap's: nobody is an MPS client of it
+    uids = {_uid_of(pid) for pid, _ex in table.get((st.st_dev, st.st_ino), [])}
+    return [process_info(pid) for pid in mps_strangers(pids, uids, daemon)]
+
+
 # Readings a device has when NVML cannot be asked, or does not say.
 _NO_READINGS: Dict[str, Any] = {
     "memory_free_mib": None, "utilization": None, "memory_utilization": None, "temperature_c": None,
@@ -230,7 +252,7 @@ def _gpus(inventory: Any) -> List[Dict[str, Any]]:
 def machine_status(layout: Layout) -> Dict[str, Any]:
     from . import nvml
 
-    from .sharing import Sharing, configured
+    from .sharing import MPS, Sharing, configured
 
     lease_dir = str(layout.lease_dir)
     table = lock_table()
@@ -264,6 +286,8 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
                 "memory_total_mib": d.memory_total_mib, "lease_file": d.uuid in lease_files,
                 "holder": holder, "foreign_pids": foreign, "shares": shares,
                 "slots_apart": [_named(pid) for pid in apart.get(d.uuid, ())],
+                "mps_without_share": (_mps_without_share(str(layout.root), lease_dir, d.uuid, d.pids, table)
+                                      if sharing.mode == MPS else []),
                 "slots": sharing.slots_for(d.uuid, d.parent_uuid),
                 "index": d.gpu_index, "product": product(d, inventory),
                 "mig_profile": d.name if d.is_mig else None, **readings,
@@ -275,7 +299,7 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
                             "memory_used_mib": 0, "memory_total_mib": 0, "lease_file": True,
                             "holder": holder, "foreign_pids": None,
                             "shares": _shares(held, uuid, sharing.slots_for(uuid), apart.get(uuid, ())),
-                            "slots_apart": [_named(pid) for pid in apart.get(uuid, ())],
+                            "slots_apart": [_named(pid) for pid in apart.get(uuid, ())], "mps_without_share": [],
                             "slots": sharing.slots_for(uuid),
                             "index": None, "product": None, "mig_profile": None, **_NO_READINGS,
                             "processes": None, "waiters": [], "drains": []})
@@ -401,6 +425,12 @@ def render(status: Dict[str, Any]) -> List[str]:
     lines = [f"install root {status['root']}: {count}, {held} leased, {len(status['waiting'])} waiting"]
     if status["devices"]:
         lines += table(status["devices"], DEVICE_COLUMNS)
+    for d in status["devices"]:
+        if d.get("mps_without_share"):
+            who = ", ".join(f"{_cut(p['user'], 8)} pid {p['pid']} {_cut(p['program'], 16)}"
+                            for p in d["mps_without_share"])
+            lines.append(f"{d['uuid']}: MPS client(s) holding no share: {who}; "
+                         "the device's shares wait for them to end")
     if status.get("drained"):
         lines.append("")
         lines += table([dict(d, uuid=u) for u, d in sorted(status["drained"].items())], DRAINED_COLUMNS)

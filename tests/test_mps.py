@@ -26,8 +26,9 @@ from corefix import Installed, ready_line, wait_for
 from cudawrap import installation
 from cudawrap.installation import MPS_UNIT, MONITOR_UNIT, UNIT_NAME, render_mps_unit, unit_file, unit_wants_link
 from cudawrap.paths import Layout
-from fakemachine import FAKECUDA
-from userfix import MuInstall, root_only
+from fakemachine import FAKECUDA, shutdown_nvml
+from test_multiuser import status
+from userfix import MuInstall, World, root_only
 
 HERE = Path(__file__).resolve().parent
 FAKEMPS = HERE / "fakemps" / "nvidia-cuda-mps-control"
@@ -467,3 +468,66 @@ def test_a_job_named_like_the_mps_server_is_another_users_work(mu: Callable[...,
         done = inst.run(bob, "recon", CUDAWRAP_WAIT="0", CUDAWRAP_SHARE=share)
         assert done.returncode == 75, (share, done.stdout, done.stderr)
         assert b"no free device" in done.stderr, done.stderr
+
+
+# ---- MPS clients that hold no share --------------------------------------------------------------
+
+
+@pytest.fixture
+def mu_mps(mu_world: World, monkeypatch: pytest.MonkeyPatch) -> Iterator[MuInstall]:
+    """An install for real accounts at a path short enough for MPS's sockets."""
+    directory = Path(tempfile.mkdtemp(prefix="cw", dir="/tmp"))
+    directory.chmod(0o755)
+    inst = MuInstall(mu_world, directory, "four-gpus", monkeypatch)
+    yield inst
+    if inst.layout.mps_dir.is_dir():
+        kill_daemons(*inst.layout.mps_dir.iterdir())
+    inst.close()
+    shutil.rmtree(directory, ignore_errors=True)
+    shutdown_nvml()
+
+
+@pytest.mark.root
+@root_only
+def test_an_mps_client_without_a_share_is_shown_and_keeps_new_shares_off(mu_mps: MuInstall, tmp_path: Path) -> None:
+    """Carol connects to a device's MPS daemon without a lease while alice holds a share there:
+    status names carol's client, and alice's next share is not placed behind it (MPS would
+    make it wait for carol's clients to end), until carol's client is gone."""
+    inst = mu_mps
+    alice, carol = inst.world.alice, inst.world.carol
+    d0 = inst.machine.leaf_uuids()[0]
+    inst.layout.config_file.write_text(f'[sharing]\nmode = "mps"\nslots = 2\n\n[devices]\nallow = ["{d0}"]\n')
+    inst.layout.config_file.chmod(0o644)
+    inst.sync()
+    r = inst.cli(None, "mps", "start", PATH=f"{control_dir(tmp_path / 'mpsbin')}:/usr/bin:/bin")
+    assert r.returncode == 0, r.stderr
+    pipe = inst.layout.mps_dir / d0
+    inst.wrap("recon")
+    idle = inst.dir / "idle"  # a shared run whose program has not reached CUDA (yet)
+    idle.write_text("#!/bin/sh\necho ready\nexec sleep 600\n")
+    inst.wrap("idle", idle)
+    share = inst.start(alice, "idle", CUDAWRAP_SHARE="1")
+    assert share.stdout.readline() == b"ready\n", share.stderr.read()
+
+    stranger = inst.start(carol, str(inst.bindir / "CUDAWRAP_recon"), "--hold", "600",
+                          CUDA_MPS_PIPE_DIRECTORY=str(pipe))
+    hello = ready_line(stranger)
+    assert os.stat(f"/proc/{hello['mps_server']}").st_uid == carol.uid
+    wait_for(lambda: hello["pid"] in inst.machine.compute_pids().get(d0, []))
+
+    for viewer in (None, alice):
+        seen = status(inst, viewer)
+        (device,) = [d for d in seen["devices"] if d["uuid"] == d0]
+        assert [(p["pid"], p["user"]) for p in device["mps_without_share"]] == [(hello["pid"], carol.name)]
+    text = inst.cli(alice, "status").stdout.decode()
+    assert f"{d0}: MPS client(s) holding no share: {carol.name} pid {hello['pid']}" in text, text
+
+    done = inst.run(alice, "recon", "--hold", "0", CUDAWRAP_SHARE="1", CUDAWRAP_WAIT="0", timeout=20)
+    assert done.returncode == 75, (done.stdout, done.stderr)
+
+    stranger.kill()
+    stranger.wait()
+    done = inst.run(alice, "recon", "--hold", "0", CUDAWRAP_SHARE="1", CUDAWRAP_WAIT="30", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[0])["devices"] == [d0]
+    assert f"BLOCKED uid={alice.uid}" not in (inst.layout.mps_log_dir / d0 / "control.log").read_text()
