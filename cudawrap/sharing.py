@@ -20,6 +20,7 @@ from . import locations as loc
 TIME_SLICING = "time-slicing"
 MPS = "mps"
 MPS_PID_FILE = "nvidia-cuda-mps-control.pid"  # the control daemon's, in its pipe directory
+MPS_COMM = b"nvidia-cuda-mps"  # /proc/PID/comm of nvidia-cuda-mps-control (cut at 15 bytes)
 
 
 def slot_path(root: str, uuid: str, slot: int) -> str:
@@ -35,9 +36,13 @@ def mps_pipe_dir(root: str, uuid: str) -> str:
 def mps_daemon(root: str, uuid: str, owner: int) -> Optional[int]:
     """The pid of the MPS control daemon `cudawrap mps start` runs for UUID, or None.
 
-    Named by the pid file the daemon writes in UUID's pipe directory, which only OWNER (the
-    install's owner) can write; it counts only if that process is OWNER's too (a daemon that
-    died leaves its pid file, and its pid may be reused by anyone)."""
+    Named by the pid file the daemon writes in UUID's pipe directory (OWNER's: the install's
+    owner); it counts only if that process is OWNER's too and runs nvidia-cuda-mps-control.
+    NVIDIA's daemon makes the file writable by everyone (`cudawrap mps start` takes that
+    away), and a daemon that died leaves it behind, its pid free for anyone's process: a pid
+    a user wrote there, or reused, names none of OWNER's MPS control daemons, whose only
+    children are their MPS servers. A process's name is believed only for OWNER's processes:
+    no one else can start those."""
     import os
 
     try:
@@ -54,9 +59,15 @@ def mps_daemon(root: str, uuid: str, owner: int) -> Optional[int]:
     if not (owned and text.isdigit()):
         return None
     try:
-        return int(text) if os.stat(f"/proc/{int(text)}").st_uid == owner else None
+        with open(f"/proc/{int(text)}/status", "rb") as f:
+            fields = dict(line.partition(b":")[::2] for line in f.read(2048).splitlines())
     except OSError:
         return None
+    # The real and effective uids (status's): a process that made itself non-dumpable has
+    # its /proc/PID owned by root.
+    uids = fields.get(b"Uid", b"").split()[:2]
+    ours = fields.get(b"Name", b"").strip().startswith(MPS_COMM) and uids == [str(owner).encode()] * 2
+    return int(text) if ours else None
 
 
 def mps_log_dir(root: str, uuid: str) -> str:

@@ -146,6 +146,8 @@ def test_start_status_stop(mps: Mps) -> None:
     assert sorted(os.listdir(mps.layout.mps_dir)) == sorted([H100, MIG0])
     for uuid in (H100, MIG0):
         assert stat.S_IMODE(mps.pipe(uuid).stat().st_mode) == 0o755
+        # NVIDIA's daemon leaves its pid file writable by everyone; start takes that away.
+        assert stat.S_IMODE((mps.pipe(uuid) / PID_FILE).stat().st_mode) == 0o644
         assert f"CUDA_VISIBLE_DEVICES={uuid} devices={uuid}\n" in mps.control_log(uuid)
     pids = {uuid: (mps.pipe(uuid) / PID_FILE).read_text() for uuid in (H100, MIG0)}
 
@@ -336,6 +338,9 @@ def test_stand_in_daemon(machine: Callable, tmp_path: Path) -> None:
         r = subprocess.run([sys.executable, str(FAKEMPS), "-d"], env=env, capture_output=True, text=True)
         assert (r.returncode, r.stdout) == (1, "An instance of this daemon is already running\n")
         assert fake(pipe, stdin="get_server_list\n").stdout == ""
+        daemon = int((pipe / PID_FILE).read_text())
+        assert stat.S_IMODE((pipe / PID_FILE).stat().st_mode) == 0o666  # as NVIDIA's leaves it
+        assert Path(f"/proc/{daemon}/comm").read_text() == "nvidia-cuda-mps\n"
 
         # A client: CUDA's device 0 is the daemon's device; it stays connected while it runs.
         client = subprocess.Popen([sys.executable, str(FAKECUDA), "--hold", "60"], stdout=subprocess.PIPE,
@@ -445,6 +450,29 @@ def test_an_idle_server_of_cudawraps_daemon_leaves_the_device_free(mps: Mps) -> 
     assert json.loads(done.stdout.splitlines()[0])["devices"] == [H100]
 
 
+def test_a_pid_file_naming_another_root_process_names_no_daemon(mps: Mps) -> None:
+    """The pid file names the daemon only if that process runs nvidia-cuda-mps-control: one
+    rewritten to name another process of root's (here the test's own) does not make that
+    process's children MPS servers."""
+    mps.inst.write_config(MPS_CONFIG + f'\n[devices]\nallow = ["{H100}"]\n')
+    assert mps.cli("mps", "start").returncode == 0
+    daemon = (mps.pipe(H100) / PID_FILE).read_text()
+    (mps.pipe(H100) / PID_FILE).write_text(f"{os.getpid()}\n")  # root's, as NVIDIA's 0666 file allows
+    mps.inst.wrap("recon")
+    named = mps.inst.bindir / "nvidia-cuda-mps-server"
+    named.symlink_to(mps.inst.bindir / "CUDAWRAP_recon")
+    job = mps.inst.start(str(named), "--hold", "600", CUDA_VISIBLE_DEVICES=H100)
+    pid = ready_line(job)["pid"]
+    assert os.getppid() != pid and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == \
+        str(os.getpid())  # its parent is the pid the file names
+    wait_for(lambda: mps.inst.machine.compute_pids().get(H100) == [pid])
+    done = mps.inst.run("recon", CUDAWRAP_WAIT="0", PATH=mps.path)
+    (mps.pipe(H100) / PID_FILE).write_text(daemon)  # for the fixture, which stops the daemon it names
+    assert done.returncode == 75 and b"no free device" in done.stderr, (done.stdout, done.stderr)
+    job.kill()
+    job.wait()
+
+
 @pytest.mark.root
 @root_only
 @pytest.mark.parametrize("mode", ["time-slicing", "mps"])
@@ -502,6 +530,8 @@ def test_an_mps_client_without_a_share_is_shown_and_keeps_new_shares_off(mu_mps:
     r = inst.cli(None, "mps", "start", PATH=f"{control_dir(tmp_path / 'mpsbin')}:/usr/bin:/bin")
     assert r.returncode == 0, r.stderr
     pipe = inst.layout.mps_dir / d0
+    r = inst.run(carol, "sh", "-c", f"echo 1 > {pipe}/{PID_FILE}")  # naming another parent
+    assert r.returncode != 0 and b"Permission denied" in r.stderr, r.stderr
     inst.wrap("recon")
     idle = inst.dir / "idle"  # a shared run whose program has not reached CUDA (yet)
     idle.write_text("#!/bin/sh\necho ready\nexec sleep 600\n")
