@@ -109,8 +109,15 @@ def mps_strangers(pids: Sequence[int], uids: Set[int], daemon: Optional[int],
     """Of PIDS on a device shared through MPS, those of users who hold no share there (UIDS
     do), other than the MPS server of DAEMON (cudawrap's control daemon for the device): MPS
     clients connected without a lease, or other work. The daemon serves one user at a time,
-    so a sharer's next client would wait behind them. GONE: pids known to be no work."""
-    return [pid for pid in pids if _uid_of(pid) not in uids and not gone(pid) and not _mps_server(pid, daemon)]
+    so a sharer's next client would wait behind them. GONE: pids known to be no work. A pid
+    without a process here (ended since NVML was read, or of another pid namespace) is not
+    counted: whose it is cannot be told, and a sharer's own must not close its device."""
+    out = []
+    for pid in pids:
+        uid = _uid_of(pid)
+        if uid not in uids and uid != -1 and not gone(pid) and not _mps_server(pid, daemon):
+            out.append(pid)
+    return out
 
 
 def _exited(pid: int) -> bool:
