@@ -32,6 +32,12 @@ def state(pid: int) -> Optional[bytes]:
     return fields[0] if fields else b"?"
 
 
+def parent(pid: int) -> Optional[int]:
+    """PID's parent pid; None when there is no such process or it cannot be read."""
+    fields = _stat(pid)
+    return int(fields[1]) if fields and len(fields) > 1 and fields[1].isdigit() else None
+
+
 # include/linux/sched.h: set when the process has begun to exit (its files close next).
 PF_EXITING = 0x4
 
@@ -68,3 +74,13 @@ def real_uid(pid: int) -> Optional[int]:
         return GONE
     fields = text[start + 5:text.find(b"\n", start + 1)].split()
     return int(fields[0]) if fields and fields[0].isdigit() else GONE
+
+
+def closing(pid: int) -> bool:
+    """Whether PID lives and has begun to exit (PF_EXITING, not yet a zombie): its files are
+    being closed now. A zombie's files are closed: locks still held there are someone else's
+    (a child that inherited them), as are those of a pid that is gone."""
+    fields = _stat(pid)
+    if not fields or fields[0] in (b"Z", b"X", b"x"):
+        return False
+    return len(fields) > 6 and fields[6].isdigit() and bool(int(fields[6]) & PF_EXITING)
