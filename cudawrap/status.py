@@ -314,7 +314,7 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
                 "mig_slot": d.mig_slot, "memory_used_mib": d.memory_used_mib,
                 "memory_total_mib": d.memory_total_mib, "lease_file": d.uuid in lease_files,
                 "holder": holder, "foreign_pids": foreign, "shares": shares,
-                "slots_apart": [_named(pid) for pid in apart.get(d.uuid, ())],
+                "slots_apart": [_named(pid, [d.uuid]) for pid in apart.get(d.uuid, ())],
                 "mps_without_share": (_mps_without_share(str(layout.root), lease_dir, d.uuid, d.pids, table)
                                       if sharing.mode == MPS else []),
                 "slots": sharing.slots_for(d.uuid, d.parent_uuid),
@@ -328,7 +328,7 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
                             "memory_used_mib": 0, "memory_total_mib": 0, "lease_file": True,
                             "holder": holder, "foreign_pids": None,
                             "shares": _shares(held, uuid, sharing.slots_for(uuid), apart.get(uuid, ())),
-                            "slots_apart": [_named(pid) for pid in apart.get(uuid, ())], "mps_without_share": [],
+                            "slots_apart": [_named(pid, [uuid]) for pid in apart.get(uuid, ())], "mps_without_share": [],
                             "slots": sharing.slots_for(uuid),
                             "index": None, "product": None, "mig_profile": None, **_NO_READINGS,
                             "processes": None, "waiters": [], "drains": []})
