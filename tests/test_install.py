@@ -20,6 +20,7 @@ from typing import Iterator, List
 import pytest
 
 from cudawrap import __version__
+from cudawrap.audit import channel_problem
 from cudawrap.config import DEFAULTS, load_config
 from cudawrap.installation import (
     Layout, MONITOR_UNIT, UNIT_NAME, completion_file, manifest_file, prepare_runtime, render_bash_completion,
@@ -112,6 +113,8 @@ def test_prefix_install_wrap_upgrade_uninstall(tmp_path, machine, wheelhouse):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("==> ") and "==> done" in r.stdout
     assert f"{MONITOR_UNIT} not enabled (a --prefix install)" in r.stdout
+    # Without a syslog socket the install says so once (admin commands later do not).
+    assert r.stderr.count("syslog messages (the audit trail) are lost") == (1 if channel_problem() else 0), r.stderr
 
     # What is where.
     assert (layout.venv_dir / "cudawrap-root").read_text().strip() == str(prefix)
