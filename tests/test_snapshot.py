@@ -11,6 +11,7 @@ import time
 from cudawrap import snapshot
 from cudawrap.monitor import refresh_once
 from corefix import ready_line, wait_for
+from fakemachine import FAKECUDA
 
 
 def run_without_nvml(inst, *args, **extra):
@@ -53,7 +54,7 @@ def test_a_snapshot_not_written_by_root_is_ignored(installed):
     assert b"no NVIDIA driver" in r.stderr
 
 
-def test_snapshot_shows_every_process_and_discounts_only_exited_lessees(installed):
+def test_snapshot_shows_every_process_and_discounts_an_exited_lessee(installed):
     inst = installed("four-gpus")
     inst.wrap("recon")
     gpus = inst.machine.leaf_uuids()
@@ -72,6 +73,58 @@ def test_snapshot_shows_every_process_and_discounts_only_exited_lessees(installe
     r = run_without_nvml(inst, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=f"{gpus[0]},{gpus[1]}")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[0])["devices"] == [gpus[0]]
+
+
+# No process here can have this pid (above the largest pid_max): one NVML names from another
+# pid namespace, which the monitor cannot see.
+UNSEEN_PID = (1 << 22) + 1
+
+
+def foreign(inst, uuid: str) -> subprocess.Popen:
+    """An unwrapped CUDA program on UUID, ready (listed by NVML)."""
+    proc = subprocess.Popen([str(FAKECUDA), "--hold", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=inst.machine.environ(CUDA_VISIBLE_DEVICES=uuid))
+    ready_line(proc)
+    return proc
+
+
+def test_an_exited_foreign_process_is_discounted_at_once_and_an_unseen_one_keeps_counting(installed):
+    """An unwrapped CUDA program the snapshot lists stops counting as it exits (or as its pid
+    names another process), not at the next snapshot; a pid the monitor never saw counts."""
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    gpus = inst.machine.leaf_uuids()
+    root = str(inst.layout.root)
+    first = foreign(inst, gpus[0])
+    inst.machine.add_process(UNSEEN_PID, gpus[1], 2048)
+    refresh_once(inst.layout)
+    seen = snapshot.read_fresh(root)
+    assert seen.by_uuid(gpus[0]).pids == (first.pid,)
+    assert seen.by_uuid(gpus[1]).pids == (UNSEEN_PID,)
+    first.kill()
+    first.wait()
+    seen = snapshot.read_fresh(root)
+    assert seen.by_uuid(gpus[0]).pids == ()
+    assert seen.by_uuid(gpus[1]).pids == (UNSEEN_PID,)
+    # The launch takes the device it left at once, and never the one the unseen process is on.
+    r = run_without_nvml(inst, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=f"{gpus[1]},{gpus[0]}")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[0])["devices"] == [gpus[0]]
+    r = run_without_nvml(inst, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=gpus[1])
+    assert r.returncode == 75, r.stdout
+    # A pid reused by another process (another start time) no longer names the one listed.
+    second = foreign(inst, gpus[2])
+    try:
+        refresh_once(inst.layout)
+        assert snapshot.read_fresh(root).by_uuid(gpus[2]).pids == (second.pid,)
+        path = inst.layout.usage_snapshot
+        data = marshal.loads(path.read_bytes())
+        data["started"][second.pid] += 1
+        path.write_bytes(marshal.dumps(data))
+        assert snapshot.read_fresh(root).by_uuid(gpus[2]).pids == ()
+    finally:
+        second.kill()
+        second.wait()
 
 
 def test_a_zombie_lessee_is_discounted_before_its_parent_reaps_it(installed):
