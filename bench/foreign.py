@@ -8,7 +8,12 @@ should cost what a launch on an idle GPU costs (the baseline rounds, with no for
 before them). Before the snapshot discounted an exited foreign process and waiters woke on
 its exit, each such launch waited for the next decision, ~1 s.
 
-    python3 bench/foreign.py [--rounds 10] [--hold 0.3]   # prints the launch times
+Then, WAITING rounds: a wrapped `true` started while an unwrapped run holds the GPU (listed
+in the snapshot by then) waits in line; the time from the unwrapped run's exit to the
+wrapped `true`'s is how long the idle GPU stayed unused (a second at most, before waiters
+woke on the foreign process's exit and on the snapshot's rewrite).
+
+    python3 bench/foreign.py [--rounds 10] [--hold 0.3] [--waiting 5]   # prints the times
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -59,8 +65,36 @@ def rounds(sim: Sim, n: int, hold: float) -> Dict[str, Any]:
             "met": max(after) <= TARGET_S and failures == 0}
 
 
-def run_foreign(bench: Bench, n: int, hold: float) -> Dict[str, Any]:
-    return rounds(bench.sim(TOPOLOGY), n, hold)
+def queued(sim: Sim, n: int) -> Dict[str, Any]:
+    """N wrapped launches queued behind an unwrapped run: from its exit to theirs, ms."""
+    env = sim.environ()
+    foreign = sim.argv("direct", "job", ["--hold", "1.2", "--require", "1"])
+    wrapped = sim.argv("cudawrap", "true", [])
+    gaps: List[float] = []
+    failures = 0
+    with sim.monitor():
+        for _ in range(n):
+            holder = subprocess.Popen(foreign, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            holder.stdout.readline()  # registered: NVML lists it from now on
+            time.sleep(0.6)  # a snapshot (every 0.5 s) lists it too
+            waiter = subprocess.Popen(wrapped, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            holder.wait()
+            freed = time.perf_counter()
+            rc = waiter.wait()
+            gaps.append(time.perf_counter() - freed)
+            failures += rc != 0 or holder.returncode != 0
+    return {"rounds": n, "gap_ms": [round(t * 1000, 1) for t in gaps], "gap": summary_ms(gaps),
+            "failures": failures}
+
+
+def run_foreign(bench: Bench, n: int, hold: float, waiting: int = 0) -> Dict[str, Any]:
+    sim = bench.sim(TOPOLOGY)
+    result = rounds(sim, n, hold)
+    if waiting:
+        result["queued"] = queued(sim, waiting)
+        result["failures"] += result["queued"]["failures"]
+        result["met"] = result["met"] and result["queued"]["failures"] == 0
+    return result
 
 
 def render(result: Dict[str, Any]) -> str:
@@ -72,6 +106,11 @@ def render(result: Dict[str, Any]) -> str:
              f"{result['idle']['median_ms']} ms idle; slowest {result['slowest_after_foreign_ms']} ms "
              f"(target <= {result['target_ms']:g} ms: {'met' if result['met'] else 'NOT met'}); "
              f"failures {result['failures']}"]
+    if "queued" in result:
+        q = result["queued"]
+        lines += ["wrapped `true` queued behind an unwrapped run, from its exit to the wrapped run's, ms: "
+                  + " ".join(f"{t:g}" for t in q["gap_ms"]),
+                  f"  median {q['gap']['median_ms']} ms, slowest {max(q['gap_ms']):g} ms; failures {q['failures']}"]
     return "\n".join(lines)
 
 
@@ -79,12 +118,13 @@ def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench/foreign.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--hold", type=float, default=0.3, help="seconds the unwrapped run holds the GPU")
+    parser.add_argument("--waiting", type=int, default=5, help="rounds of a wrapped run queued behind one")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="cudawrap-foreign-"))
     try:
         result = run_foreign(Bench(work, find_peers(BENCH / "results" / "peers-venv", install=False)),
-                             args.rounds, args.hold)
+                             args.rounds, args.hold, args.waiting)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(render(result))
