@@ -178,6 +178,9 @@ class Sim:
         self.install = install
         work.mkdir(parents=True, exist_ok=True)
         self.machine = FakeMachine(work / "machine", lib_dir)
+        # What an NVIDIA H200 costs (tests/fakenvml/FORMAT.md), whatever the caller's environment
+        # says: NVML calls, a CUDA context's creation, a process leaving NVML's list.
+        self.machine.env["FAKENVML_TIMING"] = ""
         self.machine.load(topology)
         # One install serves every machine in turn: sync makes its lease files this
         # machine's (the last machine's devices vanished, nobody holds them).
