@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""cudawrap's benchmark: launch overhead, burst correctness, scale and NVML cost, side by side
-with the peers (gpuselect, nvisel, a getgpu-style script), on the simulated machine.
+"""cudawrap's benchmark: launch overhead, burst correctness, scale, NVML cost and a launch after an
+unwrapped CUDA program, side by side with the peers (gpuselect, nvisel, a getgpu-style script),
+on the simulated machine.
 
     python3 bench/run.py            # the full run (~9-10 min on 2 idle cores); updates bench/RESULTS.md
                                     # and the README's benchmark block
@@ -46,7 +47,7 @@ sys.path.insert(0, str(BENCH))
 import report  # noqa: E402
 from sim import Bench, find_peers  # noqa: E402
 
-SECTIONS = ("launch", "burst", "scale", "nvml")
+SECTIONS = ("launch", "burst", "scale", "nvml", "foreign")
 
 # Sizes per mode. Full: the issue's numbers. Quick: ~2 minutes. Tiny: the test's.
 MODES: Dict[str, Dict[str, Any]] = {
@@ -60,6 +61,7 @@ MODES: Dict[str, Dict[str, Any]] = {
         "scale": {"topology": "dgx-a100-mig56", "waiters": [50, 500], "hold": 6.0, "window": 10.0, "settle": 3.0,
                   "spread": 5.6, "stagger": 0.005, "decision_reps": 3},
         "nvml": {"topology": "four-gpus", "delays_ms": [0, 100, 500, 2000], "reps": 5},
+        "foreign": {"rounds": 10, "hold": 0.3, "waiting": 5},
     },
     "quick": {
         "launch": {"topologies": ["a100-mig7", "dgx-a100-mig56"], "reps": 5, "warmup": 1, "rss_reps": 1,
@@ -69,6 +71,7 @@ MODES: Dict[str, Dict[str, Any]] = {
         "scale": {"topology": "dgx-a100-mig56", "waiters": [20, 60], "hold": 2.0, "window": 1.5, "settle": 1.0,
                   "spread": 2.0, "stagger": 0.005, "decision_reps": 1},
         "nvml": {"topology": "four-gpus", "delays_ms": [0, 500], "reps": 1},
+        "foreign": {"rounds": 10, "hold": 0.3, "waiting": 2},
     },
     "tiny": {
         "launch": {"topologies": ["a100-mig7"], "reps": 2, "warmup": 1, "rss_reps": 1, "breakdown_reps": 1,
@@ -78,6 +81,7 @@ MODES: Dict[str, Dict[str, Any]] = {
         "scale": {"topology": "a100-mig7", "waiters": [3, 8], "hold": 0.2, "window": 0.3, "settle": 0.1,
                   "spread": 0.1, "stagger": 0.005, "decision_reps": 1},
         "nvml": {"topology": "four-gpus", "delays_ms": [0, 50], "reps": 1},
+        "foreign": {"rounds": 2, "hold": 0.1, "waiting": 1},
     },
 }
 
@@ -243,6 +247,14 @@ def main(argv: List[str]) -> int:
             results["nvml"] = run_nvml(bench, c["topology"], c["delays_ms"], c["reps"])
             timings["nvml"] = time.monotonic() - started - sum(timings.values())
             foreign["nvml"] = meter.lap()
+        if "foreign" in config:
+            from foreign import run_foreign
+
+            c = config["foreign"]
+            print(f"bench: launches after {c['rounds']} unwrapped runs ...", file=sys.stderr, flush=True)
+            results["foreign"] = run_foreign(bench, c["rounds"], c["hold"], c["waiting"])
+            timings["foreign"] = time.monotonic() - started - sum(timings.values())
+            foreign["foreign"] = meter.lap()
     finally:
         if args.keep_work:
             print(f"bench: work directory kept: {work}", file=sys.stderr)
