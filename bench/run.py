@@ -40,7 +40,7 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
-from typing import Any, Dict, List  # noqa: E402
+from typing import Any, Callable, Dict, List, Tuple  # noqa: E402
 
 sys.path.insert(0, str(BENCH))
 
@@ -164,6 +164,36 @@ def draw(results_path: Path, out_dir: Path, peers_venv: Path) -> List[str]:
     return done.stdout.split()
 
 
+def section(name: str, bench: Bench, c: Dict[str, Any]) -> Tuple[str, Callable[[], Any]]:
+    """What section NAME says as it starts, and how it runs with its sizes C."""
+    if name == "launch":
+        from overhead import run_launch
+
+        return (f"launch overhead on {', '.join(c['topologies'])}",
+                lambda: run_launch(bench, c["topologies"], c["reps"], c["warmup"], c["rss_reps"],
+                                   c["breakdown_reps"], c["monitor_s"]))
+    if name == "burst":
+        from burst import run_burst
+
+        return (f"bursts of {c['n']} on {', '.join(c['topologies'])}",
+                lambda: run_burst(bench, c["topologies"], c["n"], c["hold"], c["standin_reps"],
+                                  c["release_leads"], c.get("makespan")))
+    if name == "scale":
+        from scale import run_scale
+
+        return (f"scale, {c['waiters']} waiters on {c['topology']}",
+                lambda: run_scale(bench, c["topology"], c["waiters"], c["hold"], c["window"],
+                                  c["settle"], c["spread"], c["stagger"], c["decision_reps"]))
+    if name == "nvml":
+        from overhead import run_nvml
+
+        return f"slow NVML init {c['delays_ms']} ms", lambda: run_nvml(bench, c["topology"], c["delays_ms"], c["reps"])
+    from foreign import run_foreign
+
+    return (f"launches after {c['rounds']} unwrapped runs",
+            lambda: run_foreign(bench, c["rounds"], c["hold"], c["waiting"]))
+
+
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -212,49 +242,13 @@ def main(argv: List[str]) -> int:
         bench = Bench(work, peers)
         results["interpreter"] = bench.install.describe
         timings["setup"] = time.monotonic() - started
-        if "launch" in config:
-            from overhead import run_launch
-
-            c = config["launch"]
-            print(f"bench: launch overhead on {', '.join(c['topologies'])} ...", file=sys.stderr, flush=True)
-            results["launch"] = run_launch(bench, c["topologies"], c["reps"], c["warmup"], c["rss_reps"],
-                                           c["breakdown_reps"], c["monitor_s"])
-            timings["launch"] = time.monotonic() - started - sum(timings.values())
-            foreign["launch"] = meter.lap()
-        if "burst" in config:
-            from burst import run_burst
-
-            c = config["burst"]
-            print(f"bench: bursts of {c['n']} on {', '.join(c['topologies'])} ...", file=sys.stderr, flush=True)
-            results["burst"] = run_burst(bench, c["topologies"], c["n"], c["hold"], c["standin_reps"],
-                                         c["release_leads"], c.get("makespan"))
-            timings["burst"] = time.monotonic() - started - sum(timings.values())
-            foreign["burst"] = meter.lap()
-        if "scale" in config:
-            from scale import run_scale
-
-            c = config["scale"]
-            print(f"bench: scale, {c['waiters']} waiters on {c['topology']} ...", file=sys.stderr, flush=True)
-            results["scale"] = run_scale(bench, c["topology"], c["waiters"], c["hold"], c["window"],
-                                         c["settle"], c["spread"], c["stagger"], c["decision_reps"])
-            timings["scale"] = time.monotonic() - started - sum(timings.values())
-            foreign["scale"] = meter.lap()
-        if "nvml" in config:
-            from overhead import run_nvml
-
-            c = config["nvml"]
-            print(f"bench: slow NVML init {c['delays_ms']} ms ...", file=sys.stderr, flush=True)
-            results["nvml"] = run_nvml(bench, c["topology"], c["delays_ms"], c["reps"])
-            timings["nvml"] = time.monotonic() - started - sum(timings.values())
-            foreign["nvml"] = meter.lap()
-        if "foreign" in config:
-            from foreign import run_foreign
-
-            c = config["foreign"]
-            print(f"bench: launches after {c['rounds']} unwrapped runs ...", file=sys.stderr, flush=True)
-            results["foreign"] = run_foreign(bench, c["rounds"], c["hold"], c["waiting"])
-            timings["foreign"] = time.monotonic() - started - sum(timings.values())
-            foreign["foreign"] = meter.lap()
+        for name in SECTIONS:
+            if name in config:
+                what, run = section(name, bench, config[name])
+                print(f"bench: {what} ...", file=sys.stderr, flush=True)
+                results[name] = run()
+                timings[name] = time.monotonic() - started - sum(timings.values())
+                foreign[name] = meter.lap()
     finally:
         if args.keep_work:
             print(f"bench: work directory kept: {work}", file=sys.stderr)
