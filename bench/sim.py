@@ -366,5 +366,5 @@ class Bench:
     def sim(self, topology: str) -> Sim:
         """A fresh machine and install root (nothing held, nothing queued)."""
         self._count += 1
-        return Sim(self.work / f"sim{self._count}-{topology}", self.lib_dir, self.true_exe, topology, self.peers,
+        return Sim(self.work / f"sim{self._count}-{Path(topology).stem}", self.lib_dir, self.true_exe, topology, self.peers,
                    self.install, self.hold_exe)

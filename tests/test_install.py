@@ -505,7 +505,7 @@ def public_machine(public_dir: Path, fakenvml_lib: Path) -> FakeMachine:
     """A simulated four-GPU machine every user can reach: library and topology in PUBLIC_DIR."""
     (public_dir / "lib").mkdir()
     shutil.copy2(fakenvml_lib / LIBNAME, public_dir / "lib" / LIBNAME)
-    fake = FakeMachine(public_dir / "machine", public_dir / "lib")
+    fake = FakeMachine(public_dir / "machine", public_dir / "lib").without_costs()
     fake.load("four-gpus")
     for path in (fake.root, fake.state_dir):
         path.chmod(0o755)
