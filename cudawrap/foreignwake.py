@@ -7,6 +7,10 @@ visible here: Linux 5.3+, Python 3.9+; elsewhere nothing) and when the monitor r
 snapshot (inotify on the snapshot's directory), which no longer lists a process that left
 (one in another pid namespace, say). A wake decides nothing: the waiter re-reads the device
 and looks again, so a pid that names some other process costs one look at most.
+
+Only the watchers (the first few in line) follow, and only while such processes hold them
+back: a pidfd per process, and one more inotify instance each for the snapshot (out of
+instances, the waiter keeps its timer).
 """
 from __future__ import annotations
 
