@@ -71,8 +71,9 @@ cudaErrorMpsClientTerminated (810, too large for an exit status) and exits 1.
 Timing, as measured on an NVIDIA H200 (``fakenvml/FORMAT.md``, "What calls cost"): a real
 CUDA process appears in NVML's process list when its context exists, ~135 ms after it
 started, and leaves it ~28 ms before its exit is visible (to a pidfd, to ``wait``). So the
-stand-in registers ``context`` ms after its process started (its ready line comes then),
-and after unregistering it waits ``leave`` ms before it exits. ``$FAKENVML_TIMING`` sets
+stand-in registers ``context`` ms after its own code began to run (its ready line comes
+then; the interpreter's start-up before that is extra), and after unregistering it waits
+``leave`` ms before it exits. ``$FAKENVML_TIMING`` sets
 both, as it sets the library's costs (``none``: neither).
 
 ``argv`` is ``sys.argv``.  When this file is run through its shebang (as
@@ -90,6 +91,10 @@ import signal
 import sys
 import time
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+# When this program's own code began: its CUDA context is created this long after (a wrapped
+# run's process began earlier, in the shim, whose time a real program's context does not absorb).
+STARTED = time.monotonic()
 
 NO_DEVICE_EXIT = 100  # cudaErrorNoDevice
 MPS_UNAVAILABLE_EXIT = 46  # cudaErrorDevicesUnavailable
@@ -124,17 +129,6 @@ def read_timing(value: Optional[str]) -> Dict[str, float]:
                              f"{', '.join(TIMING_H200)} and MS 0..600000")
         timing[key] = number
     return timing
-
-
-def since_start() -> float:
-    """Seconds since this process started (the kernel's clock ticks: 10 ms steps)."""
-    try:
-        with open("/proc/self/stat", "rb") as f:
-            started = int(f.read().rsplit(b")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-        with open("/proc/uptime", "rb") as f:
-            return max(0.0, float(f.read().split()[0]) - started)
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 class Mig(NamedTuple):
@@ -557,7 +551,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if devices:  # NVML lists a CUDA process once its context exists
-        time.sleep(max(0.0, timing["context"] / 1000.0 - since_start()))
+        time.sleep(max(0.0, STARTED + timing["context"] / 1000.0 - time.monotonic()))
     registration.create(devices, args.mem)
     if args.log:
         _append_line(args.log, dict(pid=pid, event="start", time=time.time(), devices=devices))

@@ -755,8 +755,8 @@ def test_a_stand_in_is_listed_once_its_context_exists_and_leaves_the_list_before
                             env=fake.environ(CUDA_VISIBLE_DEVICES=gpu, FAKENVML_TIMING="none,context=300,leave=2000"))
     try:
         ready = json.loads(proc.stdout.readline())
-        # Registered (and ready) ~300 ms after the process started (its start clock ticks 10 ms).
-        assert time.monotonic() - started >= 0.28
+        # Registered (and ready) 300 ms after its code began to run.
+        assert time.monotonic() - started >= 0.3
         assert [p[0] for p in processes(gpu)] == [ready["pid"]]
         assert wait_until(lambda: processes(gpu) == [])
         assert proc.poll() is None  # out of NVML's list, not yet exited
