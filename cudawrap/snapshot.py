@@ -42,7 +42,7 @@ def write(root: str, inventory: Inventory) -> None:
     for device in inventory.devices:
         for pid in device.pids or ():
             if pid not in started:
-                when = start_time(pid, exited_too=True)  # a zombie: the reader discounts it
+                when = start_time(pid)  # (a zombie's too: readers discount it)
                 if when is not None:
                     started[pid] = when
     data = {"version": VERSION, "written": time.monotonic(), "inventory": inventory.to_tuple(),
@@ -62,12 +62,12 @@ def _exited(started: Dict[int, int], listed: Iterable[int], recorded: object) ->
     """Those of LISTED seen by the monitor (STARTED: pid -> start time) that are no longer
     the process it saw: exited, a zombie, or their pid reused. None where the pids of
     this process's namespace are not the monitor's (RECORDED)."""
-    from .proc import namespace, start_time
+    from .proc import namespace, started_as
 
     seen = [p for p in listed if p in started]
     if not seen or namespace() != recorded:
         return set()
-    return {p for p in seen if start_time(p) != started[p]}
+    return {p for p in seen if not started_as(p, started[p])}
 
 
 def read_fresh(root: str, max_age: float = MAX_AGE_S) -> Optional[Inventory]:

@@ -3,15 +3,20 @@ import contextlib
 import json
 import marshal
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import threading
 import time
 
+import pytest
+
 from cudawrap import snapshot
 from cudawrap.monitor import refresh_once
 from corefix import ready_line, wait_for
 from fakemachine import FAKECUDA
+from userfix import root_only
 
 
 def run_without_nvml(inst, *args, **extra):
@@ -223,3 +228,33 @@ def test_monitor_rebuilds_a_stale_policy_cache(installed):
     refresh_once(inst.layout)
     assert policy.cache_is_current(root)
     assert policy.effective(root, None)["wait"][0] == 5.0
+
+
+@root_only
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare")
+def test_another_users_process_hidden_by_hidepid_still_counts(mu):  # type: ignore[no-untyped-def]
+    """Where /proc hides other users' processes (hidepid=2), a user's launch cannot read a
+    foreign process's start: it counts until the kernel says it is gone (signal 0)."""
+    inst = mu("four-gpus")
+    gpu = inst.machine.leaf_uuids()[0]
+    job = subprocess.Popen([str(FAKECUDA), "--hold", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=inst.machine.environ(CUDA_VISIBLE_DEVICES=gpu))
+    ready_line(job)
+    refresh_once(inst.layout)
+    code = (f"import json, os, sys; sys.path[:0] = {inst.world.path!r}; from cudawrap import snapshot; "
+            f"print(json.dumps([os.path.exists('/proc/{job.pid}'), "
+            f"snapshot.read_fresh({str(inst.layout.root)!r}).by_uuid({gpu!r}).pids]))")
+    as_alice = shlex.join(inst.world.alice.argv([inst.world.python, "-I", "-c", code]))
+    private_proc = ["unshare", "-m", "sh", "-c", f"mount -t proc -o hidepid=2 proc /proc && exec {as_alice}"]
+
+    def alice_sees() -> list:  # type: ignore[type-arg]
+        done = subprocess.run(private_proc, env=inst.environ(), capture_output=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    try:
+        assert alice_sees() == [False, [job.pid]]  # hidden from her, and still counted
+    finally:
+        job.kill()
+        job.wait()
+    assert alice_sees() == [False, []]  # gone: the kernel says so
