@@ -166,6 +166,7 @@ class Acquirer:
         sharing: Optional[Sharing] = None,
         unread: Sequence[str] = (),
         root: Optional[str] = None,
+        snapshot: Optional[str] = None,
     ) -> None:
         self.leases = leases
         self.root = root  # the install's: where its MPS daemons' pid files are
@@ -216,6 +217,10 @@ class Acquirer:
         # (lease file, pids that took its locks) -> the real uid of each lock's holder, read
         # once per lease (see _owners).
         self.owners: Dict[Tuple[Tuple[int, int], Tuple[int, ...]], List[int]] = {}
+        # Our devices whose lease was free at the last look but which processes cudawrap did
+        # not start kept from us; and the monitor's snapshot, whose rewrite may free them.
+        self.foreign_busy: Set[str] = set()
+        self.snapshot = snapshot
 
     # -- judging devices -------------------------------------------------------------
     def occupied(self, device: Device) -> bool:
@@ -275,6 +280,7 @@ class Acquirer:
         busy: Set[str] = set()
         used: Dict[str, List[int]] = {}
         closed: Set[str] = set()  # shared, but to take no new shares
+        self.foreign_busy = set()
         idents = {uuid: self.leases.ident(uuid) for uuid in self.current}
         owners = self._owners({ident: table[ident] for ident in idents.values() if ident in table})
         for uuid, ident in idents.items():
@@ -314,6 +320,8 @@ class Acquirer:
                 free.append(uuid)
             else:
                 busy.add(uuid)
+                if uuid in self.mine:
+                    self.foreign_busy.add(uuid)
         slots = {u: 0 if u in closed else n for u, n in self.slots.items()}
         from .schedule import Shares
 
@@ -382,6 +390,16 @@ class Acquirer:
         from .proc import closing
 
         return [pid for pid in apart if not closing(pid)]
+
+    def foreign_pids(self) -> Set[int]:
+        """The processes on the devices that only processes cudawrap did not start keep from us."""
+        return {pid for uuid in self.foreign_busy for pid in self.current[uuid].pids or ()}
+
+    def foreign_left(self) -> bool:
+        """Re-read those devices (one of their processes exited, or the snapshot was
+        rewritten): whether any is free of them now."""
+        now = time.monotonic()
+        return any([self._recheck(uuid, now) for uuid in self.foreign_busy])
 
     def usable(self) -> int:
         return len([d for d in self.candidates if d.uuid not in self.lost and d.uuid not in self.unavailable])
@@ -629,6 +647,7 @@ class Acquirer:
               on_wait: Optional[Callable[[str], None]], first: Verdict, ahead: Set[str]) -> Lease:
         from . import inotify
         from .farwait import FarWait
+        from .foreignwake import ForeignWake
         import select
         import signal  # waiting only: `signal` pulls in enum (~5 ms)
 
@@ -646,6 +665,7 @@ class Acquirer:
         # an instance): what they still report happened while unwatched, and is no news.
         removed: Set[int] = set()
         poller = select.poll()
+        wake = ForeignWake(poller, self.snapshot)  # processes cudawrap did not start, leaving
         # The newcomer decided just before it queued: far back, it need not decide again
         # until the queue changes (a full look at 500 entries is ~10 ms, and each arrival of a
         # batch would otherwise pay it twice).
@@ -780,6 +800,7 @@ class Acquirer:
                 if own is None:
                     time.sleep(timeout)
                     continue
+                wake.follow(self.foreign_pids() if watcher else ())
                 looked_at = time.monotonic()
                 until = looked_at + timeout
                 released: Set[str] = set()  # lease files closed since this look
@@ -788,8 +809,11 @@ class Acquirer:
                 pending = False  # another run's turn on what was amended: it should leave soon
                 while True:
                     left = (min(until, time.monotonic() + 0.1) if pending else until) - time.monotonic()
-                    if left <= 0 or not poller.poll(left * 1000):
+                    if left <= 0:
                         break  # time for a full look
+                    ready = poller.poll(left * 1000)
+                    if not ready or (wake.woken(ready) and self.foreign_left()):
+                        break  # time for a full look, or a device is free of what kept it from us
                     # A job ended (its lease file closed) or a run left the queue: decide on this
                     # look, amended by what the events say, and take our turn at once. A
                     # newcomer, a lease file opened (a lock may have been taken), a poke or a
@@ -838,6 +862,7 @@ class Acquirer:
                 own.close()
             if far is not None:
                 far.close()
+            wake.close()
 
     def _amend(self, scan: Scan, closed: Set[str], departed: Set[str], before: Dict[str, Verdict]) -> Scan:
         """SCAN (the last full look) as the events since say it is now, without reading
