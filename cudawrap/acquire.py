@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
     from .inotify import Watch
-    from .schedule import Verdict, Waiter
+    from .schedule import Bounds, Verdict, Waiter
 
 from .devices import Device
 from .errors import Interrupted, NoDeviceError
@@ -146,6 +146,7 @@ class Acquirer:
         share: bool = False,
         sharing: Optional[Sharing] = None,
         unread: Sequence[str] = (),
+        admin: Optional[Callable[[], Tuple[float, int]]] = None,
     ) -> None:
         self.leases = leases
         self.queue = queue
@@ -157,6 +158,10 @@ class Acquirer:
         self.refresh = refresh
         self.reserve_after = reserve_after
         self.limit_of = limit_of or (lambda uid: 0)
+        # (shortest reserve_after, largest max_gpus) of the admin's config: what every
+        # waiter's claims are held to (schedule.Bounds); read at the first decision.
+        self.admin = admin
+        self.admin_bounds: Optional[Tuple[float, int]] = None
         self.unavailable: Set[str] = set()  # drained: never granted (from DRAINED, each decision)
         self.drained = drained  # re-read at every decision (an admin may drain meanwhile)
         self.min_free_mib = min_free_mib
@@ -305,8 +310,17 @@ class Acquirer:
         fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free or u in shares.used}
         from .schedule import decide
 
-        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares)
+        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares, self._bounds())
         return verdicts, free
+
+    def _bounds(self) -> Bounds:
+        """What the admin allows any run, and the devices that can be leased at all."""
+        from .schedule import Bounds
+
+        if self.admin_bounds is None:
+            self.admin_bounds = self.admin() if self.admin is not None else (0.0, 0)
+        leasable = frozenset(u for u in self.current if u not in self.lost and self.leases.ident(u) is not None)
+        return Bounds(self.admin_bounds[0], self.admin_bounds[1], leasable)
 
     def _uncontended(self) -> Optional[Lease]:
         """Nobody waits: take free devices by trying their locks, without the lock table.

@@ -110,7 +110,7 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
     from .errors import CudawrapError
     from .leases import LeaseFiles
     from .limits import limit_for
-    from .policy import effective
+    from .policy import effective, queue_bounds
 
     try:
         queue = WaitQueue(str(layout.queue_dir))
@@ -127,7 +127,8 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
             acquirer = Acquirer(LeaseFiles(str(layout.lease_dir)), queue, inventory.devices,
                                 inventory.devices, 1,
                                 limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
-                                sharing=Sharing(settings["sharing"][0]))
+                                sharing=Sharing(settings["sharing"][0]),
+                                admin=lambda: queue_bounds(str(layout.root)))
             verdicts = acquirer.decide(scan, None, queued=True)[0]
         except CudawrapError:
             verdicts = {}
