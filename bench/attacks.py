@@ -1,7 +1,7 @@
 """What an ordinary account can make other users' runs pay, measured (SECURITY.md).
 
     sudo python3 bench/attacks.py planted [--entries 20000] [--runs 15]
-    sudo python3 bench/attacks.py storm [--waiters 24] [--seconds 8]
+    sudo python3 bench/attacks.py storm [--waiters 48] [--seconds 8]
 
 On the simulated four-GPU machine, with cudawrap installed under a temporary root; the
 attacker is the `nobody` account. Figures, not a test: nothing here passes or fails.
@@ -270,7 +270,7 @@ def main() -> None:
     one.add_argument("--entries", type=int, default=20000)
     one.add_argument("--runs", type=int, default=15)
     two = sub.add_parser("storm")
-    two.add_argument("--waiters", type=int, default=24)
+    two.add_argument("--waiters", type=int, default=48)
     two.add_argument("--seconds", type=float, default=8.0)
     args = parser.parse_args()
     if os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("cc") is None:

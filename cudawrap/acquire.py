@@ -65,6 +65,10 @@ IDLE_POKES = (10.0, 3)
 # poke once this long has passed since its last look.
 POKED_LOOKS = (2.0, 3)
 POKE_IDLE_S = 2.0
+# A watcher whose look a newcomer or a lease file opened may have outdated looks again at
+# once (rate, burst) at most, so that the release that follows is amended on a fresh look
+# (a burst of launches); past that, the release is decided on a full look.
+REFRESH_LOOKS = (2.0, 3)
 MOVED_UP, FREE = "moved up", "free"
 # In an amended lock table: a lease found held whose holder the look cannot name (pid -1:
 # no process, so it counts for no waiting user).
@@ -578,6 +582,7 @@ class Acquirer:
         verdicts: Dict[str, Verdict] = {}
         batches, pokes = _Budget(*IDLE_BATCHES), _Budget(*IDLE_POKES)  # for events that change nothing
         looks = _Budget(*POKED_LOOKS)  # for pokes that may be true, behind the watchers
+        refresh = _Budget(*REFRESH_LOOKS)  # for looks outdated by a newcomer or a lease file opened
         try:
             if on_wait is not None:  # inside the try: a Ctrl-C from here on leaves the queue clean
                 on_wait(first.text)  # what the newcomer's own decision said; later, what changed
@@ -718,7 +723,8 @@ class Acquirer:
                     # look, amended by what the events say, and take our turn at once (a full
                     # look instead if a newcomer came or a lease file was opened since: the look
                     # may be out of date). A cancel or an old look: a full look at once. A
-                    # newcomer or a lease file opened alone cannot make it our turn: no look.
+                    # newcomer or a lease file opened alone cannot make it our turn: a full
+                    # look only within REFRESH_LOOKS, for a fresh look at the next release.
                     budget = batches if watcher else pokes
                     budget.pause()  # a storm of events that change nothing: read them in one batch
                     events = [e for e in own.events() if e[0] not in removed]
@@ -729,7 +735,7 @@ class Acquirer:
                             break  # our entry written (a cancel), or events lost
                         # Poked: someone's look says we moved up or were given devices, if
                         # the poke is true (anyone may open our entry).
-                        worth = self._poke_worth(looked_at, verdicts, entry.name)
+                        worth = self._poke_worth(looked_at, verdicts, entry.name, free)
                         if worth == MOVED_UP:
                             poked = True
                             break
@@ -745,8 +751,14 @@ class Acquirer:
                     seen = _amendments(events, world)
                     if seen is None or time.monotonic() - looked_at > AMEND_S:
                         break
-                    outdated = outdated or seen[3]
-                    poke = seen[2] and self._poke_worth(looked_at, verdicts, entry.name) is not None
+                    if seen[3] and not outdated:
+                        outdated = True
+                        due = refresh.ready_at()
+                        if due <= time.monotonic():
+                            refresh.spend()
+                            break
+                        until = min(until, due)  # (and a full look then, as any look past UNTIL)
+                    poke = seen[2] and self._poke_worth(looked_at, verdicts, entry.name, free) is not None
                     if not (seen[0] or seen[1] or poke):
                         budget.spend()
                         continue  # nothing freed, left or said: nothing to decide on
@@ -871,12 +883,16 @@ class Acquirer:
                     table.setdefault(ident, [UNKNOWN_HOLDER])
         return verdicts, None
 
-    def _poke_worth(self, looked_at: float, verdicts: Dict[str, Verdict], me: str) -> Optional[str]:
+    def _poke_worth(self, looked_at: float, verdicts: Dict[str, Verdict], me: str,
+                    free: Sequence[str]) -> Optional[str]:
         """Whether a poke (our entry opened) may be true, and why: pokes are sent when we moved
-        into the watching places (MOVED_UP: fewer than WATCHERS of the runs ahead of us at the
-        look are left) or devices we may use are free (FREE), and anyone can open our entry
-        in a loop. Any poke POKE_IDLE_S after the look LOOKED_AT counts (FREE: a turn moved by
-        a lease taken or let go elsewhere); None: a poke that cannot be true."""
+        into the watching places or were given devices, and anyone can open our entry in a
+        loop. MOVED_UP (look now): fewer than WATCHERS of the runs ahead of us at the look
+        are left, or a device we may use was freed since the look (FREE at the look, a list
+        of devices); neither can be faked, as nobody can remove another's entry or free
+        another's lease. FREE (look within POKED_LOOKS): a device we may use is free, as it
+        was at the look, or the look LOOKED_AT is POKE_IDLE_S old (a turn moved by a lease
+        taken or let go elsewhere). None: a poke that cannot be true."""
         mine = verdicts.get(me)
         if mine is not None and mine.position >= WATCHERS:
             ahead = {k for k, v in verdicts.items() if v.position < mine.position}
@@ -886,8 +902,10 @@ class Acquirer:
                 left = 0
             if left < WATCHERS:
                 return MOVED_UP
-        if time.monotonic() - looked_at >= POKE_IDLE_S or self.share or any(
-                self._vacant(d.uuid) for d in self.candidates if d.uuid not in self.lost):
+        vacant = [d.uuid for d in self.candidates if d.uuid not in self.lost and self._vacant(d.uuid)]
+        if any(u not in free for u in vacant):
+            return MOVED_UP
+        if vacant or self.share or time.monotonic() - looked_at >= POKE_IDLE_S:
             return FREE
         return None
 
