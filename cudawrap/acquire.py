@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
     from .inotify import Watch
-    from .schedule import Verdict, Waiter
+    from .schedule import Bounds, Verdict, Waiter
 
 from .devices import Device
 from .errors import Interrupted, NoDeviceError
@@ -52,6 +52,24 @@ FAR_POLL_S = 1.0
 WATCH_S = 1.0
 # A look amended by events (a lease released, a run that left) serves at most this long.
 AMEND_S = 10.0
+# Batches of events that changed nothing, at most this many a second after a burst of
+# (rate, burst): anyone can open a lease file or a queue entry in a loop (1000 a second made
+# the waiters of others use a core), and each batch costs a waiter the same as one event.
+# Past that, events wait to be read in one batch: a release 1/rate at most (a watcher);
+# a poke of a run behind the watchers (who wait for nothing sooner) longer.
+IDLE_BATCHES = (50.0, 10)
+IDLE_POKES = (10.0, 3)
+# A run behind the watchers, poked: it looks at once if fewer than WATCHERS of the runs
+# ahead of it at its last look are left (they cannot be faked: nobody can remove another's
+# entry); if a device it may use is free (maybe given to it), (rate, burst) at most; any
+# poke once this long has passed since its last look.
+POKED_LOOKS = (2.0, 3)
+POKE_IDLE_S = 2.0
+# A watcher whose look a newcomer or a lease file opened may have outdated looks again at
+# once (rate, burst) at most, so that the release that follows is amended on a fresh look
+# (a burst of launches); past that, the release is decided on a full look.
+REFRESH_LOOKS = (2.0, 3)
+MOVED_UP, FREE = "moved up", "free"
 # In an amended lock table: a lease found held whose holder the look cannot name (pid -1:
 # no process, so it counts for no waiting user).
 UNKNOWN_HOLDER = (-1, True)
@@ -167,6 +185,7 @@ class Acquirer:
         unread: Sequence[str] = (),
         root: Optional[str] = None,
         snapshot: Optional[str] = None,
+        admin: Optional[Callable[[], Tuple[float, int]]] = None,
     ) -> None:
         self.leases = leases
         self.root = root  # the install's: where its MPS daemons' pid files are
@@ -179,6 +198,10 @@ class Acquirer:
         self.refresh = refresh
         self.reserve_after = reserve_after
         self.limit_of = limit_of or (lambda uid: 0)
+        # (shortest reserve_after, largest max_gpus) of the admin's config: what every
+        # waiter's claims are held to (schedule.Bounds); read at the first decision.
+        self.admin = admin
+        self.admin_bounds: Optional[Tuple[float, int]] = None
         self.unavailable: Set[str] = set()  # drained: never granted (from DRAINED, each decision)
         self.drained = drained  # re-read at every decision (an admin may drain meanwhile)
         self.min_free_mib = min_free_mib
@@ -433,8 +456,17 @@ class Acquirer:
         fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free or u in shares.used}
         from .schedule import decide
 
-        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares)
+        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares, self._bounds())
         return verdicts, free
+
+    def _bounds(self) -> Bounds:
+        """What the admin allows any run, and the devices that can be leased at all."""
+        from .schedule import Bounds
+
+        if self.admin_bounds is None:
+            self.admin_bounds = self.admin() if self.admin is not None else (0.0, 0)
+        leasable = frozenset(u for u in self.current if u not in self.lost and self.leases.ident(u) is not None)
+        return Bounds(self.admin_bounds[0], self.admin_bounds[1], leasable)
 
     def _uncontended(self) -> Optional[Lease]:
         """Nobody waits: take free devices by trying their locks, without the lock table.
@@ -679,6 +711,9 @@ class Acquirer:
         told = ""  # the kind of wait last reported
         trace = bool(os.environ.get("CUDAWRAP_DEBUG"))
         verdicts: Dict[str, Verdict] = {}
+        batches, pokes = _Budget(*IDLE_BATCHES), _Budget(*IDLE_POKES)  # for events that change nothing
+        looks = _Budget(*POKED_LOOKS)  # for pokes that may be true, behind the watchers
+        refresh = _Budget(*REFRESH_LOOKS)  # for looks outdated by a newcomer or a lease file opened
         try:
             if on_wait is not None:  # inside the try: a Ctrl-C from here on leaves the queue clean
                 on_wait(first.text)  # what the newcomer's own decision said; later, what changed
@@ -807,28 +842,61 @@ class Acquirer:
                 departed: Set[str] = set()  # queue entries removed since
                 decided_on = _signature(scan)  # what the verdicts were last decided on
                 pending = False  # another run's turn on what was amended: it should leave soon
+                outdated = False  # a newcomer or a lock maybe taken since the look
+                poke_due = False  # a poke worth a look once POKED_LOOKS allows
                 while True:
                     left = (min(until, time.monotonic() + 0.1) if pending else until) - time.monotonic()
-                    if left <= 0:
+                    ready = poller.poll(left * 1000) if left > 0 else []
+                    if not ready:
+                        if poke_due:
+                            looks.spend()
+                            poked = True
                         break  # time for a full look
-                    ready = poller.poll(left * 1000)
-                    if not ready or (wake.woken(ready) and self.foreign_left()):
-                        break  # time for a full look, or a device is free of what kept it from us
+                    if wake.woken(ready) and self.foreign_left():
+                        break  # a device is free of what kept it from us: a full look
                     # A job ended (its lease file closed) or a run left the queue: decide on this
-                    # look, amended by what the events say, and take our turn at once. A
-                    # newcomer, a lease file opened (a lock may have been taken), a poke or a
-                    # cancel, an old look: a full look instead.
+                    # look, amended by what the events say, and take our turn at once (a full
+                    # look instead if a newcomer came or a lease file was opened since: the look
+                    # may be out of date). A cancel or an old look: a full look at once. A
+                    # newcomer or a lease file opened alone cannot make it our turn: a full
+                    # look only within REFRESH_LOOKS, for a fresh look at the next release.
+                    budget = batches if watcher else pokes
+                    budget.pause()  # a storm of events that change nothing: read them in one batch
                     events = [e for e in own.events() if e[0] not in removed]
                     if not events:
                         continue  # only what watches we removed saw (and IN_IGNORED for them)
+                    if not watcher:
+                        if any(mask != inotify.IN_OPEN for _wd, mask, _name in events):
+                            break  # our entry written (a cancel), or events lost
+                        # Poked: someone's look says we moved up or were given devices, if
+                        # the poke is true (anyone may open our entry).
+                        worth = self._poke_worth(looked_at, verdicts, entry.name, free)
+                        if worth == MOVED_UP:
+                            poked = True
+                            break
+                        if worth is not None:
+                            due = looks.ready_at()
+                            if due <= time.monotonic():
+                                looks.spend()
+                                poked = True
+                                break
+                            until, poke_due = min(until, due), True
+                        budget.spend()
+                        continue
                     seen = _amendments(events, world)
-                    if seen is None or not watcher or time.monotonic() - looked_at > AMEND_S:
-                        # Our entry opened: poked (moved up, or given devices); watch as we look.
-                        poked = not watcher and any(mask & inotify.IN_OPEN for wd, mask, _name in events
-                                                    if wd not in world)
+                    if seen is None or time.monotonic() - looked_at > AMEND_S:
                         break
-                    if not (seen[0] or seen[1] or seen[2]):
-                        continue  # only the lease directory listed: nothing to decide on
+                    if seen[3] and not outdated:
+                        outdated = True
+                        due = refresh.ready_at()
+                        if due <= time.monotonic():
+                            refresh.spend()
+                            break
+                        until = min(until, due)  # (and a full look then, as any look past UNTIL)
+                    poke = seen[2] and self._poke_worth(looked_at, verdicts, entry.name, free) is not None
+                    if not (seen[0] or seen[1] or poke):
+                        budget.spend()
+                        continue  # nothing freed, left or said: nothing to decide on
                     released |= seen[0]
                     departed |= seen[1]
                     amended = self._amend(scan, released, departed, verdicts)
@@ -838,8 +906,11 @@ class Acquirer:
                         # device closing the other lease files, a holder's probe): they stand.
                         # Eight watchers deciding again on each such event kept the one whose
                         # turn it was off the CPU for milliseconds.
-                        pending = pending or seen[2]
+                        pending = pending or poke
+                        budget.spend()
                         continue
+                    if outdated:
+                        break  # something freed or left, on a look that may be out of date
                     decided_on = signature
                     verdicts, outcome = self._after_release(amended, me, entry.name, released, trace)
                     if outcome is not None:
@@ -851,7 +922,7 @@ class Acquirer:
                     # should it not within 0.1 s, a full look (which passes it over after
                     # GRACE_S). Poked, though not our turn here: a full look as soon, as the
                     # poker's look may be newer. Nobody's turn: the look stands, keep waiting.
-                    pending = seen[2] or any(v.kind == GRANTED for k, v in verdicts.items() if k != entry.name)
+                    pending = poke or any(v.kind == GRANTED for k, v in verdicts.items() if k != entry.name)
         except KeyboardInterrupt:
             raise Interrupted("interrupted while waiting for a device") from None
         finally:
@@ -963,6 +1034,32 @@ class Acquirer:
                     table.setdefault(ident, [UNKNOWN_HOLDER])
         return verdicts, None
 
+    def _poke_worth(self, looked_at: float, verdicts: Dict[str, Verdict], me: str,
+                    free: Sequence[str]) -> Optional[str]:
+        """Whether a poke (our entry opened) may be true, and why: pokes are sent when we moved
+        into the watching places or were given devices, and anyone can open our entry in a
+        loop. MOVED_UP (look now): fewer than WATCHERS of the runs ahead of us at the look
+        are left, or a device we may use was freed since the look (FREE at the look, a list
+        of devices); neither can be faked, as nobody can remove another's entry or free
+        another's lease. FREE (look within POKED_LOOKS): a device we may use is free, as it
+        was at the look, or the look LOOKED_AT is POKE_IDLE_S old (a turn moved by a lease
+        taken or let go elsewhere). None: a poke that cannot be true."""
+        mine = verdicts.get(me)
+        if mine is not None and mine.position >= WATCHERS:
+            ahead = {k for k, v in verdicts.items() if v.position < mine.position}
+            try:
+                left = len(ahead.intersection(os.listdir(self.queue.dir)))
+            except OSError:
+                left = 0
+            if left < WATCHERS:
+                return MOVED_UP
+        vacant = [d.uuid for d in self.candidates if d.uuid not in self.lost and self._vacant(d.uuid)]
+        if any(u not in free for u in vacant):
+            return MOVED_UP
+        if vacant or self.share or time.monotonic() - looked_at >= POKE_IDLE_S:
+            return FREE
+        return None
+
     def _watch_entry(self, entry: Entry, poller: select.poll) -> Optional[Watch]:
         """An inotify instance watching our entry (pokes, a cancel); None if none is left."""
         from . import inotify
@@ -997,18 +1094,49 @@ class Acquirer:
                 poke(scan.paths[key])
 
 
+class _Budget:
+    """A leaky bucket: BURST at once, then RATE a second."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = float(burst)
+        self.at = time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self.tokens = min(float(self.burst), self.tokens + (now - self.at) * self.rate)
+        self.at = now
+
+    def pause(self) -> None:
+        """Sleep until there is one to spend."""
+        self._refill()
+        if self.tokens < 1:
+            time.sleep((1 - self.tokens) / self.rate)
+
+    def spend(self) -> None:
+        self._refill()
+        self.tokens -= 1
+
+    def ready_at(self) -> float:
+        """When there is one to spend (monotonic time)."""
+        self._refill()
+        return self.at + max(0.0, 1 - self.tokens) / self.rate
+
+
 def _signature(scan: Scan) -> Tuple[int, FrozenSet[Tuple[Tuple[int, int], Tuple[Tuple[int, bool], ...]]]]:
     """What a decision on SCAN depends on that events change: who waits, who holds what."""
     return len(scan.waiters), frozenset((ident, tuple(locks)) for ident, locks in scan.table.items())
 
 
 def _amendments(events: List[Tuple[int, int, str]], world: List[int]
-                ) -> Optional[Tuple[Set[str], Set[str], bool]]:
-    """(lease files closed, queue entries removed, poked) if that is all EVENTS say; None if
-    anything else happened: a queue entry made (a newcomer may come first), a lease file
-    opened (a lock may have been taken since the last look), our entry written to (a
-    cancel). A poke (our entry opened): someone's look says we moved up or it is our turn.
-    WORLD: the watches on the lease and the queue directory."""
+                ) -> Optional[Tuple[Set[str], Set[str], bool, bool]]:
+    """(lease files closed, queue entries removed, poked, outdated) from EVENTS; None if a
+    full look is due at once: our entry written to (a cancel), events lost. Outdated: a
+    queue entry made (a newcomer may come first) or a lease file opened (a lock may have
+    been taken since the last look); neither can make it anyone's turn, so they only
+    keep the look from being amended. A poke (our entry opened): someone's look says we
+    moved up or it is our turn. WORLD: the watches on the lease and the queue directory."""
     from . import inotify
     from .waitqueue import SUFFIX
 
@@ -1016,7 +1144,7 @@ def _amendments(events: List[Tuple[int, int, str]], world: List[int]
         return None
     closed: Set[str] = set()
     departed: Set[str] = set()
-    poked = False
+    poked = outdated = False
     for wd, mask, name in events:
         if wd == world[0] and not name:
             # The lease directory itself, listed (the monitor does, twice a second; so does
@@ -1026,15 +1154,19 @@ def _amendments(events: List[Tuple[int, int, str]], world: List[int]
             continue
         if wd == world[0] and mask & (inotify.IN_CLOSE_WRITE | inotify.IN_CLOSE_NOWRITE):
             closed.add(name)
+        elif wd == world[0] and mask & inotify.IN_OPEN:
+            outdated = True
         elif wd == world[1] and mask & inotify.IN_DELETE and name.endswith(SUFFIX):
             departed.add(name)
         elif wd == world[1] and mask & inotify.IN_CLOSE_WRITE:
             pass  # an entry closed after writing (its owner leaving)
+        elif wd == world[1] and mask & (inotify.IN_CREATE | inotify.IN_MOVED_TO | inotify.IN_DELETE):
+            outdated = True  # a newcomer (or its temporary name)
         elif wd not in world and mask == inotify.IN_OPEN:
             poked = True
         else:
             return None
-    return closed, departed, poked
+    return closed, departed, poked, outdated
 
 
 def describe_wait(text: str) -> str:

@@ -2,10 +2,12 @@
 
 The canceller checks that PID is a waiting run (it holds the lock of a live wait-queue
 entry, as the kernel records it, and no device lease), then appends ``cancel=USER`` to
-that run's entry. Only the entry's owner and root can write it, so nobody can cancel
-another user's run; the waiter watches its own entry (inotify), sees the line at once,
-and exits 75 with one line, ``cancelled by USER``. No signal is involved: a reused pid
-is never touched, and the program's own signals stay its own.
+each entry PID holds and removes it. Only the entry's owner and root can write or remove
+it, so nobody can cancel another user's run; the waiter watches its own entry (inotify),
+sees the line at once, and exits 75 with one line, ``cancelled by USER``. An entry made
+by hand, whose process never reads the line, is gone from the queue all the same. No
+signal is involved: a reused pid is never touched, and the program's own signals stay
+its own.
 """
 from __future__ import annotations
 
@@ -25,17 +27,18 @@ CANCELLED_EXIT = os.EX_TEMPFAIL  # 75, as for a wait that ran out
 
 
 class Waiter:
-    __slots__ = ("pid", "uid", "key", "path")
+    __slots__ = ("pid", "uid", "key", "paths")
 
-    def __init__(self, pid: int, uid: int, key: str, path: str = "") -> None:
+    def __init__(self, pid: int, uid: int, key: str, paths: Sequence[str] = ()) -> None:
         self.pid = pid  # the kernel's record of who holds the entry's lock
         self.uid = uid  # the entry's owner, who also owns that pid
-        self.key = key  # its place in the queue
-        self.path = path  # its entry
+        self.key = key  # its place in the queue (its first entry's)
+        self.paths = list(paths)  # its entries: one, unless made by hand
 
 
 def waiters(root: str) -> List[Waiter]:
-    """The runs waiting for a device now, as the scheduler sees them (waitqueue.WaitQueue.scan)."""
+    """The runs waiting for a device now, as the scheduler sees them (waitqueue.WaitQueue.scan),
+    one per process, with every entry it holds (beyond the per-user bound too)."""
     from . import locations as loc
     from .errors import SetupError
     from .waitqueue import WaitQueue
@@ -44,8 +47,11 @@ def waiters(root: str) -> List[Waiter]:
         queue = WaitQueue(loc.under(root, loc.QUEUE_DIR))
     except SetupError:  # no queue directory: nobody can be waiting
         return []
-    scan = queue.scan(clean=False)
-    return [Waiter(w.pid, w.uid, w.key, scan.paths[w.key]) for w in scan.waiters]
+    scan = queue.scan(clean=False, bounded=False)
+    out: Dict[int, Waiter] = {}
+    for w in scan.waiters:
+        out.setdefault(w.pid, Waiter(w.pid, w.uid, w.key)).paths.append(scan.paths[w.key])
+    return list(out.values())
 
 
 def parse_pids(args: Sequence[str]) -> List[int]:
@@ -96,10 +102,11 @@ def cancel(layout: Layout, pids: Sequence[int], caller_uid: Optional[int] = None
                 held.setdefault(pid, []).append(uuid)
     chosen = [check(pid, waiting, held, caller_uid) for pid in pids]
     for waiter in chosen:
-        try:
-            cancel_entry(waiter.path, user_name(caller_uid))
-        except FileNotFoundError:
-            pass  # it got its device or ended since the check: nothing left to cancel
-        except PermissionError:
-            raise _not_yours(waiter) from None
+        for path in waiter.paths:
+            try:
+                cancel_entry(path, user_name(caller_uid))
+            except FileNotFoundError:
+                pass  # it got its device or ended since the check: nothing left to cancel
+            except PermissionError:
+                raise _not_yours(waiter) from None
     return chosen

@@ -275,7 +275,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     if preset is not None and not preset.strip():
         return Grant(None, None)  # the caller asked for no device at all
 
-    from .policy import check_count
+    from .policy import check_count, queue_bounds
 
     check_count(settings, count)
     from .sharing import MPS, Sharing
@@ -414,7 +414,8 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         min_free_mib=min_free_mib, max_util=max_util,
         drained=drained_now, share=share, sharing=sharing,
         unread=[d.uuid for d in candidates] if unread else (), root=root,
-        snapshot=loc.under(root, loc.USAGE_SNAPSHOT) if isinstance(refresh, SnapshotRefresh) else None)
+        snapshot=loc.under(root, loc.USAGE_SNAPSHOT) if isinstance(refresh, SnapshotRefresh) else None,
+        admin=lambda: queue_bounds(root))
     wait_s = value["wait"]
     info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={prog}\n".encode()
     waited = {"yes": False}

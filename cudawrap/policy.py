@@ -195,6 +195,20 @@ def _check_ceiling(merged: Dict[str, Tuple[Any, str]]) -> None:
                           hint="a program's own count must be within its max_gpus")
 
 
+def queue_bounds(root: str) -> Tuple[float, int]:
+    """(the shortest reserve_after, the largest max_gpus) the admin's config and wraps give
+    any run. Queue entries are written by users: whatever one claims, its reservation starts
+    no sooner and its count is served no larger (schedule.Bounds). Read from the files, never
+    from the settings a caller passes (the API's launch.obtain takes any)."""
+    from .config import DEFAULTS
+
+    data = _read_cache(root) or _compile(root)
+    tables = [data["settings"], *data["programs"].values(), *data["links"].values()]
+    floors = [t["reserve_after"][0] for t in tables if "reserve_after" in t] or [DEFAULTS["reserve_after"]]
+    ceilings = [t["max_gpus"][0] for t in tables if "max_gpus" in t] or [DEFAULTS["max_gpus"]]
+    return min(floors), max(ceilings)
+
+
 def effective(root: str, link: Optional[str], environ: Any = None) -> Dict[str, Tuple[Any, str]]:
     """key -> (value, source) for a run of LINK (a wrapped program's path, or None)."""
     data = _read_cache(root) or _compile(root)

@@ -9,7 +9,10 @@ The rule (README "Order of service"):
 
 1. Runs that have waited longer than their ``reserve_after`` come first, oldest first: the
    devices they can use are *reserved* for them as they free up, so a large run is never
-   starved by a stream of small ones.
+   starved by a stream of small ones. What an entry claims is the user's word, so `Bounds`
+   holds it to the admin's: never reserved for sooner than the config allows any run, nor
+   for a count that can never be met (more devices than exist among those it may use, or
+   than any run may ask for): such a run waits, and keeps nothing idle.
 2. Then the users take turns: the next run served belongs to the user who holds the fewest
    devices (counting what this decision already gave them); ties go to the user whose
    oldest waiting run arrived first. A user's own runs go in arrival order.
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
+    from typing import AbstractSet, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .placement import place
 
@@ -130,15 +133,49 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def starving(waiter: Waiter, now: float) -> bool:
-    return now - waiter.arrival >= waiter.reserve_after
+class Bounds:
+    """What the admin's config and the machine allow any run, whatever its entry claims.
+
+    FLOOR: the shortest reserve_after the config gives any run (an entry may claim longer,
+    never shorter); MOST: the largest count any run may ask for (max_gpus; 0: no bound);
+    DEVICES: the devices that can be leased at all (None: unknown, no bound). A run asking
+    for more than MOST, or than DEVICES holds among those it may use, can never be served,
+    so nothing is ever reserved for it (a user's limit is checked before any reservation).
+    """
+
+    __slots__ = ("floor", "most", "devices")
+
+    def __init__(self, floor: float = 0.0, most: int = 0, devices: Optional[AbstractSet[str]] = None) -> None:
+        self.floor = floor
+        self.most = most
+        self.devices = devices
+
+    def reserve_after(self, waiter: Waiter) -> float:
+        return max(waiter.reserve_after, self.floor)
+
+    def attainable(self, waiter: Waiter) -> bool:
+        if self.most and waiter.count > self.most:
+            return False
+        if self.devices is None:
+            return True
+        usable = self.devices if waiter.candidates is None else self.devices & waiter.candidates
+        return waiter.count <= len(usable)
 
 
-def order(waiters: Sequence[Waiter], held: Mapping[int, int], now: float) -> List[Waiter]:
+UNBOUNDED = Bounds()
+
+
+def starving(waiter: Waiter, now: float, bounds: Bounds = UNBOUNDED) -> bool:
+    """Whether devices are reserved for WAITER now (rule 1)."""
+    return now - waiter.arrival >= bounds.reserve_after(waiter) and bounds.attainable(waiter)
+
+
+def order(waiters: Sequence[Waiter], held: Mapping[int, int], now: float,
+          bounds: Bounds = UNBOUNDED) -> List[Waiter]:
     """WAITERS in the order they are served (rules 1 and 2 above)."""
-    first = sorted((w for w in waiters if starving(w, now)), key=lambda w: (w.arrival, w.key))
+    first = sorted((w for w in waiters if starving(w, now, bounds)), key=lambda w: (w.arrival, w.key))
     queues: Dict[int, List[Waiter]] = {}
-    for w in sorted((w for w in waiters if not starving(w, now)), key=lambda w: (w.arrival, w.key)):
+    for w in sorted((w for w in waiters if not starving(w, now, bounds)), key=lambda w: (w.arrival, w.key)):
         queues.setdefault(w.uid, []).append(w)
     counts = {uid: held.get(uid, 0) for uid in queues}
     rest: List[Waiter] = []
@@ -156,13 +193,14 @@ def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, fl
            limits: Mapping[int, int], now: float, parents: Optional[Mapping[str, str]] = None,
            busy: Optional[Set[str]] = None,
            fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]] = None,
-           shares: Optional[Shares] = None) -> Dict[str, Verdict]:
+           shares: Optional[Shares] = None, bounds: Bounds = UNBOUNDED) -> Dict[str, Verdict]:
     """A Verdict for every waiter: what it may take now (FREE, in the machine's order), or why not.
 
     HELD: devices each uid holds now (a share as its cost); LIMITS: uid -> most devices
     (absent or 0: no limit). PARENTS and BUSY feed the placement (physical GPU of each
     device, devices in use); FIT has the readings that free-memory and utilisation filters
-    are judged by; SHARES the shared devices and slots.
+    are judged by; SHARES the shared devices and slots; BOUNDS what the admin allows any
+    run, whatever the waiters' entries claim.
     """
     parents = parents if parents is not None else {u: u for u in free}
     busy = set(busy or ())
@@ -173,7 +211,8 @@ def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, fl
     reserved: Dict[str, str] = {}  # device -> key of the starving run it is kept for
     holding: Dict[int, float] = dict(held)
     out: Dict[str, Verdict] = {}
-    for position, w in enumerate(order(waiters, held, now)):
+    for position, w in enumerate(order(waiters, held, now, bounds)):
+        reserving = starving(w, now, bounds)
         limit = limits.get(w.uid, 0)
         mine = holding.get(w.uid, 0)
         if not w.share and limit and mine + w.count > limit + EPSILON:
@@ -183,7 +222,7 @@ def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, fl
         open_ = [u for u in usable if u not in reserved]
         if w.share:
             verdict = _share(w, position, open_, usable, used, reserved, shares, parents, busy, fit, rank,
-                             mine, limit, now)
+                             mine, limit, bounds.reserve_after(w) if reserving else None)
             if verdict.kind == GRANTED:
                 for u in verdict.devices:
                     if u in avail:
@@ -206,7 +245,7 @@ def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, fl
                 busy.add(u)
             holding[w.uid] = mine + w.count
             out[w.key] = Verdict(GRANTED, position, "granted", tuple(chosen))
-        elif starving(w, now):
+        elif reserving:
             for u in open_:
                 reserved[u] = w.key
             # Shared devices it could use take no new shares, so they drain for it.
@@ -215,7 +254,7 @@ def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, fl
             for u in draining:
                 reserved[u] = w.key
             out[w.key] = Verdict(RESERVING, position, (
-                f"waited over {w.reserve_after:g} s: {_plural(len(open_), 'free device')} "
+                f"waited over {bounds.reserve_after(w):g} s: {_plural(len(open_), 'free device')} "
                 f"kept for this run, waiting for {w.count - len(open_)} more"
                 + (f" ({_plural(len(draining), 'shared device')} taking no new shares)" if draining else "")))
         elif len(usable) > len(open_):
@@ -241,8 +280,9 @@ def _reserved_text(n: int, position: int) -> str:
 def _share(w: Waiter, position: int, open_: List[str], usable: List[str], used: Dict[str, List[int]],
            reserved: Dict[str, str], shares: Shares, parents: Mapping[str, str], busy: Set[str],
            fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]], rank: Mapping[str, int],
-           mine: float, limit: int, now: float) -> Verdict:
-    """The verdict for the shared run W (rule in the module's docstring)."""
+           mine: float, limit: int, reserve_after: Optional[float]) -> Verdict:
+    """The verdict for the shared run W (rule in the module's docstring); RESERVE_AFTER: its
+    reserve_after in force if devices are reserved for it (rule 1), else None."""
     room = [u for u in used if len(used[u]) < shares.slots_of(u) and w.can_use(u, fit)]
     other_users = [u for u in room if shares.mps and any(uid != w.uid for uid in used[u])]
     joinable = [u for u in room if u not in other_users and u not in reserved]
@@ -258,9 +298,9 @@ def _share(w: Waiter, position: int, open_: List[str], usable: List[str], used: 
         return Verdict(LIMIT, position, _limit_text(mine, limit))
     if len(chosen) == w.count:
         return Verdict(GRANTED, position, "granted", tuple(chosen))
-    if starving(w, now):  # the caller keeps OPEN_ for it
+    if reserve_after is not None:  # the caller keeps OPEN_ for it
         return Verdict(RESERVING, position, (
-            f"waited over {w.reserve_after:g} s: {_plural(len(open_), 'free device')} kept for this run, "
+            f"waited over {reserve_after:g} s: {_plural(len(open_), 'free device')} kept for this run, "
             f"waiting for a slot"))
     blocked = len([u for u in room if u in reserved]) + len(usable) - len(open_)
     if blocked:

@@ -139,7 +139,7 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
     from .errors import CudawrapError
     from .leases import LeaseFiles
     from .limits import limit_for
-    from .policy import effective
+    from .policy import effective, queue_bounds
 
     try:
         queue = WaitQueue(str(layout.queue_dir))
@@ -156,7 +156,8 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
             acquirer = Acquirer(LeaseFiles(str(layout.lease_dir), str(layout.share_dir)), queue, inventory.devices,
                                 inventory.devices, 1,
                                 limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
-                                sharing=Sharing(settings["sharing"][0]), root=str(layout.root))
+                                sharing=Sharing(settings["sharing"][0]), root=str(layout.root),
+                                admin=lambda: queue_bounds(str(layout.root)))
             verdicts = acquirer.decide(scan, None, queued=True)[0]
         except CudawrapError:
             verdicts = {}

@@ -8,13 +8,16 @@ a user, so a reader believes only what the kernel guarantees:
   (a dead waiter's lock is gone; a lock someone else took on it does not count);
 * *whose*: the file's owner, which must also own that pid; it must be a regular file with
   one link (no hard link to somebody else's file);
-* *since when*: the time in its name, but never earlier than its ctime allows, which only
-  the kernel sets: an entry cannot claim to have waited longer than it has.
+* *since when*: its ctime, which only the kernel sets (the time it was linked into
+  place); the time in its name only tells entries of one moment apart.
 
 What the name claims besides (count, placement, how long before devices are reserved for
-it) only shapes that user's own turns. Entries are found with one directory scan and one
-read of /proc/locks, O(entries); the file itself is opened only for runs that narrowed
-their devices (the list is inside) and for `cudawrap status`.
+it) only shapes that user's own turns, within what the admin's config allows any run
+(schedule.Bounds: never reserved for sooner than the config's shortest reserve_after, nor
+for a count that can never be met). Only a user's oldest MAX_ENTRIES_PER_USER entries
+count in any decision, however many they made. Entries are found with one directory scan
+and one read of /proc/locks, O(entries); the file itself is opened only for runs that
+narrowed their devices (the list is inside) and for `cudawrap status`.
 
 Entry name: ``<arrival ns, 20 digits>.<pid>.<count><placement><a|n>.<reserve s|inf>.wait``.
 """
@@ -36,8 +39,6 @@ from .leases import SYNC_HINT, first_pids, lock_table
 SUFFIX = ".wait"
 # A user may have this many runs waiting at once: bounds what one user adds to every scan.
 MAX_ENTRIES_PER_USER = 1000
-# An entry whose ctime is more than this after its claimed arrival arrived at its ctime.
-CLOCK_SLACK_NS = 2 * 10**9
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _PLACEMENT_CODES = {"spread": "s", "pack": "k", "random": "r"}
 _PLACEMENTS = {v: k for k, v in _PLACEMENT_CODES.items()}
@@ -134,7 +135,7 @@ class WaitQueue:
         # Per entry (name and inode: inodes are reused as entries come and go, names never):
         # what was read once, as entries never change what they claim.
         self._asks: Dict[Tuple[str, int], Optional[Tuple[Optional[FrozenSet[str]], int, int]]] = {}
-        self._owner_ok: Dict[Tuple[str, int], bool] = {}
+        self._owner_ok: Dict[Tuple[int, int], bool] = {}
 
     # -- reading ---------------------------------------------------------------------------
     def idle(self) -> bool:
@@ -145,9 +146,10 @@ class WaitQueue:
         except OSError:
             return False
 
-    def scan(self, clean: bool = True, mine: str = "") -> Scan:
+    def scan(self, clean: bool = True, mine: str = "", bounded: bool = True) -> Scan:
         """Every live and valid waiter; dead entries we may remove are removed (CLEAN).
-        MINE: the caller's own entry, alive whatever the lock table says (we hold its lock)."""
+        MINE: the caller's own entry, alive whatever the lock table says (we hold its lock).
+        BOUNDED: only each user's oldest MAX_ENTRIES_PER_USER (as every decision counts them)."""
         from .schedule import Waiter  # here, not at the top: a launch nobody waits before never scans
 
         waiters: List[Waiter] = []
@@ -162,26 +164,39 @@ class WaitQueue:
         # really gone. (Read before, a newcomer would look dead and be removed.)
         table = lock_table()
         locks = first_pids(table)
+        found: List[Tuple[int, str, int, int, int, int, str, bool, float, bool]] = []
         for item in items:
             parsed = parse_name(item.name)
             if parsed is None:
                 continue
-            key_ns, pid, count, placement, narrowed, reserve_s, share = parsed
-            path = self.dir + "/" + item.name
+            _key_ns, pid, count, placement, narrowed, reserve_s, share = parsed
             holder = pid if item.name == mine else locks.get((self.dev, item.inode()))
             if holder != pid:
                 if holder is None and clean:
-                    self._remove_dead(path)
+                    self._remove_dead(self.dir + "/" + item.name)
                 continue
             try:
                 st = item.stat(follow_symlinks=False)
             except OSError:
                 continue
-            ident = (item.name, st.st_ino)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not self._owns(st.st_uid, pid, ident):
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not self._owns(st.st_uid, pid):
                 continue
+            # Arrived when it was linked into place (its ctime, set by the kernel only), not
+            # when its name says: the name is the user's word.
+            found.append((st.st_ctime_ns, item.name, st.st_ino, st.st_uid, pid, count, placement,
+                          narrowed, reserve_s, share))
+        found.sort()
+        per_user: Dict[int, int] = {}
+        for arrival_ns, name, ino, uid, pid, count, placement, narrowed, reserve_s, share in found:
+            # A user's oldest MAX_ENTRIES_PER_USER count, in every decision: the bound holds
+            # whoever made the entries (enqueue checks it only for runs that queue honestly).
+            per_user[uid] = per_user.get(uid, 0) + 1
+            if bounded and per_user[uid] > MAX_ENTRIES_PER_USER:
+                continue
+            path = self.dir + "/" + name
             asks: Optional[Tuple[Optional[FrozenSet[str]], int, int]] = (None, 0, 100)
             if narrowed:
+                ident = (name, ino)
                 if ident not in self._asks:
                     if len(self._asks) > 4 * MAX_ENTRIES_PER_USER:
                         self._asks.clear()
@@ -189,23 +204,22 @@ class WaitQueue:
                 asks = self._asks[ident]
                 if asks is None:
                     continue
-            # Never earlier than the kernel's ctime allows (minus slack for slow creation).
-            arrival_ns = max(key_ns, st.st_ctime_ns - CLOCK_SLACK_NS)
-            waiters.append(Waiter(item.name, st.st_uid, pid, count, asks[0], placement,
+            waiters.append(Waiter(name, uid, pid, count, asks[0], placement,
                                   reserve_s, arrival_ns / 1e9, "?", asks[1], asks[2], share))
-            paths[item.name] = path
+            paths[name] = path
         return Scan(waiters, table, paths)
 
-    def _owns(self, uid: int, pid: int, ident: Tuple[str, int]) -> bool:
-        """Whether UID owns process PID (the lock holder), remembered per entry."""
-        known = self._owner_ok.get(ident)
+    def _owns(self, uid: int, pid: int) -> bool:
+        """Whether UID owns process PID (the lock holder), remembered per pid: one process
+        holding many entries is asked about once."""
+        known = self._owner_ok.get((uid, pid))
         if known is None:
             from .proc import real_uid  # only for an entry not seen before
 
             known = real_uid(pid) == uid
             if len(self._owner_ok) > 4 * MAX_ENTRIES_PER_USER:
                 self._owner_ok.clear()
-            self._owner_ok[ident] = known
+            self._owner_ok[(uid, pid)] = known
         return known
 
     def _read_asks(self, path: str) -> Optional[Tuple[Optional[FrozenSet[str]], int, int]]:
@@ -354,9 +368,16 @@ def poke(path: str) -> None:
 
 
 def cancel(path: str, by: str) -> None:
-    """Ask the waiter of PATH to give up: only its owner and root can write its entry."""
+    """Tell the waiter of PATH to give up, and take its entry out of the queue: only its
+    owner and root can write it (and, the directory being sticky, remove it).
+
+    The waiter reads the line through its own descriptor, so removing the entry at once
+    costs it nothing; a process that never reads it (an entry made by hand) is out of
+    everyone's decisions all the same, as nobody sees a removed entry."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         os.write(fd, f"cancel={by}\n".encode("utf-8", "replace"))
+        if os.path.samestat(os.fstat(fd), os.lstat(path)):  # not one made since under its name
+            os.unlink(path)
     finally:
         os.close(fd)

@@ -211,3 +211,95 @@ def test_the_api_waits_from_a_thread_and_leaves_nothing_behind(mu) -> None:  # t
     assert waiter.wait(timeout=30) == 0, waiter.stderr.read()
     assert json.loads(waiter.stdout.read()) == {"got": [inst.machine.leaf_uuids()[0]]}
     assert status(inst, None)["waiting"] == []
+
+
+# Queue entries made by hand, as an attacker would: N names claiming REQUEST (count,
+# placement, narrowed: "999sa") and RESERVE seconds, with an arrival an hour ago, each
+# created and flocked by this process; the last one claims LAST ("4sa.0") instead, if given.
+FORGED = r"""
+import fcntl, os, resource, sys, time
+queue, request, reserve, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+last = sys.argv[5] if len(sys.argv) > 5 else request + "." + reserve
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+fds = []
+for i in range(n):
+    name = "%020d.%d.%s.wait" % (time.time_ns() - 3600 * 10**9 + i, os.getpid(),
+                                 last if i == n - 1 else request + "." + reserve)
+    fd = os.open(os.path.join(queue, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    fds.append(fd)
+print("held", flush=True)
+time.sleep(300)
+"""
+
+
+def forge(inst, user, request: str, reserve: str, n: int = 1, last: str = ""):  # type: ignore[no-untyped-def]
+    proc = inst.py_start(user, FORGED, str(inst.layout.queue_dir), request, reserve, str(n), *([last] if last else []))
+    assert proc.stdout.readline() == b"held\n", proc.stderr.read()
+    return proc
+
+
+def test_a_forged_entry_for_every_device_keeps_none_idle(mu) -> None:  # type: ignore[no-untyped-def]
+    """Entries claiming 999 devices, or every device, with reserve_after 0 and an arrival an
+    hour ago: devices are kept for nobody, so another user's run is granted at once (before
+    the fix it was told they were kept for a run that waited longer, and gave up)."""
+    inst = mu("four-gpus")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    ready_line(inst.start(None, "recon", "--hold", "600"))  # so that no forged count is met
+    forged = [forge(inst, alice, "999sa", "0"), forge(inst, alice, "4sa", "0")]
+    seen = {w["count"]: w["reason"] for w in status(inst, None)["waiting"]}
+    assert sorted(seen) == [4, 999] and not any("kept for this run" in r for r in seen.values()), seen
+    done = inst.run(bob, "recon", CUDAWRAP_WAIT="3")
+    assert done.returncode == 0, done.stderr
+    # Past the admin's reserve_after (1 s here), a count no run can be given still keeps nothing.
+    config(inst, "[policy]\nreserve_after = 1\n")
+    forged[1].kill()
+    forged.append(forge(inst, alice, "5sa", "0"))
+    time.sleep(1.2)  # both now waited longer than reserve_after: only their counts can save bob
+    done = inst.run(bob, "recon", CUDAWRAP_WAIT="3")
+    assert done.returncode == 0, done.stderr
+    for p in forged:
+        p.kill()
+
+
+def test_an_api_caller_claiming_no_reserve_after_jumps_nobody(mu) -> None:  # type: ignore[no-untyped-def]
+    """launch.obtain with reserve_after = 0 in the settings it is passed: the entry claims it,
+    nobody honours it before the admin's reserve_after (300 s), so the two devices left free
+    are not kept for alice's 4-device run and bob's run takes one."""
+    inst = mu("four-gpus")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    for h in [inst.start(None, "recon", "--hold", "600") for _ in range(2)]:
+        ready_line(h)
+    code = ("import os, sys; sys.path[:0] = sys.argv[1:]\n"
+            "from cudawrap import launch, policy\n"
+            "root = os.environ['CUDAWRAP_ROOT']\n"
+            "settings = policy.effective(root, None)\n"
+            "settings['reserve_after'] = (0.0, 'mine')\n"
+            "launch.obtain(root, 'jumper', settings, os.environ, count=4)\n")
+    jumper = inst.py_start(alice, code, *inst.world.path)
+    waiting_line(jumper)
+    (entry,) = os.listdir(inst.layout.queue_dir)
+    assert entry.endswith(".4sa.0.wait"), entry
+    done = inst.run(bob, "recon", CUDAWRAP_WAIT="3")
+    assert done.returncode == 0, done.stderr
+    jumper.kill()
+
+
+def test_entries_beyond_a_users_thousand_count_in_no_decision(mu) -> None:  # type: ignore[no-untyped-def]
+    """A user's oldest 1000 entries count, whoever made them: alice's 1001st, claiming every
+    device and waited past reserve_after, keeps the free devices from nobody and is not
+    listed (counted, it kept them for itself: one is held, so it cannot be served)."""
+    inst = mu("four-gpus")
+    alice, bob = inst.world.alice, inst.world.bob
+    inst.wrap("recon")
+    config(inst, "[policy]\nreserve_after = 1\n")
+    ready_line(inst.start(None, "recon", "--hold", "600"))  # so that the 1001st cannot be met
+    forged = forge(inst, alice, "999sa", "300", n=1001, last="4sa.0")
+    time.sleep(1.2)  # the 1001st has waited longer than reserve_after
+    done = inst.run(bob, "recon", CUDAWRAP_WAIT="3")
+    assert done.returncode == 0, done.stderr
+    seen = status(inst, None)["waiting"]
+    assert len(seen) == 1000 and {w["count"] for w in seen} == {999}, len(seen)
+    forged.kill()

@@ -382,17 +382,18 @@ CLOSE = inotify.IN_CLOSE_NOWRITE
 
 
 @pytest.mark.parametrize("events, expected", [
-    ([(LEASES, CLOSE, "GPU-a")], ({"GPU-a"}, set(), False)),
+    ([(LEASES, CLOSE, "GPU-a")], ({"GPU-a"}, set(), False, False)),
     ([(LEASES, inotify.IN_CLOSE_WRITE, "GPU-a"), (QUEUE, inotify.IN_DELETE, "1.2.1sa.300.wait")],
-     ({"GPU-a"}, {"1.2.1sa.300.wait"}, False)),
-    ([(QUEUE, inotify.IN_CLOSE_WRITE, "1.2.1sa.300.wait"), (OWN, inotify.IN_OPEN, "")], (set(), set(), True)),
+     ({"GPU-a"}, {"1.2.1sa.300.wait"}, False, False)),
+    ([(QUEUE, inotify.IN_CLOSE_WRITE, "1.2.1sa.300.wait"), (OWN, inotify.IN_OPEN, "")], (set(), set(), True, False)),
     # The lease directory listed (the monitor, a newcomer): no lock taken, none freed.
-    ([(LEASES, inotify.IN_OPEN, ""), (LEASES, CLOSE, "")], (set(), set(), False)),
-    ([(LEASES, inotify.IN_OPEN, ""), (LEASES, CLOSE, "GPU-a"), (LEASES, CLOSE, "")], ({"GPU-a"}, set(), False)),
-    ([(QUEUE, inotify.IN_DELETE, ".new-12-34")], None),  # a newcomer's temporary file: it arrives
-    ([(LEASES, CLOSE, "GPU-a"), (LEASES, inotify.IN_OPEN, "GPU-b")], None),  # a lock may be taken
-    ([(QUEUE, inotify.IN_CREATE, ".new-12-34")], None),  # a newcomer
-    ([(QUEUE, inotify.IN_MOVED_TO, "1.2.1sa.300.wait")], None),
+    ([(LEASES, inotify.IN_OPEN, ""), (LEASES, CLOSE, "")], (set(), set(), False, False)),
+    ([(LEASES, inotify.IN_OPEN, ""), (LEASES, CLOSE, "GPU-a"), (LEASES, CLOSE, "")], ({"GPU-a"}, set(), False, False)),
+    # What may outdate the look, but makes it nobody's turn: it is kept, not amended.
+    ([(QUEUE, inotify.IN_DELETE, ".new-12-34")], (set(), set(), False, True)),  # a newcomer's temporary file
+    ([(LEASES, CLOSE, "GPU-a"), (LEASES, inotify.IN_OPEN, "GPU-b")], ({"GPU-a"}, set(), False, True)),  # a lock may be taken
+    ([(QUEUE, inotify.IN_CREATE, ".new-12-34")], (set(), set(), False, True)),  # a newcomer
+    ([(QUEUE, inotify.IN_MOVED_TO, "1.2.1sa.300.wait")], (set(), set(), False, True)),
     ([(OWN, inotify.IN_MODIFY, "")], None),  # a cancel
     ([(-1, inotify.IN_Q_OVERFLOW, "")], None),  # events lost
 ])
@@ -427,3 +428,71 @@ def test_a_run_leaving_wakes_everyone_it_moves_into_the_watching_places(
     alone = {k: Verdict(GRANTED if i == 0 else BUSY, i, "") for i, k in enumerate(keys)}
     acquirer._hand_over(alone, look, "w00")
     assert poked == [f"/queue/w{module.WATCHERS:02d}"]
+
+
+def test_a_storm_of_opens_of_a_held_lease_file_makes_no_looks(runtime: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anyone may open a lease file in a loop: an open alone cannot free a device, so the
+    watcher does not look again at each (it did: a core for a dozen waiters), only within
+    REFRESH_LOOKS (to have a fresh look for the release that follows), and misses nothing."""
+    holders = [hold(f"{runtime.lease_dir}/{u}") for u in UUIDS]
+    reads = Reads(monkeypatch)
+    got: list = []
+    thread = waiter(runtime, got)
+    queued(runtime)
+    before = len(reads.at)
+    started = time.monotonic()
+    path = f"{runtime.lease_dir}/{UUIDS[0]}"
+    for _ in range(500):
+        os.close(os.open(path, os.O_RDONLY))
+        time.sleep(0.001)
+    took = time.monotonic() - started
+    rate, burst = getattr(ACQUIRE, "REFRESH_LOOKS", (2.0, 3))
+    # Those looks, and the head's once a second (WATCH_S): a handful, not one per open.
+    assert len(reads.at) - before <= burst + 1 + (rate + 1 / ACQUIRE.WATCH_S) * took and got == []
+    end(holders[0])
+    thread.join(5)
+    assert got and got[0][1].uuids == [UUIDS[0]]
+    got[0][1].release()
+    end(holders[1])
+
+
+def test_pokes_that_cannot_be_true_make_a_waiter_behind_the_watchers_look_no_more(
+        runtime: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anyone may open a waiter's entry (a poke) in a loop. Behind the watchers, a run woken so
+    looks only if the queue changed or a device it may use is free: with every device held
+    and the line unchanged, 300 pokes make no look; once the runs ahead leave, one does."""
+    holders = [hold(f"{runtime.lease_dir}/{u}") for u in UUIDS]
+    ahead = []
+    for i in range(ACQUIRE.WATCHERS):  # this process's own entries: alive, and first in line
+        path = f"{runtime.queue_dir}/{time.time_ns():020d}.{os.getpid()}.1sa.300.wait"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        ahead.append((fd, path))
+    reads = Reads(monkeypatch)
+    got: list = []
+    thread = waiter(runtime, got)
+    deadline = time.monotonic() + 5
+    while len(os.listdir(runtime.queue_dir)) <= len(ahead):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)  # it has looked: 9th in line, not a watcher
+    (mine,) = set(os.listdir(runtime.queue_dir)) - {os.path.basename(p) for _fd, p in ahead}
+    before = len(reads.at)
+    for _ in range(300):
+        waitqueue.poke(f"{runtime.queue_dir}/{mine}")
+        time.sleep(0.001)
+    time.sleep(0.1)
+    assert len(reads.at) == before and got == []
+    for fd, path in ahead:  # the runs ahead leave: now a poke is worth a look
+        os.unlink(path)
+        os.close(fd)
+    waitqueue.poke(f"{runtime.queue_dir}/{mine}")
+    deadline = time.monotonic() + 5
+    while len(reads.at) == before:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    end(holders[0])  # first in line now, and watching: it takes the device freed
+    thread.join(5)
+    assert got and got[0][1].uuids == [UUIDS[0]]
+    got[0][1].release()
+    end(holders[1])

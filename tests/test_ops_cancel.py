@@ -85,3 +85,24 @@ def test_cancel_own_run_anyones_as_root_and_never_someone_elses(mu) -> None:  # 
     assert done.returncode == 0, done.stderr
     assert ended_by_cancel(theirs, "root")
     assert all(h.poll() is None for h in holders)  # nobody else was touched
+
+
+def test_cancelling_a_hand_made_entry_takes_it_out_of_everyones_decisions(mu) -> None:  # type: ignore[no-untyped-def]
+    """Entries made and locked by hand never read their cancel line: cancelled, they are
+    removed, every one the process holds, so nobody counts them any more."""
+    from test_fairness import forge
+    from test_multiuser import status
+
+    inst = mu("four-gpus")
+    alice = inst.world.alice
+    inst.wrap("recon")
+    forged = forge(inst, alice, "1sa", "300", n=3)
+    assert [w["pid"] for w in status(inst, None)["waiting"]] == [forged.pid] * 3
+    done = inst.cli(None, "cancel", str(forged.pid))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode() == f"cancelled pid {forged.pid} ({alice.name})\n"
+    assert forged.poll() is None  # still holding its locks, but no longer in the queue
+    assert status(inst, None)["waiting"] == [] and list(inst.layout.queue_dir.iterdir()) == []
+    done = inst.cli(None, "cancel", str(forged.pid))
+    assert done.returncode == 65 and "not in the wait queue" in one_line(done)
+    forged.kill()

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 from hypothesis import given, settings, strategies as st
 
-from cudawrap.schedule import BUSY, GRANTED, LIMIT, RESERVED, RESERVING, Waiter, decide, order
+from cudawrap.schedule import BUSY, GRANTED, LIMIT, RESERVED, RESERVING, Bounds, Waiter, decide, order
 
 DEVICES = [f"GPU-{i}" for i in range(6)]
 
@@ -155,6 +155,43 @@ def test_a_user_at_the_limit_waits_and_says_so_and_others_pass() -> None:
     verdicts = decide([alice, bob], ["GPU-0"], {1: 2}, {1: 2}, now=2)
     assert verdicts["0"].kind == LIMIT and verdicts["1"].kind == GRANTED
     assert verdicts["0"].text == "you hold 2 devices, your limit is 2; waiting for one of yours to end"
+
+
+def test_an_entry_claiming_no_reserve_after_waits_the_admins_shortest() -> None:
+    """Queue jumping: an entry claiming reserve_after 0 (written by hand, or by the API with
+    its own settings) is reserved for only after the config's shortest reserve_after."""
+    forged = Waiter("0", 1, 1, 4, None, arrival=0, reserve_after=0)
+    other = Waiter("1", 2, 2, 1, None, arrival=100)
+    devices = frozenset(DEVICES[:4])
+    verdicts = decide([forged, other], ["GPU-0", "GPU-1"], {}, {}, now=10, bounds=Bounds(300, 64, devices))
+    assert verdicts["1"].kind == GRANTED and verdicts["0"].kind == BUSY
+    assert [w.key for w in order([forged, other], {}, 10, Bounds(300, 64, devices))] == ["0", "1"]
+    # Once it has waited that long it is a starving large run like any other.
+    verdicts = decide([forged, other], ["GPU-0", "GPU-1"], {}, {}, now=301, bounds=Bounds(300, 64, devices))
+    assert verdicts["0"].kind == RESERVING and verdicts["1"].kind == RESERVED
+    assert verdicts["0"].text.startswith("waited over 300 s:")
+    # A longer claim stands (an admin's per-program value).
+    patient = Waiter("0", 1, 1, 4, None, arrival=0, reserve_after=600)
+    assert decide([patient, other], ["GPU-0"], {}, {}, now=301, bounds=Bounds(300, 64, devices))["1"].kind == GRANTED
+
+
+def test_a_count_that_can_never_be_met_reserves_nothing() -> None:
+    """999 devices (or more than any run may ask for, or than exist among those it may
+    use) keep nothing idle, however long the run has waited."""
+    devices = frozenset(DEVICES[:4])
+    impossible = [Waiter("0", 1, 1, 999, None, arrival=0, reserve_after=0),
+                  Waiter("0", 1, 1, 4, None, arrival=0, reserve_after=0),  # above max_gpus 3
+                  Waiter("0", 1, 1, 3, frozenset(["GPU-0", "GPU-1", "GPU-9"]), arrival=0, reserve_after=0)]
+    for w in impossible:
+        other = Waiter("1", 2, 2, 1, None, arrival=999)
+        verdicts = decide([w, other], ["GPU-0", "GPU-1"], {}, {}, now=1000, bounds=Bounds(300, 3, devices))
+        assert verdicts["1"].kind == GRANTED and verdicts["0"].kind == BUSY, w
+        assert "position" in verdicts["0"].text
+    # The same run within the bounds has devices kept for it.
+    possible = Waiter("0", 1, 1, 3, None, arrival=0, reserve_after=0)
+    verdicts = decide([possible, Waiter("1", 2, 2, 1, None, arrival=999)], ["GPU-0", "GPU-1"], {}, {},
+                      now=1000, bounds=Bounds(300, 3, devices))
+    assert verdicts["0"].kind == RESERVING and verdicts["1"].kind == RESERVED
 
 
 def _stream(reserve_after: float) -> Optional[float]:
