@@ -399,6 +399,10 @@ case $rc in
     *) die $rc "installed, but 'cudawrap sync' failed (exit $rc, see above): fix that, then run 'cudawrap sync'" ;;
 esac
 
+# Said here once, not by every admin command: many containers run no syslog.
+audit=$("$vpy" -I -c 'from cudawrap.audit import channel_problem; print(channel_problem() or "")') || audit=""
+[ -z "$audit" ] || warn "$audit; grants and ends of leases are still recorded in the ledger ('cudawrap usage'), and 'cudawrap doctor' reports it"
+
 # Enabled by the step above only when [sharing] mode = "mps"; its daemons need the lease files.
 if [ "$root" = / ] && [ -d /run/systemd/system ] && systemctl --quiet is-enabled cudawrap-mps.service 2>/dev/null; then
     step "starting cudawrap-mps.service: an MPS control daemon for each shared device"

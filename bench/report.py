@@ -98,6 +98,11 @@ def render(results: Dict[str, Any]) -> str:
         out.extend(_scale(results["scale"]))
     if "nvml" in results:
         out.extend(_nvml(results["nvml"]))
+    if "foreign" in results:
+        from foreign import render as foreign_text  # (bench/foreign.py, the section's own script)
+
+        out.extend(["## 5. A launch after an unwrapped CUDA program", "", "```", foreign_text(results["foreign"]),
+                    "```", ""])
     return "\n".join(out) + "\n"
 
 
@@ -148,6 +153,8 @@ def targets(results: Dict[str, Any]) -> Dict[str, Optional[bool]]:
         grants = [r["grant"]["p95_ms"] for r in runs if r.get("grant", {}).get("p95_ms") is not None]
         if grants:
             verdict["scale_grant_p95_under_100ms"] = max(grants) < TARGET_DISPATCH_P95_MS
+    if results.get("foreign"):
+        verdict["foreign_exit_launch_within_250ms"] = results["foreign"]["met"]
     return verdict
 
 
@@ -171,6 +178,8 @@ def _targets(results: Dict[str, Any]) -> List[str]:
         "scale_no_overlap": "scale: 0 overlaps, 0 failures",
         "scale_dispatch_p95_under_100ms": "scale: dispatch p95 < 100 ms",
         "waiters_cpu_under_5pct": "scale: all waiters together < 5 % of one core while they wait (after the arrivals' tail)",
+        "foreign_exit_launch_within_250ms": "issue 31: a wrapped launch right after an unwrapped CUDA run ended "
+                                            "(monitor running) ≤ 0.25 s, the slowest of the rounds",
     }
     verdict = targets(results)
     if not verdict:

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""cudawrap's benchmark: launch overhead, burst correctness, scale and NVML cost, side by side
-with the peers (gpuselect, nvisel, a getgpu-style script), on the simulated machine.
+"""cudawrap's benchmark: launch overhead, burst correctness, scale, NVML cost and a launch after an
+unwrapped CUDA program, side by side with the peers (gpuselect, nvisel, a getgpu-style script),
+on the simulated machine.
 
     python3 bench/run.py            # the full run (~9-10 min on 2 idle cores); updates bench/RESULTS.md
                                     # and the README's benchmark block
@@ -39,14 +40,14 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
-from typing import Any, Dict, List  # noqa: E402
+from typing import Any, Callable, Dict, List, Tuple  # noqa: E402
 
 sys.path.insert(0, str(BENCH))
 
 import report  # noqa: E402
 from sim import Bench, find_peers  # noqa: E402
 
-SECTIONS = ("launch", "burst", "scale", "nvml")
+SECTIONS = ("launch", "burst", "scale", "nvml", "foreign")
 
 # Sizes per mode. Full: the issue's numbers. Quick: ~2 minutes. Tiny: the test's.
 MODES: Dict[str, Dict[str, Any]] = {
@@ -60,6 +61,7 @@ MODES: Dict[str, Dict[str, Any]] = {
         "scale": {"topology": "dgx-a100-mig56", "waiters": [50, 500], "hold": 6.0, "window": 10.0, "settle": 3.0,
                   "spread": 5.6, "stagger": 0.005, "decision_reps": 3},
         "nvml": {"topology": "four-gpus", "delays_ms": [0, 100, 500, 2000], "reps": 5},
+        "foreign": {"rounds": 10, "hold": 0.3, "waiting": 5},
     },
     "quick": {
         "launch": {"topologies": ["a100-mig7", "dgx-a100-mig56"], "reps": 5, "warmup": 1, "rss_reps": 1,
@@ -69,6 +71,7 @@ MODES: Dict[str, Dict[str, Any]] = {
         "scale": {"topology": "dgx-a100-mig56", "waiters": [20, 60], "hold": 2.0, "window": 1.5, "settle": 1.0,
                   "spread": 2.0, "stagger": 0.005, "decision_reps": 1},
         "nvml": {"topology": "four-gpus", "delays_ms": [0, 500], "reps": 1},
+        "foreign": {"rounds": 10, "hold": 0.3, "waiting": 2},
     },
     "tiny": {
         "launch": {"topologies": ["a100-mig7"], "reps": 2, "warmup": 1, "rss_reps": 1, "breakdown_reps": 1,
@@ -78,6 +81,7 @@ MODES: Dict[str, Dict[str, Any]] = {
         "scale": {"topology": "a100-mig7", "waiters": [3, 8], "hold": 0.2, "window": 0.3, "settle": 0.1,
                   "spread": 0.1, "stagger": 0.005, "decision_reps": 1},
         "nvml": {"topology": "four-gpus", "delays_ms": [0, 50], "reps": 1},
+        "foreign": {"rounds": 2, "hold": 0.1, "waiting": 1},
     },
 }
 
@@ -160,6 +164,36 @@ def draw(results_path: Path, out_dir: Path, peers_venv: Path) -> List[str]:
     return done.stdout.split()
 
 
+def section(name: str, bench: Bench, c: Dict[str, Any]) -> Tuple[str, Callable[[], Any]]:
+    """What section NAME says as it starts, and how it runs with its sizes C."""
+    if name == "launch":
+        from overhead import run_launch
+
+        return (f"launch overhead on {', '.join(c['topologies'])}",
+                lambda: run_launch(bench, c["topologies"], c["reps"], c["warmup"], c["rss_reps"],
+                                   c["breakdown_reps"], c["monitor_s"]))
+    if name == "burst":
+        from burst import run_burst
+
+        return (f"bursts of {c['n']} on {', '.join(c['topologies'])}",
+                lambda: run_burst(bench, c["topologies"], c["n"], c["hold"], c["standin_reps"],
+                                  c["release_leads"], c.get("makespan")))
+    if name == "scale":
+        from scale import run_scale
+
+        return (f"scale, {c['waiters']} waiters on {c['topology']}",
+                lambda: run_scale(bench, c["topology"], c["waiters"], c["hold"], c["window"],
+                                  c["settle"], c["spread"], c["stagger"], c["decision_reps"]))
+    if name == "nvml":
+        from overhead import run_nvml
+
+        return f"slow NVML init {c['delays_ms']} ms", lambda: run_nvml(bench, c["topology"], c["delays_ms"], c["reps"])
+    from foreign import run_foreign
+
+    return (f"launches after {c['rounds']} unwrapped runs",
+            lambda: run_foreign(bench, c["rounds"], c["hold"], c["waiting"]))
+
+
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -208,41 +242,13 @@ def main(argv: List[str]) -> int:
         bench = Bench(work, peers)
         results["interpreter"] = bench.install.describe
         timings["setup"] = time.monotonic() - started
-        if "launch" in config:
-            from overhead import run_launch
-
-            c = config["launch"]
-            print(f"bench: launch overhead on {', '.join(c['topologies'])} ...", file=sys.stderr, flush=True)
-            results["launch"] = run_launch(bench, c["topologies"], c["reps"], c["warmup"], c["rss_reps"],
-                                           c["breakdown_reps"], c["monitor_s"])
-            timings["launch"] = time.monotonic() - started - sum(timings.values())
-            foreign["launch"] = meter.lap()
-        if "burst" in config:
-            from burst import run_burst
-
-            c = config["burst"]
-            print(f"bench: bursts of {c['n']} on {', '.join(c['topologies'])} ...", file=sys.stderr, flush=True)
-            results["burst"] = run_burst(bench, c["topologies"], c["n"], c["hold"], c["standin_reps"],
-                                         c["release_leads"], c.get("makespan"))
-            timings["burst"] = time.monotonic() - started - sum(timings.values())
-            foreign["burst"] = meter.lap()
-        if "scale" in config:
-            from scale import run_scale
-
-            c = config["scale"]
-            print(f"bench: scale, {c['waiters']} waiters on {c['topology']} ...", file=sys.stderr, flush=True)
-            results["scale"] = run_scale(bench, c["topology"], c["waiters"], c["hold"], c["window"],
-                                         c["settle"], c["spread"], c["stagger"], c["decision_reps"])
-            timings["scale"] = time.monotonic() - started - sum(timings.values())
-            foreign["scale"] = meter.lap()
-        if "nvml" in config:
-            from overhead import run_nvml
-
-            c = config["nvml"]
-            print(f"bench: slow NVML init {c['delays_ms']} ms ...", file=sys.stderr, flush=True)
-            results["nvml"] = run_nvml(bench, c["topology"], c["delays_ms"], c["reps"])
-            timings["nvml"] = time.monotonic() - started - sum(timings.values())
-            foreign["nvml"] = meter.lap()
+        for name in SECTIONS:
+            if name in config:
+                what, run = section(name, bench, config[name])
+                print(f"bench: {what} ...", file=sys.stderr, flush=True)
+                results[name] = run()
+                timings[name] = time.monotonic() - started - sum(timings.values())
+                foreign[name] = meter.lap()
     finally:
         if args.keep_work:
             print(f"bench: work directory kept: {work}", file=sys.stderr)

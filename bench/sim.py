@@ -178,6 +178,9 @@ class Sim:
         self.install = install
         work.mkdir(parents=True, exist_ok=True)
         self.machine = FakeMachine(work / "machine", lib_dir)
+        # What an NVIDIA H200 costs (tests/fakenvml/FORMAT.md), whatever the caller's environment
+        # says: NVML calls, a CUDA context's creation, a process leaving NVML's list.
+        self.machine.env["FAKENVML_TIMING"] = ""
         self.machine.load(topology)
         # One install serves every machine in turn: sync makes its lease files this
         # machine's (the last machine's devices vanished, nobody holds them).
@@ -363,5 +366,5 @@ class Bench:
     def sim(self, topology: str) -> Sim:
         """A fresh machine and install root (nothing held, nothing queued)."""
         self._count += 1
-        return Sim(self.work / f"sim{self._count}-{topology}", self.lib_dir, self.true_exe, topology, self.peers,
+        return Sim(self.work / f"sim{self._count}-{Path(topology).stem}", self.lib_dir, self.true_exe, topology, self.peers,
                    self.install, self.hold_exe)

@@ -413,7 +413,8 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
         min_free_mib=min_free_mib, max_util=max_util,
         drained=drained_now, share=share, sharing=sharing,
-        unread=[d.uuid for d in candidates] if unread else ())
+        unread=[d.uuid for d in candidates] if unread else (), root=root,
+        snapshot=loc.under(root, loc.USAGE_SNAPSHOT) if isinstance(refresh, SnapshotRefresh) else None)
     wait_s = value["wait"]
     info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={prog}\n".encode()
     waited = {"yes": False}

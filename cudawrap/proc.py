@@ -5,7 +5,7 @@ import os
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import List, Optional
+    from typing import List, Optional, Tuple
 
 GONE = None
 
@@ -30,6 +30,12 @@ def state(pid: int) -> Optional[bytes]:
     if fields is None:
         return GONE
     return fields[0] if fields else b"?"
+
+
+def parent(pid: int) -> Optional[int]:
+    """PID's parent pid; None when there is no such process or it cannot be read."""
+    fields = _stat(pid)
+    return int(fields[1]) if fields and len(fields) > 1 and fields[1].isdigit() else None
 
 
 # include/linux/sched.h: set when the process has begun to exit (its files close next).
@@ -68,3 +74,52 @@ def real_uid(pid: int) -> Optional[int]:
         return GONE
     fields = text[start + 5:text.find(b"\n", start + 1)].split()
     return int(fields[0]) if fields and fields[0].isdigit() else GONE
+
+
+def closing(pid: int) -> bool:
+    """Whether PID lives and has begun to exit (PF_EXITING, not yet a zombie): its files are
+    being closed now. A zombie's files are closed: locks still held there are someone else's
+    (a child that inherited them), as are those of a pid that is gone."""
+    fields = _stat(pid)
+    if not fields or fields[0] in (b"Z", b"X", b"x"):
+        return False
+    return len(fields) > 6 and fields[6].isdigit() and bool(int(fields[6]) & PF_EXITING)
+
+
+def start_time(pid: int) -> Optional[int]:
+    """When PID started, in clock ticks since boot (proc(5) field 22): with the pid, it names
+    one process for good, as a pid alone is reused. None when there is no such process or
+    its stat cannot be read."""
+    fields = _stat(pid)
+    if not fields or len(fields) < 20 or not fields[19].isdigit():
+        return None
+    return int(fields[19])
+
+
+def started_as(pid: int, started: int) -> bool:
+    """Whether PID is still the live process that started at STARTED (start_time): False once
+    it has exited (gone, a zombie) or its pid names another process. Where its /proc entry
+    cannot be read (hidden from us: hidepid), only the kernel's answer to signal 0 says it
+    is gone; another user's process answers EPERM, and counts as the one that started."""
+    fields = _stat(pid)
+    if fields:
+        if fields[0] in (b"Z", b"X", b"x"):
+            return False
+        return len(fields) < 20 or not fields[19].isdigit() or int(fields[19]) == started
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # EPERM: it lives, someone else's
+    return True
+
+
+def namespace() -> Optional[Tuple[int, int]]:
+    """This process's pid namespace (device, inode of /proc/self/ns/pid); None where unreadable.
+    Pids name the same processes only between processes of one namespace."""
+    try:
+        st = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)

@@ -68,6 +68,14 @@ says why on stderr and exits 46, so a test sees a shared run that lost its MPS l
 instead of a run that happened to be alone.  A client the daemon disconnects (``quit -t``, ``shutdown_server -f``) says
 cudaErrorMpsClientTerminated (810, too large for an exit status) and exits 1.
 
+Timing, as measured on an NVIDIA H200 (``fakenvml/FORMAT.md``, "What calls cost"): a real
+CUDA process appears in NVML's process list when its context exists, ~135 ms after it
+started, and leaves it ~28 ms before its exit is visible (to a pidfd, to ``wait``). So the
+stand-in registers ``context`` ms after its own code began to run (its ready line comes
+then; the interpreter's start-up before that is extra), and after unregistering it waits
+``leave`` ms before it exits. ``$FAKENVML_TIMING`` sets
+both, as it sets the library's costs (``none``: neither).
+
 ``argv`` is ``sys.argv``.  When this file is run through its shebang (as
 cudawrap's renamed copies and links are), the kernel hands Python the path of
 the script file, so ``argv[0]`` is the path that was executed (a link or a
@@ -84,16 +92,43 @@ import sys
 import time
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+# When this program's own code began: its CUDA context is created this long after (a wrapped
+# run's process began earlier, in the shim, whose time a real program's context does not absorb).
+STARTED = time.monotonic()
+
 NO_DEVICE_EXIT = 100  # cudaErrorNoDevice
 MPS_UNAVAILABLE_EXIT = 46  # cudaErrorDevicesUnavailable
 MPS_TERMINATED_EXIT = 1
 MULTI_MIG_DRIVER = 570
+# ms: FAKENVML_TIMING's keys (the library's, fakenvml.c, and the two used here) and defaults.
+TIMING_H200 = {"init": 9.8, "attach": 6.0, "uuid": 0.09, "memory": 0.05, "procs": 0.3, "by_uuid": 0.01,
+               "shutdown": 2.4, "cold": 1000.0, "context": 135.0, "leave": 28.0}
 MPS_VARIABLES = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
                  "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
 
 
 class TopologyError(ValueError):
     """The topology file cannot be read as one."""
+
+
+def read_timing(value: Optional[str]) -> Dict[str, float]:
+    """FAKENVML_TIMING as the library reads it: unset or empty, the H200's costs; "none"
+    zeroes them all; then KEY=MS items, comma-separated, override one each."""
+    timing = dict(TIMING_H200)
+    for item in (value or "").split(",") if value else []:
+        if item == "none":
+            timing = dict.fromkeys(timing, 0.0)
+            continue
+        key, eq, ms = item.partition("=")
+        try:
+            number = float(ms)
+        except ValueError:
+            number = -1.0
+        if not eq or key not in timing or not 0.0 <= number <= 600000.0:
+            raise ValueError(f"FAKENVML_TIMING: {item!r} is not none or KEY=MS with KEY one of "
+                             f"{', '.join(TIMING_H200)} and MS 0..600000")
+        timing[key] = number
+    return timing
 
 
 class Mig(NamedTuple):
@@ -451,6 +486,11 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        timing = read_timing(os.environ.get("FAKENVML_TIMING"))
+    except ValueError as e:
+        print(f"fakecuda: {e}", file=sys.stderr)
+        return 2
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     path = os.environ.get("FAKENVML_TOPOLOGY")
     driver: Optional[str] = None
@@ -495,9 +535,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     registration = Registration()
 
     def finish(**how: int) -> None:
+        registered = registration.path is not None
         registration.remove()
         if args.log:
             _append_line(args.log, dict(pid=pid, event="end", time=time.time(), devices=devices, **how))
+        if registered:
+            time.sleep(timing["leave"] / 1000.0)  # gone from NVML's list before the process is
 
     def on_signal(signum: int, _frame: object) -> None:
         finish(signal=signum)
@@ -507,6 +550,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if devices:  # NVML lists a CUDA process once its context exists
+        time.sleep(max(0.0, STARTED + timing["context"] / 1000.0 - time.monotonic()))
     registration.create(devices, args.mem)
     if args.log:
         _append_line(args.log, dict(pid=pid, event="start", time=time.time(), devices=devices))

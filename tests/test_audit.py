@@ -43,3 +43,18 @@ def test_doctor_reports_a_missing_audit_channel(installed, present: bool) -> Non
         assert lines[0].startswith("ok: audit: syslog reachable at /dev/log")
     else:
         assert lines[0].startswith("note: audit: /dev/log is missing") and "ledger" in lines[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+def test_drain_and_resume_do_not_repeat_the_missing_audit_channel(installed) -> None:  # type: ignore[no-untyped-def]
+    """Where no syslog runs (a private /dev without /dev/log), an admin command says nothing
+    of it: install.sh said it once, `cudawrap doctor` reports it."""
+    inst = installed("four-gpus")
+    cli = f"{sys.executable} -c 'from cudawrap.cli import main; main()'"
+    script = (f"mount -t tmpfs none /dev && mknod -m 666 /dev/null c 1 3 && test ! -e /dev/log"
+              f" && {cli} drain 0 --reason test && {cli} resume 0")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], env=inst.environ(), capture_output=True,
+                          timeout=120, cwd=inst.bindir)
+    assert done.returncode == 0, done.stderr
+    assert b"drained GPU-" in done.stdout and b"resumed GPU-" in done.stdout
+    assert done.stderr == b""

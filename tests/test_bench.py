@@ -71,7 +71,7 @@ def test_ratios_are_against_the_installed_shims_interpreter(tiny):
 def test_tiny_run_has_every_section(tiny):
     assert tiny["mode"] == "tiny"
     for key in ("schema", "date", "machine", "config", "peers", "targets",
-                "launch", "burst", "scale", "nvml"):
+                "launch", "burst", "scale", "nvml", "foreign"):
         assert key in tiny, key
     for key in ("cpu", "cores", "python", "kernel"):
         assert tiny["machine"][key]
@@ -108,3 +108,12 @@ def test_scale_and_nvml_sections(tiny):
         assert "all_waiters_pct_of_one_core" in run["cpu_while_waiting"]
     nvml = tiny["nvml"]
     assert set(nvml["launch_median_ms"]["cudawrap"]) == {str(d) for d in nvml["slow_init_ms"]}
+
+
+def test_foreign_section(tiny):
+    """Launches after an unwrapped CUDA run: every one ran (times are the bench's to judge)."""
+    foreign = tiny["foreign"]
+    assert foreign["failures"] == 0
+    assert len(foreign["after_foreign_ms"]) == foreign["rounds"] == len(foreign["idle_ms"])
+    assert len(foreign["queued"]["gap_ms"]) == foreign["queued"]["rounds"]
+    assert "foreign_exit_launch_within_250ms" in tiny["targets"]

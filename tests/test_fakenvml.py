@@ -669,3 +669,98 @@ def test_malformed_lines_are_unknown_errors_not_crashes(nvml: Any, line: str) ->
         pynvml.nvmlDeviceGetCount()
     fake.load("four-gpus")
     assert pynvml.nvmlDeviceGetCount() == 4
+
+
+# ---- what calls cost ----------------------------------------------------------
+
+# Each call of the library timed from Python through ctypes, in a fresh process.
+COSTS = r"""
+import ctypes, json, time
+lib = ctypes.CDLL("libnvidia-ml.so.1")
+out, byref = {}, ctypes.byref
+def timed(name, *calls):
+    start = time.perf_counter()
+    out[name + "_rc"] = [f(*a) for f, *a in calls]
+    out[name] = (time.perf_counter() - start) * 1000
+n, h, h2, count = ctypes.c_uint(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint(0)
+uuid, mem = ctypes.create_string_buffer(96), (ctypes.c_ulonglong * 3)()
+timed("init", (lib.nvmlInit_v2,))
+timed("attach", (lib.nvmlDeviceGetCount_v2, byref(n)), (lib.nvmlDeviceGetHandleByIndex_v2, 0, byref(h)))
+timed("uuid", (lib.nvmlDeviceGetUUID, h, uuid, 96))
+timed("memory", (lib.nvmlDeviceGetMemoryInfo, h, mem))
+timed("procs", (lib.nvmlDeviceGetComputeRunningProcesses_v3, h, byref(count), None))
+timed("by_uuid", (lib.nvmlDeviceGetHandleByUUID, uuid, byref(h2)))
+timed("shutdown", (lib.nvmlShutdown,))
+print(json.dumps(out))
+"""
+H200_MS = {"init": 9.8, "attach": 6.0, "uuid": 0.09, "memory": 0.05, "procs": 0.3, "by_uuid": 0.01, "shutdown": 2.4}
+
+
+def call_costs(fake: FakeMachine, timing: Optional[str]) -> Dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", COSTS], env=fake.environ(FAKENVML_TIMING=timing),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_calls_cost_what_they_cost_on_an_h200_by_default(machine: Any) -> None:
+    """The suite's machines answer at once; a machine left as it comes (the benchmarks')
+    pays the H200's costs: each call takes at least that long."""
+    fake = machine("four-gpus")
+    costs = call_costs(fake, None)  # FAKENVML_TIMING unset: the defaults
+    for name, ms in H200_MS.items():
+        assert all(rc == 0 for rc in costs[name + "_rc"]), (name, costs)
+        assert costs[name] >= ms, (name, costs[name])
+    assert fakecuda.TIMING_H200.items() >= H200_MS.items()  # one table for the library and the stand-in
+    costs = call_costs(fake, "none,init=40,procs=25")  # "none", then one cost each
+    assert costs["init"] >= 40 and costs["procs"] >= 25
+
+
+def test_persistence_off_makes_init_bring_up_a_gpu_nobody_keeps_initialised(machine: Any, stand_ins: Any) -> None:
+    fake = machine("four-gpus")
+    gpu = fake.gpu_uuids()[0]
+    fake.write(fake.read().replace(f"uuid={gpu} ", f"uuid={gpu} persistence=off "))
+    # Nobody holds it: init pays the GPU's bring-up.
+    assert call_costs(fake, "none,cold=300")["init"] >= 300
+    # Were it paid with a client there, the next two inits would take ten minutes: they return at all.
+    hold = "import ctypes, sys; lib = ctypes.CDLL('libnvidia-ml.so.1'); print(lib.nvmlInit_v2(), flush=True); sys.stdin.read()"
+    client = subprocess.Popen([sys.executable, "-c", hold], env=fake.environ(FAKENVML_TIMING="none"),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout.readline().strip() == "0"
+        assert (fake.state_dir / "clients" / str(client.pid)).exists()
+        assert call_costs(fake, "none,cold=600000")["init_rc"] == [0]  # another NVML client keeps it up
+    finally:
+        client.stdin.close()
+        client.wait()
+    stand_ins(fake, gpu)
+    assert call_costs(fake, "none,cold=600000")["init_rc"] == [0]  # so does a CUDA program on it
+
+
+def test_init_refuses_a_bad_timing_setting_with_a_reason(machine: Any) -> None:
+    fake = machine("four-gpus")
+    script = "import pynvml\ntry:\n    pynvml.nvmlInit()\nexcept pynvml.NVMLError_Unknown:\n    print('unknown')\n"
+    done = subprocess.run([sys.executable, "-c", script], env=fake.environ(FAKENVML_TIMING="init=fast"),
+                          capture_output=True, text=True)
+    assert done.stdout.strip() == "unknown"
+    assert done.stderr.startswith("fakenvml: FAKENVML_TIMING: 'init=...' is not none or KEY=MS"), done.stderr
+    assert len(done.stderr.splitlines()) == 1
+
+
+def test_a_stand_in_is_listed_once_its_context_exists_and_leaves_the_list_before_it_exits(nvml: Any) -> None:
+    fake = nvml("four-gpus")
+    gpu = fake.gpu_uuids()[0]
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(FAKECUDA), "--hold", "0.2"], stdout=subprocess.PIPE, text=True,
+                            env=fake.environ(CUDA_VISIBLE_DEVICES=gpu, FAKENVML_TIMING="none,context=300,leave=2000"))
+    try:
+        ready = json.loads(proc.stdout.readline())
+        # Registered (and ready) 300 ms after its code began to run.
+        assert time.monotonic() - started >= 0.3
+        assert [p[0] for p in processes(gpu)] == [ready["pid"]]
+        assert wait_until(lambda: processes(gpu) == [])
+        assert proc.poll() is None  # out of NVML's list, not yet exited
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -209,6 +209,8 @@ LAUNCH_MODULES = {
     "cudawrap.policy", "cudawrap.policy.effective",
     "cudawrap.sched", "cudawrap.sched.acquirer", "cudawrap.sched.placement", "cudawrap.sched.queue",
 }
+# With the monitor's snapshot: /proc, for whether the processes it names have exited since.
+LAUNCH_MODULES_SNAPSHOT = LAUNCH_MODULES | {"cudawrap.proc"}
 # Without the monitor's snapshot: NVML through the lean binding, and the inventory cache.
 LAUNCH_MODULES_NVML = LAUNCH_MODULES | {
     "cudawrap.devices.invcache", "cudawrap.devices.nvml", "cudawrap.devices.nvmldirect",
@@ -222,7 +224,7 @@ def test_a_launch_imports_exactly_these_cudawrap_modules(installed):
     link = inst.wrap("recon")
     assert refresh_once(inst.layout) is None  # the monitor's snapshot: no NVML
     ours = sorted(m for m in shim_modules(inst, str(link)) if m.split(".")[0] == "cudawrap")
-    assert ours == sorted(LAUNCH_MODULES)
+    assert ours == sorted(LAUNCH_MODULES_SNAPSHOT)
     inst.layout.usage_snapshot.unlink()
     ours = sorted(m for m in shim_modules(inst, str(link)) if m.split(".")[0] == "cudawrap")
     assert ours == sorted(LAUNCH_MODULES_NVML)

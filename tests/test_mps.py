@@ -26,8 +26,9 @@ from corefix import Installed, ready_line, wait_for
 from cudawrap.install import installation
 from cudawrap.install.installation import MPS_UNIT, MONITOR_UNIT, UNIT_NAME, render_mps_unit, unit_file, unit_wants_link
 from cudawrap.paths import Layout
-from fakemachine import FAKECUDA
-from userfix import MuInstall, root_only
+from fakemachine import FAKECUDA, shutdown_nvml
+from test_multiuser import status
+from userfix import MuInstall, World, root_only
 
 HERE = Path(__file__).resolve().parent
 FAKEMPS = HERE / "fakemps" / "nvidia-cuda-mps-control"
@@ -145,6 +146,8 @@ def test_start_status_stop(mps: Mps) -> None:
     assert sorted(os.listdir(mps.layout.mps_dir)) == sorted([H100, MIG0])
     for uuid in (H100, MIG0):
         assert stat.S_IMODE(mps.pipe(uuid).stat().st_mode) == 0o755
+        # NVIDIA's daemon leaves its pid file writable by everyone; start takes that away.
+        assert stat.S_IMODE((mps.pipe(uuid) / PID_FILE).stat().st_mode) == 0o644
         assert f"CUDA_VISIBLE_DEVICES={uuid} devices={uuid}\n" in mps.control_log(uuid)
     pids = {uuid: (mps.pipe(uuid) / PID_FILE).read_text() for uuid in (H100, MIG0)}
 
@@ -335,6 +338,9 @@ def test_stand_in_daemon(machine: Callable, tmp_path: Path) -> None:
         r = subprocess.run([sys.executable, str(FAKEMPS), "-d"], env=env, capture_output=True, text=True)
         assert (r.returncode, r.stdout) == (1, "An instance of this daemon is already running\n")
         assert fake(pipe, stdin="get_server_list\n").stdout == ""
+        daemon = int((pipe / PID_FILE).read_text())
+        assert stat.S_IMODE((pipe / PID_FILE).stat().st_mode) == 0o666  # as NVIDIA's leaves it
+        assert Path(f"/proc/{daemon}/comm").read_text() == "nvidia-cuda-mps\n"
 
         # A client: CUDA's device 0 is the daemon's device; it stays connected while it runs.
         client = subprocess.Popen([sys.executable, str(FAKECUDA), "--hold", "60"], stdout=subprocess.PIPE,
@@ -424,3 +430,134 @@ def test_stand_in_serves_one_user_at_a_time(mu: Callable[..., MuInstall]) -> Non
         assert "PEAK clients=2" in log.read_text()
     finally:
         kill_daemons(pipe)
+
+
+# ---- which MPS server is cudawrap's --------------------------------------------------------------
+
+
+def test_an_idle_server_of_cudawraps_daemon_leaves_the_device_free(mps: Mps) -> None:
+    """The server a daemon of `cudawrap mps start` keeps after its clients end is not work."""
+    mps.inst.write_config(MPS_CONFIG + f'\n[devices]\nallow = ["{H100}"]\n')
+    assert mps.cli("mps", "start").returncode == 0
+    client = mps.client(H100, "--hold", "0")
+    server = ready_line(client)["mps_server"]
+    assert client.wait(timeout=30) == 0
+    client.stdout.close()
+    wait_for(lambda: mps.inst.machine.compute_pids().get(H100) == [server])  # idle, on the device
+    mps.inst.wrap("recon")
+    done = mps.inst.run("recon", CUDAWRAP_WAIT="0", PATH=mps.path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[0])["devices"] == [H100]
+
+
+def test_a_pid_file_naming_another_root_process_names_no_daemon(mps: Mps) -> None:
+    """The pid file names the daemon only if that process runs nvidia-cuda-mps-control: one
+    rewritten to name another process of root's (here the test's own) does not make that
+    process's children MPS servers."""
+    mps.inst.write_config(MPS_CONFIG + f'\n[devices]\nallow = ["{H100}"]\n')
+    assert mps.cli("mps", "start").returncode == 0
+    daemon = (mps.pipe(H100) / PID_FILE).read_text()
+    (mps.pipe(H100) / PID_FILE).write_text(f"{os.getpid()}\n")  # root's, as NVIDIA's 0666 file allows
+    mps.inst.wrap("recon")
+    named = mps.inst.bindir / "nvidia-cuda-mps-server"
+    named.symlink_to(mps.inst.bindir / "CUDAWRAP_recon")
+    job = mps.inst.start(str(named), "--hold", "600", CUDA_VISIBLE_DEVICES=H100)
+    pid = ready_line(job)["pid"]
+    assert os.getppid() != pid and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == \
+        str(os.getpid())  # its parent is the pid the file names
+    wait_for(lambda: mps.inst.machine.compute_pids().get(H100) == [pid])
+    done = mps.inst.run("recon", CUDAWRAP_WAIT="0", PATH=mps.path)
+    (mps.pipe(H100) / PID_FILE).write_text(daemon)  # for the fixture, which stops the daemon it names
+    assert done.returncode == 75 and b"no free device" in done.stderr, (done.stdout, done.stderr)
+    job.kill()
+    job.wait()
+
+
+@pytest.mark.root
+@root_only
+@pytest.mark.parametrize("mode", ["time-slicing", "mps"])
+def test_a_job_named_like_the_mps_server_is_another_users_work(mu: Callable[..., MuInstall], mode: str) -> None:
+    """A program run through a link named nvidia-cuda-mps-server (its /proc comm says so) is not
+    cudawrap's MPS server: only a child of the daemon cudawrap started for the device is."""
+    inst = mu("four-gpus")
+    alice, bob = inst.world.alice, inst.world.bob
+    d0 = inst.machine.leaf_uuids()[0]
+    inst.wrap("recon")
+    inst.layout.config_file.write_text(f'[sharing]\nslots = 2\nmode = "{mode}"\n\n[devices]\nallow = ["{d0}"]\n')
+    inst.layout.config_file.chmod(0o644)
+    inst.sync()
+    named = inst.dir / "nvidia-cuda-mps-server"
+    named.symlink_to(inst.bindir / "CUDAWRAP_recon")
+    job = inst.start(alice, str(named), "--hold", "600", CUDA_VISIBLE_DEVICES=d0)
+    pid = ready_line(job)["pid"]
+    assert Path(f"/proc/{pid}/comm").read_text() == "nvidia-cuda-mps\n"
+    wait_for(lambda: inst.machine.compute_pids().get(d0) == [pid])
+    for share in (None, "1"):
+        done = inst.run(bob, "recon", CUDAWRAP_WAIT="0", CUDAWRAP_SHARE=share)
+        assert done.returncode == 75, (share, done.stdout, done.stderr)
+        assert b"no free device" in done.stderr, done.stderr
+
+
+# ---- MPS clients that hold no share --------------------------------------------------------------
+
+
+@pytest.fixture
+def mu_mps(mu_world: World, monkeypatch: pytest.MonkeyPatch) -> Iterator[MuInstall]:
+    """An install for real accounts at a path short enough for MPS's sockets."""
+    directory = Path(tempfile.mkdtemp(prefix="cw", dir="/tmp"))
+    directory.chmod(0o755)
+    inst = MuInstall(mu_world, directory, "four-gpus", monkeypatch)
+    yield inst
+    if inst.layout.mps_dir.is_dir():
+        kill_daemons(*inst.layout.mps_dir.iterdir())
+    inst.close()
+    shutil.rmtree(directory, ignore_errors=True)
+    shutdown_nvml()
+
+
+@pytest.mark.root
+@root_only
+def test_an_mps_client_without_a_share_is_shown_and_keeps_new_shares_off(mu_mps: MuInstall, tmp_path: Path) -> None:
+    """Carol connects to a device's MPS daemon without a lease while alice holds a share there:
+    status names carol's client, and alice's next share is not placed behind it (MPS would
+    make it wait for carol's clients to end), until carol's client is gone."""
+    inst = mu_mps
+    alice, carol = inst.world.alice, inst.world.carol
+    d0 = inst.machine.leaf_uuids()[0]
+    inst.layout.config_file.write_text(f'[sharing]\nmode = "mps"\nslots = 2\n\n[devices]\nallow = ["{d0}"]\n')
+    inst.layout.config_file.chmod(0o644)
+    inst.sync()
+    r = inst.cli(None, "mps", "start", PATH=f"{control_dir(tmp_path / 'mpsbin')}:/usr/bin:/bin")
+    assert r.returncode == 0, r.stderr
+    pipe = inst.layout.mps_dir / d0
+    r = inst.run(carol, "sh", "-c", f"echo 1 > {pipe}/{PID_FILE}")  # naming another parent
+    assert r.returncode != 0 and b"Permission denied" in r.stderr, r.stderr
+    inst.wrap("recon")
+    idle = inst.dir / "idle"  # a shared run whose program has not reached CUDA (yet)
+    idle.write_text("#!/bin/sh\necho ready\nexec sleep 600\n")
+    inst.wrap("idle", idle)
+    share = inst.start(alice, "idle", CUDAWRAP_SHARE="1")
+    assert share.stdout.readline() == b"ready\n", share.stderr.read()
+
+    stranger = inst.start(carol, str(inst.bindir / "CUDAWRAP_recon"), "--hold", "600",
+                          CUDA_MPS_PIPE_DIRECTORY=str(pipe))
+    hello = ready_line(stranger)
+    assert os.stat(f"/proc/{hello['mps_server']}").st_uid == carol.uid
+    wait_for(lambda: hello["pid"] in inst.machine.compute_pids().get(d0, []))
+
+    for viewer in (None, alice):
+        seen = status(inst, viewer)
+        (device,) = [d for d in seen["devices"] if d["uuid"] == d0]
+        assert [(p["pid"], p["user"]) for p in device["mps_without_share"]] == [(hello["pid"], carol.name)]
+    text = inst.cli(alice, "status").stdout.decode()
+    assert f"{d0}: MPS client(s) holding no share: {carol.name} pid {hello['pid']}" in text, text
+
+    done = inst.run(alice, "recon", "--hold", "0", CUDAWRAP_SHARE="1", CUDAWRAP_WAIT="0", timeout=20)
+    assert done.returncode == 75, (done.stdout, done.stderr)
+
+    stranger.kill()
+    stranger.wait()
+    done = inst.run(alice, "recon", "--hold", "0", CUDAWRAP_SHARE="1", CUDAWRAP_WAIT="30", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[0])["devices"] == [d0]
+    assert f"BLOCKED uid={alice.uid}" not in (inst.layout.mps_log_dir / d0 / "control.log").read_text()

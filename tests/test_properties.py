@@ -302,7 +302,7 @@ def wait_shim(tmp_path_factory, fakenvml_lib):  # type: ignore[no-untyped-def]
     from fakemachine import FAKECUDA, FakeMachine
 
     tmp = tmp_path_factory.mktemp("wait-shim")
-    fake = FakeMachine(tmp / "machine", fakenvml_lib)
+    fake = FakeMachine(tmp / "machine", fakenvml_lib).without_costs()
     fake.load("four-gpus")
     layout = Layout(tmp / "root")
     prepare(layout)

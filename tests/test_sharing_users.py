@@ -115,3 +115,52 @@ def test_a_burst_of_two_users_shares_under_mps_never_mixes_them(mu) -> None:  # 
             assert len(on[uuid]) <= 3 and len(set(on[uuid])) == 1, (uuid, on[uuid])
         else:
             on[uuid].remove(uid)
+
+
+HOLD_FILES = """
+import fcntl, os, signal, sys
+fds = [os.open(path, os.O_RDONLY) for path in sys.argv[1:]]
+for fd in fds:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("held", flush=True)
+signal.pause()
+"""
+
+
+def test_slots_locked_without_the_lease_are_shares_of_their_holder(mu) -> None:  # type: ignore[no-untyped-def]
+    """A user who flocks every slot file of a device and not its lease file holds its shares:
+    others' shared runs wait for them (not "given" a device they cannot take), status names
+    the holder, the shares count towards the holder's limit, and doctor reports them."""
+    inst = mu("four-gpus")
+    bob, carol = inst.world.bob, inst.world.carol
+    inst.wrap("recon")
+    d0 = inst.machine.leaf_uuids()[0]
+    configure(inst, "[sharing]\nslots = 2\n\n[limits]\nmax_devices_per_user = 1\n", d0)
+    slots = [str(inst.layout.share_dir / f"{d0}.{k}") for k in (1, 2)]
+    squatter = inst.start(carol, inst.world.python, "-I", "-c", HOLD_FILES, *slots)
+    assert squatter.stdout.readline() == b"held\n", squatter.stderr.read()
+
+    seen = status(inst, None)
+    (device,) = [d for d in seen["devices"] if d["uuid"] == d0]
+    assert device["shares"] and device["shares"]["used"] == 2, device
+    assert [(h["pid"], h["user"], h["lease"]) for h in device["shares"]["holders"]] == \
+        [(squatter.pid, carol.name, False)] * 2
+    text = inst.cli(None, "status").stdout.decode()
+    assert f"2/2 shared: {carol.name} pid {squatter.pid} (slot only)" in text, text
+
+    waiter = inst.start(bob, "recon", "--hold", "0", CUDAWRAP_SHARE="1", CUDAWRAP_WAIT="60")
+    assert "every device it may share is full" in waiting_line(waiter)
+    (entry,) = status(inst, bob)["waiting"]
+    assert entry["pid"] == waiter.pid and "full" in entry["reason"], entry
+
+    report = inst.cli(None, "doctor")
+    out = report.stdout.decode() + report.stderr.decode()
+    assert f"2 slot(s) locked without the lease" in out and f"pid {squatter.pid} of {carol.name}" in out, out
+
+    # Carol's two shares (1/2 each) fill her limit of 1, with a device she could share free.
+    d1 = inst.machine.leaf_uuids()[1]
+    configure(inst, "[sharing]\nslots = 2\n\n[limits]\nmax_devices_per_user = 1\n", d0, d1)
+    done = inst.run(carol, "recon", CUDAWRAP_WAIT="0", CUDAWRAP_SHARE="1")
+    assert done.returncode == 75 and b"your limit is 1" in done.stderr, done.stderr
+    squatter.kill()
+    assert waiter.wait(timeout=30) == 0, waiter.stderr.read()  # bob's run: on d0, once carol let go

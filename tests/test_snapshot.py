@@ -3,14 +3,20 @@ import contextlib
 import json
 import marshal
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import threading
 import time
 
+import pytest
+
 from cudawrap.devices import snapshot
 from cudawrap.ops.monitor import refresh_once
 from corefix import ready_line, wait_for
+from fakemachine import FAKECUDA
+from userfix import root_only
 
 
 def run_without_nvml(inst, *args, **extra):
@@ -53,7 +59,7 @@ def test_a_snapshot_not_written_by_root_is_ignored(installed):
     assert b"no NVIDIA driver" in r.stderr
 
 
-def test_snapshot_shows_every_process_and_discounts_only_exited_lessees(installed):
+def test_snapshot_shows_every_process_and_discounts_an_exited_lessee(installed):
     inst = installed("four-gpus")
     inst.wrap("recon")
     gpus = inst.machine.leaf_uuids()
@@ -72,6 +78,58 @@ def test_snapshot_shows_every_process_and_discounts_only_exited_lessees(installe
     r = run_without_nvml(inst, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=f"{gpus[0]},{gpus[1]}")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[0])["devices"] == [gpus[0]]
+
+
+# No process here can have this pid (above the largest pid_max): one NVML names from another
+# pid namespace, which the monitor cannot see.
+UNSEEN_PID = (1 << 22) + 1
+
+
+def foreign(inst, uuid: str) -> subprocess.Popen:
+    """An unwrapped CUDA program on UUID, ready (listed by NVML)."""
+    proc = subprocess.Popen([str(FAKECUDA), "--hold", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=inst.machine.environ(CUDA_VISIBLE_DEVICES=uuid))
+    ready_line(proc)
+    return proc
+
+
+def test_an_exited_foreign_process_is_discounted_at_once_and_an_unseen_one_keeps_counting(installed):
+    """An unwrapped CUDA program the snapshot lists stops counting as it exits (or as its pid
+    names another process), not at the next snapshot; a pid the monitor never saw counts."""
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    gpus = inst.machine.leaf_uuids()
+    root = str(inst.layout.root)
+    first = foreign(inst, gpus[0])
+    inst.machine.add_process(UNSEEN_PID, gpus[1], 2048)
+    refresh_once(inst.layout)
+    seen = snapshot.read_fresh(root)
+    assert seen.by_uuid(gpus[0]).pids == (first.pid,)
+    assert seen.by_uuid(gpus[1]).pids == (UNSEEN_PID,)
+    first.kill()
+    first.wait()
+    seen = snapshot.read_fresh(root)
+    assert seen.by_uuid(gpus[0]).pids == ()
+    assert seen.by_uuid(gpus[1]).pids == (UNSEEN_PID,)
+    # The launch takes the device it left at once, and never the one the unseen process is on.
+    r = run_without_nvml(inst, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=f"{gpus[1]},{gpus[0]}")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[0])["devices"] == [gpus[0]]
+    r = run_without_nvml(inst, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=gpus[1])
+    assert r.returncode == 75, r.stdout
+    # A pid reused by another process (another start time) no longer names the one listed.
+    second = foreign(inst, gpus[2])
+    try:
+        refresh_once(inst.layout)
+        assert snapshot.read_fresh(root).by_uuid(gpus[2]).pids == (second.pid,)
+        path = inst.layout.usage_snapshot
+        data = marshal.loads(path.read_bytes())
+        data["started"][second.pid] += 1
+        path.write_bytes(marshal.dumps(data))
+        assert snapshot.read_fresh(root).by_uuid(gpus[2]).pids == ()
+    finally:
+        second.kill()
+        second.wait()
 
 
 def test_a_zombie_lessee_is_discounted_before_its_parent_reaps_it(installed):
@@ -170,3 +228,33 @@ def test_monitor_rebuilds_a_stale_policy_cache(installed):
     refresh_once(inst.layout)
     assert policy.cache_is_current(root)
     assert policy.effective(root, None)["wait"][0] == 5.0
+
+
+@root_only
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare")
+def test_another_users_process_hidden_by_hidepid_still_counts(mu):  # type: ignore[no-untyped-def]
+    """Where /proc hides other users' processes (hidepid=2), a user's launch cannot read a
+    foreign process's start: it counts until the kernel says it is gone (signal 0)."""
+    inst = mu("four-gpus")
+    gpu = inst.machine.leaf_uuids()[0]
+    job = subprocess.Popen([str(FAKECUDA), "--hold", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=inst.machine.environ(CUDA_VISIBLE_DEVICES=gpu))
+    ready_line(job)
+    refresh_once(inst.layout)
+    code = (f"import json, os, sys; sys.path[:0] = {inst.world.path!r}; from cudawrap import snapshot; "
+            f"print(json.dumps([os.path.exists('/proc/{job.pid}'), "
+            f"snapshot.read_fresh({str(inst.layout.root)!r}).by_uuid({gpu!r}).pids]))")
+    as_alice = shlex.join(inst.world.alice.argv([inst.world.python, "-I", "-c", code]))
+    private_proc = ["unshare", "-m", "sh", "-c", f"mount -t proc -o hidepid=2 proc /proc && exec {as_alice}"]
+
+    def alice_sees() -> list:  # type: ignore[type-arg]
+        done = subprocess.run(private_proc, env=inst.environ(), capture_output=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    try:
+        assert alice_sees() == [False, [job.pid]]  # hidden from her, and still counted
+    finally:
+        job.kill()
+        job.wait()
+    assert alice_sees() == [False, []]  # gone: the kernel says so

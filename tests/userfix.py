@@ -191,7 +191,7 @@ class MuInstall:
     def __init__(self, world: World, directory: Path, topology: str, monkeypatch: pytest.MonkeyPatch) -> None:
         self.world = world
         self.dir = directory
-        self.machine = MuMachine(directory / "machine", world.lib_dir)
+        self.machine = MuMachine(directory / "machine", world.lib_dir).without_costs()
         self.machine.root.chmod(0o755)
         self.machine.state_dir.chmod(0o755)
         self.machine.load(topology)

@@ -213,6 +213,23 @@ class _Doctor:
                                     f"{', '.join(short)} (run 'cudawrap sync')", self._sync())
         else:
             self.add(LEVEL_OK, "sharing", "slot files for every shared device")
+        self._check_slots_apart()
+
+    def _check_slots_apart(self) -> None:
+        """Slots locked by a process that holds no lock on the lease file: shares that keep
+        sharers out while the device looks free in its lease (a hand-made flock on slot files)."""
+        from ..lease.holders import slots_apart
+        from ..ops.status import process_info
+
+        apart = slots_apart(os.fspath(self.layout.lease_dir), os.fspath(self.layout.share_dir))
+        if not apart:
+            return
+        who = "; ".join(f"{uuid}: " + ", ".join("holder unknown" if pid is None else
+                                               f"pid {pid} of {process_info(pid)['user']}" for pid in pids)
+                        for uuid, pids in sorted(apart.items()))
+        self.add(LEVEL_WARNING, "sharing", f"{sum(map(len, apart.values()))} slot(s) locked without the lease "
+                                           f"(they count as shares of their holders; shared runs cannot use them): "
+                                           f"{printable(who)}")
 
     def check_monitor(self) -> None:
         """Whether launches are spared NVML: only a fresh snapshot (a live monitor) does that."""

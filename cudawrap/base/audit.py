@@ -67,9 +67,10 @@ def channel_problem(socket: str = SYSLOG_SOCKET) -> Optional[str]:
 def notice_if_unreachable() -> None:
     """Say once per process, on stderr, that the audit trail has no syslog to go to.
 
-    For root's long-running and admin commands only: a launch in a container must not
-    complain on every run (`cudawrap doctor` reports it instead). Leases are still
-    recorded in the ledger, which does not depend on syslog.
+    For the monitor only, as it starts (its log then says why no grant reaches syslog):
+    neither a launch nor an admin command (drain, resume) repeats it on every run where
+    no syslog runs, as in many containers. install.sh says it once and `cudawrap doctor`
+    reports it. Leases are still recorded in the ledger, which does not depend on syslog.
     """
     global _noticed
     problem = None if _noticed else channel_problem()

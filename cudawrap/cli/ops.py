@@ -93,7 +93,6 @@ class DrainCommand(Command):
         inventory, names = _machine(layout)
         root = str(layout.root)
         uuids = resolve(devices, inventory, names + list(drained(root)))
-        audit.notice_if_unreachable()
         by = _admin_name()
         drain(root, uuids, reason, by)
         audit.log("drain", devices=",".join(uuids), reason=reason or "-", by=by)
@@ -153,7 +152,6 @@ class ResumeCommand(Command):
             if uuid not in current and parents.get(uuid) in current:
                 raise StateError(f"{uuid} is drained through its GPU {parents[uuid]}, not on its own",
                                  hint=f"resume the GPU: cudawrap resume {parents[uuid]}")
-        audit.notice_if_unreachable()
         resume(root, uuids)
         audit.log("resume", devices=",".join(uuids))
         for uuid in uuids:

@@ -80,7 +80,9 @@ class Lease:
             os.set_inheritable(fd, True)
 
     def release(self) -> None:
-        for fd in list(self.fds.values()) + list(self.slots.values()):
+        # Slots first: a slot locked without its lease counts as a share held apart from it
+        # (Acquirer.machine), which a live process letting go must not look like.
+        for fd in list(self.slots.values()) + list(self.fds.values()):
             try:
                 os.close(fd)  # closing our only reference drops the flock
             except OSError:
@@ -183,12 +185,26 @@ class LeaseFiles:
         return False
 
     def unlock(self, uuid: str) -> None:
+        slot = self._slots.pop(uuid, None)
+        if slot is not None:
+            os.close(slot)  # before the lease: see Lease.release
         fd = self._fds.get(uuid)
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
-        slot = self._slots.pop(uuid, None)
-        if slot is not None:
-            os.close(slot)
+
+    def slot_idents(self, uuid: str, slots: int) -> List[Tuple[int, int]]:
+        """(device, inode) of each of UUID's SLOTS slot files that exists (root's, regular)."""
+        out: List[Tuple[int, int]] = []
+        if self.share_dir is None:
+            return out
+        for slot in range(1, slots + 1):
+            try:
+                st = os.stat(f"{self.share_dir}/{uuid}.{slot}", follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_uid == self.owner:
+                out.append((st.st_dev, st.st_ino))
+        return out
 
     def forget(self, uuid: str) -> None:
         fd = self._fds.pop(uuid, None)
@@ -203,7 +219,7 @@ class LeaseFiles:
         return Lease(chosen, slots)
 
     def close(self) -> None:
-        for fd in list(self._fds.values()) + list(self._slots.values()):
+        for fd in list(self._slots.values()) + list(self._fds.values()):
             os.close(fd)
         self._fds.clear()
         self._slots.clear()

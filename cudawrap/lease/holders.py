@@ -11,6 +11,8 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Dict, Iterable, List, Optional, Tuple
 
+    Table = Dict[Tuple[int, int], List[Tuple[int, bool]]]
+
 from .files import first_pids, lock_kind, lock_table
 
 
@@ -63,28 +65,57 @@ class Holding:
         return min(known) if known else None
 
 
-def holdings(lease_dir: str) -> Dict[str, Holding]:
+def _locked(directory: str, table: Table) -> Dict[Tuple[int, int], str]:
+    """(device, inode) -> name of each file in DIRECTORY that TABLE shows locked."""
+    files: Dict[Tuple[int, int], str] = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return files
+    for name in names:
+        try:
+            st = os.stat(directory + "/" + name, follow_symlinks=False)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in table:
+            files[(st.st_dev, st.st_ino)] = name
+    return files
+
+
+def holdings(lease_dir: str, table: Optional[Table] = None) -> Dict[str, Holding]:
     """uuid -> who holds each held lease, a pid per lock (None where none can be named).
 
     /proc/locks says which lease files are locked and which pid took each lock, but that
     process may be gone (its child holds the lease now) and the pid reused by an innocent
     one: a pid is named only if it holds the lock through a descriptor now. Otherwise
     every process is searched; None (held, holder unknown) where the holder's descriptors
-    cannot be read.
+    cannot be read. TABLE: the lock table to read (default: read now).
     """
-    table = lock_table()
-    files: Dict[Tuple[int, int], str] = {}
-    try:
-        names = os.listdir(lease_dir)
-    except OSError:
-        return {}
-    for name in names:
-        try:
-            st = os.stat(lease_dir + "/" + name, follow_symlinks=False)
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) in table:
-            files[(st.st_dev, st.st_ino)] = name
+    table = lock_table() if table is None else table
+    return _holdings(_locked(lease_dir, table), table)
+
+
+def slots_apart(lease_dir: str, share_dir: str, table: Optional[Table] = None) -> Dict[str, List[Optional[int]]]:
+    """uuid -> the holder of each of its slot files locked apart from its lease file (by a
+    process that took no lock on the lease file: a share nobody sees in the lease, which
+    keeps sharers out all the same); None where the holder cannot be named. Processes
+    closing their files (a share ending) are left out."""
+    from ..proc import closing
+
+    table = lock_table() if table is None else table
+    lease_pids: Dict[str, List[int]] = {name: [pid for pid, _ex in table[key]]
+                                        for key, name in _locked(lease_dir, table).items()}
+    apart = {key: name for key, name in _locked(share_dir, table).items()
+             if any(pid not in lease_pids.get(name.rpartition(".")[0], ()) and not closing(pid)
+                    for pid, _ex in table[key])}
+    out: Dict[str, List[Optional[int]]] = {}
+    for name, holding in sorted(_holdings(apart, table).items()):
+        out.setdefault(name.rpartition(".")[0], []).extend(holding.pids)
+    return out
+
+
+def _holdings(files: Dict[Tuple[int, int], str], table: Table) -> Dict[str, Holding]:
+    """name -> who holds each of FILES (locked in TABLE); see holdings."""
     found = fd_holders(files, {pid for key in files for pid, _ex in table[key]})
     takers = {key: [pid if pid in found.get(key, []) else None for pid, _ex in table[key]] for key in files}
     takers = heirs(takers)

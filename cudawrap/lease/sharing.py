@@ -19,7 +19,8 @@ from .. import locations as loc
 
 TIME_SLICING = "time-slicing"
 MPS = "mps"
-MPS_SERVER_COMM = b"nvidia-cuda-mps"  # /proc/PID/comm of nvidia-cuda-mps-server (cut at 15)
+MPS_PID_FILE = "nvidia-cuda-mps-control.pid"  # the control daemon's, in its pipe directory
+MPS_COMM = b"nvidia-cuda-mps"  # /proc/PID/comm of nvidia-cuda-mps-control (cut at 15 bytes)
 
 
 def slot_path(root: str, uuid: str, slot: int) -> str:
@@ -30,6 +31,43 @@ def mps_pipe_dir(root: str, uuid: str) -> str:
     """The pipe directory of the MPS control daemon for UUID: one daemon per device, so MPS's
     one-user-at-a-time rule is per device, as cudawrap schedules it."""
     return f"{loc.under(root, loc.MPS_DIR)}/{uuid}"
+
+
+def mps_daemon(root: str, uuid: str, owner: int) -> Optional[int]:
+    """The pid of the MPS control daemon `cudawrap mps start` runs for UUID, or None.
+
+    Named by the pid file the daemon writes in UUID's pipe directory (OWNER's: the install's
+    owner); it counts only if that process is OWNER's too and runs nvidia-cuda-mps-control.
+    NVIDIA's daemon makes the file writable by everyone (`cudawrap mps start` takes that
+    away), and a daemon that died leaves it behind, its pid free for anyone's process: a pid
+    a user wrote there, or reused, names none of OWNER's MPS control daemons, whose only
+    children are their MPS servers. A process's name is believed only for OWNER's processes:
+    no one else can start those."""
+    import os
+
+    try:
+        fd = os.open(f"{mps_pipe_dir(root, uuid)}/{MPS_PID_FILE}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        owned = os.fstat(fd).st_uid == owner
+        text = os.read(fd, 32).strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not (owned and text.isdigit()):
+        return None
+    try:
+        with open(f"/proc/{int(text)}/status", "rb") as f:
+            fields = dict(line.partition(b":")[::2] for line in f.read(2048).splitlines())
+    except OSError:
+        return None
+    # The real and effective uids (status's): a process that made itself non-dumpable has
+    # its /proc/PID owned by root.
+    uids = fields.get(b"Uid", b"").split()[:2]
+    ours = fields.get(b"Name", b"").strip().startswith(MPS_COMM) and uids == [str(owner).encode()] * 2
+    return int(text) if ours else None
 
 
 def mps_log_dir(root: str, uuid: str) -> str:

@@ -9,34 +9,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Optional
 
 from ..devices import invcache, snapshot
 from ..policy import effective as policy
 from ..errors import CannotWrite, CudawrapError, NvmlUnavailable
-from ..devices.model import Inventory
-from ..lease.holders import _proc_locks, fd_holders
 from ..paths import Layout
 from .sync import sync_leases, sync_slots
 
 log = logging.getLogger(__name__)
-
-
-def lessees(lease_dir: str, inventory: Inventory) -> Dict[str, List[int]]:
-    """uuid -> the processes NVML lists on that device that hold its lease right now."""
-    locked = _proc_locks()
-    files: Dict[Tuple[int, int], str] = {}
-    pids: Set[int] = set()
-    for device in inventory.devices:
-        try:
-            st = os.stat(f"{lease_dir}/{device.uuid}", follow_symlinks=False)
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) in locked and device.pids:
-            files[(st.st_dev, st.st_ino)] = device.uuid
-            pids.update(device.pids)
-    found = fd_holders(files, pids)
-    return {files[key]: holding for key, holding in found.items()}
 
 
 def refresh_once(layout: Layout) -> Optional[str]:
@@ -66,7 +47,7 @@ def _refresh(layout: Layout) -> Optional[str]:
     existing = set(os.listdir(lease_dir)) if os.path.isdir(lease_dir) else set()
     if set(inventory.uuids()) - existing:
         sync_leases(layout, inventory)  # a device appeared (MIG reconfigured)
-    snapshot.write(root, inventory, lessees(lease_dir, inventory))
+    snapshot.write(root, inventory)
     invcache.write(root, inventory)  # rewritten only when the layout changed
     if not policy.cache_is_current(root):
         # The config or registry changed: rebuild so launches stay off the slow path.

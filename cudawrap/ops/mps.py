@@ -31,12 +31,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .. import locations as loc
 from ..errors import ConfigError, MpsUnavailable, NvmlUnavailable, SetupError
 from ..paths import Layout
-from ..lease.sharing import MPS, Sharing, mps_log_dir, mps_pipe_dir, settings as sharing_settings
+from ..lease.sharing import MPS, MPS_PID_FILE, Sharing, mps_log_dir, mps_pipe_dir, settings as sharing_settings
 
 log = logging.getLogger(__name__)
 
 CONTROL = "nvidia-cuda-mps-control"
-PID_FILE = "nvidia-cuda-mps-control.pid"  # the daemon's, in its pipe directory
+PID_FILE = MPS_PID_FILE
 ASK_TIMEOUT_S = 10.0
 START_TIMEOUT_S = 10.0
 # MPS listens on unix sockets in the pipe directory, whose addresses hold 108 bytes: the
@@ -180,6 +180,7 @@ def _start_one(layout: Layout, control: str, device: Managed) -> Outcome:
     root = str(layout.root)
     pipe, logs = mps_pipe_dir(root, device.uuid), mps_log_dir(root, device.uuid)
     if ask(control, pipe, "get_server_list") is not None:
+        _seal_pid_file(pipe)
         return Outcome(device.uuid, True, "already running")
     if len(os.fsencode(pipe)) > MAX_PIPE_DIR_BYTES:
         return Outcome(device.uuid, False, f"its pipe directory {pipe} is too long for MPS's unix sockets "
@@ -200,8 +201,22 @@ def _start_one(layout: Layout, control: str, device: Managed) -> Outcome:
         if time.monotonic() > deadline:
             return Outcome(device.uuid, False, f"started, but nothing answers in {pipe}; see {logs}/control.log")
         time.sleep(0.1)
+    _seal_pid_file(pipe)
     log.debug("MPS control daemon for %s listens in %s", device.uuid, pipe)
     return Outcome(device.uuid, True, "started")
+
+
+def _seal_pid_file(pipe: str) -> None:
+    """Make the daemon's pid file 0644: NVIDIA's daemon leaves it writable by everyone, and it
+    names the daemon whose children are cudawrap's MPS servers (sharing.mps_daemon)."""
+    try:
+        fd = os.open(os.path.join(pipe, PID_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # none (yet): nothing names a daemon, so no server counts as cudawrap's
+    try:
+        os.fchmod(fd, 0o644)
+    finally:
+        os.close(fd)
 
 
 def stop(layout: Layout, notice: Callable[[str], None] = lambda line: None) -> List[Outcome]:

@@ -11,7 +11,8 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import NvmlUnavailable
-from ..lease.holders import Holding, fd_holders, holdings
+from ..lease.holders import Holding, fd_holders, holdings, slots_apart
+from ..lease.files import lock_table
 from ..locations import REAL_PREFIX
 from ..paths import Layout
 from ..proc import real_uid
@@ -152,10 +153,10 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
 
             settings = effective(str(layout.root), None)
             limits = settings.get("limits", (None, ""))[0]
-            acquirer = Acquirer(LeaseFiles(str(layout.lease_dir)), queue, inventory.devices,
+            acquirer = Acquirer(LeaseFiles(str(layout.lease_dir), str(layout.share_dir)), queue, inventory.devices,
                                 inventory.devices, 1,
                                 limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
-                                sharing=Sharing(settings["sharing"][0]))
+                                sharing=Sharing(settings["sharing"][0]), root=str(layout.root))
             verdicts = acquirer.decide(scan, None, queued=True)[0]
         except CudawrapError:
             verdicts = {}
@@ -186,14 +187,21 @@ def _holder(held: Dict[str, Holding], uuid: str) -> Optional[Dict[str, Any]]:
     return dict(_UNKNOWN_HOLDER) if pid is None else process_info(pid, [uuid])
 
 
-def _shares(held: Dict[str, Holding], uuid: str, slots: int) -> Optional[Dict[str, Any]]:
-    """UUID's shares if it is shared now: slots used and taken, and who holds each."""
+def _named(pid: Optional[int], devices: Sequence[str], **extra: Any) -> Dict[str, Any]:
+    return dict(_UNKNOWN_HOLDER if pid is None else process_info(pid, devices), **extra)
+
+
+def _shares(held: Dict[str, Holding], uuid: str, slots: int,
+            apart: Sequence[Optional[int]] = ()) -> Optional[Dict[str, Any]]:
+    """UUID's shares if it is shared now: slots used and taken, and who holds each; a slot
+    locked apart from the lease file (APART: its holders) is a share too, marked "lease": false."""
     holding = held.get(uuid)
-    if holding is None or holding.exclusive:
+    if (holding is None and not apart) or (holding is not None and holding.exclusive):
         return None
-    return {"used": len(holding.pids), "slots": slots,
-            "holders": [dict(_UNKNOWN_HOLDER) if pid is None else process_info(pid, [uuid])
-                        for pid in holding.pids]}
+    pids = holding.pids if holding is not None else []
+    return {"used": len(pids) + len(apart), "slots": slots,
+            "holders": [_named(pid, [uuid], lease=True) for pid in pids]
+            + [_named(pid, [uuid], lease=False) for pid in apart]}
 
 
 def _foreign(lease_dir: str, uuid: str, pids: Iterable[int]) -> List[int]:
@@ -205,6 +213,28 @@ def _foreign(lease_dir: str, uuid: str, pids: Iterable[int]) -> List[int]:
         return pids
     lessees = fd_holders([(st.st_dev, st.st_ino)], pids).get((st.st_dev, st.st_ino), [])
     return [p for p in pids if p not in lessees]
+
+
+def _mps_without_share(root: str, lease_dir: str, uuid: str, pids: Optional[Sequence[int]],
+                       table: Dict[Tuple[int, int], List[Tuple[int, bool]]]) -> List[Dict[str, Any]]:
+    """Under MPS, the processes on UUID of users who hold no share there, besides the server of
+    cudawrap's daemon for it (an MPS client connected without a lease): they keep the
+    device's other users waiting. Shares are the lease file's locks, by the owner of each taker."""
+    from ..sched.acquirer import _uid_of, mps_strangers
+    from ..lease.sharing import mps_daemon
+
+    if not pids:
+        return []
+    try:
+        st = os.stat(os.path.join(lease_dir, uuid), follow_symlinks=False)
+        owner = os.stat(lease_dir).st_uid
+    except OSError:
+        return []
+    daemon = mps_daemon(root, uuid, owner)
+    if daemon is None:
+        return []  # no daemon of cudawrap's: nobody is an MPS client of it
+    uids = {_uid_of(pid) for pid, _ex in table.get((st.st_dev, st.st_ino), [])}
+    return [process_info(pid) for pid in mps_strangers(pids, uids, daemon)]
 
 
 # Readings a device has when NVML cannot be asked, or does not say.
@@ -228,7 +258,7 @@ def _processes(pids: Optional[Any], holder: Optional[Dict[str, Any]],
     """Every compute process on a device: who, what, how much memory, and whether it holds the lease."""
     if pids is None:
         return None  # the driver hides them from this user
-    sharers = {h["pid"] for h in shares["holders"]} if shares else set()
+    sharers = {h["pid"] for h in shares["holders"] if h.get("lease", True)} if shares else set()
     out = []
     for pid in pids:
         info = process_info(pid)
@@ -251,10 +281,12 @@ def _gpus(inventory: Any) -> List[Dict[str, Any]]:
 def machine_status(layout: Layout) -> Dict[str, Any]:
     from ..devices import nvml
 
-    from ..lease.sharing import Sharing, configured
+    from ..lease.sharing import MPS, Sharing, configured
 
     lease_dir = str(layout.lease_dir)
-    held = holdings(lease_dir)
+    table = lock_table()
+    held = holdings(lease_dir, table)
+    apart = slots_apart(lease_dir, str(layout.share_dir), table)
     try:
         sharing = configured(str(layout.root))
     except Exception:  # a broken config is `cudawrap config`'s to report; status still shows leases
@@ -272,7 +304,7 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
 
         for d in inventory.devices:
             holder = _holder(held, d.uuid)
-            shares = _shares(held, d.uuid, sharing.slots_for(d.uuid, d.parent_uuid))
+            shares = _shares(held, d.uuid, sharing.slots_for(d.uuid, d.parent_uuid), apart.get(d.uuid, ()))
             # With the holder unknown its processes cannot be told from others': unknown too.
             unknown = d.pids is None or (holder is not None and holder["pid"] is None)
             foreign = None if unknown else _foreign(lease_dir, d.uuid, d.pids)
@@ -282,6 +314,9 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
                 "mig_slot": d.mig_slot, "memory_used_mib": d.memory_used_mib,
                 "memory_total_mib": d.memory_total_mib, "lease_file": d.uuid in lease_files,
                 "holder": holder, "foreign_pids": foreign, "shares": shares,
+                "slots_apart": [_named(pid, [d.uuid]) for pid in apart.get(d.uuid, ())],
+                "mps_without_share": (_mps_without_share(str(layout.root), lease_dir, d.uuid, d.pids, table)
+                                      if sharing.mode == MPS else []),
                 "slots": sharing.slots_for(d.uuid, d.parent_uuid),
                 "index": d.gpu_index, "product": product(d, inventory),
                 "mig_profile": d.name if d.is_mig else None, **readings,
@@ -292,7 +327,8 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
             devices.append({"uuid": uuid, "name": "?", "gpu_index": -1, "parent": "?", "mig_slot": None,
                             "memory_used_mib": 0, "memory_total_mib": 0, "lease_file": True,
                             "holder": holder, "foreign_pids": None,
-                            "shares": _shares(held, uuid, sharing.slots_for(uuid)),
+                            "shares": _shares(held, uuid, sharing.slots_for(uuid), apart.get(uuid, ())),
+                            "slots_apart": [_named(pid, [uuid]) for pid in apart.get(uuid, ())], "mps_without_share": [],
                             "slots": sharing.slots_for(uuid),
                             "index": None, "product": None, "mig_profile": None, **_NO_READINGS,
                             "processes": None, "waiters": [], "drains": []})
@@ -357,10 +393,11 @@ def _lease(d: Dict[str, Any]) -> str:
     if not d["lease_file"]:
         return "no lease file (run `cudawrap sync`)"
     shares = d.get("shares")
-    if shares:  # "2/4 shared: alice pid 123, alice pid 456"
-        who = ", ".join("?" if h["pid"] is None else f"{_cut(h['user'], 8)} pid {h['pid']}"
-                        for h in shares["holders"])
+    if shares:  # "2/4 shared: alice pid 123, alice pid 456"; "eve pid 9 (slot only)": no lease lock
+        who = ", ".join(_sharer(h) for h in shares["holders"])
         text = f"{shares['used']}/{shares['slots']} shared: {who}"
+    elif d.get("slots_apart"):  # held whole, and slots locked besides
+        text = f"{holder_text(d['holder'])}; slots locked apart: {', '.join(_sharer(h) for h in d['slots_apart'])}"
     else:
         text = holder_text(d["holder"])
     if not d.get("drains"):
@@ -368,6 +405,11 @@ def _lease(d: Dict[str, Any]) -> str:
     # Drained: nobody new gets it, whether or not a run still holds it (drain --wait waits for that run).
     reason = d["drains"][0]["reason"] or "-"
     return f"drained: {reason}" if text == "free" else f"{text}; drained"
+
+
+def _sharer(h: Dict[str, Any]) -> str:
+    who = "?" if h["pid"] is None else f"{_cut(h['user'], 8)} pid {h['pid']}"
+    return who if h.get("lease", True) else f"{who} (slot only)"
 
 
 def _others(d: Dict[str, Any]) -> str:
@@ -413,12 +455,18 @@ def table(rows: Sequence[Dict[str, Any]], columns: Sequence[Column], cut: bool =
 def render(status: Dict[str, Any], cut: bool = True) -> List[str]:
     """`cudawrap status` as text: which install, the devices, who waits, who holds the queue;
     long cells cut to fit a terminal if CUT."""
-    held = sum(1 for d in status["devices"] if d["holder"])
+    held = sum(1 for d in status["devices"] if d["holder"] or d.get("shares"))
     count = (f"devices unknown, {len(status['devices'])} lease files" if status["nvml_error"]
              else f"{len(status['devices'])} devices")
     lines = [f"install root {status['root']}: {count}, {held} leased, {len(status['waiting'])} waiting"]
     if status["devices"]:
         lines += table(status["devices"], DEVICE_COLUMNS, cut)
+    for d in status["devices"]:
+        if d.get("mps_without_share"):
+            who = ", ".join(f"{_cut(p['user'], 8)} pid {p['pid']} {_cut(p['program'], 16)}"
+                            for p in d["mps_without_share"])
+            lines.append(f"{d['uuid']}: MPS client(s) holding no share: {who}; "
+                         "the device's shares wait for them to end")
     if status.get("drained"):
         lines.append("")
         lines += table([dict(d, uuid=u) for u, d in sorted(status["drained"].items())], DRAINED_COLUMNS, cut)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 from ..devices.model import Device
 from ..errors import Interrupted, NoDeviceError
-from ..lease.sharing import MPS, MPS_SERVER_COMM, Sharing
+from ..lease.sharing import MPS, Sharing, mps_daemon
 from ..lease.files import Lease, LeaseFiles, lock_table
 # The scheduler (schedule.py) is imported where a decision is made: a launch nobody waits
 # before takes its devices without one (_uncontended), and the shim pays for every module.
@@ -94,13 +94,31 @@ def _free_mib(device: Device) -> Optional[int]:
     return device.memory_total_mib - device.memory_used_mib
 
 
-def _mps_server(pid: int) -> bool:
-    """Whether PID is an MPS server: it stays on a device its clients have left."""
-    try:
-        with open(f"/proc/{pid}/comm", "rb") as f:
-            return f.read().startswith(MPS_SERVER_COMM)
-    except OSError:
+def _mps_server(pid: int, daemon: Optional[int]) -> bool:
+    """Whether PID is an MPS server of cudawrap's: a child of DAEMON, the control daemon
+    `cudawrap mps start` runs for the device (None: none runs). Never by its name: anyone can
+    run a program named nvidia-cuda-mps-server."""
+    if daemon is None:
         return False
+    from ..proc import parent  # only once a process was seen on a device
+
+    return parent(pid) == daemon
+
+
+def mps_strangers(pids: Sequence[int], uids: Set[int], daemon: Optional[int],
+                  gone: Callable[[int], bool] = lambda pid: False) -> List[int]:
+    """Of PIDS on a device shared through MPS, those of users who hold no share there (UIDS
+    do), other than the MPS server of DAEMON (cudawrap's control daemon for the device): MPS
+    clients connected without a lease, or other work. The daemon serves one user at a time,
+    so a sharer's next client would wait behind them. GONE: pids known to be no work. A pid
+    without a process here (ended since NVML was read, or of another pid namespace) is not
+    counted: whose it is cannot be told, and a sharer's own must not close its device."""
+    out = []
+    for pid in pids:
+        uid = _uid_of(pid)
+        if uid not in uids and uid != -1 and not gone(pid) and not _mps_server(pid, daemon):
+            out.append(pid)
+    return out
 
 
 def _exited(pid: int) -> bool:
@@ -147,8 +165,11 @@ class Acquirer:
         share: bool = False,
         sharing: Optional[Sharing] = None,
         unread: Sequence[str] = (),
+        root: Optional[str] = None,
+        snapshot: Optional[str] = None,
     ) -> None:
         self.leases = leases
+        self.root = root  # the install's: where its MPS daemons' pid files are
         self.queue = queue
         self.candidates = list(candidates)
         self.count = count
@@ -169,6 +190,7 @@ class Acquirer:
         self.share = share
         self.slots = {u: self.sharing.slots_for(u, p) for u, p in self.parents.items()}
         self.joined: Set[str] = set()  # devices that had sharers at the last decision
+        self.used: Dict[str, List[int]] = {}  # and the uid of each of their shares
         now = time.monotonic() if checked_at is None else checked_at
         self.checked_at: Dict[str, float] = {d.uuid: now for d in all_devices}
         # Devices whose data may be stale: their lease was held at some look since they were
@@ -195,17 +217,34 @@ class Acquirer:
         # (lease file, pids that took its locks) -> the real uid of each lock's holder, read
         # once per lease (see _owners).
         self.owners: Dict[Tuple[Tuple[int, int], Tuple[int, ...]], List[int]] = {}
+        # Our devices whose lease was free at the last look but which processes cudawrap did
+        # not start kept from us; and the monitor's snapshot, whose rewrite may free them.
+        self.foreign_busy: Set[str] = set()
+        self.snapshot = snapshot
 
     # -- judging devices -------------------------------------------------------------
     def occupied(self, device: Device) -> bool:
         """Whether NVML shows work cudawrap did not start on DEVICE (its lease being free).
 
-        An MPS server left by shared runs that ended is not work: it idles until stopped."""
+        The MPS server of cudawrap's daemon for DEVICE, left by shared runs that ended, is
+        not work: it idles until stopped."""
         if self.foreign == "ignore":
             return False
         if device.pids is None:
             return (device.memory_used_mib or 0) > self.busy_memory_mib
-        return any(not _mps_server(pid) and not (pid in self.holders and _exited(pid)) for pid in device.pids)
+        daemon: Optional[int] = -1  # not read yet: only once a process is seen
+        for pid in device.pids:
+            if pid in self.holders and _exited(pid):
+                continue
+            if daemon == -1:
+                daemon = self.mps_daemon(device.uuid)
+            if not _mps_server(pid, daemon):
+                return True
+        return False
+
+    def mps_daemon(self, uuid: str) -> Optional[int]:
+        """The pid of the MPS control daemon cudawrap runs for UUID, or None."""
+        return mps_daemon(self.root, uuid, self.leases.owner) if self.root is not None else None
 
     def _recheck(self, uuid: str, now: float) -> bool:
         """Re-read DEVICE from NVML if its data may be stale; True if it is now free."""
@@ -241,24 +280,31 @@ class Acquirer:
         busy: Set[str] = set()
         used: Dict[str, List[int]] = {}
         closed: Set[str] = set()  # shared, but to take no new shares
+        self.foreign_busy = set()
         idents = {uuid: self.leases.ident(uuid) for uuid in self.current}
         owners = self._owners({ident: table[ident] for ident in idents.values() if ident in table})
         for uuid, ident in idents.items():
             if ident is None:
                 continue  # no lease file: cannot be leased (not synced yet)
             locks = table.get(ident)
-            if locks is not None:
+            apart = self._slots_apart(uuid, locks, table)
+            if locks is not None or apart:
                 busy.add(uuid)
                 self.stale.add(uuid)
                 if len(self.holders) > 4096:
                     self.holders.clear()  # a long wait through many jobs: only recent ones matter
-                self.holders.update(pid for pid, _ex in locks)
-                if any(exclusive for _pid, exclusive in locks):
+                self.holders.update(pid for pid, _ex in locks or ())
+                if locks is not None and any(exclusive for _pid, exclusive in locks):
                     uid = owners[ident][0]
                     held[uid] = held.get(uid, 0) + 1
+                    for uid in map(_uid_of, apart):
+                        held[uid] = held.get(uid, 0) + self.sharing.cost(self.slots[uuid])
                     continue
-                # Shared: each shared lock on the lease file is one share (see sharing.py).
-                used[uuid] = owners[ident]
+                # Shared: each shared lock on the lease file is one share (see sharing.py),
+                # and so is each slot locked apart from the lease.
+                used[uuid] = list(owners.get(ident, ())) + [_uid_of(pid) for pid in apart]
+                if self._strangers(uuid, set(used[uuid])):
+                    closed.add(uuid)  # its sharers' next clients would wait behind another user's
                 for uid in used[uuid]:
                     held[uid] = held.get(uid, 0) + self.sharing.cost(self.slots[uuid])
                 if uuid in self.lost or uuid in self.unavailable:
@@ -274,6 +320,8 @@ class Acquirer:
                 free.append(uuid)
             else:
                 busy.add(uuid)
+                if uuid in self.mine:
+                    self.foreign_busy.add(uuid)
         slots = {u: 0 if u in closed else n for u, n in self.slots.items()}
         from .schedule import Shares
 
@@ -304,6 +352,55 @@ class Acquirer:
         self.owners.update((keys[ident], uids) for ident, uids in new.items())
         return {ident: self.owners[key] for ident, key in keys.items()}
 
+    def _strangers(self, uuid: str, uids: Set[int]) -> bool:
+        """Whether UUID is shared through MPS and NVML shows a process there of a user who
+        holds no share on it (see mps_strangers): it takes no new shares until they are gone."""
+        pids = self.current[uuid].pids
+        if self.sharing.mode != MPS or not pids or self.foreign == "ignore":
+            return False
+        return bool(mps_strangers(pids, uids, self.mps_daemon(uuid), lambda pid: pid in self.holders and _exited(pid)))
+
+    def _joinable(self, uuid: str) -> bool:
+        """Whether a share of UUID, which has sharers, may be taken: under MPS, NVML read
+        again shows no user there but its sharers and us (see _strangers)."""
+        if self.sharing.mode != MPS:
+            return True
+        fresh = self.refresh(self.current[uuid]) if self.refresh else None
+        if fresh is not None:
+            self.current[uuid] = fresh
+        return not self._strangers(uuid, set(self.used.get(uuid, ())) | {self.uid})
+
+    def _slots_apart(self, uuid: str, locks: Optional[List[Tuple[int, bool]]],
+                     table: Dict[Tuple[int, int], List[Tuple[int, bool]]]) -> List[int]:
+        """The takers of UUID's slot files locked by no process that locked its lease file too.
+
+        A share takes both locks in one process (LeaseFiles.try_share), so its two lines in
+        the lock table name the same pid. A slot locked alone keeps a sharer out as surely as
+        a share does, but the lease file does not show it: without this, every shared run
+        would be given the device, fail to lock a slot and, after its wait, give up, while
+        the device looked free to all. A process that is closing its files is left out: at
+        its exit the kernel may drop its lease lock a moment before its slot's."""
+        if self.slots[uuid] < 2:
+            return []
+        sharers = {pid for pid, _ex in locks or ()}
+        apart = [pid for ident in self.leases.slot_idents(uuid, self.slots[uuid])
+                 for pid, _ex in table.get(ident, ()) if pid not in sharers]
+        if not apart:
+            return apart
+        from ..proc import closing
+
+        return [pid for pid in apart if not closing(pid)]
+
+    def foreign_pids(self) -> Set[int]:
+        """The processes on the devices that only processes cudawrap did not start keep from us."""
+        return {pid for uuid in self.foreign_busy for pid in self.current[uuid].pids or ()}
+
+    def foreign_left(self) -> bool:
+        """Re-read those devices (one of their processes exited, or the snapshot was
+        rewritten): whether any is free of them now."""
+        now = time.monotonic()
+        return any([self._recheck(uuid, now) for uuid in self.foreign_busy])
+
     def usable(self) -> int:
         return len([d for d in self.candidates if d.uuid not in self.lost and d.uuid not in self.unavailable])
 
@@ -331,6 +428,7 @@ class Acquirer:
             self.unavailable = set(self.drained())
         free, held, busy, shares = self.machine(scan.table)
         self.joined = set(shares.used)
+        self.used = shares.used
         limits = {w.uid: self._limit(w.uid) for w in waiters}
         fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free or u in shares.used}
         from .schedule import decide
@@ -398,8 +496,9 @@ class Acquirer:
         """Lock exactly UUIDS now (all or none) and hand them over as a Lease.
 
         A shared run takes a share of each device that has slots (a device of one slot
-        whole); joining sharers, it does not judge the device by NVML (their processes are
-        not foreign), opening a device it does, as an exclusive run would.
+        whole); joining sharers, it does not judge the device by NVML as foreign work (their
+        processes are not foreign) except, under MPS, the processes of users without a share
+        there (_joinable); opening a device it does, as an exclusive run would.
         """
         now = time.monotonic()
         locked: List[str] = []
@@ -409,7 +508,7 @@ class Acquirer:
                     else self._lock(uuid)):
                 break
             locked.append(uuid)
-            if uuid not in self.joined and not self._eligible(uuid, now):
+            if not (self._joinable(uuid) if uuid in self.joined else self._eligible(uuid, now)):
                 break
         else:
             if not shared or self._shares_hold(shared):
@@ -548,6 +647,7 @@ class Acquirer:
               on_wait: Optional[Callable[[str], None]], first: Verdict, ahead: Set[str]) -> Lease:
         from ..base import inotify
         from .farwait import FarWait
+        from .foreignwake import ForeignWake
         import select
         import signal  # waiting only: `signal` pulls in enum (~5 ms)
 
@@ -565,6 +665,7 @@ class Acquirer:
         # an instance): what they still report happened while unwatched, and is no news.
         removed: Set[int] = set()
         poller = select.poll()
+        wake = ForeignWake(poller, self.snapshot)  # processes cudawrap did not start, leaving
         # The newcomer decided just before it queued: far back, it need not decide again
         # until the queue changes (a full look at 500 entries is ~10 ms, and each arrival of a
         # batch would otherwise pay it twice).
@@ -699,6 +800,7 @@ class Acquirer:
                 if own is None:
                     time.sleep(timeout)
                     continue
+                wake.follow(self.foreign_pids() if watcher else ())
                 looked_at = time.monotonic()
                 until = looked_at + timeout
                 released: Set[str] = set()  # lease files closed since this look
@@ -707,8 +809,11 @@ class Acquirer:
                 pending = False  # another run's turn on what was amended: it should leave soon
                 while True:
                     left = (min(until, time.monotonic() + 0.1) if pending else until) - time.monotonic()
-                    if left <= 0 or not poller.poll(left * 1000):
+                    if left <= 0:
                         break  # time for a full look
+                    ready = poller.poll(left * 1000)
+                    if not ready or (wake.woken(ready) and self.foreign_left()):
+                        break  # time for a full look, or a device is free of what kept it from us
                     # A job ended (its lease file closed) or a run left the queue: decide on this
                     # look, amended by what the events say, and take our turn at once. A
                     # newcomer, a lease file opened (a lock may have been taken), a poke or a
@@ -757,6 +862,7 @@ class Acquirer:
                 own.close()
             if far is not None:
                 far.close()
+            wake.close()
 
     def _amend(self, scan: Scan, closed: Set[str], departed: Set[str], before: Dict[str, Verdict]) -> Scan:
         """SCAN (the last full look) as the events since say it is now, without reading
@@ -786,8 +892,10 @@ class Acquirer:
                 releasing.append((uuid, ident))
             elif self.leases.free_now(uuid):
                 del table[ident]  # let go by a process that lives on (the API's Lease.release)
+                self._forget_slots(table, uuid, {pid for pid, _ex in locks})
         for uuid, ident in releasing:
             holders = [pid for pid, _ex in table.pop(ident)]
+            self._forget_slots(table, uuid, set(holders))
             for _ in range(20):
                 if self._vacant(uuid):
                     break
@@ -816,6 +924,19 @@ class Acquirer:
                 else:
                     table[ident] = [(slots.pop(0), True) if slots else UNKNOWN_HOLDER]
         return Scan([w for w in scan.waiters if w.key not in departed], table, scan.paths)
+
+    def _forget_slots(self, table: Dict[Tuple[int, int], List[Tuple[int, bool]]], uuid: str,
+                      pids: Set[int]) -> None:
+        """Drop from TABLE the locks of PIDS on UUID's slot files: their shares ended with their
+        lease locks (left there, they would read as slots locked apart from the lease)."""
+        if self.slots.get(uuid, 1) < 2:
+            return
+        for ident in self.leases.slot_idents(uuid, self.slots[uuid]):
+            left = [lock for lock in table.get(ident, ()) if lock[0] not in pids]
+            if left:
+                table[ident] = left
+            else:
+                table.pop(ident, None)
 
     def _after_release(self, amended: Scan, me: Waiter, key: str, closed: Set[str], trace: bool
                        ) -> Tuple[Dict[str, Verdict], Optional[Lease]]:

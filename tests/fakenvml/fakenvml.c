@@ -15,6 +15,10 @@
  * concurrent callers need no lock), and it lets a test rewrite the machine
  * under a running program.  A parse is a few microseconds for the largest
  * ready topology.
+ *
+ * Calls cost what they cost on real hardware (an NVIDIA H200 by default; see
+ * "What calls cost" in FORMAT.md): each sleeps that long before answering.
+ * FAKENVML_TIMING changes the costs, "none" removes them.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -24,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
@@ -161,6 +166,7 @@ struct fake_gpu {
     unsigned int cc_major, cc_minor; /* CUDA compute capability */
     unsigned int temp_c, power_mw, power_limit_mw, pstate; /* status readings */
     int lost;
+    int persistence_off; /* the driver lets go of the GPU when its last client leaves */
     struct fake_mig slot[MAX_SLOTS];
 };
 
@@ -429,7 +435,8 @@ static const char *parse_line(struct machine *m, char *line)
     static const char *const gpu_fields[] = {"uuid", "name", "memory_mib", "mig", "pci", "used_mib",
                                              "temp", "power_w", "power_limit_w", "pstate",
                                              "reserved_mib", "util", "mem_util", "max_mig",
-                                             "pci_device_id", "pci_subsystem_id", "cc", NULL};
+                                             "pci_device_id", "pci_subsystem_id", "cc", "persistence",
+                                             NULL};
     static const char *const mig_fields[] = {"parent", "slot", "uuid", "profile", "gi", "ci",
                                              "memory_mib", "used_mib", NULL};
     static const char *const proc_fields[] = {"pid", "device", "memory_mib", NULL};
@@ -586,6 +593,10 @@ static const char *parse_line(struct machine *m, char *line)
             g->cc_major = (unsigned int)major;
             g->cc_minor = (unsigned int)minor;
         }
+        s = field(tok, n, "persistence");
+        if (s && strcmp(s, "on") != 0 && strcmp(s, "off") != 0)
+            FAIL("gpu: persistence= takes on or off");
+        g->persistence_off = s && strcmp(s, "off") == 0;
         m->ngpus++;
         return NULL;
     }
@@ -801,6 +812,159 @@ static struct machine *load_machine(void)
     return m;
 }
 
+/* ---- what calls cost ---------------------------------------------------- */
+
+/*
+ * Medians of 9 fresh processes on an NVIDIA H200, driver 580.159.04, persistence
+ * mode on (FORMAT.md).  "attach" is the first handle of each GPU after init (the
+ * measured GetCount + GetHandleByIndex on a one-GPU machine); "cold" is what init
+ * adds per GPU in persistence mode off that no client keeps initialised (NVIDIA:
+ * "order of 1-3 second" per GPU, the low end here).  "context" and "leave" are the
+ * stand-in CUDA program's (fakecuda.py), accepted here so one variable sets both.
+ */
+enum cost { COST_INIT, COST_ATTACH, COST_UUID, COST_MEMORY, COST_PROCS, COST_BY_UUID, COST_SHUTDOWN,
+            COST_COLD, COST_CONTEXT, COST_LEAVE, NCOSTS };
+static const char *const cost_names[NCOSTS] = {"init", "attach", "uuid", "memory", "procs", "by_uuid",
+                                               "shutdown", "cold", "context", "leave"};
+static const double h200_ms[NCOSTS] = {9.8, 6.0, 0.09, 0.05, 0.3, 0.01, 2.4, 1000.0, 135.0, 28.0};
+#define MAX_COST_MS 600000.0
+
+/* FAKENVML_TIMING into ms: unset or empty, the H200's; "none" zeroes them all; then
+ * KEY=MS items, comma-separated, override one each.  0, or -1 with the reason in why. */
+static int read_timing(double *ms, char *why, size_t whylen)
+{
+    memcpy(ms, h200_ms, sizeof h200_ms);
+    const char *env = getenv("FAKENVML_TIMING");
+    char buf[512];
+    if (!env || !*env)
+        return 0;
+    if (strlen(env) >= sizeof buf) {
+        snprintf(why, whylen, "FAKENVML_TIMING: longer than %zu bytes", sizeof buf - 1);
+        return -1;
+    }
+    strcpy(buf, env);
+    for (char *save = NULL, *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+        if (strcmp(item, "none") == 0) {
+            for (int i = 0; i < NCOSTS; i++)
+                ms[i] = 0.0;
+            continue;
+        }
+        char *eq = strchr(item, '='), *end = NULL;
+        int i = 0;
+        if (eq) {
+            *eq = '\0';
+            while (i < NCOSTS && strcmp(cost_names[i], item) != 0)
+                i++;
+        }
+        double v = eq && i < NCOSTS ? strtod(eq + 1, &end) : -1.0;
+        if (!eq || i == NCOSTS || end == eq + 1 || *end || !(v >= 0.0 && v <= MAX_COST_MS)) {
+            snprintf(why, whylen, "FAKENVML_TIMING: '%.100s%s' is not none or KEY=MS with KEY one of init, "
+                     "attach, uuid, memory, procs, by_uuid, shutdown, cold, context, leave and MS 0..600000",
+                     item, eq ? "=..." : "");
+            return -1;
+        }
+        ms[i] = v;
+    }
+    return 0;
+}
+
+static void sleep_ms(double ms)
+{
+    if (ms <= 0.0)
+        return;
+    long long ns = (long long)(ms * 1e6);
+    struct timespec ts = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        ;
+}
+
+/* Sleep what WHAT costs (nothing when FAKENVML_TIMING is invalid: init refused it). */
+static void pay(enum cost what)
+{
+    double ms[NCOSTS];
+    char why[8];
+    if (read_timing(ms, why, sizeof why) == 0)
+        sleep_ms(ms[what]);
+}
+
+/* GPUs this process has had a handle of since init: the first one costs COST_ATTACH. */
+static unsigned int attached; /* bit per GPU index; touched only through __atomic builtins */
+
+static void attach(int gpu)
+{
+    unsigned int bit = 1u << gpu;
+    if (!(__atomic_fetch_or(&attached, bit, __ATOMIC_SEQ_CST) & bit))
+        pay(COST_ATTACH);
+}
+
+/*
+ * Processes with NVML initialised register in $FAKENVML_STATE/clients/<pid>, as the
+ * CUDA programs in procs/: a GPU in persistence mode off stays initialised while any
+ * live client, or a process on it, is there.
+ */
+static int clients_path(char *out, size_t size, pid_t pid)
+{
+    const char *state = getenv("FAKENVML_STATE");
+    if (!state || !*state)
+        return -1;
+    int n = pid ? snprintf(out, size, "%s/clients/%d", state, (int)pid) : snprintf(out, size, "%s/clients", state);
+    return n < 0 || (size_t)n >= size ? -1 : 0;
+}
+
+static void register_client(int on)
+{
+    char path[4096];
+    if (clients_path(path, sizeof path, getpid()))
+        return;
+    if (!on) {
+        unlink(path);
+        return;
+    }
+    char dir[4096];
+    if (clients_path(dir, sizeof dir, 0) == 0 && mkdir(dir, 01777) == 0)
+        chmod(dir, 01777); /* other users' programs register here too */
+    int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd >= 0)
+        close(fd);
+}
+
+static int other_client_alive(void)
+{
+    char dir[4096];
+    if (clients_path(dir, sizeof dir, 0))
+        return 0;
+    DIR *d = opendir(dir);
+    if (!d)
+        return 0;
+    int found = 0;
+    struct dirent *e;
+    while (!found && (e = readdir(d)) != NULL) {
+        unsigned long long pid;
+        found = !parse_u64(e->d_name, 10, 0x7FFFFFFF, &pid) && pid && (pid_t)pid != getpid() && pid_alive((pid_t)pid);
+    }
+    closedir(d);
+    return found;
+}
+
+/* What init costs on M: its own, and bringing up each GPU nobody keeps initialised. */
+static void pay_init(const struct machine *m, const double *ms)
+{
+    double total = ms[COST_INIT];
+    int others = -1;
+    for (int g = 0; g < m->ngpus; g++) {
+        int held = 0;
+        if (!m->gpu[g].persistence_off)
+            continue;
+        for (int i = 0; i < m->nprocs && !held; i++)
+            held = m->procs[i].gpu == g;
+        if (!held && others < 0)
+            others = other_client_alive();
+        if (!held && !others)
+            total += ms[COST_COLD];
+    }
+    sleep_ms(total);
+}
+
 /* ---- common call plumbing ---------------------------------------------- */
 
 static int initialized(void)
@@ -891,16 +1055,20 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
         warn_once(m->error);
         return finish(m, NVML_ERROR_UNKNOWN);
     }
-    if (m->slow_init_ms) {
-        struct timespec ts = {(time_t)(m->slow_init_ms / 1000), (long)(m->slow_init_ms % 1000) * 1000000L};
-        while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
-            ;
+    double ms[NCOSTS];
+    char why[320];
+    if (read_timing(ms, why, sizeof why)) {
+        warn_once(why);
+        return finish(m, NVML_ERROR_UNKNOWN);
     }
+    sleep_ms((double)m->slow_init_ms);
     if (m->driver_not_loaded)
         return finish(m, NVML_ERROR_DRIVER_NOT_LOADED);
+    pay_init(m, ms);
     if (m->version_mismatch)
         return finish(m, NVML_ERROR_LIB_RM_VERSION_MISMATCH);
-    __atomic_add_fetch(&init_refcount, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_add_fetch(&init_refcount, 1, __ATOMIC_SEQ_CST) == 1)
+        register_client(1);
     return finish(m, NVML_SUCCESS);
 }
 
@@ -918,8 +1086,14 @@ nvmlReturn_t nvmlShutdown(void)
 {
     int n = __atomic_load_n(&init_refcount, __ATOMIC_SEQ_CST);
     while (n > 0) {
-        if (__atomic_compare_exchange_n(&init_refcount, &n, n - 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        if (__atomic_compare_exchange_n(&init_refcount, &n, n - 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+            if (n == 1) { /* the last reference: the next init attaches the GPUs again */
+                __atomic_store_n(&attached, 0u, __ATOMIC_SEQ_CST);
+                register_client(0);
+            }
+            pay(COST_SHUTDOWN);
             return NVML_SUCCESS;
+        }
     }
     return NVML_ERROR_UNINITIALIZED;
 }
@@ -1025,6 +1199,7 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev
         return ret;
     if (!device || index >= (unsigned int)m->ngpus)
         return finish(m, NVML_ERROR_INVALID_ARGUMENT);
+    attach((int)index);
     *device = handle_of((int)index, -1);
     return finish(m, NVML_SUCCESS);
 }
@@ -1043,8 +1218,10 @@ nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
         return ret;
     if (!uuid || !device)
         return finish(m, NVML_ERROR_INVALID_ARGUMENT);
+    pay(COST_BY_UUID);
     if (find_uuid(m, uuid, &g, &s))
         return finish(m, NVML_ERROR_NOT_FOUND);
+    attach(g);
     *device = handle_of(g, s);
     return finish(m, NVML_SUCCESS);
 }
@@ -1078,6 +1255,7 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int len
         return ret;
     if ((ret = resolve(m, device, &t, ASK_GPU)) != NVML_SUCCESS)
         return finish(m, ret);
+    pay(COST_UUID);
     return finish(m, put_string(uuid, length, t.mig ? t.mig->uuid : t.gpu->uuid));
 }
 
@@ -1221,6 +1399,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
     struct usage u;
     nvmlReturn_t ret = usage_of(device, &u);
+    pay(COST_MEMORY);
     if (ret != NVML_SUCCESS)
         return ret;
     if (!memory)
@@ -1236,6 +1415,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
 {
     struct usage u;
     nvmlReturn_t ret = usage_of(device, &u);
+    pay(COST_MEMORY);
     if (ret != NVML_SUCCESS)
         return ret;
     if (!memory)
@@ -1279,6 +1459,7 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *infoCou
         return ret;
     if ((ret = resolve(m, device, &t, ASK_GPU)) != NVML_SUCCESS)
         return finish(m, ret);
+    pay(COST_PROCS);
     /* What a user without CAP_SYS_ADMIN sees on a partitioned GPU. */
     if ((m->perm == PERM_DENY_PARENT && !t.mig && t.gpu->mig == MIG_ON) ||
         (m->perm == PERM_DENY_ALL && (t.mig || t.gpu->mig == MIG_ON)))

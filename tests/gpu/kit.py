@@ -368,7 +368,15 @@ class Kit:
     def set_sharing(self, text: str) -> None:
         if self.config_saved is None:
             self.config_saved = self.config.read_text()
-        self.config.write_text(self.config_saved + "\n# added by the real-GPU kit\n[sharing]\n" + text)
+        # The default config shows a [sharing] table (its keys commented out): the keys go
+        # under that header, as TOML allows a table once; an older config gets the table.
+        lines = self.config_saved.splitlines(keepends=True)
+        added = "# added by the real-GPU kit\n" + text
+        if "[sharing]\n" in lines:
+            at = lines.index("[sharing]\n") + 1
+            self.config.write_text("".join(lines[:at]) + added + "".join(lines[at:]))
+        else:
+            self.config.write_text(self.config_saved + "\n[sharing]\n" + added)
         self.cli("sync")
 
     def restore_config(self) -> None:

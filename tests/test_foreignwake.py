@@ -1,0 +1,106 @@
+"""A waiter kept off a device only by a process cudawrap did not start wakes as it leaves.
+
+The waiter's own timer (acquire.WATCH_S) is set to an hour here, so a run granted within the
+test was woken by the process's exit (a pidfd) or by the monitor rewriting its snapshot.
+"""
+import importlib
+import subprocess
+import threading
+from typing import Callable, Dict, List
+
+import pytest
+
+from cudawrap.devices import nvml, snapshot
+from cudawrap.sched.acquirer import Acquirer
+from cudawrap.devices.model import Device
+from cudawrap.lease.files import Lease, LeaseFiles
+from cudawrap.ops.monitor import refresh_once
+from cudawrap.sched.queue import WaitQueue
+from corefix import ready_line, wait_for
+from fakemachine import FAKECUDA
+
+# No process here can have this pid (above the largest pid_max): one NVML names from another
+# pid namespace, which neither the monitor nor a waiter can see or wait for.
+UNSEEN_PID = (1 << 22) + 1
+
+
+@pytest.fixture(autouse=True)
+def no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.import_module("cudawrap.sched.acquirer"), "WATCH_S", 3600.0)
+
+
+def foreign(inst, uuid: str) -> subprocess.Popen:  # type: ignore[no-untyped-def]
+    """An unwrapped CUDA program on UUID, ready (listed by NVML)."""
+    proc = subprocess.Popen([str(FAKECUDA), "--hold", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=inst.machine.environ(CUDA_VISIBLE_DEVICES=uuid))
+    ready_line(proc)
+    return proc
+
+
+class Waiter:
+    """A run waiting for DEVICE in a thread of this process, its re-reads of the device counted."""
+
+    def __init__(self, inst, device: Device, refresh: Callable[[Device], Device], watched: str = "") -> None:  # type: ignore[no-untyped-def]
+        self.reads: List[str] = []
+        self.queue = WaitQueue(str(inst.layout.queue_dir))
+        self.outcome: Dict[str, object] = {}
+
+        def counted(d: Device) -> Device:
+            self.reads.append(d.uuid)
+            return refresh(d)
+
+        self.acquirer = Acquirer(LeaseFiles(str(inst.layout.lease_dir)), self.queue, [device], [device], 1,
+                                 refresh=counted, snapshot=watched or None)
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+        wait_for(lambda: len(self.queue.scan().waiters) == 1)  # it waits
+
+    def _run(self) -> None:
+        try:
+            self.outcome["lease"] = self.acquirer.acquire(60, b"pid=0\n")
+        except Exception as exc:  # the test says what went wrong
+            self.outcome["error"] = exc
+
+    def granted(self) -> Lease:
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "still waiting: nothing woke it"
+        assert "lease" in self.outcome, self.outcome
+        return self.outcome["lease"]  # type: ignore[return-value]
+
+
+def test_a_waiter_wakes_as_the_foreign_process_exits(installed) -> None:  # type: ignore[no-untyped-def]
+    """No monitor: the waiter follows the process's exit through a pidfd, then asks NVML."""
+    inst = installed("four-gpus")
+    gpus = inst.machine.leaf_uuids()
+    job = foreign(inst, gpus[0])
+    device = nvml.inventory().by_uuid(gpus[0])
+    assert device.pids == (job.pid,)
+    waiter = Waiter(inst, device, nvml.refresh)
+    job.kill()
+    job.wait()
+    lease = waiter.granted()
+    assert lease.uuids == [gpus[0]]
+    lease.release()
+
+
+def test_a_waiter_wakes_as_the_snapshot_drops_an_unseen_process_and_not_before(installed) -> None:  # type: ignore[no-untyped-def]
+    """With the monitor: a process in another pid namespace has no pidfd; the snapshot's
+    rewrite wakes the waiter, which waits on while the process is listed."""
+    inst = installed("four-gpus")
+    gpus = inst.machine.leaf_uuids()
+    root = str(inst.layout.root)
+    inst.machine.add_process(UNSEEN_PID, gpus[1], 2048)
+    refresh_once(inst.layout)
+    device = snapshot.read_fresh(root).by_uuid(gpus[1])
+    assert device.pids == (UNSEEN_PID,)
+    waiter = Waiter(inst, device, snapshot.SnapshotRefresh(root), str(inst.layout.usage_snapshot))
+    before = len(waiter.reads)
+    refresh_once(inst.layout)  # rewritten, the unseen process still listed: it still counts
+    wait_for(lambda: len(waiter.reads) > before)
+    waiter.thread.join(timeout=0.3)
+    assert waiter.thread.is_alive() and LeaseFiles(str(inst.layout.lease_dir)).free_now(gpus[1])
+    inst.machine.remove_process(UNSEEN_PID)
+    refresh_once(inst.layout)
+    lease = waiter.granted()
+    assert lease.uuids == [gpus[1]]
+    lease.release()
