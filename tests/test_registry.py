@@ -181,7 +181,7 @@ def test_lock_is_reentrant_in_one_process(layout: Layout) -> None:
 
 def test_concurrent_writers_lose_no_update(layout: Layout) -> None:
     code = (
-        "import sys; from pathlib import Path; from cudawrap import registry; "
+        "import sys; from pathlib import Path; from cudawrap.policy import registry; "
         "from cudawrap.paths import Layout; sys.path.insert(0, %r); from test_registry import entry; "
         "layout = Layout(Path(sys.argv[1]))\n"
         "for i in range(15):\n"
