@@ -400,7 +400,7 @@ case $rc in
 esac
 
 # Said here once, not by every admin command: many containers run no syslog.
-audit=$("$vpy" -I -c 'from cudawrap.audit import channel_problem; print(channel_problem() or "")') || audit=""
+audit=$("$vpy" -I -c 'from cudawrap.base.audit import channel_problem; print(channel_problem() or "")') || audit=""
 [ -z "$audit" ] || warn "$audit; grants and ends of leases are still recorded in the ledger ('cudawrap usage'), and 'cudawrap doctor' reports it"
 
 # Enabled by the step above only when [sharing] mode = "mps"; its daemons need the lease files.
