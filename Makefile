@@ -12,7 +12,9 @@ STAMP := $(VENV)/.cudawrap-installed
 
 # -ra: the summary names every skip with its reason (CI must have none), besides failures and
 # xfails; a bare -rs would replace pyproject's -ra and drop the FAILED lines.
+# lint-imports: the package's layers (pyproject's [tool.importlinter]) before the tests.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -q -ra $(PYTEST_ARGS)
 
 venv: $(STAMP)
@@ -26,17 +28,17 @@ $(STAMP): $(VPY) pyproject.toml
 	@touch $@
 
 packaging: $(STAMP)
-	$(VPY) -m cudawrap.installation render-completion > packaging/cudawrap.bash-completion.tmp
-	$(VPY) -m cudawrap.installation render-unit > packaging/cudawrap-sync.service.tmp
-	$(VPY) -m cudawrap.installation render-monitor-unit > packaging/cudawrap-monitor.service.tmp
-	$(VPY) -m cudawrap.installation render-mps-unit > packaging/cudawrap-mps.service.tmp
-	$(VPY) -m cudawrap.installation render-tmpfiles > packaging/cudawrap.tmpfiles.tmp
+	$(VPY) -m cudawrap.cli.installer render-completion > packaging/cudawrap.bash-completion.tmp
+	$(VPY) -m cudawrap.cli.installer render-unit > packaging/cudawrap-sync.service.tmp
+	$(VPY) -m cudawrap.cli.installer render-monitor-unit > packaging/cudawrap-monitor.service.tmp
+	$(VPY) -m cudawrap.cli.installer render-mps-unit > packaging/cudawrap-mps.service.tmp
+	$(VPY) -m cudawrap.cli.installer render-tmpfiles > packaging/cudawrap.tmpfiles.tmp
 	for f in cudawrap.bash-completion cudawrap-sync.service cudawrap-monitor.service cudawrap-mps.service \
 		cudawrap.tmpfiles; do \
 		mv packaging/$$f.tmp packaging/$$f; done
 	mkdir -p packaging/man
 	for page in cudawrap.1 create-cudawrap.8 cudawrap.toml.5; do \
-		$(VPY) -m cudawrap.installation render-man-$$page > packaging/man/$$page.tmp && \
+		$(VPY) -m cudawrap.cli.installer render-man-$$page > packaging/man/$$page.tmp && \
 		mv packaging/man/$$page.tmp packaging/man/$$page; done
 
 completion: packaging

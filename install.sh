@@ -6,7 +6,7 @@
 #   sudo ./install.sh --uninstall [--unwrap-all | --keep-wraps]
 #
 # This half makes a private virtual environment and pip-installs the package into it;
-# `python -m cudawrap.installation` (cudawrap/installation.py) does the rest from there,
+# `python -m cudawrap.cli.installer` (cudawrap/cli/installer.py) does the rest from there,
 # recording what it creates in a manifest so --uninstall removes exactly that.
 # Locations mirror cudawrap/locations.py (tests/test_install.py checks they agree).
 set -euo pipefail
@@ -123,18 +123,22 @@ if [ "$action" = uninstall ]; then
     fi
     step "uninstalling cudawrap from $root"
     args=(uninstall --root "$root")
+    # The installed package's own code does the uninstall; one from before the package was
+    # grouped into layers has it at cudawrap.installation.
+    installer=cudawrap.cli.installer
+    "$vpy" -I -c "import $installer" 2>/dev/null || installer=cudawrap.installation
     [ "$unwrap_all" = 1 ] && args+=(--unwrap-all)
     if [ "$keep_wraps" = 1 ]; then
         # The installed package's own code does the uninstall: one from before --keep-wraps
         # would refuse the switch only after its usage text.
-        case $("$vpy" -I -m cudawrap.installation uninstall --help 2>/dev/null || true) in
+        case $("$vpy" -I -m "$installer" uninstall --help 2>/dev/null || true) in
             *--keep-wraps*) ;;
             *) die $EX_SOFTWARE "the cudawrap installed in $root predates --keep-wraps: upgrade it first ('sudo ./install.sh' from this source), then run this again" ;;
         esac
         args+=(--keep-wraps)
     fi
     cd /  # the venv is about to go away; do not sit in it
-    "$vpy" -I -m cudawrap.installation "${args[@]}"
+    "$vpy" -I -m "$installer" "${args[@]}"
     exit 0
 fi
 
@@ -349,7 +353,7 @@ if ! (cd "$tmp" && "$vpy" -I -m pip "${pip_args[@]}" "$tmp/src$extras") >"$tmp/p
     fi
     die 1 "pip could not install cudawrap into $venv (its last lines are above): check access to the package index, or install offline with --wheelhouse DIR"
 fi
-if ! (cd "$tmp" && "$vpy" -I -c 'import cudawrap.cli, cudawrap.launch, cudawrap.installation as i; i._template()') 2>"$tmp/check.log"; then
+if ! (cd "$tmp" && "$vpy" -I -c 'import cudawrap.cli.installer, cudawrap.launch, cudawrap.install.installation as i; i._template()') 2>"$tmp/check.log"; then
     rollback
     die $EX_SOFTWARE "the package pip installed is incomplete ($(tail -n 1 "$tmp/check.log")): the source's packaging is broken"
 fi
@@ -381,7 +385,7 @@ fi
 # ---- the rest, from the installed package -------------------------------------------------
 created_args=()
 for dir in ${created[@]+"${created[@]}"}; do created_args+=(--created "$dir"); done
-(cd "$tmp" && "$vpy" -I -m cudawrap.installation install --root "$root" --python "$vpy" --source "$SRC" --build "$build" \
+(cd "$tmp" && "$vpy" -I -m cudawrap.cli.installer install --root "$root" --python "$vpy" --source "$SRC" --build "$build" \
     ${created_args[@]+"${created_args[@]}"} ${wheel_args[@]+"${wheel_args[@]}"}) || exit $?
 
 step "cudawrap sync: a lease file for every GPU and MIG instance"
@@ -396,7 +400,7 @@ case $rc in
 esac
 
 # Said here once, not by every admin command: many containers run no syslog.
-audit=$("$vpy" -I -c 'from cudawrap.audit import channel_problem; print(channel_problem() or "")') || audit=""
+audit=$("$vpy" -I -c 'from cudawrap.base.audit import channel_problem; print(channel_problem() or "")') || audit=""
 [ -z "$audit" ] || warn "$audit; grants and ends of leases are still recorded in the ledger ('cudawrap usage'), and 'cudawrap doctor' reports it"
 
 # Enabled by the step above only when [sharing] mode = "mps"; its daemons need the lease files.

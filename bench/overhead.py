@@ -210,7 +210,7 @@ def _cpu_s(pid: int) -> float:
 
 def monitor_cpu(sim: Sim, seconds: float) -> dict:
     """The monitor's own CPU while it runs SECONDS at its default period, nothing launching."""
-    from cudawrap.snapshot import PERIOD_S
+    from cudawrap.devices.snapshot import PERIOD_S
 
     with sim.monitor():
         time.sleep(PERIOD_S)  # past its first cycle, which also loads pynvml

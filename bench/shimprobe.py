@@ -58,22 +58,22 @@ def phases(link, args):
 
     acc["import cudawrap.launch (errors, audit, leases, locations)"] = perf() - start
     start = perf()
-    import cudawrap.acquire
-    import cudawrap.policy
-    import cudawrap.snapshot
-    import cudawrap.waitqueue  # noqa: F401
+    import cudawrap.sched.acquirer
+    import cudawrap.policy.effective
+    import cudawrap.devices.snapshot
+    import cudawrap.sched.queue  # noqa: F401
 
     # Through sys.modules: the package's __init__ exports a function named `acquire`.
-    acquire, policy, snapshot = (sys.modules[f"cudawrap.{m}"] for m in ("acquire", "policy", "snapshot"))
+    acquire, policy, snapshot = (sys.modules[f"cudawrap.{m}"] for m in ("sched.acquirer", "policy.effective", "devices.snapshot"))
     acc["import cudawrap lazy modules (policy, snapshot, acquire, waitqueue)"] = perf() - start
     # nvml only where the launch imports it: without a fresh snapshot (no monitor).
     nvml = None
     if snapshot.read_fresh(root) is None:
         start = perf()
-        import cudawrap.nvml
+        import cudawrap.devices.nvml
 
-        nvml = sys.modules["cudawrap.nvml"]
-        acc["import cudawrap.nvml"] = perf() - start
+        nvml = sys.modules["cudawrap.devices.nvml"]
+        acc["import cudawrap.devices.nvml"] = perf() - start
 
     missing = []
 
@@ -197,7 +197,7 @@ def import_cost(link, args):
     elif variant == "pynvml":
         import pynvml  # noqa: F401
     elif variant == "nvmldirect":
-        import cudawrap.nvmldirect  # noqa: F401  (what the shim imports instead of pynvml)
+        import cudawrap.devices.nvmldirect  # noqa: F401  (what the shim imports instead of pynvml)
     elif variant == "pynvml-no-util":
         import ctypes  # noqa: F401
 

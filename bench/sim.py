@@ -159,7 +159,7 @@ class Install:
 
 def monitor_nice(layout: Layout) -> int:
     """The Nice= of the monitor's systemd unit as install.sh writes it (0 if it sets none)."""
-    from cudawrap.installation import render_monitor_unit
+    from cudawrap.install.installation import render_monitor_unit
 
     for line in render_monitor_unit(layout).splitlines():
         if line.startswith("Nice="):

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from cudawrap import inotify
-from cudawrap.waitqueue import parse_name
+from cudawrap.base import inotify
+from cudawrap.sched.queue import parse_name
 
 
 class Clock(threading.Thread):

@@ -9,8 +9,6 @@ TYPE_CHECKING = False  # the shim imports this package; `import typing` costs ~1
 if TYPE_CHECKING:
     from typing import Any, List
 
-import sys
-
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "acquire"]
@@ -25,21 +23,3 @@ def acquire(count: int = 1, wait: Any = None, **kwargs: Any) -> List[str]:
     from .api import acquire as _acquire
 
     return _acquire(count=count, wait=wait, **kwargs)
-
-
-class _Package(type(sys)):  # type: ignore[misc]
-    """This package, keeping `acquire` the function.
-
-    Importing the submodule cudawrap.acquire (the launch path does) makes the import system
-    set the package's attribute `acquire` to that module, which would turn a second
-    `cudawrap.acquire()` (a re-run notebook cell) into a TypeError. The submodule stays
-    reachable through sys.modules and `from cudawrap.acquire import ...`.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "acquire" and isinstance(value, type(sys)):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -11,10 +11,11 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-from . import launch, policy
-from .config import parse_gpus, parse_wait
+from . import launch
+from .policy import effective as policy
+from .policy.config import parse_gpus, parse_wait
 from .errors import UsageError
-from .leases import LEASE_ENV, PROGRAM_ENV
+from .lease.files import LEASE_ENV, PROGRAM_ENV
 from .paths import default_layout
 
 _held: Optional[launch.Grant] = None

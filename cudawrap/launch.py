@@ -13,13 +13,13 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
-    from .devices import Device
+    from .devices.model import Device
 
-from . import audit
+from .base import audit
 from . import locations as loc
 from .errors import (CannotExecute, CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound,
                      UsageError)
-from .leases import LEASE_ENV, PROGRAM_ENV, Lease, LeaseFiles, inherited_lease
+from .lease.files import LEASE_ENV, PROGRAM_ENV, Lease, LeaseFiles, inherited_lease
 
 CVD = "CUDA_VISIBLE_DEVICES"
 CVD_B = CVD.encode()
@@ -146,7 +146,7 @@ def _narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
     """
     if preset is None:
         return lease
-    from .selection import _by_prefix
+    from .sched.selection import _by_prefix
 
     uuids = lease.uuids
     kept: List[str] = []
@@ -177,23 +177,23 @@ def _candidates(inventory: Any, value: Dict[str, Any], allow: List[str], preset:
     filters that can never change (model, memory in all); free memory and utilisation
     change as jobs end, and the scheduler judges them at every decision.
     """
-    from .policy import filtered
+    from .policy.effective import filtered
 
     candidates = list(inventory.devices)
     if allow:
-        from .selection import allowed
+        from .sched.selection import allowed
 
         candidates = allowed(candidates, allow)
     if preset is not None:
-        from . import nvml
-        from .selection import parse_visible
+        from .devices import nvml
+        from .sched.selection import parse_visible
 
         visible = parse_visible(preset, inventory, order, nvml.mig_by_ids)
         candidates = [d for d in candidates if d in visible]
     why = " (narrowed by CUDA_VISIBLE_DEVICES)" if preset is not None else (
         " (narrowed by the allow-list)" if allow else "")
     if filtered(value) and candidates:
-        from .filters import Request, explain, split
+        from .sched.filters import Request, explain, split
 
         request = Request.from_settings(value, count)
         kept, _why_not = split(request, candidates, inventory)
@@ -224,7 +224,7 @@ def _read_nvml(root: str) -> Tuple[Any, bool]:
     "stale" device before judging it), so a launch on 56 MIG instances reads one or two of
     them, not all. The whole machine, enumerated, if there is no layout or it is out of date.
     """
-    from . import invcache, nvml
+    from .devices import invcache, nvml
 
     layout = invcache.read(root)
     if layout is not None and nvml.matches(layout):
@@ -236,7 +236,7 @@ def _drains(root: str) -> Dict[str, Any]:
     """The admin's drains (uuid -> Drain); drains.py is imported only when there are some."""
     if not os.path.exists(loc.under(root, loc.DRAINS)):
         return {}
-    from .drains import drained
+    from .sched.drains import drained
 
     return drained(root)
 
@@ -264,7 +264,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
 
     job = None
     if environ.get("SLURM_JOB_ID"):  # within_job's own test: outside Slurm, slurm is not imported
-        from .slurm import within_job
+        from .devices.slurm import within_job
 
         job = within_job(environ)
     if job is not None and job.shares:
@@ -275,10 +275,10 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     if preset is not None and not preset.strip():
         return Grant(None, None)  # the caller asked for no device at all
 
-    from .policy import check_count, queue_bounds
+    from .policy.effective import check_count, queue_bounds
 
     check_count(settings, count)
-    from .sharing import MPS, Sharing
+    from .lease.sharing import MPS, Sharing
 
     sharing = Sharing(value.get("sharing"))
     share = bool(value.get("share")) and sharing.anywhere
@@ -286,12 +286,12 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         raise NoDeviceError(f"{count} devices asked for as a shared run, but an MPS client uses one device",
                             hint="ask for one device (CUDAWRAP_GPUS=1), or run without sharing")
 
-    from .policy import UNFILTERED
-    from .snapshot import SnapshotRefresh, read_fresh
+    from .policy.effective import UNFILTERED
+    from .devices.snapshot import SnapshotRefresh, read_fresh
 
     allow = list(value["allow"])
     if value["allow_file"]:
-        from .selection import read_allow_file
+        from .sched.selection import read_allow_file
 
         allow += read_allow_file(value["allow_file"])
     order = environ.get("CUDA_DEVICE_ORDER")
@@ -305,7 +305,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         if inventory is not None:
             refresh = SnapshotRefresh(root)
         else:
-            from . import nvml
+            from .devices import nvml
 
             refresh = nvml.refresh
             if layout and job is None and min_free_mib <= 0:
@@ -317,7 +317,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     except NvmlUnavailable as exc:
         if value["no_driver"] == "fail":
             raise
-        from .leases import lease_file_inventory
+        from .lease.files import lease_file_inventory
 
         # The lease files root made still name the devices (NVML may be broken only for
         # us, a driver upgraded under a loaded module): one lease each, by UUID, rather
@@ -331,7 +331,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         refresh = _unchanged
     checked_at = time.monotonic()
     if job is not None:
-        from .selection import PCI_ORDER
+        from .sched.selection import PCI_ORDER
 
         slurm_visible = job.visible({g.index for g in inventory.gpus})
         if slurm_visible is not None:
@@ -344,14 +344,14 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         if not unread:
             raise
         # Perhaps the layout's fault (MIG reconfigured since the last sync): NVML decides.
-        from . import nvml
+        from .devices import nvml
 
         inventory, unread = nvml.inventory(direct=True), False
         candidates = _candidates(inventory, value, allow, preset, count, order)
     drains = _drains(root)
     usable = candidates
     if drains:  # an admin's `cudawrap drain`: no new lease there
-        from .drains import undrained
+        from .sched.drains import undrained
 
         usable = undrained(candidates, drains)
     if len(usable) < count:
@@ -366,26 +366,26 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         drains = _drains(root)
         if not drains:
             return ()
-        from .drains import covering
+        from .sched.drains import covering
 
         return {d.uuid for d in inventory.devices if covering(drains, d.uuid, d.parent_uuid)}
     if max_util < 100 and not any(d.utilization is not None for d in inventory.devices):
-        from . import nvml
+        from .devices import nvml
 
         try:  # the snapshot and the lean inventory skip utilisation: read it for this filter
             inventory, unread = nvml.inventory(utilization=True), False
         except NvmlUnavailable:
             pass
 
-    from .acquire import Acquirer, Cancelled, describe_wait
-    from .waitqueue import WaitQueue
+    from .sched.acquirer import Acquirer, Cancelled, describe_wait
+    from .sched.queue import WaitQueue
 
     limits = value.get("limits") or {}
     if not (limits.get("users") or limits.get("groups") or limits.get("default", (0, ""))[0]):
         limits = {}  # no [limits] configured: limits.py is not imported
     my_limit = 0
     if limits:
-        from .limits import limit_for
+        from .policy.limits import limit_for
 
         my_limit = limit_for(os.geteuid(), limits)
     if my_limit and count > my_limit:
@@ -399,7 +399,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     unsynced = [d for d in candidates if d.uuid not in present]
     if len(candidates) - len(unsynced) < count:
         from .errors import SetupError
-        from .leases import SYNC_HINT
+        from .lease.files import SYNC_HINT
 
         raise SetupError(f"{len(unsynced)} of the usable devices have no lease file in {lease_dir}",
                          hint=SYNC_HINT)
@@ -482,7 +482,7 @@ def exec_program(path: str, argv: Sequence[str], env: Dict[bytes, bytes], grant:
 def run_shim(root: str, argv: List[str], link: Optional[str] = None) -> NoReturn:
     """Run the program wrapped at LINK (baked into its own shim); without LINK (the shared
     shim that links made before per-program shims lead to), find it from how we were invoked."""
-    from .policy import effective
+    from .policy.effective import effective
 
     if not argv or not argv[0]:
         raise UsageError("started without a program name")

@@ -28,7 +28,7 @@ PROGRAM = '#!/bin/sh\necho "{name} $*"\n'
 
 def install(layout: Layout) -> None:
     """Lay out an install root with a working shim."""
-    from cudawrap.installation import prepare
+    from cudawrap.install.installation import prepare
 
     prepare(layout)
 
@@ -160,9 +160,9 @@ def run_as(uid: int, gid: int, argv: Sequence[str], environ: Dict[str, str]) -> 
 
     import cudawrap.cli
     import cudawrap.cli.admin
-    import cudawrap.doctor
-    import cudawrap.privilege
-    import cudawrap.wrap  # noqa: F401
+    import cudawrap.admin.doctor
+    import cudawrap.base.privilege
+    import cudawrap.admin.wrap  # noqa: F401
 
     out = tempfile.TemporaryFile()
     err = tempfile.TemporaryFile()

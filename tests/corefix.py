@@ -15,7 +15,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import pytest
 
-from cudawrap.installation import prepare
+from cudawrap.install.installation import prepare
 from cudawrap.paths import Layout
 from fakemachine import FAKECUDA, FakeMachine
 
@@ -53,7 +53,7 @@ class Installed:
         self.layout.config_file.write_text(text)
 
     def sync(self) -> None:
-        from cudawrap.sync import sync
+        from cudawrap.ops.sync import sync
 
         sync(self.layout)
 

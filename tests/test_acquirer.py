@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from cudawrap.acquire import Acquirer
-from cudawrap.devices import Device
+from cudawrap.sched.acquirer import Acquirer
+from cudawrap.devices.model import Device
 from cudawrap.errors import NoDeviceError
-from cudawrap.installation import prepare_runtime
-from cudawrap.leases import LeaseFiles
-from cudawrap.sync import sync_lease_files
+from cudawrap.install.installation import prepare_runtime
+from cudawrap.lease.files import LeaseFiles
+from cudawrap.ops.sync import sync_lease_files
 from cudawrap.paths import Layout
-from cudawrap.waitqueue import WaitQueue
+from cudawrap.sched.queue import WaitQueue
 
 UUID = "GPU-00000000-aaaa-bbbb-cccc-000000000001"
 
@@ -68,7 +68,7 @@ def test_taking_several_is_all_or_nothing(runtime: Layout) -> None:
 def test_a_stale_lock_table_never_removes_a_live_entry(runtime: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
     """A scan whose /proc/locks read misses a newcomer's lock (read a moment too early) must
     not take it for dead: the kernel is asked (a lock attempt) before anything is removed."""
-    import cudawrap.waitqueue as waitqueue
+    import cudawrap.sched.queue as waitqueue
 
     queue = WaitQueue(str(runtime.queue_dir))
     entry = queue.enqueue(1, "spread", None, 300.0, b"pid=1\n")
@@ -84,7 +84,7 @@ def test_a_stale_lock_table_never_removes_a_live_entry(runtime: Layout, monkeypa
 
 
 def test_each_user_may_have_a_bounded_number_of_waiting_runs(runtime: Layout) -> None:
-    from cudawrap.waitqueue import MAX_ENTRIES_PER_USER
+    from cudawrap.sched.queue import MAX_ENTRIES_PER_USER
 
     queue = WaitQueue(str(runtime.queue_dir))
     with pytest.raises(NoDeviceError, match=f"you already have {MAX_ENTRIES_PER_USER} runs waiting"):

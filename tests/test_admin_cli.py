@@ -12,7 +12,7 @@ from typing import Callable, List
 import pytest
 
 from adminfix import Admin, install, make_program, needs_root, one_line, run_as, snapshot
-from cudawrap import registry
+from cudawrap.policy import registry
 from cudawrap.errors import NotPermitted
 from cudawrap.paths import Layout
 
@@ -383,7 +383,7 @@ def test_owner_of_a_prefix_install_may_wrap(shared_tmp: Path) -> None:
 @needs_root
 @pytest.mark.root
 def test_a_system_install_needs_root() -> None:
-    from cudawrap.privilege import require_admin
+    from cudawrap.base.privilege import require_admin
 
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cudawrap.audit import channel_problem
+from cudawrap.base.audit import channel_problem
 
 
 def test_channel_problem_names_a_missing_or_wrong_socket(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Dict, List
 import pytest
 
 from corefix import Installed, ready_line
-from cudawrap import registry
+from cudawrap.policy import registry
 from fakemachine import FAKECUDA
 from test_acquire import intervals, overlaps
 

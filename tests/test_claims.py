@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 from corefix import Installed, ready_line
-from cudawrap.claims import CLAIMS_ENV, claims_dir
-from cudawrap.installation import prepare
+from cudawrap.lease.claims import CLAIMS_ENV, claims_dir
+from cudawrap.install.installation import prepare
 from cudawrap.paths import Layout
-from cudawrap.sync import sync
+from cudawrap.ops.sync import sync
 
 
 def second_install(inst: Installed, tmp_path: Path) -> Installed:

@@ -8,8 +8,8 @@ import pytest
 
 from cudawrap.cli import Cudawrap
 from cudawrap.cli.admin import CreateCudawrap
-from cudawrap.completion import specs
-from cudawrap.config import FOREIGN_RULES, PLACEMENTS
+from cudawrap.cli.completion import specs
+from cudawrap.policy.config import FOREIGN_RULES, PLACEMENTS
 
 FILE = Path(__file__).parent.parent / "packaging" / "cudawrap.bash-completion"
 FUNCTIONS = {"cudawrap": "_cudawrap", "create-cudawrap": "_create_cudawrap"}

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cudawrap.config import (
+from cudawrap.policy.config import (
     DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, FOREVER, OPS_SECTIONS, MAX_GPUS, MAX_WAIT_S, POLICY_KEYS, load_config, parse_config,
     parse_gpus, parse_wait, validate_policy,
 )
-from cudawrap.defaults import render_config, sections, toml_value
+from cudawrap.policy.defaults import render_config, sections, toml_value
 from cudawrap.errors import ConfigError
 
 P = Path("/etc/cudawrap/config.toml")
@@ -235,7 +235,7 @@ def test_default_file_parses_to_the_defaults_and_so_does_every_line_uncommented(
 def _tables_and_keys(data, label=""):
     """{table: its keys} of parsed TOML DATA, a name the admin chose ("recon") shown as "*";
     a table that only holds tables ([limits.users]) is not one of its own."""
-    from cudawrap.config import SCHEMA
+    from cudawrap.policy.config import SCHEMA
 
     out = {label: set()} if label in SCHEMA else {}
     for key, value in data.items():
@@ -253,7 +253,7 @@ def test_default_file_shows_every_table_and_key_of_the_schema_and_nothing_else()
     import re
     import sys
 
-    from cudawrap.config import SCHEMA
+    from cudawrap.policy.config import SCHEMA
 
     if sys.version_info >= (3, 11):
         import tomllib
@@ -412,7 +412,7 @@ def test_shim_exits_78_on_a_broken_config_and_runs_nothing(installed, text, wher
 
 
 def test_a_setting_above_any_section_says_where_it_belongs(tmp_path):
-    from cudawrap.config import parse_config
+    from cudawrap.policy.config import parse_config
     from cudawrap.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:

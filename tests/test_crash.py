@@ -21,12 +21,12 @@ from typing import Callable, List
 
 import pytest
 
-from cudawrap import registry
-from cudawrap.divert import Dpkg
-from cudawrap.doctor import check, healthy
-from cudawrap.inspect_wraps import OK, inspect_entry
-from cudawrap.registry import WRAPPED
-from cudawrap.wrap import TMP_PREFIX, unwrap_programs, wrap_programs
+from cudawrap.policy import registry
+from cudawrap.admin.divert import Dpkg
+from cudawrap.admin.doctor import check, healthy
+from cudawrap.admin.inspect_wraps import OK, inspect_entry
+from cudawrap.policy.registry import WRAPPED
+from cudawrap.admin.wrap import TMP_PREFIX, unwrap_programs, wrap_programs
 from userfix import AdminRoot, Call, inject, needs_strace, snapshot, traced
 
 pytestmark = [needs_strace, pytest.mark.slow]

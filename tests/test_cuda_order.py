@@ -10,7 +10,7 @@ from typing import Dict, Optional
 
 import pytest
 
-from cudawrap.slurm import within_job
+from cudawrap.devices.slurm import within_job
 
 
 def devices(result) -> list:

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from cudawrap import __version__, locations as loc
-from cudawrap.daemon import running
-from cudawrap.installation import Layout, manifest_file, wheel_dir
-from cudawrap.manpages import PAGES
+from cudawrap.base.daemon import running
+from cudawrap.install.installation import Layout, manifest_file, wheel_dir
+from cudawrap.cli.manpages import PAGES
 from installfix import (
     SOURCE, STOCK_SUDO_PATH, clean_env, install_sh, process_gone, snapshot, wheel_args,
 )

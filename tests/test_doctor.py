@@ -9,10 +9,10 @@ import pytest
 
 from adminfix import Admin, make_program, needs_root, run_as, snapshot
 import cudawrap
-from cudawrap import registry
-from cudawrap.installation import shim_version
-from cudawrap.inspect_wraps import facts_of
-from cudawrap.registry import Entry
+from cudawrap.policy import registry
+from cudawrap.install.installation import shim_version
+from cudawrap.admin.inspect_wraps import facts_of
+from cudawrap.policy.registry import Entry
 
 
 def lines(result, level: str) -> List[str]:

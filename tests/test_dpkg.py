@@ -12,8 +12,8 @@ from typing import List
 import pytest
 
 from adminfix import Admin, one_line, snapshot, strace_cli
-from cudawrap import registry
-from cudawrap.divert import Dpkg
+from cudawrap.policy import registry
+from cudawrap.admin.divert import Dpkg
 
 pytestmark = pytest.mark.skipif(
     not all(shutil.which(t) for t in ("dpkg", "dpkg-deb", "dpkg-divert", "dpkg-query")), reason="needs dpkg")

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from corefix import ready_line
-from cudawrap.devices import Device
-from cudawrap.drains import covering, drained, undrained
+from cudawrap.devices.model import Device
+from cudawrap.sched.drains import covering, drained, undrained
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="drain is root's: these tests run the commands as root")
 

@@ -6,7 +6,7 @@ from typing import List
 import pytest
 
 from adminfix import Admin
-from cudawrap import audit
+from cudawrap.base import audit
 from cudawrap.text import printable
 
 ESC = "\x1b]0;owned\x07\x1b[2J"  # set the terminal title, clear the screen

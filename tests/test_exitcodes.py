@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from cudawrap.manpages import exit_codes
+from cudawrap.cli.manpages import exit_codes
 from installfix import SOURCE, clean_env, install_sh
 
 README = (SOURCE / "README.md").read_text(encoding="utf-8")

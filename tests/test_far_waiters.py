@@ -12,9 +12,9 @@ import time
 
 from corefix import ready_line, wait_for
 
-from cudawrap.acquire import NEAR
-from cudawrap.farwait import FarWait
-from cudawrap.waitqueue import WaitQueue
+from cudawrap.sched.acquirer import NEAR
+from cudawrap.sched.farwait import FarWait
+from cudawrap.sched.queue import WaitQueue
 
 SIGIO_BIT = 1 << (signal.SIGIO - 1)
 

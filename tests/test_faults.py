@@ -19,10 +19,10 @@ from typing import List
 import pytest
 
 from corefix import Installed, ready_line
-from cudawrap import registry
-from cudawrap.divert import Dpkg
-from cudawrap.monitor import refresh_once
-from cudawrap.wrap import unwrap_programs, wrap_programs
+from cudawrap.policy import registry
+from cudawrap.admin.divert import Dpkg
+from cudawrap.ops.monitor import refresh_once
+from cudawrap.admin.wrap import unwrap_programs, wrap_programs
 from userfix import AdminRoot, inject, needs_strace, snapshot, traced
 
 NO_DPKG = Dpkg(available=False)
@@ -313,7 +313,7 @@ def _monitor(inst: Installed, *strace: str):  # type: ignore[no-untyped-def]
 
 
 def _until_fresh(inst: Installed, proc) -> None:  # type: ignore[no-untyped-def]
-    from cudawrap.snapshot import read_fresh
+    from cudawrap.devices.snapshot import read_fresh
 
     deadline = time.monotonic() + 30
     while read_fresh(str(inst.layout.root), max_age=0.5) is None:

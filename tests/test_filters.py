@@ -5,14 +5,15 @@ from typing import List
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cudawrap import policy
-from cudawrap.config import DEFAULTS, POLICY_KEYS
-from cudawrap.devices import Device, Gpu, Inventory
+from cudawrap.policy import effective as policy
+from cudawrap.policy.config import DEFAULTS, POLICY_KEYS
+from cudawrap.devices.model import Device, Gpu, Inventory
 from cudawrap.errors import ConfigError, NoDeviceError, UsageError
-from cudawrap.filters import (FILTER_KEYS, Request, explain, model_matches, narrowed, passes, product,
-                              split, static_reason, waiting_reason)
-from cudawrap.placeholders import substitute
-from cudawrap.status import parse_watch
+from cudawrap.policy.effective import narrowed
+from cudawrap.sched.filters import (FILTER_KEYS, Request, explain, model_matches, passes, product,
+                                    split, static_reason, waiting_reason)
+from cudawrap.sched.placeholders import substitute
+from cudawrap.ops.status import parse_watch
 
 H0, H1, A, W0, W1 = "GPU-h100-0", "GPU-h100-1", "GPU-a100", "GPU-a6000-0", "GPU-a6000-1"
 

@@ -10,12 +10,12 @@ from typing import Callable, Dict, List
 
 import pytest
 
-from cudawrap import nvml, snapshot
-from cudawrap.acquire import Acquirer
-from cudawrap.devices import Device
-from cudawrap.leases import Lease, LeaseFiles
-from cudawrap.monitor import refresh_once
-from cudawrap.waitqueue import WaitQueue
+from cudawrap.devices import nvml, snapshot
+from cudawrap.sched.acquirer import Acquirer
+from cudawrap.devices.model import Device
+from cudawrap.lease.files import Lease, LeaseFiles
+from cudawrap.ops.monitor import refresh_once
+from cudawrap.sched.queue import WaitQueue
 from corefix import ready_line, wait_for
 from fakemachine import FAKECUDA
 
@@ -26,8 +26,7 @@ UNSEEN_PID = (1 << 22) + 1
 
 @pytest.fixture(autouse=True)
 def no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
-    # (cudawrap.acquire the module: the package's `acquire` is the API's function)
-    monkeypatch.setattr(importlib.import_module("cudawrap.acquire"), "WATCH_S", 3600.0)
+    monkeypatch.setattr(importlib.import_module("cudawrap.sched.acquirer"), "WATCH_S", 3600.0)
 
 
 def foreign(inst, uuid: str) -> subprocess.Popen:  # type: ignore[no-untyped-def]

@@ -18,15 +18,16 @@ from typing import List
 
 import pytest
 
-from cudawrap import acquire, inotify, waitqueue
-from cudawrap.acquire import Acquirer, _amendments
-from cudawrap.devices import Device
-from cudawrap.installation import prepare_runtime
-from cudawrap.leases import LeaseFiles
+from cudawrap.sched import acquirer as acquire, queue as waitqueue
+from cudawrap.base import inotify
+from cudawrap.sched.acquirer import Acquirer, _amendments
+from cudawrap.devices.model import Device
+from cudawrap.install.installation import prepare_runtime
+from cudawrap.lease.files import LeaseFiles
 from cudawrap.paths import Layout
 from cudawrap.proc import exiting
-from cudawrap.sync import sync_lease_files
-from cudawrap.waitqueue import WaitQueue
+from cudawrap.ops.sync import sync_lease_files
+from cudawrap.sched.queue import WaitQueue
 
 UUIDS = [f"GPU-00000000-aaaa-bbbb-cccc-00000000000{i}" for i in (1, 2)]
 HOLD = """
@@ -150,7 +151,7 @@ def test_devices_taken_since_the_look_are_counted_for_the_runs_that_left_and_sti
     a1 and b1 left the queue, each having taken a device; a1's job has ended since (its
     device is free again) and b1's holds the other. The device b1 holds is b1's, not the
     dead a1's (which would count one device for a1's user and none for b1's)."""
-    from cudawrap.schedule import Waiter
+    from cudawrap.sched.schedule import Waiter
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -182,7 +183,7 @@ def test_devices_taken_since_the_look_are_counted_for_the_runs_that_left_and_sti
     end(b1)
 
 
-ACQUIRE = sys.modules["cudawrap.acquire"]  # (the package exports a function of that name)
+ACQUIRE = sys.modules["cudawrap.sched.acquirer"]
 PROBE = HOLD.replace("fcntl.LOCK_EX", "fcntl.LOCK_SH")  # another watcher's probe, caught mid-probe
 
 
@@ -211,7 +212,7 @@ def test_probes_of_a_lease_do_not_meet_and_a_holder_is_seen(runtime: Layout) -> 
 
 def amend_case(runtime: Layout, slots: int = 1):  # type: ignore[no-untyped-def]
     """An acquirer, its lease files' idents, and a helper making Waiters."""
-    from cudawrap.schedule import Waiter
+    from cudawrap.sched.schedule import Waiter
 
     files = LeaseFiles(str(runtime.lease_dir))
     acquirer = Acquirer(files, WaitQueue(str(runtime.queue_dir)), devices(), devices(), 1, refresh=lambda d: d)
@@ -411,8 +412,8 @@ def test_a_run_leaving_wakes_everyone_it_moves_into_the_watching_places(
     move into the watching places. Each leaver wakes them all (its view of the line may be
     older than the others'), not only the next in line: one left unwoken would sleep through
     its turn (IDLE_S) if nobody looked meanwhile, as the last run of a benchmark burst did."""
-    module = sys.modules["cudawrap.acquire"]  # (the package exports a function of that name)
-    from cudawrap.schedule import BUSY, GRANTED, Verdict
+    module = sys.modules["cudawrap.sched.acquirer"]
+    from cudawrap.sched.schedule import BUSY, GRANTED, Verdict
 
     keys = [f"w{i:02d}" for i in range(20)]
     verdicts = {k: Verdict(GRANTED if i < 7 else BUSY, i, "") for i, k in enumerate(keys)}

@@ -20,15 +20,16 @@ from typing import Iterator, List, Optional
 import pytest
 
 from cudawrap import __version__
-from cudawrap.audit import channel_problem
-from cudawrap.config import DEFAULTS, load_config
-from cudawrap.installation import (
-    Layout, MONITOR_UNIT, UNIT_NAME, completion_file, manifest_file, prepare_runtime, render_bash_completion,
+from cudawrap.base.audit import channel_problem
+from cudawrap.policy.config import DEFAULTS, load_config
+from cudawrap.install.installation import (
+    Layout, MONITOR_UNIT, UNIT_NAME, completion_file, manifest_file, prepare_runtime,
     render_monitor_unit, render_tmpfiles, render_unit, shim_version, tmpfiles_file, unit_file, wheel_dir,
 )
-from cudawrap.manpages import PAGES, man_path, render as render_man
+from cudawrap.cli.installer import render_bash_completion
+from cudawrap.cli.manpages import PAGES, man_path, render as render_man
 from fakemachine import FAKECUDA, LIBNAME, FakeMachine
-from cudawrap.daemon import running
+from cudawrap.base.daemon import running
 from cudawrap import locations as loc
 from installfix import (
     INSTALL_SH, SOURCE, STOCK_SUDO_PATH, clean_env, install_sh, process_gone, snapshot, source_commit, wheel_args,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cudawrap import invcache, nvml
+from cudawrap.devices import invcache, nvml
 from corefix import ready_line
 
 TOPOLOGIES = ["four-gpus", "a100-mig7", "dgx-a100-mig56", "mixed"]
@@ -70,7 +70,9 @@ def test_the_layout_matches_until_the_gpus_change_and_devices_are_read_by_uuid(i
 def test_a_launch_without_the_monitor_reads_only_the_devices_it_tries(installed, monkeypatch):
     """56 MIG instances on 8 GPUs: NVML is asked about the devices the launch tries, not all 56,
     and started once (without persistence mode nvmlInit can take seconds)."""
-    from cudawrap import launch, nvmldirect, policy
+    from cudawrap import launch
+    from cudawrap.devices import nvmldirect
+    from cudawrap.policy import effective as policy
 
     inst = installed("dgx-a100-mig56")
     root = str(inst.layout.root)

@@ -163,7 +163,12 @@ HEAVY = {"plumbum", "pathlib", "typing", "dataclasses", "json", "tomllib", "toml
 
 
 def shim_imports(inst, *argv: str, **env: str) -> set:  # type: ignore[no-untyped-def]
-    """Top-level modules the real shim imports on a real launch of ARGV, up to its exec.
+    """Top-level modules the real shim imports on a real launch of ARGV, up to its exec."""
+    return {name.split(".")[0] for name in shim_modules(inst, *argv, **env)}
+
+
+def shim_modules(inst, *argv: str, **env: str) -> set:  # type: ignore[no-untyped-def]
+    """Modules (full dotted names) the real shim imports on a real launch of ARGV, up to its exec.
 
     The shim runs by its own shebang line (interpreter and flags) plus `-X importtime`, which
     makes the interpreter list every import on stderr before the exec replaces it.
@@ -174,11 +179,11 @@ def shim_imports(inst, *argv: str, **env: str) -> set:  # type: ignore[no-untype
     assert json.loads(r.stdout.splitlines()[0])["devices"]  # it got through to the program
     lines = [x for x in r.stderr.decode().splitlines() if x.startswith("import time:")][1:]
     assert lines, r.stderr  # the header line, then one line per import
-    return {x.rsplit("|", 1)[1].strip().split(".")[0] for x in lines}
+    return {x.rsplit("|", 1)[1].strip() for x in lines}
 
 
 def test_the_shim_imports_only_what_it_needs(installed):
-    from cudawrap.monitor import refresh_once
+    from cudawrap.ops.monitor import refresh_once
 
     inst = installed("four-gpus")
     link = inst.wrap("recon")
@@ -193,6 +198,36 @@ def test_the_shim_imports_only_what_it_needs(installed):
     loaded = shim_imports(inst, str(link))
     assert "ctypes" in loaded
     assert not loaded & (HEAVY | {"pynvml"}), sorted(loaded & (HEAVY | {"pynvml"}))
+
+
+# cudawrap's modules on a launch, exactly: a new import on the shim's path shows here first.
+LAUNCH_MODULES = {
+    "cudawrap", "cudawrap.errors", "cudawrap.launch", "cudawrap.locations", "cudawrap.users",
+    "cudawrap.base", "cudawrap.base.audit", "cudawrap.base.rootfile",
+    "cudawrap.devices", "cudawrap.devices.model", "cudawrap.devices.snapshot",
+    "cudawrap.lease", "cudawrap.lease.files", "cudawrap.lease.sharing",
+    "cudawrap.policy", "cudawrap.policy.effective",
+    "cudawrap.sched", "cudawrap.sched.acquirer", "cudawrap.sched.placement", "cudawrap.sched.queue",
+}
+# With the monitor's snapshot: /proc, for whether the processes it names have exited since.
+LAUNCH_MODULES_SNAPSHOT = LAUNCH_MODULES | {"cudawrap.proc"}
+# Without the monitor's snapshot: NVML through the lean binding, and the inventory cache.
+LAUNCH_MODULES_NVML = LAUNCH_MODULES | {
+    "cudawrap.devices.invcache", "cudawrap.devices.nvml", "cudawrap.devices.nvmldirect",
+}
+
+
+def test_a_launch_imports_exactly_these_cudawrap_modules(installed):
+    from cudawrap.ops.monitor import refresh_once
+
+    inst = installed("four-gpus")
+    link = inst.wrap("recon")
+    assert refresh_once(inst.layout) is None  # the monitor's snapshot: no NVML
+    ours = sorted(m for m in shim_modules(inst, str(link)) if m.split(".")[0] == "cudawrap")
+    assert ours == sorted(LAUNCH_MODULES_SNAPSHOT)
+    inst.layout.usage_snapshot.unlink()
+    ours = sorted(m for m in shim_modules(inst, str(link)) if m.split(".")[0] == "cudawrap")
+    assert ours == sorted(LAUNCH_MODULES_NVML)
 
 
 def test_real_program_not_executable_reads_like_the_shell(installed):

@@ -3,8 +3,8 @@ import json
 import re
 from pathlib import Path
 
-from cudawrap.ledger import Observation, append, read, rotated
-from cudawrap.metrics import Counters, render
+from cudawrap.ops.ledger import Observation, append, read, rotated
+from cudawrap.ops.metrics import Counters, render
 
 
 def record(n: int) -> dict:

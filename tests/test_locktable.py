@@ -14,11 +14,11 @@ from typing import List
 
 import pytest
 
-from cudawrap import waitqueue
-from cudawrap.installation import prepare_runtime
-from cudawrap.leases import _lock_fields, _read_locks, lock_table
+from cudawrap.sched import queue as waitqueue
+from cudawrap.install.installation import prepare_runtime
+from cudawrap.lease.files import _lock_fields, _read_locks, lock_table
 from cudawrap.paths import Layout
-from cudawrap.waitqueue import WaitQueue
+from cudawrap.sched.queue import WaitQueue
 
 
 def _churn(directory: str, stop: "multiprocessing.synchronize.Event") -> None:

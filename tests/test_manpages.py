@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cudawrap.config import DEFAULTS, DESCRIPTIONS
-from cudawrap.manpages import PAGES, exit_codes, render
+from cudawrap.policy.config import DEFAULTS, DESCRIPTIONS
+from cudawrap.cli.manpages import PAGES, exit_codes, render
 
 SOURCE = Path(__file__).resolve().parent.parent
 MAN = SOURCE / "packaging" / "man"

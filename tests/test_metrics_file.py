@@ -39,7 +39,7 @@ def test_files_a_user_made_in_a_sticky_directory_are_never_written_into(mu) -> N
     """alice makes the monitor's temporary file (its old name: the pid is known) and the
     metrics file itself in a sticky directory of root's. The monitor's cycle leaves her
     temporary file as it was and replaces the metrics file with one of root's."""
-    from cudawrap.metrics import MonitorHook
+    from cudawrap.ops.metrics import MonitorHook
 
     inst = mu("four-gpus")
     path = textfile(inst, 0o1777)
@@ -57,7 +57,7 @@ def test_a_directory_others_may_write_is_refused_and_doctor_says_so(mu) -> None:
     """In a directory anyone may write (not sticky), a user could have made the file root
     writes into: the monitor refuses to start (one line, exit 78), a running one writes
     nothing there, and doctor reports it."""
-    from cudawrap.metrics import MonitorHook
+    from cudawrap.ops.metrics import MonitorHook
 
     inst = mu("four-gpus")
     path = textfile(inst, 0o777)

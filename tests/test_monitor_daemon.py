@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from cudawrap import locations as loc
-from cudawrap.daemon import running, stop
+from cudawrap.base.daemon import running, stop
 from corefix import wait_for
 
 

@@ -23,8 +23,8 @@ from typing import Callable, Dict, Iterator, List, Optional
 import pytest
 
 from corefix import Installed, ready_line, wait_for
-from cudawrap import installation
-from cudawrap.installation import MPS_UNIT, MONITOR_UNIT, UNIT_NAME, render_mps_unit, unit_file, unit_wants_link
+from cudawrap.install import installation
+from cudawrap.install.installation import MPS_UNIT, MONITOR_UNIT, UNIT_NAME, render_mps_unit, unit_file, unit_wants_link
 from cudawrap.paths import Layout
 from fakemachine import FAKECUDA, shutdown_nvml
 from test_multiuser import status
@@ -285,7 +285,7 @@ def test_install_enables_the_mps_unit_only_in_mps_mode(tmp_path: Path, monkeypat
     def install() -> List[str]:
         said: List[str] = []
         calls.clear()
-        installation.install(layout, sys.executable, None, [], say=said.append)
+        installation.install(layout, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: ())
         return said
 
     said = install()

@@ -642,7 +642,7 @@ def test_objects_a_user_plants_under_device_names_keep_root_from_no_device(mu) -
     mine = inst.dir / "bob-prefix"
     mine.mkdir()
     os.chown(mine, bob.uid, bob.gid)
-    code = (f"import json, sys; sys.path[:0] = {inst.world.path!r}\nfrom cudawrap.claims import claim\n"
+    code = (f"import json, sys; sys.path[:0] = {inst.world.path!r}\nfrom cudawrap.lease.claims import claim\n"
             "c = claim(sys.argv[1], sys.argv[2:]); print(json.dumps([c.mine, c.unclaimed]))")
     leased, unclaimed = json.loads(inst.py(bob, code, str(mine), full).stdout)
     assert leased == [] and f"a directory made by {alice.name}" in unclaimed[full]
@@ -658,7 +658,7 @@ def test_a_users_prefix_install_leaves_the_system_installs_devices_alone(mu) -> 
     mine = inst.dir / "alice-prefix"
     mine.mkdir()
     os.chown(mine, alice.uid, alice.gid)
-    code = (f"import json, sys; sys.path[:0] = {inst.world.path!r}\nfrom cudawrap.claims import claim\n"
+    code = (f"import json, sys; sys.path[:0] = {inst.world.path!r}\nfrom cudawrap.lease.claims import claim\n"
             "c = claim(sys.argv[1], sys.argv[2:]); print(json.dumps([c.mine, c.others, c.warning]))")
     done = inst.py(alice, code, str(mine), *uuids)
     assert done.returncode == 0, done.stderr

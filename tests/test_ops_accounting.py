@@ -17,7 +17,7 @@ from typing import Dict, List
 import pytest
 
 from corefix import ready_line, wait_for
-from cudawrap.audit import channel_problem
+from cudawrap.base.audit import channel_problem
 from test_multiuser import probe
 from userfix import CLI_CODE, MuInstall, root_only
 

@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import fakecuda
-from cudawrap import registry
-from cudawrap.config import MAX_GPUS, Config, parse_config, parse_gpus, parse_wait
-from cudawrap.devices import Inventory
+from cudawrap.policy import registry
+from cudawrap.policy.config import MAX_GPUS, Config, parse_config, parse_gpus, parse_wait
+from cudawrap.devices.model import Inventory
 from cudawrap.errors import ConfigError, DataError
-from cudawrap.leases import inherited_lease
-from cudawrap.selection import parse_visible, read_allow_file
+from cudawrap.lease.files import inherited_lease
+from cudawrap.sched.selection import parse_visible, read_allow_file
 from userfix import AdminRoot, snapshot
 
 FAST = settings(max_examples=250, deadline=None, database=None,
@@ -76,7 +76,7 @@ def _oracle(topo: fakecuda.Topology, value: str) -> List[str]:
 def test_visible_devices_never_widen(machine, monkeypatch, topology: str) -> None:
     """parse_visible gives exactly a prefix of what CUDA would allow, in CUDA's order, and
     never raises: it may stop early (an unsupported spelling), never add or reorder."""
-    from cudawrap import nvml
+    from cudawrap.devices import nvml
 
     fake = machine(topology)
     fake.activate(monkeypatch)
@@ -297,7 +297,7 @@ def wait_shim(tmp_path_factory, fakenvml_lib):  # type: ignore[no-untyped-def]
     """A wrapped stand-in on a simulated machine, for CUDAWRAP_WAIT values from the environment."""
     import shutil
 
-    from cudawrap.installation import prepare
+    from cudawrap.install.installation import prepare
     from cudawrap.paths import Layout
     from fakemachine import FAKECUDA, FakeMachine
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from adminfix import REPO
-from cudawrap import registry
+from cudawrap.policy import registry
 from cudawrap.errors import DataError
 from cudawrap.paths import Layout
-from cudawrap.registry import Entry, Registry
+from cudawrap.policy.registry import Entry, Registry
 
 
 def entry(link: str = "/opt/app/bin/recon", **changes) -> Entry:
@@ -181,7 +181,7 @@ def test_lock_is_reentrant_in_one_process(layout: Layout) -> None:
 
 def test_concurrent_writers_lose_no_update(layout: Layout) -> None:
     code = (
-        "import sys; from pathlib import Path; from cudawrap import registry; "
+        "import sys; from pathlib import Path; from cudawrap.policy import registry; "
         "from cudawrap.paths import Layout; sys.path.insert(0, %r); from test_registry import entry; "
         "layout = Layout(Path(sys.argv[1]))\n"
         "for i in range(15):\n"
@@ -197,7 +197,7 @@ WRITER = """
 import sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-from cudawrap import registry
+from cudawrap.policy import registry
 from cudawrap.paths import Layout
 from test_registry import entry
 layout = Layout(Path(sys.argv[1]))
@@ -238,7 +238,7 @@ def test_the_shim_path_imports_little(layout: Layout) -> None:
     registry.save(layout, Registry((entry(),)))
     code = (
         "import sys; sys.path.insert(0, %r)\n"
-        "from cudawrap.registry import read_policy_at\n"
+        "from cudawrap.policy.registry import read_policy_at\n"
         "assert read_policy_at(%r, '/opt/app/bin/recon')['gpus'] == 2\n"
         "heavy = {'dataclasses', 'typing', 'pathlib', 'filelock', 'plumbum'} & set(sys.modules)\n"
         "print(sorted(heavy))\n"

@@ -1,6 +1,6 @@
 """The scheduling rule, pure: random machines, waiters and holdings against a reference model.
 
-No processes here: cudawrap.schedule.decide is the whole decision every waiter, `status` and
+No processes here: cudawrap.sched.schedule.decide is the whole decision every waiter, `status` and
 the launch fast path make, so these tests cover the rule exhaustively where processes cannot.
 """
 from collections import defaultdict
@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 from hypothesis import given, settings, strategies as st
 
-from cudawrap.schedule import BUSY, GRANTED, LIMIT, RESERVED, RESERVING, Bounds, Waiter, decide, order
+from cudawrap.sched.schedule import BUSY, GRANTED, LIMIT, RESERVED, RESERVING, Bounds, Waiter, decide, order
 
 DEVICES = [f"GPU-{i}" for i in range(6)]
 

@@ -8,7 +8,7 @@ from typing import Dict, List
 
 from hypothesis import given, settings, strategies as st
 
-from cudawrap.schedule import BUSY, GRANTED, LIMIT, RESERVED, RESERVING, Shares, Waiter, decide
+from cudawrap.sched.schedule import BUSY, GRANTED, LIMIT, RESERVED, RESERVING, Shares, Waiter, decide
 
 DEVICES = [f"GPU-{i}" for i in range(5)]
 

@@ -1,8 +1,8 @@
 """Narrowing by CUDA_VISIBLE_DEVICES and the allow-list, and placement, on known inventories."""
 import pytest
 
-from cudawrap.devices import Device, Gpu, Inventory
-from cudawrap.selection import allowed, parse_visible
+from cudawrap.devices.model import Device, Gpu, Inventory
+from cudawrap.sched.selection import allowed, parse_visible
 
 G0, G1, G2 = "GPU-aaaa0000", "GPU-aaaa1111", "GPU-bbbb2222"
 M20, M21 = "MIG-cccc0000", "MIG-cccc1111"

@@ -32,7 +32,7 @@ def hold(inst: Installed, seconds: float = 60, **env: str) -> Tuple[subprocess.P
 
 def share_pids(lease_dir) -> Dict[str, List[int]]:  # type: ignore[no-untyped-def]
     """uuid -> the pid that took each shared lock on its lease file now (from /proc/locks)."""
-    from cudawrap.leases import lock_table
+    from cudawrap.lease.files import lock_table
 
     table = lock_table()
     out = {}
@@ -298,8 +298,8 @@ def test_mps_settings_override_the_derived_shares(installed, tmp_path):
 
 
 def test_accounting_counts_each_share_as_its_part_of_the_device(installed):
-    from cudawrap import ledger
-    from cudawrap.metrics import device_rows, render, Counters
+    from cudawrap.ops import ledger
+    from cudawrap.ops.metrics import device_rows, render, Counters
 
     inst = installed("four-gpus")
     inst.wrap("recon")

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from cudawrap import snapshot
-from cudawrap.monitor import refresh_once
+from cudawrap.devices import snapshot
+from cudawrap.ops.monitor import refresh_once
 from corefix import ready_line, wait_for
 from fakemachine import FAKECUDA
 from userfix import root_only
@@ -218,7 +218,7 @@ def test_monitor_removes_the_snapshot_when_nvml_goes(installed):
 
 
 def test_monitor_rebuilds_a_stale_policy_cache(installed):
-    from cudawrap import policy
+    from cudawrap.policy import effective as policy
 
     inst = installed("a100-mig7")
     root = str(inst.layout.root)

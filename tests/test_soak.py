@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from cudawrap.waitqueue import WaitQueue
+from cudawrap.sched.queue import WaitQueue
 
 SOAK_S = float(os.environ.get("CUDAWRAP_SOAK_SECONDS", "20"))
 MAX_LIVE = 8

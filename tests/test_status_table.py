@@ -6,7 +6,7 @@ import pytest
 
 from corefix import ready_line, wait_for
 from fakemachine import FAKECUDA
-from cudawrap.status import program_name, render
+from cudawrap.ops.status import program_name, render
 
 
 @pytest.mark.parametrize("argv, name", [

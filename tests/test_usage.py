@@ -10,7 +10,7 @@ from typing import List
 
 import pytest
 
-from cudawrap.usage import Lease, leases, p95, parse_when, summarize
+from cudawrap.ops.usage import Lease, leases, p95, parse_when, summarize
 
 DAY1 = dt.datetime(2026, 11, 2).timestamp()
 DAY2 = dt.datetime(2026, 11, 3).timestamp()

@@ -10,11 +10,11 @@ from typing import List
 import pytest
 
 from adminfix import Admin, snapshot, strace_cli
-from cudawrap import registry
-from cudawrap.divert import Dpkg
+from cudawrap.policy import registry
+from cudawrap.admin.divert import Dpkg
 from cudawrap.errors import StateError, UsageError
-from cudawrap.inspect_wraps import BINARY_CHANGED, INTERRUPTED, OK, inspect_entry
-from cudawrap.wrap import check_wrap, unwrap_programs, wrap_programs
+from cudawrap.admin.inspect_wraps import BINARY_CHANGED, INTERRUPTED, OK, inspect_entry
+from cudawrap.admin.wrap import check_wrap, unwrap_programs, wrap_programs
 
 NO_DPKG = Dpkg(available=False)
 

@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 import pytest
 
 import cudawrap
-from cudawrap.installation import prepare
+from cudawrap.install.installation import prepare
 from cudawrap.paths import Layout
 from adminfix import Snapshot, diff, snapshot  # noqa: F401 - one tree snapshot for all tests
 from fakemachine import FAKECUDA, FakeMachine, build_fakenvml, preload, shutdown_nvml
@@ -141,7 +141,7 @@ def _reachable(path: str) -> bool:
 def _find_python(user: User, path: List[str], cwd: Path) -> Optional[str]:
     """An interpreter USER can run that imports what the shim and the CLI need."""
     code = (f"import sys; sys.path[:0] = {path!r}; import cudawrap.cli, cudawrap.launch, "
-            "cudawrap.config, pynvml, plumbum.cli, filelock; cudawrap.config._load_toml('')")
+            "cudawrap.policy.config, pynvml, plumbum.cli, filelock; cudawrap.policy.config._load_toml('')")
     for candidate in (sys.executable, os.path.realpath(sys.executable), shutil.which("python3") or "",
                       "/usr/bin/python3"):
         if not candidate or not os.path.isabs(candidate) or not _reachable(candidate):
@@ -211,7 +211,7 @@ class MuInstall:
 
     # --- setting up, as root ---------------------------------------------------------
     def sync(self) -> None:
-        from cudawrap.sync import sync
+        from cudawrap.ops.sync import sync
 
         sync(self.layout)
 

@@ -114,7 +114,7 @@ class Cudawrap(Group):
     def epilogue(self) -> str:
         import textwrap
 
-        from ..manpages import exit_codes
+        from .manpages import exit_codes
 
         codes = " ".join(f"{code}: {'; '.join(meanings)}." for code, meanings in exit_codes().items())
         return "\n" + textwrap.fill(f"Exit codes: 0: done. {codes}", 80) + "\n"

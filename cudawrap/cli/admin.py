@@ -15,7 +15,7 @@ from typing import Any, Dict, Sequence
 
 from plumbum import cli
 
-from ..config import (
+from ..policy.config import (
     DESCRIPTIONS, FOREIGN_RULES, FOREVER, MULTI_MIG_RULES, NO_DRIVER_RULES, PLACEMENTS, format_wait, parse_wait,
     validate_policy,
 )
@@ -124,8 +124,8 @@ class CreateCudawrap(FilterSwitches, Command):
         return raw
 
     def main(self, *programs: str) -> int:
-        from ..privilege import require_admin
-        from ..wrap import wrap_programs
+        from ..base.privilege import require_admin
+        from ..admin.wrap import wrap_programs
 
         if not programs:
             raise UsageError("no program given: name the program(s) to wrap")
@@ -162,8 +162,8 @@ class ListCommand(Command):
     as_json = cli.Flag(["--json"], help="print JSON for scripts instead of a table")
 
     def main(self) -> int:
-        from .. import registry
-        from ..inspect_wraps import inspect_all
+        from ..policy import registry
+        from ..admin.inspect_wraps import inspect_all
 
         layout = default_layout()
         statuses = inspect_all(layout, registry.load(layout))
@@ -208,8 +208,8 @@ class UnwrapCommand(Command):
     )
 
     def main(self, *programs: str) -> int:
-        from ..privilege import require_admin
-        from ..wrap import unwrap_programs
+        from ..base.privilege import require_admin
+        from ..admin.wrap import unwrap_programs
 
         if programs and self.everything:
             raise UsageError("give programs or --all, not both")
@@ -231,8 +231,8 @@ class DoctorCommand(Command):
     repair = cli.Flag(["--repair"], help="fix what can be fixed (root or the install's owner)")
 
     def main(self) -> int:
-        from ..doctor import check, healthy
-        from ..privilege import require_admin
+        from ..admin.doctor import check, healthy
+        from ..base.privilege import require_admin
 
         layout = default_layout()
         if self.repair:

@@ -14,11 +14,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from plumbum import cli
 
-from .. import policy
-from ..config import DEFAULTS, NOTES, format_wait
-from ..defaults import toml_value
+from ..policy import effective as policy
+from ..policy.config import DEFAULTS, NOTES, format_wait
+from ..policy.defaults import toml_value
 from ..errors import UsageError
-from ..limits import NO_LIMITS
+from ..policy.limits import NO_LIMITS
 from ..paths import Layout, default_layout
 from . import Command
 
@@ -30,7 +30,7 @@ def resolve_program(layout: Layout, program: str) -> Tuple[str, Optional[str]]:
     follows it (through symlinks to the wrapped name, or from CUDAWRAP_<name> to the
     name); a bare name is matched against the names of the wrapped programs.
     """
-    from .. import registry
+    from ..policy import registry
     from ..launch import find_link
 
     reg = registry.load(layout)
@@ -139,7 +139,7 @@ LIMITS_NOTE = ("each run counts its user's leases from the kernel's locks and th
 
 def _sharing_rows(sharing: Dict[str, Any]) -> List[Tuple[str, Any, str]]:
     """(setting, value, source) of [sharing]: its keys, derived ones said as such, then devices."""
-    from ..config import SHARING_KEYS
+    from ..policy.config import SHARING_KEYS
 
     derived = {"thread_percentage": "100/slots", "memory_limit_mib": "device memory/slots",
                "counts_as": "1/slots"}

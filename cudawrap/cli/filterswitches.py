@@ -6,7 +6,7 @@ from typing import Dict, Optional
 
 from plumbum import cli
 
-from ..config import DESCRIPTIONS
+from ..policy.config import DESCRIPTIONS
 
 
 class FilterSwitches:

@@ -7,9 +7,9 @@ from typing import List
 
 from plumbum import cli
 
-from .. import audit
+from ..base import audit
 from ..errors import MpsUnavailable, NvmlUnavailable
-from ..mps import Outcome
+from ..ops.mps import Outcome
 from ..paths import Layout, default_layout
 from . import Command, Group
 
@@ -26,8 +26,8 @@ class MpsStartCommand(Command):
     """Start the control daemon of each shared device that has none running (root)."""
 
     def main(self) -> int:
-        from ..mps import start
-        from ..privilege import require_admin
+        from ..ops.mps import start
+        from ..base.privilege import require_admin
 
         layout = default_layout()
         require_admin(layout, "start MPS control daemons")
@@ -42,8 +42,8 @@ class MpsStopCommand(Command):
     """Quit every MPS control daemon of this install (root); each first waits for its running clients."""
 
     def main(self) -> int:
-        from ..mps import stop
-        from ..privilege import require_admin
+        from ..ops.mps import stop
+        from ..base.privilege import require_admin
 
         layout = default_layout()
         require_admin(layout, "stop MPS control daemons")
@@ -60,7 +60,7 @@ class MpsStatusCommand(Command):
     as_json = cli.Flag(["--json"], help="machine-readable output")
 
     def main(self) -> int:
-        from ..mps import render, status
+        from ..ops.mps import render, status
 
         report = status(default_layout())
         if self.as_json:

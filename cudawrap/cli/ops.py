@@ -9,8 +9,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from plumbum import cli
 
-from .. import audit
-from ..config import FOREVER, load_config, parse_wait
+from ..base import audit
+from ..policy.config import FOREVER, load_config, parse_wait
 from ..errors import NoDeviceError, UsageError
 from ..paths import Layout, default_layout
 from ..users import user_name
@@ -19,7 +19,7 @@ from . import Command
 
 def _machine(layout: Layout) -> Tuple[Any, List[str]]:
     """The inventory (None without NVML) and the lease files' names."""
-    from .. import nvml
+    from ..devices import nvml
     from ..errors import NvmlUnavailable
 
     try:
@@ -35,14 +35,14 @@ def _when(at: float) -> str:
 
 
 def _holders_of(layout: Layout, uuids: List[str]) -> Dict[str, int]:
-    from ..holders import holders
+    from ..lease.holders import holders
 
     held = holders(str(layout.lease_dir))
     return {u: held[u] for u in uuids if u in held}
 
 
 def _who(pid: int) -> str:
-    from ..status import process_info
+    from ..ops.status import process_info
 
     info = process_info(pid)
     return f"pid {pid} ({info['user']}: {info['command'][:40]})"
@@ -76,8 +76,8 @@ class DrainCommand(Command):
         return super()._parse_args(argv)
 
     def main(self, *devices: str) -> int:
-        from ..drains import drain, drained, leases_covered, resolve
-        from ..privilege import require_admin
+        from ..sched.drains import drain, drained, leases_covered, resolve
+        from ..base.privilege import require_admin
 
         layout = default_layout()
         require_admin(layout, "drain devices")
@@ -135,9 +135,9 @@ class ResumeCommand(Command):
     """Undo `cudawrap drain`: DEVICE… may be leased again (root)."""
 
     def main(self, *devices: str) -> int:
-        from ..drains import drained, resolve, resume
+        from ..sched.drains import drained, resolve, resume
         from ..errors import StateError
-        from ..privilege import require_admin
+        from ..base.privilege import require_admin
 
         layout = default_layout()
         require_admin(layout, "resume devices")
@@ -163,7 +163,7 @@ class CancelCommand(Command):
     """Cancel waiting runs by pid: your own, or anyone's as root; the run exits 75 saying who cancelled it."""
 
     def main(self, *pids: str) -> int:
-        from ..cancel import cancel, parse_pids
+        from ..ops.cancel import cancel, parse_pids
 
         layout = default_layout()
         chosen = cancel(layout, parse_pids(pids))
@@ -186,7 +186,7 @@ class UsageCommand(Command):
     plot_file = cli.SwitchAttr(["--plot"], str, argname="FILE.png", help="also draw device-hours per user per day")
 
     def main(self) -> int:
-        from ..usage import load, month_start, parse_when, plot, summarize, user_day_hours
+        from ..ops.usage import load, month_start, parse_when, plot, summarize, user_day_hours
 
         layout = default_layout()
         now = time.time()
@@ -231,6 +231,6 @@ def _keep(layout: Layout) -> int:
     try:
         return int(load_config(layout.config_file)["keep"])
     except Exception:  # a broken config is reported by every other command; usage still reads
-        from ..config import DEFAULTS
+        from ..policy.config import DEFAULTS
 
         return int(DEFAULTS["keep"])

@@ -9,11 +9,12 @@ from typing import Optional
 
 from plumbum import cli
 
-from .. import launch, policy
-from ..config import parse_gpus, parse_wait
+from .. import launch
+from ..policy import effective as policy
+from ..policy.config import parse_gpus, parse_wait
 from ..errors import NvmlUnavailable, ProgramNotFound, UsageError
 from ..paths import Layout, default_layout
-from ..status import machine_status
+from ..ops.status import machine_status
 from . import Command
 from .filterswitches import FilterSwitches
 
@@ -24,8 +25,8 @@ class SyncCommand(Command):
     quiet = cli.Flag(["-q", "--quiet"], help="print nothing when there is nothing to say")
 
     def main(self) -> int:
-        from ..privilege import require_admin
-        from ..sync import sync
+        from ..base.privilege import require_admin
+        from ..ops.sync import sync
 
         layout = default_layout()
         require_admin(layout, "create lease files")
@@ -47,15 +48,15 @@ class MonitorCommand(Command):
                            "in the runtime directory; stop it with kill")
 
     def main(self) -> int:
-        from ..monitor import refresh_once, run
-        from ..privilege import require_admin
+        from ..ops.monitor import refresh_once, run
+        from ..base.privilege import require_admin
 
         layout = default_layout()
         require_admin(layout, "run the monitor")
         if not 0.05 <= self.period <= 60:
             raise UsageError(f"--period {self.period}: choose between 0.05 and 60 seconds")
         if not self.once:
-            from ..metrics import refuse_unsafe_textfile
+            from ..ops.metrics import refuse_unsafe_textfile
 
             refuse_unsafe_textfile(layout)
         if self.daemon:
@@ -73,9 +74,9 @@ class MonitorCommand(Command):
     def _detach(layout: Layout) -> None:
         """Go to the background (only the daemon returns); refuse a second monitor."""
         from .. import locations as loc
-        from ..daemon import AlreadyRunning, detach
+        from ..base.daemon import AlreadyRunning, detach
         from ..errors import SetupError
-        from ..leases import SYNC_HINT
+        from ..lease.files import SYNC_HINT
 
         root = str(layout.root)
         if not layout.runtime_dir.is_dir():
@@ -104,7 +105,7 @@ class StatusCommand(Command):
                 raise UsageError(f"{_shown(seconds[0]) if seconds else '--count'}: only with --watch",
                                  hint="cudawrap status --watch [SECONDS] [--count N]")
             return self.show()
-        from ..status import parse_watch
+        from ..ops.status import parse_watch
 
         try:
             period, count = parse_watch(seconds, self.count)
@@ -113,7 +114,7 @@ class StatusCommand(Command):
         return _watch(self, period, count)
 
     def show(self) -> int:
-        from ..status import render
+        from ..ops.status import render
 
         layout = default_layout()
         _record(layout, "cudawrap status")
@@ -167,7 +168,7 @@ def _watch(command: StatusCommand, period: float, count: Optional[int]) -> int:
 
 def _record(layout, seen_by: str) -> None:  # type: ignore[no-untyped-def]
     """As root, record in the ledger what changed since the last look (the monitor may not run)."""
-    from ..ledger import look
+    from ..ops.ledger import look
 
     obs = look(layout, seen_by)
     if obs is not None and obs.error:
@@ -227,7 +228,7 @@ class RunCommand(FilterSwitches, Command):
 def _substituted(root: str, args: List[str], grant: launch.Grant) -> List[str]:
     """ARGS with the placeholders filled in from GRANT (held already: no race)."""
     from ..errors import NvmlUnavailable
-    from ..placeholders import substitute
+    from ..sched.placeholders import substitute
 
     if grant.visible is None or grant.lease is None:
         if os.environ.get(launch.CVD, None) is not None and not os.environ[launch.CVD].strip():
@@ -237,8 +238,8 @@ def _substituted(root: str, args: List[str], grant: launch.Grant) -> List[str]:
     uuids = grant.visible.split(",")
 
     def nvml_index(uuid: str) -> Optional[int]:
-        from .. import nvml
-        from ..snapshot import read_fresh
+        from ..devices import nvml
+        from ..devices.snapshot import read_fresh
 
         if not seen:
             seen.append(read_fresh(root) or nvml.inventory())

@@ -1,0 +1,1 @@
+"""Wrapping programs and checking them: wrap/unwrap, inspection, dpkg-divert, doctor."""

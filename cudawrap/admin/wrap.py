@@ -1,0 +1,827 @@
+"""Wrapping and unwrapping programs: the core under ``create-cudawrap`` and ``cudawrap unwrap``.
+
+Never prints, never exits: every refusal is a CudawrapError naming the path.
+
+The promise is that a wrapped name never stops being runnable, so no step removes or
+renames the name itself; it is only ever *replaced* with ``rename``:
+
+create ``/d/x`` (entry written first with phase "wrapping"):
+  1. hard-link ``/d/x`` to ``/d/CUDAWRAP_x`` (same directory, so same file system);
+  2. if dpkg ships ``/d/x``: ``dpkg-divert --no-rename --add`` (see divert.py for why not --rename);
+  3. make the symlink ``/d/.cudawrap-tmp-x`` -> shim and rename it over ``/d/x``;
+  4. entry phase "wrapped".
+unwrap (entry phase "unwrapping" first):
+  1. hard-link ``/d/CUDAWRAP_x`` to ``/d/.cudawrap-tmp-x`` and rename that over ``/d/x``;
+  2. ``dpkg-divert --rename --remove`` (both names are one inode, so it just unlinks
+     CUDAWRAP_x), or unlink ``/d/CUDAWRAP_x`` ourselves when there is no diversion;
+  3. drop the entry.
+
+Every intermediate state is an entry in phase "wrapping"/"unwrapping" plus a link path
+that is the original program, the same inode as CUDAWRAP_x, or the shim link: each runs
+the program, and :func:`finish` completes the operation from any of them. A stray
+``.cudawrap-tmp-x`` is always a second name of something that still exists elsewhere.
+
+A name that is a symlink to a program (``/usr/bin/recon -> /opt/recon-2.1/bin/recon``) is
+wrapped by moving *the symlink itself* to ``CUDAWRAP_recon``: the target stays untouched
+(other names may lead to it, and it may live on another file system), a relative link
+still resolves because it stays in the same directory, and unwrap puts back the very
+same symlink.
+"""
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
+
+from .. import __version__
+from ..base import audit
+from ..policy import registry
+from .divert import PACKAGE, Dpkg, real_name, rpm_package
+from ..errors import CudawrapError, NotPermitted, StateError, UsageError
+from .inspect_wraps import (
+    INTERRUPTED, LINK_FILE, LINK_MISSING, LINK_SAME, LINK_SHIM, LINK_SYMLINK,
+    OK, WrapStatus, canonical, facts_of, inspect_entry, is_original, is_shim_link, link_kind, own_shim_state,
+    same_file,
+    stamp_of, symlink_chain,
+)
+from ..paths import REAL_PREFIX, Layout
+from ..policy.registry import UNWRAPPING, WRAPPED, WRAPPING, Entry, Registry
+from ..base.safepath import trusted_uids, unsafe_reason
+
+log = logging.getLogger(__name__)
+
+TMP_PREFIX = ".cudawrap-tmp-"
+SAVED_SUFFIX = ".cudawrap-saved"
+NAME_MAX = 255
+
+
+def tmp_name(path: str) -> str:
+    """The temporary name used next to PATH while replacing it."""
+    head, tail = os.path.split(path)
+    return os.path.join(head, TMP_PREFIX + tail)
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def invoking_user() -> str:
+    """Who asked: the sudo caller when run through sudo, else this process's user."""
+    return os.environ.get("SUDO_USER") or getpass.getuser()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        registry.fsync_dir(path)
+    except OSError as exc:  # the rename is done; durability is best effort here
+        log.debug("fsync of %s failed: %s", path, exc)
+
+
+def _clear_tmp(path: str) -> None:
+    """Remove a stale temporary name: only ever a symlink or a second name of a file."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_nlink > 1):
+        os.unlink(path)
+    else:
+        raise StateError(f"{path} is in the way and may be the only copy of a file; move it away")
+
+
+def _replace(dest: str, make: Callable[[str], None]) -> None:
+    """Create a name with MAKE(tmp) beside DEST, then rename it over DEST: DEST is replaced
+    atomically, never missing for a moment."""
+    tmp = tmp_name(dest)
+    _clear_tmp(tmp)
+    make(tmp)
+    try:
+        os.rename(tmp, dest)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    _fsync_dir(os.path.dirname(dest))
+
+
+def _replace_with_link(source: str, dest: str) -> None:
+    """Make DEST a hard link of SOURCE (a symlink itself, not its target)."""
+    _replace(dest, lambda tmp: os.link(source, tmp, follow_symlinks=False))
+
+
+def _replace_with_shim_link(layout: Layout, dest: str) -> None:
+    """Make DEST a symlink to its own shim (written first)."""
+    from ..install.installation import install_program_shim
+
+    install_program_shim(layout, dest)
+    _replace(dest, lambda tmp: os.symlink(os.fspath(layout.program_shim(dest)), tmp))
+
+
+def _remove_own_shim(layout: Layout, link: str) -> None:
+    """Remove LINK's own shim once nothing leads to it; a file that is no longer a shim (a
+    build copied through the link) is kept."""
+    from ..install.installation import shim_version
+
+    shim = layout.program_shim(link)
+    if shim_version(shim):
+        try:
+            os.unlink(shim)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # a leftover shim is harmless: nothing leads to it any more
+            log.warning("could not remove the shim %s: %s", shim, exc.strerror)
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, CudawrapError):
+        return exc.message
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    return type(exc).__name__
+
+
+def refresh_launch_cache(layout: Layout) -> None:
+    """Rebuild the shim's policy cache after the registry changed.
+
+    Best effort: a stale cache is only slower (the shim sees its signature no longer
+    matches and parses the files itself), never wrong, so no wrap fails over it.
+    """
+    try:
+        from ..policy.effective import write_cache
+    except ImportError:
+        return
+    try:
+        write_cache(os.fspath(layout.root))
+    except (OSError, CudawrapError) as exc:
+        log.warning("the launch cache was not rebuilt (%s); wrapped programs start a little slower "
+                    "until 'cudawrap sync'", _why(exc))
+
+
+def require_installed(layout: Layout) -> None:
+    """Raise StateError unless LAYOUT has a shim to point links at and a state directory."""
+    shim = os.fspath(layout.shim)
+    if not (os.path.isfile(shim) and os.access(shim, os.X_OK)):
+        raise StateError(f"the cudawrap shim {shim} is missing or not executable; "
+                         "run install.sh (or 'cudawrap doctor') first")
+    if not os.path.isdir(layout.state_dir):
+        raise StateError(f"{layout.state_dir} does not exist; run install.sh first")
+
+
+# --- create ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A program that passed the checks for wrapping (no file was read or changed)."""
+
+    link: str
+    real: str
+    symlink: Optional[str]  # the link text, when the name is a symlink to the program
+    package: Optional[str]  # the dpkg package shipping it
+    diversion: Optional[str]  # the name to divert (as dpkg knows it), when a package ships it
+    rpm: Optional[str] = None  # the RPM package owning it, when wrapped with --force anyway
+    owner: Optional[str] = None  # the user owning the program's file, when not root (or the prefix's owner)
+
+
+@dataclass(frozen=True)
+class Failure:
+    path: str
+    error: CudawrapError
+
+
+@dataclass(frozen=True)
+class WrapOutcome:
+    wrapped: Tuple[Entry, ...]
+    failed: Tuple[Failure, ...]
+    warnings: Tuple[str, ...] = ()
+
+
+def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg, force: bool = False) -> Candidate:
+    """Check that PATH can be wrapped; raise a CudawrapError naming it if not. FORCE wraps a
+    program of the base system (every run of it would take a device) or one an RPM package
+    owns (which an update of the package silently unwraps)."""
+    if not path:
+        raise UsageError("an empty path cannot be wrapped")
+    if "\n" in path:
+        raise UsageError(f"{path!r}: a name with a newline cannot be wrapped (dpkg cannot record it)")
+    link = os.path.abspath(path)
+    head, name = os.path.split(link)
+    if name.startswith(REAL_PREFIX):
+        raise StateError(f"{link}: the {REAL_PREFIX} prefix marks a program cudawrap already renamed; "
+                         f"wrap {os.path.join(head, name[len(REAL_PREFIX):])} instead")
+    try:
+        st = os.lstat(link)
+    except FileNotFoundError:
+        raise StateError(f"{link}: no such file; give the path of an installed program") from None
+    except OSError as exc:
+        raise StateError(f"{link}: cannot examine it: {exc.strerror}") from None
+    why = unsafe_reason(link, file=True, any_owner=True)
+    if why is not None:
+        raise StateError(f"{link}: {why}, so they could swap it for a symlink that root's commands would "
+                         f"follow; put the program where only {_trusted_names()} can write (such as "
+                         "/opt/app/bin) and wrap it there")
+    found = reg.find(link)
+    if found is not None and found.phase != WRAPPED:
+        raise StateError(f"{link}: an earlier create or unwrap of it was interrupted; "
+                         "run 'cudawrap doctor --repair' first")
+    if found is not None or is_shim_link(layout, link):
+        wrapped = {canonical(e.link): e.link for e in reg}
+        through = [wrapped[p] for p in symlink_chain(link)[1:-1] if p in wrapped]
+        if found is None and through:
+            raise StateError(f"{link}: a symlink to the wrapped program {through[0]}, so it is already "
+                             "wrapped through it (see 'cudawrap list')")
+        raise StateError(f"{link}: already wrapped by cudawrap (see 'cudawrap list'); "
+                         f"run 'cudawrap unwrap {link}' first to wrap it anew")
+    if layout.is_shim_path(link):
+        raise StateError(f"{link}: this is a cudawrap shim itself; wrap a CUDA program instead")
+    symlink = None
+    if stat.S_ISLNK(st.st_mode):
+        symlink = os.readlink(link)
+        try:
+            st = os.stat(link)
+        except OSError:
+            raise StateError(f"{link}: a broken symlink (to {symlink}); "
+                             "give the path of an installed program") from None
+    what = f" (a symlink to {os.path.realpath(link)})" if symlink is not None else ""
+    if not stat.S_ISREG(st.st_mode):
+        raise StateError(f"{link}: not a regular file{what}; only programs can be wrapped")
+    if not st.st_mode & 0o111:
+        raise StateError(f"{link}: not executable{what} (mode {stat.S_IMODE(st.st_mode):04o}); "
+                         "only programs can be wrapped")
+    here = canonical(link)
+    for other in reg:
+        # A wrapped symlink's CUDAWRAP_ name still points at the program it pointed to;
+        # wrapping that program too would send it back into the shim, in a loop.
+        if other.symlink is not None and here in symlink_chain(other.real)[1:]:
+            raise StateError(f"{link}: the wrapped {other.link} is a symlink to it; run 'cudawrap unwrap "
+                             f"{other.link}' first, then wrap {link}, which covers both")
+    real = real_name(link)
+    if len(os.fsencode(TMP_PREFIX + name)) > NAME_MAX:
+        raise StateError(f"{link}: the name is too long to add the {REAL_PREFIX} prefix "
+                         f"({NAME_MAX - len(TMP_PREFIX)} bytes at most)")
+    if os.path.lexists(real):
+        raise StateError(f"{link}: {real} already exists; move it away (or run 'cudawrap doctor') "
+                         "before wrapping")
+    if not os.access(head, os.W_OK | os.X_OK):
+        raise NotPermitted(f"{link}: cannot create files in {head} (read-only file system or no "
+                           "write permission)")
+    package = diversion = None
+    owner = dpkg.owner(link)
+    if owner is not None:
+        package, diversion = owner
+        system = dpkg.system_package(package)
+        if system is not None and not force:
+            raise StateError(f"{link}: belongs to {system[0]}, a package {system[1]} (part of the base "
+                             f"system), so every run of {name} on this machine, by any user or script, "
+                             "would take a device; wrap a CUDA program, or give --force if that is meant")
+        diverter = dpkg.diverter(diversion)
+        if diverter == PACKAGE:
+            raise StateError(f"{link}: dpkg already diverts it for cudawrap but the registry has no "
+                             "entry; run 'cudawrap doctor --repair' first")
+        if diverter is not None:
+            raise StateError(f"{link}: already diverted by {diverter} (dpkg-divert --list); "
+                             "cudawrap cannot divert it a second time")
+    rpm = rpm_package(link) if owner is None else None
+    if rpm is not None and not force:
+        raise StateError(f"{link}: belongs to the RPM package {rpm}, and rpm cannot divert files: an update "
+                         f"of {rpm} would silently unwrap it; wrap a copy outside the package's files, or "
+                         "give --force and wrap it again after every update")
+    from ..users import user_name
+
+    owner = None if st.st_uid in trusted_uids() else user_name(st.st_uid)
+    return Candidate(link, real, symlink, package, diversion, rpm, owner)
+
+
+def _trusted_names() -> str:
+    from ..users import user_name
+
+    return " or ".join(sorted(user_name(u) for u in trusted_uids()))
+
+
+def unsafe_dir(entry: Entry) -> Optional[str]:
+    """Why ENTRY's directory is no longer safe for root to act in (made before wrapping
+    refused such places, or handed to a user since), or None."""
+    return unsafe_reason(os.path.dirname(entry.link))
+
+
+def wrap_one(layout: Layout, cand: Candidate, policy: Mapping[str, Any], dpkg: Dpkg, user: str) -> Entry:
+    """Wrap CAND (see the module doc for the steps). The caller holds the registry lock.
+
+    On failure every step is undone and StateError says nothing was changed; if undoing
+    fails too, the "wrapping" entry stays for `cudawrap doctor --repair`.
+    """
+    try:
+        facts = facts_of(cand.link)
+    except OSError as exc:
+        raise StateError(f"{cand.link}: cannot read it: {exc.strerror}") from None
+    entry = Entry(
+        link=cand.link, real=cand.real, sha256=facts.sha256, mode=facts.mode, uid=facts.uid,
+        gid=facts.gid, symlink=cand.symlink, package=cand.package, diversion=cand.diversion,
+        policy=policy, wrapped_by=user, wrapped_at=utc_now(), cudawrap_version=__version__,
+        phase=WRAPPING,
+    )
+    try:
+        registry.update(layout, lambda reg: reg.put(entry))
+    except CudawrapError as exc:
+        raise StateError(f"{cand.link}: could not wrap it: {exc.message}; nothing was changed") from None
+    undo: List[Callable[[], None]] = []
+
+    def unlink_real() -> None:
+        if same_file(cand.link, cand.real):  # never remove anything but our second name
+            os.unlink(cand.real)
+
+    try:
+        os.link(cand.link, cand.real, follow_symlinks=False)
+        undo.append(unlink_real)
+        if cand.diversion is not None:
+            dpkg.add(cand.diversion)
+            undo.append(lambda: dpkg.remove(cand.diversion, rename=False))  # type: ignore[arg-type]
+        undo.append(lambda: _remove_own_shim(layout, cand.link))
+        _replace_with_shim_link(layout, cand.link)
+    except BaseException as exc:
+        try:
+            for step in reversed(undo):
+                step()
+            registry.update(layout, lambda reg: reg.drop(cand.link))
+        except BaseException as again:
+            raise StateError(
+                f"{cand.link}: wrapping failed ({_why(exc)}) and so did undoing it ({_why(again)}); "
+                "the program still runs; run 'cudawrap doctor --repair' to finish"
+            ) from exc
+        if not isinstance(exc, Exception):
+            raise
+        raise StateError(f"{cand.link}: could not wrap it: {_why(exc)}; nothing was changed") from exc
+    done = entry.replace(phase=WRAPPED, stat=stamp_of(os.stat(cand.real)))
+    try:
+        registry.update(layout, lambda reg: reg.put(done))
+    except CudawrapError as exc:
+        raise StateError(f"{cand.link}: wrapped, but recording that failed ({exc.message}); "
+                         "run 'cudawrap doctor --repair' to record it") from None
+    log.info("wrapped %s (real program %s, sha256 %s, policy %s, diverted: %s) by %s",
+             done.link, done.real, done.sha256, dict(done.policy), done.diverted, user)
+    audit.log("wrap", program=done.link, real=done.real, sha256=done.sha256, by=user,
+              diversion=done.diversion or "none")
+    return done
+
+
+def wrap_programs(
+    layout: Layout,
+    paths: Sequence[str],
+    policy: Mapping[str, Any],
+    *,
+    dpkg: Optional[Dpkg] = None,
+    user: Optional[str] = None,
+    force: bool = False,
+) -> WrapOutcome:
+    """Wrap each of PATHS with POLICY (raw, already validated).
+
+    Every path is checked before any is touched: if one fails the checks, nothing at all
+    is changed and the outcome lists the failures. Then each is wrapped under the lock,
+    checked again there (another admin may have been quicker); one that fails then is
+    reported and the others still go ahead.
+    """
+    dpkg = Dpkg.from_environment() if dpkg is None else dpkg
+    user = invoking_user() if user is None else user
+    require_installed(layout)
+
+    def check_all(reg: Registry) -> Tuple[List[Candidate], List[Failure]]:
+        good: List[Candidate] = []
+        bad: List[Failure] = []
+        seen = set()
+        for path in paths:
+            try:
+                cand = check_wrap(layout, path, reg, dpkg, force)
+                if cand.link in seen:
+                    raise UsageError(f"{cand.link}: given twice")
+                seen.add(cand.link)
+                good.append(cand)
+            except CudawrapError as exc:
+                bad.append(Failure(path, exc))
+        # A symlink to another program of this same command would end up pointing at the
+        # shim (see check_wrap); wrapping its target alone covers it.
+        targets = {canonical(c.link): c.link for c in good}
+        for cand in [c for c in good if c.symlink is not None]:
+            through = [targets[p] for p in symlink_chain(cand.link)[1:] if p in targets]
+            if through:
+                good.remove(cand)
+                bad.append(Failure(cand.link, StateError(
+                    f"{cand.link}: it is a symlink to {through[0]}, which this command wraps; "
+                    f"wrapping {through[0]} covers it, so leave {cand.link} out")))
+        return good, bad
+
+    # First without the lock: a refusal must leave every file alone, the lock file included.
+    _, bad = check_all(registry.load(layout))
+    if bad:
+        return WrapOutcome((), tuple(bad))
+    wrapped: List[Entry] = []
+    failed: List[Failure] = []
+    with registry.lock(layout):
+        good, failed = check_all(registry.load(layout))
+        for cand in good:
+            try:
+                wrapped.append(wrap_one(layout, cand, policy, dpkg, user))
+            except CudawrapError as exc:
+                failed.append(Failure(cand.link, exc))
+        if wrapped:
+            refresh_launch_cache(layout)
+    done = [c for c in good if any(e.link == c.link for e in wrapped)]
+    warnings = tuple(
+        f"warning: {c.link} belongs to the RPM package {c.rpm}: an update of {c.rpm} silently unwraps it; "
+        f"run 'create-cudawrap --force {c.link}' again after every update"
+        for c in done if c.rpm is not None) + tuple(
+        f"warning: {c.link} is owned by {c.owner}, who can still change what it runs (its contents), "
+        f"though not rename or replace it: only {_trusted_names()} can write in {os.path.dirname(c.link)}"
+        for c in done if c.owner is not None)
+    return WrapOutcome(tuple(wrapped), tuple(failed), warnings)
+
+
+# --- unwrap ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unwrapped:
+    link: str
+    message: str  # what was done, one line for the admin
+    saved: Optional[str] = None  # where a real program was kept when its name was taken
+
+
+@dataclass(frozen=True)
+class UnwrapOutcome:
+    unwrapped: Tuple[Unwrapped, ...]
+    failed: Tuple[Failure, ...]
+
+
+def saved_name(link: str) -> str:
+    """A free name next to LINK for a real program that cannot go back to LINK."""
+    candidate = link + SAVED_SUFFIX
+    number = 1
+    while os.path.lexists(candidate):
+        number += 1
+        candidate = f"{link}{SAVED_SUFFIX}.{number}"
+    return candidate
+
+
+def _force_effect(status: WrapStatus) -> str:
+    """What --force would do for STATUS, for the refusal message."""
+    link = status.entry.link
+    if not status.real_present:
+        if status.link == LINK_SHIM:
+            return "removes the shim link (no real program is left to restore)"
+        return "drops the registry entry (no real program is left to restore)"
+    if status.link in (LINK_SHIM, LINK_MISSING, LINK_SAME):
+        return f"puts {status.entry.real} back as {link} as it is now"
+    return f"leaves {link} as it is and keeps the wrapped program as {saved_name(link)}"
+
+
+def check_unwrap(layout: Layout, entry: Entry, force: bool) -> WrapStatus:
+    """Raise StateError unless ENTRY can be unwrapped (with FORCE: unless it can at all)."""
+    status = inspect_entry(layout, entry)
+    why = unsafe_dir(entry)
+    if why is not None:
+        if force:
+            return status
+        raise StateError(f"{entry.link}: {why}; nothing was changed: cudawrap no longer acts there; "
+                         "'cudawrap unwrap --force' drops its entry and shim and leaves the files there "
+                         "to their owner")
+    if status.state == OK or force:
+        return status
+    if status.state == INTERRUPTED:
+        # Finishing an interrupted operation by unwrapping is safe from the states the
+        # steps leave behind: the name is the shim link or the same file as the real one.
+        if status.link in (LINK_SHIM, LINK_SAME) and status.real_present:
+            return status
+        if status.link in (LINK_FILE, LINK_SYMLINK) and not status.real_present and is_original(entry, entry.link):
+            return status
+    raise StateError(f"{entry.link}: {status.state}: {status.detail or 'disk differs from the registry'}; "
+                     f"nothing was changed; 'cudawrap unwrap --force' {_force_effect(status)}")
+
+
+def _drop_diversion(entry: Entry, dpkg: Dpkg, rename: bool) -> None:
+    if entry.diversion is not None and dpkg.diverter(entry.diversion) == PACKAGE:
+        dpkg.remove(entry.diversion, rename=rename)
+
+
+def unwrap_one(layout: Layout, entry: Entry, dpkg: Dpkg) -> Unwrapped:
+    """Put ENTRY's real program back under its name; the caller holds the lock and has
+    called :func:`check_unwrap`. Never deletes a real program: when the name now holds
+    something else, both are kept and the message says where."""
+    if unsafe_dir(entry) is not None:
+        return _let_go(layout, entry, dpkg)
+    original = entry
+    entry = entry.replace(phase=UNWRAPPING)
+    try:
+        registry.update(layout, lambda reg: reg.put(entry))
+    except CudawrapError as exc:
+        raise StateError(f"{entry.link}: could not unwrap it: {exc.message}; nothing was changed") from None
+    link, real = entry.link, entry.real
+    kind = link_kind(layout, entry)
+    real_present = os.path.lexists(real)
+    saved = None
+    started = False  # whether any file changed yet: before that, a failure is undone
+    try:
+        if real_present and kind in (LINK_SHIM, LINK_MISSING):
+            _replace_with_link(real, link)
+            started, kind = True, LINK_SAME
+        if kind == LINK_SAME:
+            _drop_diversion(entry, dpkg, rename=True)  # unlinks CUDAWRAP_x: one inode with x
+            started = True
+            if same_file(link, real):
+                os.unlink(real)
+            message = f"unwrapped {link}"
+        elif real_present:
+            saved = saved_name(link)
+            os.link(real, saved, follow_symlinks=False)  # link+unlink: never overwrites
+            started = True
+            os.unlink(real)
+            _drop_diversion(entry, dpkg, rename=False)
+            message = f"unwrapped {link}: left what is there now; the wrapped program was kept as {saved}"
+        else:
+            if kind == LINK_SHIM:
+                os.unlink(link)
+                started = True
+                message = f"unwrapped {link}: removed the shim link; there was no real program to restore"
+            elif kind in (LINK_FILE, LINK_SYMLINK) and is_original(entry, link):
+                message = f"unwrapped {link}"  # an interrupted unwrap had already put it back
+            else:
+                message = f"unwrapped {link}: dropped the entry; there was no real program to restore"
+            _drop_diversion(entry, dpkg, rename=False)
+        _fsync_dir(os.path.dirname(link))
+        if link_kind(layout, entry) != LINK_SHIM:
+            _remove_own_shim(layout, link)
+    except (OSError, CudawrapError) as exc:
+        if not started and original.phase == WRAPPED:
+            try:
+                registry.update(layout, lambda reg: reg.put(original))
+            except CudawrapError:
+                pass
+            else:
+                raise StateError(f"{link}: could not unwrap it: {_why(exc)}; nothing was changed") from exc
+        raise StateError(f"{link}: unwrap stopped half-way ({_why(exc)}); the program still runs; "
+                         "run 'cudawrap doctor --repair' to finish") from exc
+    try:
+        registry.update(layout, lambda reg: reg.drop(link))
+    except CudawrapError as exc:
+        raise StateError(f"{link}: unwrapped, but recording that failed ({exc.message}); "
+                         "run 'cudawrap doctor --repair' to record it") from None
+    log.info("unwrapped %s (%s)", link, message)
+    audit.log("unwrap", program=link, by=invoking_user(), result=message)
+    return Unwrapped(link, message, saved)
+
+
+def _let_go(layout: Layout, entry: Entry, dpkg: Dpkg) -> Unwrapped:
+    """Forget ENTRY without touching its directory, which another user controls (unwrap --force)."""
+    _remove_own_shim(layout, entry.link)
+    _drop_diversion(entry, dpkg, rename=False)
+    registry.update(layout, lambda reg: reg.drop(entry.link))
+    message = (f"unwrapped {entry.link}: dropped its entry and shim; {os.path.dirname(entry.link)} is not "
+               f"root's, so its files were left as they are ({entry.real} is the real program)")
+    log.info("%s", message)
+    audit.log("unwrap", program=entry.link, by=invoking_user(), result=message)
+    return Unwrapped(entry.link, message)
+
+
+def unwrap_programs(
+    layout: Layout,
+    paths: Sequence[str],
+    *,
+    everything: bool = False,
+    force: bool = False,
+    dpkg: Optional[Dpkg] = None,
+) -> UnwrapOutcome:
+    """Unwrap PATHS (link or CUDAWRAP_ paths), or every entry with EVERYTHING.
+
+    As for wrapping, all are checked before any is changed; a refusal changes nothing.
+    """
+    dpkg = Dpkg.from_environment() if dpkg is None else dpkg
+
+    def check_all(reg: Registry) -> Tuple[List[Entry], List[Failure]]:
+        good: List[Entry] = []
+        bad: List[Failure] = []
+        wanted: List[Tuple[str, Optional[Entry]]] = (
+            [(e.link, e) for e in reg] if everything
+            else [(p, reg.find(os.path.abspath(p)) if p else None) for p in paths]
+        )
+        for path, entry in wanted:
+            try:
+                if entry is None:
+                    raise StateError(f"{os.path.abspath(path) if path else repr(path)}: not wrapped by "
+                                     "cudawrap (see 'cudawrap list')")
+                if entry in good:
+                    raise UsageError(f"{entry.link}: given twice")
+                check_unwrap(layout, entry, force)
+                good.append(entry)
+            except CudawrapError as exc:
+                bad.append(Failure(path, exc))
+        return good, bad
+
+    _, bad = check_all(registry.load(layout))
+    if bad:
+        return UnwrapOutcome((), tuple(bad))
+    done: List[Unwrapped] = []
+    failed: List[Failure] = []
+    with registry.lock(layout):
+        good, failed = check_all(registry.load(layout))
+        for entry in good:
+            try:
+                done.append(unwrap_one(layout, entry, dpkg))
+            except CudawrapError as exc:
+                failed.append(Failure(entry.link, exc))
+        if done:
+            refresh_launch_cache(layout)
+    return UnwrapOutcome(tuple(done), tuple(failed))
+
+
+# --- repairs (cudawrap doctor --repair); the caller holds the lock --------------------
+
+
+def _record(layout: Layout, entry: Entry, **changes: Any) -> Entry:
+    facts = facts_of(entry.real)
+    new = entry.replace(sha256=facts.sha256, mode=facts.mode, uid=facts.uid, gid=facts.gid,
+                        stat=facts.stamp, **changes)
+    registry.update(layout, lambda reg: reg.put(new))
+    return new
+
+
+def _ensure_diversion(entry: Entry, dpkg: Dpkg) -> Tuple[Entry, Optional[str]]:
+    """ENTRY with the diversion it needs in place (dpkg may have come to own the file)."""
+    if entry.diversion is None:
+        owner = dpkg.owner(entry.link)
+        if owner is None:
+            return entry, None
+        entry = entry.replace(package=owner[0], diversion=owner[1])
+    if dpkg.diverter(entry.diversion) == PACKAGE:  # type: ignore[arg-type]
+        return entry, None
+    dpkg.add(entry.diversion)  # type: ignore[arg-type]
+    return entry, f"diverted {entry.diversion} (package {entry.package}) so upgrades cannot replace the link"
+
+
+def finish(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
+    """Complete an interrupted create or unwrap of ENTRY; returns what was done."""
+    if entry.phase == UNWRAPPING:
+        return unwrap_one(layout, entry, dpkg).message + " (finished an interrupted unwrap)"
+    kind = link_kind(layout, entry)
+    link, real = entry.link, entry.real
+    if kind in (LINK_FILE, LINK_SYMLINK) and not os.path.lexists(real) and is_original(entry, link):
+        os.link(link, real, follow_symlinks=False)
+        kind = LINK_SAME
+    if kind not in (LINK_SAME, LINK_SHIM, LINK_MISSING) or not os.path.lexists(real):
+        raise StateError(f"{link}: cannot finish the interrupted create: "
+                         f"{inspect_entry(layout, entry.replace(phase=WRAPPED)).detail}; "
+                         f"'cudawrap unwrap --force {link}' gives up the wrap")
+    entry, _ = _ensure_diversion(entry, dpkg)
+    if kind != LINK_SHIM or own_shim_state(layout, link) != "own":
+        _replace_with_shim_link(layout, link)
+    _record(layout, entry, phase=WRAPPED)
+    log.info("finished the interrupted wrap of %s", link)
+    return f"finished the interrupted wrap of {link}"
+
+
+def _keep_old_real(entry: Entry) -> str:
+    """A second name for ENTRY's real program before a new build replaces it; returns it."""
+    saved = saved_name(entry.link)
+    os.link(entry.real, saved, follow_symlinks=False)  # fails rather than overwrite
+    return saved
+
+
+def rewrap(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
+    """The name holds a new binary (an upgrade or `install` replaced the shim link): make the
+    new binary the real program, keep the old one beside it, and put the shim link back."""
+    link, real = entry.link, entry.real
+    old = entry.sha256
+    saved = _keep_old_real(entry) if os.path.lexists(real) else None
+    _replace_with_link(link, real)  # the new binary is now also CUDAWRAP_x
+    entry, _ = _ensure_diversion(entry, dpkg)
+    _replace_with_shim_link(layout, link)
+    entry = _record(layout, entry)
+    log.info("re-wrapped %s: new binary %s replaced %s (kept as %s)", link, entry.sha256, old, saved)
+    audit.log("rewrap", program=link, sha256=entry.sha256, previous=old, kept=saved or "none")
+    kept = f"; the previous real program (sha256 {old[:12]}...) was kept as {saved}" if saved else ""
+    return (f"re-wrapped {link}: the new binary there became {real}, replacing the one wrapped "
+            f"on {entry.wrapped_at}{kept}")
+
+
+def adopt_build(layout: Layout, entry: Entry) -> str:
+    """A deploy copied a new build through ENTRY's link into its own shim: make that build the
+    real program (the old one kept beside it) and write the shim anew."""
+    link, real = entry.link, entry.real
+    shim = os.fspath(layout.program_shim(link))
+    old = entry.sha256
+    saved = _keep_old_real(entry) if os.path.lexists(real) else None
+
+    def copy(tmp: str) -> None:
+        import shutil
+
+        # A copy, not a link: the shim directory may be on another file system.
+        shutil.copyfile(shim, tmp, follow_symlinks=False)
+        shutil.copymode(shim, tmp)
+
+    _replace(real, copy)
+    from ..install.installation import install_program_shim
+
+    install_program_shim(layout, link)
+    entry = _record(layout, entry)
+    log.info("adopted the build copied through %s as %s (kept the old one as %s)", link, real, saved)
+    audit.log("adopt-build", program=link, sha256=entry.sha256, previous=old, kept=saved or "none")
+    kept = f"; the previous real program (sha256 {old[:12]}...) was kept as {saved}" if saved else ""
+    return f"made the new build {real} and restored the shim{kept}"
+
+
+def own_shim(layout: Layout, entry: Entry) -> str:
+    """Give ENTRY its own shim (it leads to the shared one, or its own is stale or missing)."""
+    _replace_with_shim_link(layout, entry.link)
+    log.info("gave %s its own shim %s", entry.link, layout.program_shim(entry.link))
+    return f"wrote its own shim {layout.program_shim(entry.link)} and pointed {entry.link} at it"
+
+
+def refresh_shims(layout: Layout) -> List[str]:
+    """After an upgrade: rewrite every wrapped program's own shim and give programs wrapped
+    by older versions (a link to the shared shim) their own. A shim a deploy overwrote is
+    left for `cudawrap doctor --repair`, which adopts the build. Returns what was done."""
+    from ..install.installation import install_program_shim, shim_version
+
+    done: List[str] = []
+    if not layout.registry_file.exists():
+        return done
+    with registry.lock(layout):
+        for entry in registry.load(layout):
+            if entry.phase != WRAPPED or link_kind(layout, entry) != LINK_SHIM:
+                continue
+            own = layout.program_shim(entry.link)
+            if os.path.realpath(entry.link) != os.path.realpath(own):
+                done.append(own_shim(layout, entry))
+            elif shim_version(own) and install_program_shim(layout, entry.link):
+                done.append(f"refreshed the shim of {entry.link}")
+    return done
+
+
+def relink(layout: Layout, entry: Entry) -> str:
+    """Recreate a missing shim link (or the missing shim it leads to)."""
+    _replace_with_shim_link(layout, entry.link)
+    log.info("recreated the shim link %s", entry.link)
+    return f"recreated the shim link {entry.link}"
+
+
+def forget(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
+    """The real program is gone: remove our shim link (it leads nowhere), the diversion
+    and the entry."""
+    removed = ""
+    if link_kind(layout, entry) == LINK_SHIM:
+        os.unlink(entry.link)
+        removed = " and the shim link"
+    _remove_own_shim(layout, entry.link)
+    _drop_diversion(entry, dpkg, rename=False)
+    registry.update(layout, lambda reg: reg.drop(entry.link))
+    log.info("forgot %s: real program %s is gone", entry.link, entry.real)
+    return f"removed the registry entry{removed} of {entry.link}: its real program {entry.real} is gone"
+
+
+def accept(layout: Layout, entry: Entry) -> str:
+    """Record the real program as it is now (after an upgrade through the diversion)."""
+    new = _record(layout, entry)
+    log.info("recorded the new checksum of %s: %s (was %s)", entry.real, new.sha256, entry.sha256)
+    return f"recorded {entry.real} as it is now (sha256 {new.sha256[:12]}..., was {entry.sha256[:12]}...)"
+
+
+def ensure_diversion(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
+    """Add a diversion ENTRY lacks; returns what was done."""
+    new, done = _ensure_diversion(entry, dpkg)
+    if not done:
+        return "the diversion was already in place"
+    registry.update(layout, lambda reg: reg.put(new))
+    log.info("%s", done)
+    return done
+
+
+def remove_tmp(path: str) -> str:
+    """Remove a temporary name an interrupted command left (never an only copy)."""
+    _clear_tmp(path)
+    return "removed it"
+
+
+def drop_stray_diversion(dpkg: Dpkg, name: str) -> str:
+    """Remove a diversion cudawrap made for a program it no longer wraps."""
+    dpkg.remove(name, rename=False)
+    log.info("removed the stray diversion of %s", name)
+    return "removed the diversion"
+
+
+def adopt(layout: Layout, link: str, dpkg: Dpkg) -> str:
+    """Register a shim link whose CUDAWRAP_ program exists but has no entry."""
+    real = real_name(link)
+    name = dpkg.name_of(link)
+    diversion = name if name is not None and dpkg.diverter(name) == PACKAGE else None
+    owner = dpkg.owner(link) if diversion else None
+    facts = facts_of(real)
+    entry = Entry(
+        link=link, real=real, sha256=facts.sha256, mode=facts.mode, uid=facts.uid, gid=facts.gid,
+        symlink=facts.symlink, package=owner[0] if owner else None, diversion=diversion, policy={},
+        wrapped_by="cudawrap doctor", wrapped_at=utc_now(), cudawrap_version=__version__,
+        phase=WRAPPED, stat=facts.stamp,
+    )
+    registry.update(layout, lambda reg: reg.put(entry))
+    log.info("registered the unregistered wrap %s", link)
+    return f"registered {link} (its per-program policy was lost; wrap it anew to set one)"
+

@@ -1,0 +1,1 @@
+"""Process-level helpers every layer may use: safe paths, root-owned files, privilege, inotify, audit, daemons."""

@@ -1,0 +1,50 @@
+"""Small files root writes for the shim to read: atomic ``marshal`` data, trusted by owner.
+
+marshal is a C module (no import cost) and loads plain data only. A reader trusts a file
+only if the runtime directory's owner (root on a system install) wrote it and nobody
+else can write it, so a user cannot plant data that steers other users' launches.
+"""
+from __future__ import annotations
+
+import marshal
+import os
+
+TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
+if TYPE_CHECKING:
+    from typing import Any, Optional
+
+from .. import locations as loc
+
+_MAX_SIZE = 8 << 20
+
+
+def write(path: str, data: Any) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, marshal.dumps(data))
+        os.fchmod(fd, 0o644)  # readable by every user whatever root's umask
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read(root: str, path: str, version: int) -> Optional[dict]:
+    """The dict at PATH if trusted and of VERSION, else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        owner = os.stat(loc.under(root, loc.RUNTIME_DIR)).st_uid
+        if st.st_uid != owner or st.st_mode & 0o022 or st.st_size > _MAX_SIZE:
+            return None
+        data = marshal.loads(os.read(fd, st.st_size + 1))
+    except (OSError, ValueError, EOFError, TypeError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict) or data.get("version") != version:
+        return None
+    return data

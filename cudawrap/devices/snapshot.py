@@ -1,0 +1,109 @@
+"""A fresh view of the machine for the shim, kept by `cudawrap monitor` (root).
+
+Importing pynvml and initialising NVML costs ~25 ms per launch on an idle machine and
+seconds on GPUs without persistence mode; the monitor pays it once and rewrites this
+snapshot every half second. The shim uses the snapshot only while it is fresh and was
+written by root; otherwise it asks NVML itself. Correctness never depends on it: leases
+are decided by flock alone, the snapshot only says where other people's processes run.
+
+It records every process NVML lists, on every device, held or not: a foreign process on
+a leased device must still count once the lease is free. For each listed process it could
+see in /proc it also records when that process started, so that a reader may discount one
+that has exited since (or whose pid now names another process), and take a freed device at
+once instead of waiting for the next snapshot: NVML itself drops a process from its list as
+the process exits. A process the monitor could not see (another pid namespace, whose pids
+mean nothing here) keeps counting until NVML stops listing it, and so does every process
+when the reader's pid namespace is not the monitor's. A process still alive keeps counting:
+the snapshot can only make a launch more careful than NVML. A zombie does not: its parent
+may reap it only when it next looks, and it holds nothing on the GPU.
+"""
+from __future__ import annotations
+
+import time
+
+TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
+if TYPE_CHECKING:
+    from typing import Dict, Iterable, Optional, Set
+
+from .. import locations as loc
+from ..base import rootfile
+from .model import Device, Inventory
+
+VERSION = 3
+PERIOD_S = 0.5
+# Older than this, the monitor is presumed gone and the shim asks NVML itself.
+MAX_AGE_S = 3.0
+
+
+def write(root: str, inventory: Inventory) -> None:
+    """INVENTORY as NVML gave it, with the start time of each listed process seen in /proc."""
+    from ..proc import namespace, start_time
+
+    started: Dict[int, int] = {}
+    for device in inventory.devices:
+        for pid in device.pids or ():
+            if pid not in started:
+                when = start_time(pid)  # (a zombie's too: readers discount it)
+                if when is not None:
+                    started[pid] = when
+    data = {"version": VERSION, "written": time.monotonic(), "inventory": inventory.to_tuple(),
+            "started": started, "namespace": namespace()}
+    rootfile.write(loc.under(root, loc.USAGE_SNAPSHOT), data)
+
+
+def _without_exited(device: Device, exited: Set[int]) -> Device:
+    if not device.pids or not exited.intersection(device.pids):
+        return device
+    return Device(device.uuid, device.name, device.parent_uuid, device.gpu_index, device.mig_slot,
+                  device.memory_total_mib, device.memory_used_mib,
+                  tuple(p for p in device.pids if p not in exited))
+
+
+def _exited(started: Dict[int, int], listed: Iterable[int], recorded: object) -> Set[int]:
+    """Those of LISTED seen by the monitor (STARTED: pid -> start time) that are no longer
+    the process it saw: exited, a zombie, or their pid reused. None where the pids of
+    this process's namespace are not the monitor's (RECORDED)."""
+    from ..proc import namespace, started_as
+
+    seen = [p for p in listed if p in started]
+    if not seen or namespace() != recorded:
+        return set()
+    return {p for p in seen if not started_as(p, started[p])}
+
+
+def read_fresh(root: str, max_age: float = MAX_AGE_S) -> Optional[Inventory]:
+    """The snapshot's inventory if root wrote it less than MAX_AGE seconds ago, else None.
+
+    Processes the monitor saw that have exited since are left out; every other process
+    the snapshot lists stays.
+    """
+    data = rootfile.read(root, loc.under(root, loc.USAGE_SNAPSHOT), VERSION)
+    try:
+        if data is None or not 0 <= time.monotonic() - data["written"] < max_age:
+            return None
+        inventory = Inventory.from_tuple(data["inventory"])
+        started = data["started"]
+        listed = {p for d in inventory.devices for p in d.pids or ()}
+        exited = _exited(started, listed, tuple(data["namespace"]) if data["namespace"] else None)
+        devices = [_without_exited(d, exited) for d in inventory.devices]
+        return Inventory(inventory.driver_version, inventory.gpus, devices, inventory.lost)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+class SnapshotRefresh:
+    """Re-reading one device for a waiting shim: the newest snapshot, else NVML."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.nvml = False
+
+    def __call__(self, device: Device) -> Optional[Device]:
+        if not self.nvml:
+            inventory = read_fresh(self.root)
+            if inventory is not None:
+                return inventory.by_uuid(device.uuid)
+            self.nvml = True  # the monitor stopped: from now on ask NVML
+        from . import nvml
+
+        return nvml.refresh(device)

@@ -1,0 +1,1 @@
+"""Who holds what: lease files, their holders, sharing slots, machine-wide claims."""

@@ -1,0 +1,1 @@
+"""Running the server: status, cancel, ledger, usage, metrics, monitor, MPS, sync."""

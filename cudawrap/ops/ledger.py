@@ -1,0 +1,422 @@
+"""The ledger: every lease granted and ended, recorded by root from what the kernel shows.
+
+A wrapped run is an ordinary user: it cannot append to a file only root may write, and
+nothing a user can write is taken as a fact here. So root observes and records: who holds
+a lease comes from the kernel (flock holders in /proc/locks), the holder's uid, start time
+and command line from /proc. The monitor looks every cycle (half a second), so a grant or
+an end is known to within a cycle; without it, whichever root command next looks
+(`cudawrap status`, `usage`, `sync` run by root) records what changed since the last look,
+and every time is stored with the interval it is sure of (``*_lo``, ``*_hi``).
+
+Records are JSON lines, appended with one write(2) on an O_APPEND descriptor under a lock,
+then fsync'd; a write cut short (a full disk) is cut back off, so a failure loses nothing
+already written and the records are written again at the next look. The file is rotated at
+``[ledger] max_mib`` keeping ``keep`` old files, mode 0600. Each user's finished leases are
+also appended to ``usage/UID``, readable by that user's private group only, so users can
+see their own usage and nobody else's.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+
+from ..lease.holders import holdings
+from ..paths import Layout
+from ..users import user_name
+
+LEDGER = "ledger"
+LOCK = "ledger.lock"
+STATE = "ledger.state"
+USER_DIR = "usage"
+RECORD_VERSION = 1
+MAX_RECORD = 64 << 10  # a line longer than this is not ours: skipped as corrupt
+
+
+def ledger_path(layout: Layout) -> Path:
+    return layout.state_dir / LEDGER
+
+
+def user_view_path(layout: Layout, uid: int) -> Path:
+    return layout.state_dir / USER_DIR / str(uid)
+
+
+# --- appending ------------------------------------------------------------------------------
+
+
+def rotated(path: Path, keep: int) -> List[Path]:
+    """PATH's files, oldest first: PATH.KEEP … PATH.1, PATH."""
+    return [Path(f"{path}.{n}") for n in range(keep, 0, -1)] + [path]
+
+
+def _rotate(path: Path, keep: int) -> None:
+    files = rotated(path, keep)
+    for older, newer in zip(files, files[1:]):  # PATH.(n-1) -> PATH.n, …, PATH -> PATH.1
+        if os.path.lexists(newer):
+            os.replace(newer, older)
+
+
+def append(path: Path, records: Sequence[Dict[str, Any]], max_bytes: int, keep: int,
+           mode: int = 0o600, group: Optional[int] = None) -> None:
+    """Append RECORDS as one write, durably; raises OSError and leaves the file as it was.
+
+    The caller holds the ledger lock (the only writers are root processes taking it).
+    """
+    if not records:
+        return
+    data = "".join(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n" for r in records).encode()
+    for attempt in (1, 2):
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        try:
+            st = os.fstat(fd)
+            if not (st.st_mode & 0o170000 == 0o100000) or st.st_uid != os.geteuid():
+                raise OSError(errno.EPERM, "not a regular file of ours", str(path))
+            os.fchmod(fd, mode)  # whatever the umask, and after an admin's chmod
+            if group is not None and st.st_gid != group:
+                os.fchown(fd, -1, group)
+            if attempt == 1 and st.st_size and st.st_size + len(data) > max_bytes and keep > 0:
+                os.close(fd)
+                fd = -1
+                _rotate(path, keep)
+                continue
+            prefix = b""
+            if st.st_size and os.pread(fd, 1, st.st_size - 1) != b"\n":
+                prefix = b"\n"  # a torn line from before (a crash mid-write): never glue onto it
+            try:
+                written = os.write(fd, prefix + data)
+                if written != len(prefix) + len(data):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+                os.fsync(fd)
+            except OSError:
+                os.ftruncate(fd, st.st_size)  # cut back what went in: the file stays as it was
+                raise
+            return
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+
+class Locked:
+    """The ledger's lock: held while observing and appending (root processes only)."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.path = layout.state_dir / LOCK
+
+    def __enter__(self) -> Locked:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+
+# --- reading --------------------------------------------------------------------------------
+
+
+def read(files: Sequence[Path], problems: List[str]) -> Iterator[Dict[str, Any]]:
+    """The records of FILES in order; an unreadable line is skipped with one line in PROBLEMS."""
+    for path in files:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            continue
+        with f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line) if len(line) <= MAX_RECORD else None
+                except ValueError:
+                    record = None
+                if not (isinstance(record, dict) and record.get("event") in ("grant", "end")
+                        and isinstance(record.get("id"), str)):
+                    problems.append(f"{path}:{number}: unreadable record skipped")
+                    continue
+                yield record
+
+
+# --- what the kernel shows --------------------------------------------------------------------
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def boot_time() -> float:
+    """When the machine booted, in seconds since the epoch, to the clock's precision
+    (/proc/stat's btime is whole seconds: too coarse for process start times)."""
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+@dataclass
+class Proc:
+    pid: int
+    uid: int
+    ticks: int  # start time in clock ticks since boot: with the pid, names one process
+    started: float  # seconds since the epoch
+    program: str
+    exe: str
+
+
+def proc(pid: int, devices: Sequence[str] = ()) -> Optional[Proc]:
+    """PID as /proc shows it, or None if it is gone; its program by its wrapped name where it
+    holds one of DEVICES as a wrapped program's run."""
+    from ..proc import real_uid
+    from .status import printable, wrapped_name
+
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        if fields[0] in ("Z", "X"):
+            return None  # exited, not yet reaped by its parent: gone for our purposes
+        ticks = int(fields[19])
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode("utf-8", "replace") for a in f.read(8192).split(b"\0") if a]
+    except (OSError, IndexError, ValueError):
+        return None
+    uid = real_uid(pid)
+    if uid is None:
+        return None
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        exe = ""
+    # The wrapped program: a script run through its shebang has the interpreter first, then
+    # the real program's path (CUDAWRAP_name); a binary has the name it was invoked by.
+    from ..locations import REAL_PREFIX
+
+    names = [os.path.basename(a) for a in argv[:4]]
+    program = wrapped_name(pid, devices) or next(
+        (n[len(REAL_PREFIX):] for n in names if n.startswith(REAL_PREFIX) and len(n) > len(REAL_PREFIX)),
+        names[0] if names else os.path.basename(exe))
+    return Proc(pid, uid, ticks, boot_time() + ticks / os.sysconf("SC_CLK_TCK"), printable(program, 200), exe)
+
+
+def _estimate(lo: float, hi: float, anchor: Optional[float] = None) -> float:
+    """A time known to lie in [LO, HI]: ANCHOR if it does (a process's own start), else the middle."""
+    if anchor is not None and lo <= anchor <= hi:
+        return anchor
+    return (lo + hi) / 2
+
+
+def _share_costs(layout: Layout) -> Callable[[str], float]:
+    """What a share of a device counts as ([sharing] counts_as, or 1/slots), by UUID."""
+    from ..lease.sharing import configured
+
+    try:
+        sharing = configured(str(layout.root))
+    except Exception:  # a broken config: count the device whole rather than lose the record
+        return lambda uuid: 1.0
+    return lambda uuid: sharing.cost(sharing.slots_for(uuid))
+
+
+def _lease_id(boot: str, pid: int, ticks: int, devices: Sequence[str]) -> str:
+    digest = hashlib.sha1(",".join(devices).encode()).hexdigest()[:8]
+    return f"{boot[:8]}-{pid}-{ticks}-{digest}"
+
+
+# --- observing -------------------------------------------------------------------------------
+
+
+@dataclass
+class Observation:
+    """What one look found: records written, waits that ended without a grant, who waits now."""
+
+    grants: List[Dict[str, Any]] = field(default_factory=list)
+    ends: List[Dict[str, Any]] = field(default_factory=list)
+    abandoned: int = 0  # waits that ended without a grant (time limit, Ctrl-C, cancel, kill)
+    waiting: Dict[int, int] = field(default_factory=dict)  # uid -> runs waiting now
+    open: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # lease id -> its grant record
+    error: Optional[str] = None  # why the ledger could not be written (kept for the next look)
+
+
+def _load_state(path: Path) -> Dict[str, Any]:
+    try:
+        data = json.loads(path.read_bytes())
+        if isinstance(data, dict) and data.get("version") == RECORD_VERSION:
+            return data
+    except (OSError, ValueError):
+        pass
+    return {"version": RECORD_VERSION, "boot": "", "looked": None, "open": {}, "waiting": {}}
+
+
+def _save_state(path: Path, state: Dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, json.dumps(state).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def private_group(uid: int) -> Optional[int]:
+    """UID's primary group if only that user is in it (a user private group), else None."""
+    import grp
+    import pwd
+
+    try:
+        pw = pwd.getpwuid(uid)
+        gr = grp.getgrgid(pw.pw_gid)
+    except KeyError:
+        return None
+    return gr.gr_gid if gr.gr_name == pw.pw_name and not set(gr.gr_mem) - {pw.pw_name} else None
+
+
+def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = (64 << 20, 4)) -> Observation:
+    """Compare the leases held now with the last look; record grants and ends (root only).
+
+    LIMITS: (max bytes of a ledger file, rotated files kept).
+    """
+    from .cancel import waiters
+
+    obs = Observation()
+    state_path = layout.state_dir / STATE
+    with Locked(layout):
+        state = _load_state(state_path)
+        now = time.time()
+        boot = boot_id()
+        booted = boot_time()
+        looked: Optional[float] = state["looked"]
+        opened: Dict[str, Dict[str, Any]] = state["open"]
+        waiting: Dict[str, Dict[str, Any]] = state["waiting"]
+        if state["boot"] != boot:
+            # Restarted since the last look: whatever was held then ended before this boot.
+            for record in opened.values():
+                obs.ends.append(_end(record, record["seen"], max(record["seen"], booted), now,
+                                     "ended (the machine restarted)", seen_by))
+            opened, waiting, looked = {}, {}, None
+        since = max(looked if looked is not None else booted, booted)
+
+        by_pid: Dict[int, List[str]] = {}
+        shared: Set[int] = set()
+        for uuid, holding in holdings(str(layout.lease_dir)).items():
+            for pid in holding.pids if not holding.exclusive else [holding.pid]:  # each sharer, or the holder
+                by_pid.setdefault(pid, []).append(uuid)  # type: ignore[arg-type]
+                if not holding.exclusive:
+                    shared.add(pid)  # type: ignore[arg-type]
+        current: Dict[str, Dict[str, Any]] = {}
+        share_cost: Optional[Callable[[str], float]] = None
+        for pid, devices in by_pid.items():
+            devices.sort()
+            p = proc(pid, devices)
+            known = next((i for i, r in opened.items() if r["pid"] == pid and r["devices"] == devices
+                          and (p is None or r["ticks"] == p.ticks)), None)
+            if known is not None:
+                current[known] = dict(opened[known], seen=now)
+                continue
+            if p is None:
+                continue  # gone between the two looks at /proc: seen at the next look, if still held
+            lid = _lease_id(boot, pid, p.ticks, devices)
+            lo = max(since, p.started)
+            start = _estimate(lo, now, p.started)
+            seen_wait = waiting.pop(str(pid), None)
+            record: Dict[str, Any] = {
+                "v": RECORD_VERSION, "event": "grant", "id": lid, "uid": p.uid, "user": user_name(p.uid),
+                "pid": pid, "ticks": p.ticks, "program": p.program, "exe": p.exe, "devices": devices,
+                "start": round(start, 3), "start_lo": round(lo, 3), "start_hi": round(now, 3),
+                "seen_by": seen_by, "seen": now}
+            if pid in shared:
+                # A share of its device(s): it counts as what its user's limit counts it.
+                record["shared"] = True
+                if share_cost is None:
+                    share_cost = _share_costs(layout)  # the config read once a look, and only for shares
+                record["devices_held"] = round(sum(share_cost(u) for u in devices), 4)
+            # The wait: from the run's start (the shim starts the run) to its grant, as sure as the grant.
+            record["wait_s"] = round(max(start - p.started, 0.0), 3)
+            if seen_wait is not None and seen_wait.get("enqueued") is not None:
+                # From the queue entry's name: the run's own claim, kept apart as a hint.
+                record["wait_hint_s"] = round(max(start - seen_wait["enqueued"], 0.0), 3)
+            current[lid] = record
+            obs.grants.append(record)
+        for lid, record in opened.items():
+            if lid not in current:
+                p = proc(record["pid"])
+                how = ("released while its process still runs" if p is not None and p.ticks == record["ticks"]
+                       else "ended")
+                obs.ends.append(_end(record, record["seen"], now, now, how, seen_by))
+
+        # Waiting runs: the kernel's record of who holds each queue entry's lock.
+        mono, wall = time.monotonic(), time.time()
+        now_waiting: Dict[str, Dict[str, Any]] = {}
+        for w in waiters(str(layout.root)):
+            obs.waiting[w.uid] = obs.waiting.get(w.uid, 0) + 1
+            old = waiting.get(str(w.pid))
+            if old is None:
+                p = proc(w.pid)
+                lo = max(since, p.started) if p is not None else since
+                key = w.key[:20]
+                enqueued = wall - (mono - int(key) / 1e9) if key.isdigit() else None
+                old = {"lo": lo, "hi": now, "uid": w.uid, "enqueued": enqueued}
+            now_waiting[str(w.pid)] = old
+        obs.abandoned = sum(1 for pid in waiting if pid not in now_waiting)
+
+        obs.open = current
+        try:
+            append(ledger_path(layout), obs.grants + obs.ends, *limits)
+        except OSError as exc:
+            obs.error = f"cannot write the ledger {ledger_path(layout)}: {exc.strerror or exc}"
+            obs.grants, obs.ends = [], []
+            return obs  # the state is left as it was: the next look records all of it
+        for record in obs.ends:
+            _append_user_view(layout, record, limits)
+        state.update(boot=boot, looked=now, open=current, waiting=now_waiting)
+        try:
+            _save_state(state_path, state)
+        except OSError as exc:
+            obs.error = f"cannot write {state_path}: {exc.strerror}"
+    return obs
+
+
+def _end(grant: Dict[str, Any], lo: float, hi: float, now: float, how: str, seen_by: str) -> Dict[str, Any]:
+    """The end record: self-contained (the grant's facts too), so a user's view needs no grants."""
+    record = {k: v for k, v in grant.items() if k not in ("seen", "seen_by")}
+    end = _estimate(lo, hi)
+    record.update(event="end", end=round(end, 3), end_lo=round(lo, 3), end_hi=round(hi, 3), how=how,
+                  seen_by=seen_by)
+    return record
+
+
+def _append_user_view(layout: Layout, record: Dict[str, Any], limits: Tuple[int, int]) -> None:
+    group = private_group(record["uid"])
+    if group is None:
+        return  # no group of that user alone: only root sees these records
+    directory = layout.state_dir / USER_DIR
+    try:
+        directory.mkdir(mode=0o755, exist_ok=True)
+        append(user_view_path(layout, record["uid"]), [record], *limits, mode=0o640, group=group)
+    except OSError:
+        pass  # the ledger has it; the user's view catches up with the next end
+
+
+def look(layout: Layout, seen_by: str) -> Optional[Observation]:
+    """A root command's look without the monitor: record what changed (the problem in .error).
+
+    None where this process may not write the ledger (an ordinary user).
+    """
+    from ..policy.config import load_config
+    from ..errors import CudawrapError
+    from ..base.privilege import is_admin
+
+    if not is_admin(layout) or not layout.state_dir.is_dir():
+        return None
+    try:
+        config = load_config(layout.config_file)
+        limits = (config["max_mib"] << 20, config["keep"])
+    except CudawrapError:
+        limits = (64 << 20, 4)
+    try:
+        return observe(layout, seen_by, limits)
+    except OSError as exc:
+        return Observation(error=f"cannot record leases in {layout.state_dir}: {exc.strerror or exc}")

@@ -1,0 +1,477 @@
+"""What `cudawrap status` shows: each device, who leases it, what else runs there, who waits.
+
+Besides the inventory the launch path uses, status reads what gpustatus shows
+(utilisation, temperature, power, performance state, each process's memory): more NVML
+queries that only this command makes.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from ..errors import NvmlUnavailable
+from ..lease.holders import Holding, fd_holders, holdings, slots_apart
+from ..lease.files import lock_table
+from ..locations import REAL_PREFIX
+from ..paths import Layout
+from ..proc import real_uid
+from ..users import user_name
+from ..sched.queue import WaitQueue
+
+
+def parse_watch(seconds: Any, count: Optional[str]) -> Tuple[float, Optional[int]]:
+    """`--watch [SECONDS] [--count N]` as (period, refreshes or None); ValueError if bad."""
+    if len(seconds) > 1:
+        raise ValueError(f"one refresh period, not {len(seconds)} values")
+    try:
+        period = float(seconds[0]) if seconds else 2.0
+    except ValueError:
+        raise ValueError(f"{printable(seconds[0], 40)!r} is not a number of seconds") from None
+    if not 0.1 <= period <= 3600:  # NaN fails this too
+        raise ValueError(f"{printable(seconds[0], 40)!r}: choose between 0.1 and 3600 seconds")
+    if count is None:
+        return period, None
+    text = count.strip()
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text[:9]) <= 10**6:
+        raise ValueError(f"--count {printable(count, 40)!r} is not a number of refreshes (1 or more)")
+    return period, int(count)
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """TEXT cut to LIMIT with control characters replaced: command lines and queue entries are
+    written by users, and must not send escape sequences to an admin's terminal."""
+    from ..text import printable as escape
+
+    return escape(text, limit)
+
+
+def _boot_time() -> float:
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return 0.0
+
+
+# Programs that run another named on their command line: the program is that one.
+INTERPRETERS = ("python", "perl", "ruby", "node", "bash", "sh", "dash", "zsh", "Rscript", "julia", "env")
+
+
+def program_name(argv: Sequence[str]) -> str:
+    """What a person calls the program of ARGV: the script an interpreter runs (train.py for
+    `python3 -u train.py`), under its wrapped name (recon for CUDAWRAP_recon)."""
+    args = [a for a in argv if a]
+    name = os.path.basename(args[0]) if args else "?"
+    base = name.rstrip("0123456789.")
+    if base in INTERPRETERS or (base.startswith("python") and base[6:].rstrip("dmu") == ""):
+        for arg in args[1:]:
+            if not arg.startswith("-") and "=" not in arg:
+                name = os.path.basename(arg)
+                break
+    return name[len(REAL_PREFIX):] if name.startswith(REAL_PREFIX) and len(name) > len(REAL_PREFIX) else name
+
+
+def wrapped_name(pid: int, uuids: Iterable[str] = ()) -> Optional[str]:
+    """The wrapped name PID runs under, from the environment its shim gave it (which survives
+    the program's own execs), if that environment also has the lease of one of UUIDS (any
+    lease when none is given): a command of `cudawrap run` started from a wrapped program
+    keeps that program's variables but has a lease of its own. None when there is none, or
+    PID's environment cannot be read (another user's process)."""
+    from ..lease.files import LEASE_ENV, PROGRAM_ENV
+
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            block = f.read(1 << 20)
+    except OSError:
+        return None
+    env = dict(item.split(b"=", 1) for item in block.split(b"\0") if b"=" in item)
+    name = env.get(PROGRAM_ENV.encode(), b"").decode("utf-8", "replace")
+    marker = env.get(LEASE_ENV.encode(), b"").decode("utf-8", "replace")
+    leased = {part.split(":")[1] for part in marker.split(",") if part.count(":") >= 1}
+    wanted = set(uuids)
+    if not name or not leased or (wanted and not wanted & leased):
+        return None
+    return os.path.basename(name) or None
+
+
+def process_info(pid: int, uuids: Iterable[str] = ()) -> Dict[str, Any]:
+    """User, command line and start time of PID from /proc (what `ps` would say); its program
+    by the wrapped name its shim ran it as, when it holds the lease of one of UUIDS."""
+    info: Dict[str, Any] = {"pid": pid, "user": "?", "command": "?", "program": "?", "since": "?"}
+    try:
+        uid = real_uid(pid)
+        if uid is None:
+            return info
+        info["user"] = user_name(uid)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read(4096).decode("utf-8", "replace").split("\0")
+        info["command"] = printable(" ".join(argv).strip(), 4096)
+        info["program"] = printable(wrapped_name(pid, uuids) or program_name(argv), 200)
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        info["since"] = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started))
+    except (OSError, IndexError, ValueError):
+        pass
+    return info
+
+
+def _int(text: Optional[str]) -> int:
+    try:
+        return int(text or "")
+    except ValueError:
+        return -1
+
+
+def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
+    """Every live waiter in the order it will be served, with why it waits.
+
+    The reasons come from the same decision the waiters make (cudawrap.sched.schedule), over
+    this look at the machine. The user comes from the entry's owner and the pid from the
+    kernel's record of who holds its lock: entries are written by users, so nothing else
+    in them is trusted.
+    """
+    from ..sched.acquirer import Acquirer
+    from ..errors import CudawrapError
+    from ..lease.files import LeaseFiles
+    from ..policy.limits import limit_for
+    from ..policy.effective import effective, queue_bounds
+
+    try:
+        queue = WaitQueue(str(layout.queue_dir))
+    except Exception:  # a missing runtime directory is reported with the devices
+        return []
+    scan = queue.scan(clean=False)
+    verdicts: Dict[str, Any] = {}
+    if inventory is not None:
+        try:
+            from ..lease.sharing import Sharing
+
+            settings = effective(str(layout.root), None)
+            limits = settings.get("limits", (None, ""))[0]
+            acquirer = Acquirer(LeaseFiles(str(layout.lease_dir), str(layout.share_dir)), queue, inventory.devices,
+                                inventory.devices, 1,
+                                limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
+                                sharing=Sharing(settings["sharing"][0]), root=str(layout.root),
+                                admin=lambda: queue_bounds(str(layout.root)))
+            verdicts = acquirer.decide(scan, None, queued=True)[0]
+        except CudawrapError:
+            verdicts = {}
+    out = []
+    for w in scan.waiters:
+        info = queue.read_info(scan.paths[w.key]) or {}
+        verdict = verdicts.get(w.key)
+        out.append({"key": w.key, "user": user_name(w.uid), "pid": w.pid, "count": w.count,
+                    "program": printable(info.get("program", "?")),
+                    "waiting_s": round(max(0.0, time.time() - w.arrival), 1),
+                    "position": verdict.position + 1 if verdict else None,
+                    "reason": verdict.text if verdict else "unknown (no device data)",
+                    "candidates": sorted(w.candidates) if w.candidates is not None else None})
+    out.sort(key=lambda w: (w["position"] is None, w["position"] or 0, w["key"]))
+    return out
+
+
+_UNKNOWN_HOLDER = {"pid": None, "user": "?", "command": "unknown holder", "program": "unknown holder", "since": "?"}
+
+
+def _holder(held: Dict[str, Holding], uuid: str) -> Optional[Dict[str, Any]]:
+    """Who holds UUID's lease (its first sharer if shared): None if free; "?" fields where the
+    holder cannot be named (another user's process, seen by a user), rather than a pid that
+    may be someone else."""
+    if uuid not in held:
+        return None
+    pid = held[uuid].pid
+    return dict(_UNKNOWN_HOLDER) if pid is None else process_info(pid, [uuid])
+
+
+def _named(pid: Optional[int], devices: Sequence[str], **extra: Any) -> Dict[str, Any]:
+    return dict(_UNKNOWN_HOLDER if pid is None else process_info(pid, devices), **extra)
+
+
+def _shares(held: Dict[str, Holding], uuid: str, slots: int,
+            apart: Sequence[Optional[int]] = ()) -> Optional[Dict[str, Any]]:
+    """UUID's shares if it is shared now: slots used and taken, and who holds each; a slot
+    locked apart from the lease file (APART: its holders) is a share too, marked "lease": false."""
+    holding = held.get(uuid)
+    if (holding is None and not apart) or (holding is not None and holding.exclusive):
+        return None
+    pids = holding.pids if holding is not None else []
+    return {"used": len(pids) + len(apart), "slots": slots,
+            "holders": [_named(pid, [uuid], lease=True) for pid in pids]
+            + [_named(pid, [uuid], lease=False) for pid in apart]}
+
+
+def _foreign(lease_dir: str, uuid: str, pids: Iterable[int]) -> List[int]:
+    """PIDS on the device that do not hold its lease (children of the lessee hold it too)."""
+    pids = list(pids)
+    try:
+        st = os.stat(os.path.join(lease_dir, uuid), follow_symlinks=False)
+    except OSError:
+        return pids
+    lessees = fd_holders([(st.st_dev, st.st_ino)], pids).get((st.st_dev, st.st_ino), [])
+    return [p for p in pids if p not in lessees]
+
+
+def _mps_without_share(root: str, lease_dir: str, uuid: str, pids: Optional[Sequence[int]],
+                       table: Dict[Tuple[int, int], List[Tuple[int, bool]]]) -> List[Dict[str, Any]]:
+    """Under MPS, the processes on UUID of users who hold no share there, besides the server of
+    cudawrap's daemon for it (an MPS client connected without a lease): they keep the
+    device's other users waiting. Shares are the lease file's locks, by the owner of each taker."""
+    from ..sched.acquirer import _uid_of, mps_strangers
+    from ..lease.sharing import mps_daemon
+
+    if not pids:
+        return []
+    try:
+        st = os.stat(os.path.join(lease_dir, uuid), follow_symlinks=False)
+        owner = os.stat(lease_dir).st_uid
+    except OSError:
+        return []
+    daemon = mps_daemon(root, uuid, owner)
+    if daemon is None:
+        return []  # no daemon of cudawrap's: nobody is an MPS client of it
+    uids = {_uid_of(pid) for pid, _ex in table.get((st.st_dev, st.st_ino), [])}
+    return [process_info(pid) for pid in mps_strangers(pids, uids, daemon)]
+
+
+# Readings a device has when NVML cannot be asked, or does not say.
+_NO_READINGS: Dict[str, Any] = {
+    "memory_free_mib": None, "utilization": None, "memory_utilization": None, "temperature_c": None,
+    "power_w": None, "power_limit_w": None, "performance_state": None,
+}
+
+
+def _readings(uuid: str) -> Tuple[Dict[str, Any], Optional[Dict[int, Optional[int]]]]:
+    """(the readings of _NO_READINGS' keys, pid -> memory MiB of its processes or None)."""
+    from ..devices import nvml
+
+    got = nvml.readings(uuid)
+    return {key: got.get(key) for key in _NO_READINGS}, got.get("process_memory_mib")
+
+
+def _processes(pids: Optional[Any], holder: Optional[Dict[str, Any]],
+               memory: Optional[Dict[int, Optional[int]]],
+               shares: Optional[Dict[str, Any]] = None) -> Optional[List[Dict[str, Any]]]:
+    """Every compute process on a device: who, what, how much memory, and whether it holds the lease."""
+    if pids is None:
+        return None  # the driver hides them from this user
+    sharers = {h["pid"] for h in shares["holders"] if h.get("lease", True)} if shares else set()
+    out = []
+    for pid in pids:
+        info = process_info(pid)
+        out.append({"pid": pid, "user": info["user"], "command": info["command"],
+                    "memory_mib": (memory or {}).get(pid),
+                    "lease_holder": (bool(holder) and holder["pid"] == pid) or pid in sharers})
+    return out
+
+
+def _gpus(inventory: Any) -> List[Dict[str, Any]]:
+    """The physical GPUs with their board readings (a MIG instance has none of its own)."""
+    out = []
+    for gpu in inventory.gpus:
+        readings, _memory = _readings(gpu.uuid)
+        out.append({"uuid": gpu.uuid, "index": gpu.index, "name": gpu.name, "mig_mode": gpu.mig_mode,
+                    **readings})
+    return out
+
+
+def machine_status(layout: Layout) -> Dict[str, Any]:
+    from ..devices import nvml
+
+    from ..lease.sharing import MPS, Sharing, configured
+
+    lease_dir = str(layout.lease_dir)
+    table = lock_table()
+    held = holdings(lease_dir, table)
+    apart = slots_apart(lease_dir, str(layout.share_dir), table)
+    try:
+        sharing = configured(str(layout.root))
+    except Exception:  # a broken config is `cudawrap config`'s to report; status still shows leases
+        sharing = Sharing()
+    lease_files = set(os.listdir(lease_dir)) if os.path.isdir(lease_dir) else set()
+    devices: List[Dict[str, Any]] = []
+    nvml_error: Optional[str] = None
+    try:
+        inventory = nvml.inventory()
+    except NvmlUnavailable as exc:
+        nvml_error = str(exc)
+        inventory = None
+    if inventory is not None:
+        from ..sched.filters import product
+
+        for d in inventory.devices:
+            holder = _holder(held, d.uuid)
+            shares = _shares(held, d.uuid, sharing.slots_for(d.uuid, d.parent_uuid), apart.get(d.uuid, ()))
+            # With the holder unknown its processes cannot be told from others': unknown too.
+            unknown = d.pids is None or (holder is not None and holder["pid"] is None)
+            foreign = None if unknown else _foreign(lease_dir, d.uuid, d.pids)
+            readings, memory = _readings(d.uuid)
+            devices.append({
+                "uuid": d.uuid, "name": d.name, "gpu_index": d.gpu_index, "parent": d.parent_uuid,
+                "mig_slot": d.mig_slot, "memory_used_mib": d.memory_used_mib,
+                "memory_total_mib": d.memory_total_mib, "lease_file": d.uuid in lease_files,
+                "holder": holder, "foreign_pids": foreign, "shares": shares,
+                "slots_apart": [_named(pid, [d.uuid]) for pid in apart.get(d.uuid, ())],
+                "mps_without_share": (_mps_without_share(str(layout.root), lease_dir, d.uuid, d.pids, table)
+                                      if sharing.mode == MPS else []),
+                "slots": sharing.slots_for(d.uuid, d.parent_uuid),
+                "index": d.gpu_index, "product": product(d, inventory),
+                "mig_profile": d.name if d.is_mig else None, **readings,
+                "processes": _processes(d.pids, holder, memory, shares), "waiters": [], "drains": []})
+    else:
+        for uuid in sorted(lease_files):
+            holder = _holder(held, uuid)
+            devices.append({"uuid": uuid, "name": "?", "gpu_index": -1, "parent": "?", "mig_slot": None,
+                            "memory_used_mib": 0, "memory_total_mib": 0, "lease_file": True,
+                            "holder": holder, "foreign_pids": None,
+                            "shares": _shares(held, uuid, sharing.slots_for(uuid), apart.get(uuid, ())),
+                            "slots_apart": [_named(pid, [uuid]) for pid in apart.get(uuid, ())], "mps_without_share": [],
+                            "slots": sharing.slots_for(uuid),
+                            "index": None, "product": None, "mig_profile": None, **_NO_READINGS,
+                            "processes": None, "waiters": [], "drains": []})
+    from ..sched.drains import covering, drained
+
+    found = drained(str(layout.root))
+    drains = {u: {"reason": d.reason, "by": d.by, "at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(d.at))}
+              for u, d in found.items()}
+    for device in devices:  # which drain covers each device, if any (a GPU's covers its MIG instances)
+        cover = covering(found, device["uuid"], device["parent"])
+        device["drains"] = [dict(drains[cover], uuid=cover)] if cover else []
+    waiting = _waiting(layout, inventory)
+    for device in devices:
+        device["waiters"] = [w["pid"] for w in waiting
+                             if w["candidates"] is None or device["uuid"] in w["candidates"]]
+    return {"root": str(layout.root), "devices": devices, "waiting": waiting, "drained": drains,
+            "nvml_error": nvml_error,
+            "lost": list(inventory.lost) if inventory else [],
+            "gpus": _gpus(inventory) if inventory else []}
+
+
+# --- the table `cudawrap status` prints ------------------------------------------------------
+#
+# A column is (header, cell, widest): cell(row) gives the text, cut to WIDEST characters
+# (0: never cut). The default table fits 80 columns with typical names; --json has it all.
+
+Column = Tuple[str, Callable[[Dict[str, Any]], str], int]
+
+
+def _cut(text: str, width: int) -> str:
+    return text if not width or len(text) <= width else text[:width - 1] + "~"
+
+
+def _short_time(stamp: str) -> str:
+    """HH:MM for today, MM-DD before (process_info's ISO time)."""
+    if len(stamp) < 16:
+        return stamp
+    return stamp[11:16] if stamp[:10] == time.strftime("%Y-%m-%d") else stamp[5:10]
+
+
+def _device(d: Dict[str, Any]) -> str:
+    where = "?" if d["gpu_index"] < 0 else str(d["gpu_index"])
+    if d.get("mig_slot") is not None:
+        where += f"/{d['mig_slot']}"
+    return f"{where} {d['uuid'][:12]}"
+
+
+def _memory(d: Dict[str, Any]) -> str:
+    return "?" if not d["memory_total_mib"] else f"{d['memory_used_mib']}/{d['memory_total_mib']}"
+
+
+def holder_text(holder: Optional[Dict[str, Any]]) -> str:
+    """pid, user and program of a lock's holder, as one cell."""
+    if holder is None:
+        return "free"
+    if holder["pid"] is None:
+        return "held (holder not visible to you)"
+    return f"pid {holder['pid']} {_cut(holder['user'], 8)} {_cut(holder.get('program', '?'), 10)}"
+
+
+def _lease(d: Dict[str, Any]) -> str:
+    if not d["lease_file"]:
+        return "no lease file (run `cudawrap sync`)"
+    shares = d.get("shares")
+    if shares:  # "2/4 shared: alice pid 123, alice pid 456"; "eve pid 9 (slot only)": no lease lock
+        who = ", ".join(_sharer(h) for h in shares["holders"])
+        text = f"{shares['used']}/{shares['slots']} shared: {who}"
+    elif d.get("slots_apart"):  # held whole, and slots locked besides
+        text = f"{holder_text(d['holder'])}; slots locked apart: {', '.join(_sharer(h) for h in d['slots_apart'])}"
+    else:
+        text = holder_text(d["holder"])
+    if not d.get("drains"):
+        return text
+    # Drained: nobody new gets it, whether or not a run still holds it (drain --wait waits for that run).
+    reason = d["drains"][0]["reason"] or "-"
+    return f"drained: {reason}" if text == "free" else f"{text}; drained"
+
+
+def _sharer(h: Dict[str, Any]) -> str:
+    who = "?" if h["pid"] is None else f"{_cut(h['user'], 8)} pid {h['pid']}"
+    return who if h.get("lease", True) else f"{who} (slot only)"
+
+
+def _others(d: Dict[str, Any]) -> str:
+    pids = d["foreign_pids"]
+    return "unknown" if pids is None else (",".join(map(str, pids)) or "-")
+
+
+DEVICE_COLUMNS: List[Column] = [
+    ("DEVICE", _device, 0),
+    ("MEMORY MiB", _memory, 0),
+    ("LEASE", _lease, 0),
+    ("SINCE", lambda d: _short_time(d["holder"]["since"]) if d["holder"] else "", 5),
+    ("OTHERS", _others, 8),
+]
+
+WAITING_COLUMNS: List[Column] = [
+    ("POS", lambda w: str(w["position"] or "?"), 0),
+    ("USER", lambda w: w["user"], 8),
+    ("PID", lambda w: str(w["pid"]), 0),
+    ("N", lambda w: str(w["count"]), 0),
+    ("PROGRAM", lambda w: w["program"], 12),
+    ("WHY", lambda w: w["reason"], 38),  # all of it in --json
+]
+
+
+DRAINED_COLUMNS: List[Column] = [
+    ("DRAINED", lambda d: d["uuid"][:16], 0),
+    ("SINCE", lambda d: _short_time(d["at"]), 5),
+    ("BY", lambda d: d["by"], 8),
+    ("REASON", lambda d: d["reason"] or "-", 40),
+]
+
+
+def table(rows: Sequence[Dict[str, Any]], columns: Sequence[Column], cut: bool = True) -> List[str]:
+    """ROWS as aligned lines under COLUMNS' headers; each cell cut to its column's widest if CUT
+    (for a terminal: a script reading the table gets every cell whole)."""
+    cells = [[header for header, _, _ in columns]]
+    cells += [[_cut(cell(row), widest if cut else 0) for _, cell, widest in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
+
+
+def render(status: Dict[str, Any], cut: bool = True) -> List[str]:
+    """`cudawrap status` as text: which install, the devices, who waits, who holds the queue;
+    long cells cut to fit a terminal if CUT."""
+    held = sum(1 for d in status["devices"] if d["holder"] or d.get("shares"))
+    count = (f"devices unknown, {len(status['devices'])} lease files" if status["nvml_error"]
+             else f"{len(status['devices'])} devices")
+    lines = [f"install root {status['root']}: {count}, {held} leased, {len(status['waiting'])} waiting"]
+    if status["devices"]:
+        lines += table(status["devices"], DEVICE_COLUMNS, cut)
+    for d in status["devices"]:
+        if d.get("mps_without_share"):
+            who = ", ".join(f"{_cut(p['user'], 8)} pid {p['pid']} {_cut(p['program'], 16)}"
+                            for p in d["mps_without_share"])
+            lines.append(f"{d['uuid']}: MPS client(s) holding no share: {who}; "
+                         "the device's shares wait for them to end")
+    if status.get("drained"):
+        lines.append("")
+        lines += table([dict(d, uuid=u) for u, d in sorted(status["drained"].items())], DRAINED_COLUMNS, cut)
+    if status["waiting"]:
+        lines.append("")
+        lines += table(status["waiting"], WAITING_COLUMNS, cut)
+    return lines

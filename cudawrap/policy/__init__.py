@@ -1,0 +1,1 @@
+"""What is allowed: the configuration, the effective policy, the registry of wraps, defaults, limits."""

@@ -1,0 +1,114 @@
+"""Waking a waiter kept off a device by processes cudawrap did not start, as they leave.
+
+NVML has no event for a process leaving a device, so a waiter held back only by such a
+process used to decide again once a second (acquire.WATCH_S), ~1 s after the device was
+idle. It now also wakes when one of those processes exits (a pidfd on each whose pid is
+visible here: Linux 5.3+, Python 3.9+; elsewhere nothing) and when the monitor rewrites its
+snapshot (inotify on the snapshot's directory), which no longer lists a process that left
+(one in another pid namespace, say). A wake decides nothing: the waiter re-reads the device
+and looks again, so a pid that names some other process costs one look at most.
+
+Only the watchers (the first few in line) follow, and only while such processes hold them
+back: a pidfd per process, and one more inotify instance each for the snapshot (out of
+instances, the waiter keeps its timer).
+"""
+from __future__ import annotations
+
+import os
+
+TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
+if TYPE_CHECKING:
+    import select
+    from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+    from ..base.inotify import Watch
+
+# Pids seen to exit are never followed again (a zombie's pidfd is readable at once); past
+# this many, a long wait through many foreign processes forgets the oldest ones.
+_GONE_MAX = 4096
+
+
+def _pidfd(pid: int) -> Optional[int]:
+    """A pidfd for PID, readable once it exits; None where it is not visible here or the
+    kernel or Python has no pidfd_open."""
+    try:
+        return os.pidfd_open(pid)  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        return None
+
+
+class ForeignWake:
+    """The exits of the processes followed, and the snapshot's rewrites, as POLLER events."""
+
+    def __init__(self, poller: select.poll, snapshot: Optional[str]) -> None:
+        self.poller = poller
+        self.snapshot = snapshot  # the monitor's snapshot file; None when launches do not read one
+        self.pidfds: Dict[int, int] = {}  # pid -> its pidfd
+        self.gone: Set[int] = set()
+        self.watch: Optional[Watch] = None
+
+    def follow(self, pids: Iterable[int]) -> None:
+        """Wake on the exit of each of PIDS, and on the snapshot's rewrite while there is any;
+        stop following every other process."""
+        wanted = set(pids) - self.gone
+        for pid in set(self.pidfds) - wanted:
+            self._drop(pid)
+        for pid in wanted - set(self.pidfds):
+            fd = _pidfd(pid)
+            if fd is not None:
+                import select
+
+                self.pidfds[pid] = fd
+                self.poller.register(fd, select.POLLIN)
+        if wanted and self.watch is None and self.snapshot is not None:
+            self._watch_snapshot()
+        elif not wanted and self.watch is not None:
+            self._unwatch_snapshot()
+
+    def woken(self, ready: List[Tuple[int, int]]) -> bool:
+        """Whether READY (what poll returned) holds an exit or a snapshot rewrite; consumes them."""
+        fds = {fd for fd, _mask in ready}
+        woke = False
+        for pid, fd in list(self.pidfds.items()):
+            if fd in fds:
+                self._drop(pid)
+                if len(self.gone) >= _GONE_MAX:
+                    self.gone.clear()
+                self.gone.add(pid)
+                woke = True
+        if self.watch is not None and self.watch.fileno() in fds:
+            name = os.path.basename(self.snapshot or "")
+            woke = any(event[2] == name for event in self.watch.events()) or woke
+        return woke
+
+    def close(self) -> None:
+        for pid in list(self.pidfds):
+            self._drop(pid)
+        if self.watch is not None:
+            self._unwatch_snapshot()
+
+    def _drop(self, pid: int) -> None:
+        fd = self.pidfds.pop(pid)
+        self.poller.unregister(fd)
+        os.close(fd)
+
+    def _watch_snapshot(self) -> None:
+        """The snapshot is replaced by a rename (rootfile.write): watch its directory for it."""
+        from ..base import inotify
+        import select
+
+        watch = inotify.open_watch()
+        if watch is not None and watch.add(os.path.dirname(self.snapshot or "") or ".", inotify.IN_MOVED_TO) < 0:
+            watch.close()
+            watch = None
+        if watch is None:
+            self.snapshot = None  # out of inotify instances or watches: the waiter's own timer stands
+            return
+        self.watch = watch
+        self.poller.register(watch.fileno(), select.POLLIN)
+
+    def _unwatch_snapshot(self) -> None:
+        if self.watch is not None:
+            self.poller.unregister(self.watch.fileno())
+            self.watch.close()
+            self.watch = None
