@@ -40,11 +40,11 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from fakemachine import FakeMachine, build_fakenvml, preload  # noqa: E402
 
-from cudawrap.installation import prepare  # noqa: E402
-from cudawrap.leases import lock_table  # noqa: E402
+from cudawrap.install.installation import prepare  # noqa: E402
+from cudawrap.lease.files import lock_table  # noqa: E402
 from cudawrap.paths import Layout  # noqa: E402
-from cudawrap.sync import sync  # noqa: E402
-from cudawrap.waitqueue import WaitQueue  # noqa: E402
+from cudawrap.ops.sync import sync  # noqa: E402
+from cudawrap.sched.queue import WaitQueue  # noqa: E402
 
 PER_PROCESS = 5000  # entries one planter holds (a descriptor each)
 PLANTER = r"""
