@@ -241,7 +241,7 @@ def test_another_users_process_hidden_by_hidepid_still_counts(mu):  # type: igno
                            env=inst.machine.environ(CUDA_VISIBLE_DEVICES=gpu))
     ready_line(job)
     refresh_once(inst.layout)
-    code = (f"import json, os, sys; sys.path[:0] = {inst.world.path!r}; from cudawrap import snapshot; "
+    code = (f"import json, os, sys; sys.path[:0] = {inst.world.path!r}; from cudawrap.devices import snapshot; "
             f"print(json.dumps([os.path.exists('/proc/{job.pid}'), "
             f"snapshot.read_fresh({str(inst.layout.root)!r}).by_uuid({gpu!r}).pids]))")
     as_alice = shlex.join(inst.world.alice.argv([inst.world.python, "-I", "-c", code]))
