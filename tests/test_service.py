@@ -1,0 +1,171 @@
+"""`cudawrap serve` with real accounts: grants by descriptor, turns, and what attackers can't do.
+
+The service runs as root on a simulated machine (tests/userfix.py); wrapped programs run as
+two throwaway accounts, reach it through the shim, and hold their devices by a lock the
+kernel credits to their own process.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator, List
+
+import pytest
+
+from corefix import ready_line, wait_for
+from userfix import CLI_CODE, MuInstall, root_only
+
+pytestmark = [pytest.mark.root, root_only]
+
+
+class Served:
+    """An install with its service running (as root) and a wrapped stand-in program."""
+
+    def __init__(self, inst: MuInstall) -> None:
+        self.inst = inst
+        self.link = inst.wrap("recon")
+        self.sock = inst.layout.runtime_dir / "cudawrap.sock"
+        code = CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main")
+        self.proc = inst.start(None, inst.world.python, "-I", "-c", code, "serve")
+        line = self.proc.stdout.readline().decode()
+        assert "listening on" in line, line + self.proc.stderr.read().decode()
+
+    def answers(self) -> bool:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(str(self.sock))
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def granted(self) -> str:
+        """The service's next line (it says each grant)."""
+        return self.proc.stdout.readline().decode()
+
+
+@pytest.fixture
+def served(mu) -> Iterator[Served]:
+    s = Served(mu("four-gpus"))
+    yield s
+    s.proc.terminate()
+    s.proc.wait(timeout=10)
+
+
+def _locks_of(pid: int) -> List[str]:
+    """/proc/locks lines of flocks PID took."""
+    return [line for line in Path("/proc/locks").read_text().splitlines()
+            if line.split()[1] == "FLOCK" and line.split()[4] == str(pid)]
+
+
+def test_a_wrapped_run_through_the_service_holds_its_device_by_its_own_lock(served: Served) -> None:
+    inst = served.inst
+    run = inst.start(inst.world.alice, "recon", "--hold", "30")
+    hello = ready_line(run)
+    assert len(hello["devices"]) == 1
+    assert f"pid {run.pid} (recon)" in served.granted()
+    uuid = hello["cvd"]
+    lease = inst.layout.lease_dir / uuid
+    ino = os.stat(lease).st_ino
+    assert any(line.split()[5].endswith(f":{ino}") for line in _locks_of(run.pid))
+    run.kill()  # kill -9: the kernel frees the device at once
+    run.wait()
+    again = inst.run(inst.world.bob, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=uuid)
+    assert again.returncode == 0, again.stderr.decode()
+
+
+def test_a_second_account_waits_for_the_first_and_is_granted_on_release(served: Served) -> None:
+    inst = served.inst
+    holders = [inst.start(inst.world.alice, "recon", "--hold", "60") for _ in range(4)]
+    for h in holders:
+        ready_line(h)
+    waiter = inst.start(inst.world.bob, "recon", CUDAWRAP_WAIT="60")
+    line = waiter.stderr.readline().decode()
+    assert "waiting for a device" in line and "busy" in line, line
+    holders[2].kill()
+    holders[2].wait()
+    hello = ready_line(waiter)
+    assert len(hello["devices"]) == 1
+    for h in holders:
+        h.kill()
+
+
+def test_garbage_huge_and_silent_clients_do_not_stop_others(served: Served) -> None:
+    inst = served.inst
+    silent = []
+    for _ in range(10):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(served.sock))
+        silent.append(s)
+    garbage = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    garbage.connect(str(served.sock))
+    garbage.sendall(b"\xff\x00GET / HTTP/1.0\n\n")
+    reply = garbage.recv(4096)
+    assert reply.startswith(b"cudawrap/1 error\n") and garbage.recv(4096) == b""
+    huge = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    huge.connect(str(served.sock))
+    try:
+        huge.sendall(b"cudawrap/1 request\ncount=1\n" + b"x" * (1 << 20))
+    except OSError:
+        pass  # closed on us mid-way: that is the point
+    run = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0")
+    assert run.returncode == 0, run.stderr.decode()
+    assert served.proc.poll() is None
+    for s in silent + [garbage, huge]:
+        s.close()
+
+
+def test_connections_per_user_are_bounded(served: Served) -> None:
+    inst = served.inst
+    code = ("import socket, sys, time\n"
+            "socks = []\n"
+            "for i in range(80):\n"
+            "    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); socks.append(s)\n"
+            "s.settimeout(5); print(s.recv(4096).decode().splitlines()[0], flush=True)\n")
+    done = inst.py(inst.world.bob, code, str(served.sock))
+    assert done.stdout.decode().strip() == "cudawrap/1 error", done.stderr.decode()
+    run = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0")
+    assert run.returncode == 0, run.stderr.decode()
+
+
+# A queue entry made and held by hand, claiming 999 devices and no patience (reserve_after 0).
+FORGED = r"""
+import fcntl, os, sys, time
+name = "%020d.%d.999sa.0.wait" % (time.time_ns() - 10**12, os.getpid())
+fd = os.open(os.path.join(sys.argv[1], name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_forged_queue_entry_keeps_no_device_idle(served: Served) -> None:
+    inst = served.inst
+    forger = inst.py_start(inst.world.bob, FORGED, str(inst.layout.queue_dir))
+    assert forger.stdout.readline().strip() == b"held"
+    run = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="3")
+    assert run.returncode == 0, run.stderr.decode()
+    assert f"({Path(str(served.link)).name})" in served.granted()
+
+
+def test_a_runs_program_is_the_kernels_word_not_the_clients(served: Served) -> None:
+    """[programs."recon"] allows 2 devices: a shim run of recon gets them; an API call that
+    names itself recon (sys.argv[0]) and skips its own check gets the defaults' 1."""
+    inst = served.inst
+    inst.layout.config_file.write_text('[policy]\nmax_gpus = 1\n[programs."recon"]\ngpus = 2\nmax_gpus = 2\n')
+    inst.layout.config_file.chmod(0o644)
+    run = inst.start(inst.world.alice, "recon", "--hold", "30")
+    assert len(ready_line(run)["devices"]) == 2
+    run.kill()
+    api = ("import sys; sys.path[:0] = %r; sys.argv[0] = 'recon'\n"
+           "from cudawrap import launch, policy\n"
+           "s = policy.effective(%r, %r)\n"
+           "print(launch.obtain(%r, 'recon', s, {}, count=2).visible)\n"
+           % (inst.world.path, str(inst.layout.root), str(served.link), str(inst.layout.root)))
+    done = inst.py(inst.world.alice, api)
+    assert done.returncode != 0 and "at most 1 (max_gpus" in done.stderr.decode(), done.stderr.decode()
