@@ -169,3 +169,29 @@ def test_a_runs_program_is_the_kernels_word_not_the_clients(served: Served) -> N
            % (inst.world.path, str(inst.layout.root), str(served.link), str(inst.layout.root)))
     done = inst.py(inst.world.alice, api)
     assert done.returncode != 0 and "at most 1 (max_gpus" in done.stderr.decode(), done.stderr.decode()
+
+
+def test_every_short_run_is_in_the_ledger_at_its_own_times(served: Served) -> None:
+    """12 runs of 0.1 s, one after another: 12 grants and 12 ends, each end after the
+    stand-in's own logged end and each lease spanning its logged interval."""
+    import json
+
+    inst = served.inst
+    for _ in range(12):
+        done = inst.run(inst.world.alice, "recon", "--hold", "0.1", "--log", str(inst.log), CUDAWRAP_WAIT="0")
+        assert done.returncode == 0, done.stderr.decode()
+
+    def ends() -> list:
+        path = inst.layout.state_dir / "ledger"
+        if not path.exists():
+            return []
+        return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == "end"]
+
+    wait_for(lambda: len(ends()) == 12)
+    logged = {}
+    for rec in map(json.loads, inst.log.read_text().splitlines()):
+        logged.setdefault(rec["pid"], {})[rec["event"]] = rec["time"]
+    for rec in ends():
+        assert rec["seen_by"] == "service" and rec["uid"] == inst.world.alice.uid
+        own = logged[rec["pid"]]
+        assert rec["start"] <= own["start"] and own["end"] <= rec["end"], (rec, own)

@@ -23,6 +23,8 @@ from typing import Dict, List, Optional
 
 from .. import wire
 from ..leases import LeaseFiles, lock_kind
+from ..paths import Layout
+from . import accounts
 
 DEADLINE_S = 2.0
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -35,6 +37,7 @@ class Pending:
     devices: List[str]
     fds: List[int]  # the service's copies of what was sent
     deadline: float
+    lease_id: str = ""  # its ledger record
 
     def close(self) -> None:
         for fd in self.fds:
@@ -50,21 +53,28 @@ class Held:
     devices: List[str]
     program: str
     since: float  # time.time() of the grant
+    lease_id: str = ""
     exited: bool = False
     ended: List[str] = field(default_factory=list)  # devices found released
 
 
 class Grants:
-    def __init__(self, leases: LeaseFiles) -> None:
+    def __init__(self, leases: LeaseFiles, layout: Layout) -> None:
         self.leases = leases
+        self.layout = layout
         self.pending: Dict[str, Pending] = {}
         self.held: Dict[int, Held] = {}  # pidfd -> grant
 
     def claimed(self) -> Dict[str, int]:
         return {u: p.pid for p in self.pending.values() for u in p.devices}
 
-    def offer(self, sock: socket.socket, key: str, pid: int, devices: List[str]) -> bool:
-        """Send DEVICES' lease descriptors to the client on SOCK; False if that failed."""
+    def offer(self, sock: socket.socket, key: str, pid: int, uid: int, devices: List[str], program: str,
+              asked: float) -> bool:
+        """Record the grant, then send DEVICES' lease descriptors to the client PID on SOCK;
+        False if that failed (the record then ends at once)."""
+        lease_id = accounts.grant(self.layout, pid, uid, devices, program, asked)
+        if lease_id is None:
+            return False
         fds: List[int] = []
         try:
             for uuid in devices:
@@ -76,14 +86,16 @@ class Grants:
         except OSError:
             for fd in fds:
                 os.close(fd)
+            accounts.end(self.layout, lease_id, "not taken (the client went away)")
             return False
-        self.pending[key] = Pending(key, pid, list(devices), fds, time.monotonic() + DEADLINE_S)
+        self.pending[key] = Pending(key, pid, list(devices), fds, time.monotonic() + DEADLINE_S, lease_id)
         return True
 
     def void(self, key: str) -> None:
         pending = self.pending.pop(key, None)
         if pending is not None:
             pending.close()
+            accounts.end(self.layout, pending.lease_id, "not taken")
 
     def confirm(self, key: str) -> Optional[Pending]:
         """The pending grant KEY if every lock is now held through what was sent; void otherwise."""
@@ -92,6 +104,8 @@ class Grants:
             return None
         ok = all(lock_kind(fd) is True for fd in pending.fds)
         pending.close()
+        if not ok:
+            accounts.end(self.layout, pending.lease_id, "not taken")
         return pending if ok else None
 
     def expired(self, now: float) -> List[str]:
@@ -107,6 +121,7 @@ class Grants:
             return False
         self.held.pop(held.pidfd, None)
         os.close(held.pidfd)
+        accounts.end(self.layout, held.lease_id)
         return True
 
     def lingering(self) -> List[Held]:

@@ -60,7 +60,11 @@ class Service:
         self.root = root
         self.max_per_uid = max_per_uid
         self.line = Line(root)
-        self.grants = Grants(self.line.leases)
+        from pathlib import Path
+
+        from ..paths import Layout
+
+        self.grants = Grants(self.line.leases, Layout(Path(root)))
         self.clients: Dict[int, Client] = {}  # socket fd -> client
         self.selector = selectors.DefaultSelector()
         self.dirty = False
@@ -268,7 +272,7 @@ class Service:
             return
         if client.peer.pidfd >= 0:
             held = Held(client.peer.uid, client.peer.pid, os.dup(client.peer.pidfd), pending.devices,
-                        client.ask.program, time.time())
+                        client.ask.program, time.time(), lease_id=pending.lease_id)
             self.grants.follow(held)
             self.selector.register(held.pidfd, selectors.EVENT_READ, held)
         client.send(wire.DONE, {})
@@ -309,7 +313,8 @@ class Service:
             if verdict is None:
                 continue
             if verdict.kind == GRANTED:
-                if not self.grants.offer(client.sock, client.waiter.key, client.peer.pid, list(verdict.devices)):
+                if not self.grants.offer(client.sock, client.waiter.key, client.peer.pid, client.peer.uid,
+                                         list(verdict.devices), client.ask.program, client.waiter.arrival):
                     self._drop(client)
                 continue
             if client.ask.wait <= 0 or now >= client.wait_until:
