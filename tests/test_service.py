@@ -195,3 +195,51 @@ def test_every_short_run_is_in_the_ledger_at_its_own_times(served: Served) -> No
         assert rec["seen_by"] == "service" and rec["uid"] == inst.world.alice.uid
         own = logged[rec["pid"]]
         assert rec["start"] <= own["start"] and own["end"] <= rec["end"], (rec, own)
+
+
+def _ledger(inst: MuInstall, event: str) -> list:
+    import json
+
+    path = inst.layout.state_dir / "ledger"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == event]
+
+
+def test_a_wrapped_program_started_by_a_wrapped_program_keeps_its_parents_lease(served: Served) -> None:
+    """The child inherits the descriptor the service sent: same device, no second grant."""
+    inst = served.inst
+    inst.wrap("inner")
+    parent = inst.bindir / "CUDAWRAP_outer"
+    parent.write_text(f"#!/bin/sh\nexec {inst.bindir}/inner --hold 0\n")
+    parent.chmod(0o755)
+    (inst.bindir / "outer").symlink_to(inst.layout.shim)
+    done = inst.run(inst.world.alice, "outer", CUDAWRAP_WAIT="0")
+    assert done.returncode == 0, done.stderr.decode()
+    import json
+
+    hello = json.loads(done.stdout.decode().splitlines()[0])
+    assert len(hello["devices"]) == 1
+    wait_for(lambda: len(_ledger(inst, "end")) == 1)
+    grants = _ledger(inst, "grant")
+    assert len(grants) == 1 and grants[0]["program"] == "outer", grants
+
+
+def test_a_lease_passed_to_a_child_ends_when_the_child_lets_go(served: Served) -> None:
+    """The run exits at once, its background child keeps the descriptor for a while: the
+    service records the end only after the child is done, and offers the device meanwhile
+    to nobody."""
+    inst = served.inst
+    script = inst.bindir / "CUDAWRAP_spawner"
+    done_file = inst.dir / "child-done"
+    script.write_text(f"#!/bin/sh\n(sleep 1; date +%s.%N > {done_file}; chmod 644 {done_file}) >/dev/null 2>&1 &\nexit 0\n")
+    script.chmod(0o755)
+    (inst.bindir / "spawner").symlink_to(inst.layout.shim)
+    inst.dir.chmod(0o777)
+    first = inst.run(inst.world.alice, "spawner", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES="0")
+    assert first.returncode == 0, first.stderr.decode()
+    assert not done_file.exists()
+    wait_for(lambda: done_file.exists() and done_file.read_text().strip() != "")
+    wait_for(lambda: len(_ledger(inst, "end")) == 1)
+    end = _ledger(inst, "end")[0]
+    assert end["end"] >= float(done_file.read_text()) - 0.005, end
