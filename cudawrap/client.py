@@ -210,3 +210,22 @@ def _converse(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str],
                 conn.send(wire.LOST, {"devices": ",".join(devices)})
         elif verb == wire.DONE and held:
             return held[0]
+
+
+def question(root: str, verb: str, fields: Dict[str, str]) -> Optional[Dict[str, str]]:
+    """One question to the service (status, cancel) and its answer; None when no service
+    answers. ServiceError for a refusal."""
+    sock = connect(root)
+    if sock is None:
+        return None
+    conn = Connection(sock)
+    try:
+        conn.send(verb, fields)
+        reply_verb, reply = conn.receive()
+    except ServiceGone:
+        return None
+    finally:
+        conn.close()
+    if reply_verb == wire.ERROR:
+        raise _error(reply)
+    return reply

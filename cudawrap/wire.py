@@ -30,7 +30,8 @@ END = b"\n\n"
 REQUEST = "request"  # ask for devices
 HELD = "held"  # the grant's locks are taken
 LOST = "lost"  # a lock of the grant was taken by someone else first
-STATUS = "status"  # an admin's or user's question about the machine
+STATUS = "status"  # anyone's question: who holds and who waits (answer: json=)
+CANCEL = "cancel"  # pids=: end those waiting runs (their owner's or root's word, by the kernel)
 # Service -> client.
 WAIT = "wait"  # a line to show while waiting (text=)
 GRANT = "grant"  # descriptors attached

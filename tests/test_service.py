@@ -44,6 +44,20 @@ class Served:
         finally:
             s.close()
 
+    def fill(self) -> List[subprocess.Popen]:
+        """Alice holds all four GPUs (until killed)."""
+        holders = [self.inst.start(self.inst.world.alice, "recon", "--hold", "60") for _ in range(4)]
+        for h in holders:
+            ready_line(h)
+        return holders
+
+    def waiting(self, user) -> subprocess.Popen:
+        """A run of USER's that has said it waits (its first line)."""
+        waiter = self.inst.start(user, "recon", CUDAWRAP_WAIT="60")
+        line = waiter.stderr.readline().decode()
+        assert "waiting for a device" in line, line
+        return waiter
+
     def granted(self) -> str:
         """The service's next line (it says each grant)."""
         return self.proc.stdout.readline().decode()
@@ -81,12 +95,8 @@ def test_a_wrapped_run_through_the_service_holds_its_device_by_its_own_lock(serv
 
 def test_a_second_account_waits_for_the_first_and_is_granted_on_release(served: Served) -> None:
     inst = served.inst
-    holders = [inst.start(inst.world.alice, "recon", "--hold", "60") for _ in range(4)]
-    for h in holders:
-        ready_line(h)
-    waiter = inst.start(inst.world.bob, "recon", CUDAWRAP_WAIT="60")
-    line = waiter.stderr.readline().decode()
-    assert "waiting for a device" in line and "busy" in line, line
+    holders = served.fill()
+    waiter = served.waiting(inst.world.bob)
     holders[2].kill()
     holders[2].wait()
     hello = ready_line(waiter)
@@ -243,3 +253,52 @@ def test_a_lease_passed_to_a_child_ends_when_the_child_lets_go(served: Served) -
     wait_for(lambda: len(_ledger(inst, "end")) == 1)
     end = _ledger(inst, "end")[0]
     assert end["end"] >= float(done_file.read_text()) - 0.005, end
+
+
+def _status(inst: MuInstall, user) -> dict:
+    import json
+
+    done = inst.cli(user, "status", "--json")
+    assert done.returncode == 0, done.stderr.decode()
+    return json.loads(done.stdout)
+
+
+def test_status_names_every_holder_and_waiter_for_everyone(served: Served) -> None:
+    inst = served.inst
+    holders = served.fill()
+    pids = {h.pid for h in holders}
+    waiter = served.waiting(inst.world.alice)
+    seen = _status(inst, inst.world.bob)  # another user: /proc alone cannot name alice's holders
+    named = {d["holder"]["pid"]: d["holder"] for d in seen["devices"] if d["holder"]}
+    assert set(named) == pids, seen["devices"]
+    assert all(h["user"] == inst.world.alice.name and h["program"] == "recon" for h in named.values())
+    assert [(w["pid"], w["user"], w["position"]) for w in seen["waiting"]] == [(waiter.pid, inst.world.alice.name, 1)]
+    for h in holders:
+        h.kill()
+
+
+def test_cancel_answers_a_service_waiter_with_its_reason(served: Served) -> None:
+    inst = served.inst
+    holders = served.fill()
+    waiter = served.waiting(inst.world.alice)
+    refused = inst.cli(inst.world.bob, "cancel", str(waiter.pid))
+    assert refused.returncode == 77, refused.stderr.decode()
+    assert waiter.poll() is None
+    done = inst.cli(None, "cancel", str(waiter.pid))
+    assert done.returncode == 0, done.stderr.decode()
+    assert waiter.wait(timeout=10) == 75
+    assert "cancelled by root" in waiter.stderr.read().decode()
+    for h in holders:
+        h.kill()
+
+
+def test_a_resume_grants_a_waiter_of_the_service(served: Served) -> None:
+    inst = served.inst
+    gpus = sorted(p.name for p in inst.layout.lease_dir.iterdir())
+    done = inst.cli(None, "drain", *gpus, "--reason", "maintenance")
+    assert done.returncode == 0, done.stderr.decode()
+    waiter = served.waiting(inst.world.alice)
+    done = inst.cli(None, "resume", gpus[1])
+    assert done.returncode == 0, done.stderr.decode()
+    assert ready_line(waiter)["cvd"] == gpus[1]
+    waiter.kill()

@@ -44,6 +44,8 @@ class Line:
         self.leases = LeaseFiles(loc.under(root, loc.LEASE_DIR), loc.under(root, loc.SHARE_DIR))
         self.queue = WaitQueue(loc.under(root, loc.QUEUE_DIR))
         self.offered: Dict[str, float] = {}  # queue entry -> when first offered devices
+        self.entries: List[Waiter] = []  # the queue entries of the last decision
+        self.paths: Dict[str, str] = {}
         self.load()
 
     def load(self) -> None:
@@ -103,9 +105,15 @@ class Line:
             ident = self.leases.ident(uuid)
             if ident is not None and ident not in table:
                 table[ident] = [(pid, True)]
+        self.entries, self.paths = entries, scan.paths
         verdicts, _free = self.acquirer.decide(Scan(entries + list(mine), table, scan.paths), None, True)
         self._pass_over_idle(entries, verdicts, now)
         return verdicts
+
+    def programs(self) -> Dict[str, str]:
+        """Queue entry -> the program its file names (its owner's word, shown as such)."""
+        return {w.key: (self.queue.read_info(self.paths[w.key]) or {}).get("program", "?")
+                for w in self.entries if w.key in self.paths}
 
     def _pass_over_idle(self, entries: List[Waiter], verdicts: Dict[str, Verdict], now: float) -> None:
         """Queue entries offered devices that they leave untaken lose their turn for a while."""

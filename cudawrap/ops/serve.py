@@ -20,8 +20,10 @@ from typing import Dict, List, Optional
 
 from .. import locations as loc
 from .. import wire
+from ..cancel import CANCELLED_EXIT
 from ..errors import CudawrapError, SetupError
 from ..schedule import GRANTED, Verdict, Waiter
+from ..users import user_name
 from . import asks, peer
 from .grants import Grants, Held
 from .line import Line
@@ -56,9 +58,11 @@ class Client:
 
 
 class Service:
-    def __init__(self, root: str, max_per_uid: int = MAX_CONNECTIONS_PER_UID) -> None:
+    def __init__(self, root: str, max_per_uid: int = MAX_CONNECTIONS_PER_UID, private_status: bool = False) -> None:
         self.root = root
         self.max_per_uid = max_per_uid
+        self.private_status = private_status
+        self.state_wd = -2
         self.line = Line(root)
         from pathlib import Path
 
@@ -113,6 +117,9 @@ class Service:
         watch.add(self.line.leases.dir, inotify.IN_CLOSE_WRITE | inotify.IN_CLOSE_NOWRITE
                   | inotify.IN_CREATE | inotify.IN_DELETE | inotify.IN_MOVED_TO)
         watch.add(self.line.queue.dir, inotify.IN_CREATE | inotify.IN_DELETE | inotify.IN_MOVED_TO)
+        # The admin's drains (state directory): a drain or resume is decided on at once.
+        self.state_wd = watch.add(os.path.dirname(loc.under(self.root, loc.DRAINS)),
+                                  inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO | inotify.IN_DELETE)
         self.selector.register(watch.fileno(), selectors.EVENT_READ, "watch")
         return watch
 
@@ -239,6 +246,8 @@ class Service:
     def _handle(self, client: Client, verb: str, fields: Dict[str, str]) -> None:
         if verb == wire.REQUEST and client.ask is None:
             self._request(client, fields)
+        elif verb in (wire.STATUS, wire.CANCEL) and client.ask is None:
+            self._question(client, verb, fields)
         elif verb == wire.HELD and client.waiter is not None:
             self._held(client)
         elif verb == wire.LOST and client.waiter is not None:
@@ -281,17 +290,48 @@ class Service:
         client.waiter = None  # served: no longer waiting
         self._drop(client)
 
+    def _question(self, client: Client, verb: str, fields: Dict[str, str]) -> None:
+        from . import questions
+
+        asker = client.peer.uid
+        try:
+            if verb == wire.CANCEL:
+                waiting = {c.peer.pid: c for c in self._waiting()}
+                chosen = questions.cancellable(fields.get("pids", ""), waiting, asker)
+                by = user_name(asker)
+                for victim in chosen:
+                    _say(f"pid {victim.peer.pid} cancelled by {by}")
+                    self._fail(victim, CANCELLED_EXIT, f"cancelled by {by}")
+                reply = {"cancelled": ",".join(str(c.peer.pid) for c in chosen)}
+            else:
+                mine = [c.waiter for c in self._waiting() if c.waiter is not None]
+                verdicts = self.line.decide(mine, self.grants.claimed())
+                self.dirty = True  # what it found may grant someone: the loop decides next
+                waiting = questions.line(self.line.entries, mine, verdicts, self.line.programs(), asker,
+                                         self.private_status)
+                reply = questions.answer(waiting, questions.holders(list(self.grants.held.values()), asker,
+                                                                   self.private_status))
+                reply["service_pids"] = ",".join(f"{c.peer.pid}:{c.peer.uid}" for c in self._waiting())
+        except CudawrapError as exc:
+            self._fail(client, exc.exit_code, exc.message, exc.hint or "")
+            return
+        client.send(wire.ANSWER, reply)
+        self._drop(client)
+
     # -- the machine ------------------------------------------------------------------------
     def _events(self) -> None:
         from .. import inotify
 
         assert self.watch is not None
         events = self.watch.events()  # type: ignore[attr-defined]
+        drains = os.path.basename(loc.DRAINS)
+        events = [e for e in events if e[0] != self.state_wd or e[2] == drains]  # not the ledger's writes
         closed = {name for _wd, mask, name in events if mask & (inotify.IN_CLOSE_WRITE | inotify.IN_CLOSE_NOWRITE)}
         for held in self.grants.lingering():
             if closed & set(held.devices):
                 self.grants.check(held)
-        self.dirty = True
+        if events:
+            self.dirty = True
 
     def _exited(self, held: Held) -> None:
         self.selector.unregister(held.pidfd)
