@@ -134,7 +134,7 @@ def test_connections_per_user_are_bounded(served: Served) -> None:
     inst = served.inst
     code = ("import socket, sys, time\n"
             "socks = []\n"
-            "for i in range(80):\n"
+            "for i in range(1001):\n"
             "    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); socks.append(s)\n"
             "s.settimeout(5); print(s.recv(4096).decode().splitlines()[0], flush=True)\n")
     done = inst.py(inst.world.bob, code, str(served.sock))
@@ -302,3 +302,120 @@ def test_a_resume_grants_a_waiter_of_the_service(served: Served) -> None:
     assert done.returncode == 0, done.stderr.decode()
     assert ready_line(waiter)["cvd"] == gpus[1]
     waiter.kill()
+
+
+def test_private_status_hides_other_users_and_bounds_come_from_the_config(mu) -> None:
+    inst = mu("four-gpus")
+    inst.layout.config_file.write_text("[service]\nprivate_status = true\nmax_connections_per_uid = 5\n")
+    inst.layout.config_file.chmod(0o644)
+    served = Served(inst)
+    try:
+        holders = served.fill()
+        waiter = served.waiting(inst.world.alice)
+        seen = _status(inst, inst.world.bob)
+        assert [(w["user"], w["pid"], w["program"]) for w in seen["waiting"]] == [("?", None, "?")]
+        assert not any(d["holder"] and d["holder"]["pid"] for d in seen["devices"]), seen["devices"]
+        own = _status(inst, inst.world.alice)
+        assert [w["pid"] for w in own["waiting"]] == [waiter.pid]
+        code = ("import socket, sys\n"
+                "socks = [socket.socket(socket.AF_UNIX) for _ in range(6)]\n"
+                "for s in socks: s.connect(sys.argv[1])\n"
+                "socks[5].settimeout(5); print(socks[5].recv(4096).decode().splitlines()[0])\n")
+        done = inst.py(inst.world.bob, code, str(served.sock))
+        assert done.stdout.decode().strip() == "cudawrap/1 error", done.stderr.decode()
+        for h in holders + [waiter]:
+            h.kill()
+    finally:
+        served.proc.terminate()
+        served.proc.wait(timeout=10)
+
+
+def test_the_service_unit_is_written_not_enabled_and_restarts_on_failure(tmp_path: Path, monkeypatch) -> None:
+    import sys
+
+    from cudawrap import installation
+    from cudawrap.installation import SERVICE_UNIT, render_service_unit, unit_file
+    from cudawrap.paths import Layout
+
+    unit = render_service_unit(Layout(Path("/")))
+    for line in ("ExecStart=/opt/cudawrap/venv/bin/cudawrap serve", "Restart=on-failure", "WantedBy=multi-user.target"):
+        assert f"\n{line}\n" in unit, line
+    packaged = Path(__file__).resolve().parent.parent / "packaging" / SERVICE_UNIT
+    assert packaged.read_text() == unit, "packaging/ is stale: run `make packaging`"
+    layout = Layout(tmp_path / "root")
+    layout.venv_dir.mkdir(parents=True)
+    calls: list = []
+    said: list = []
+    monkeypatch.setattr(installation, "systemd_running", lambda _layout: True)
+    monkeypatch.setattr(installation, "_systemctl", lambda *args: calls.append(list(args)))
+    installation.install(layout, sys.executable, None, [], say=said.append)
+    assert unit_file(layout, SERVICE_UNIT).read_text() == render_service_unit(layout)
+    assert not any(SERVICE_UNIT in call for call in calls)
+    assert any(line.startswith(f"==> {SERVICE_UNIT} not enabled") for line in said), said
+
+
+def test_serve_daemon_writes_a_pid_file_and_uninstall_stops_it(mu) -> None:
+    from cudawrap.installation import stop_monitor
+
+    inst = mu("four-gpus")
+    done = inst.cli(None, "serve", "--daemon")
+    assert done.returncode == 0, done.stderr.decode()
+    pid = int((inst.layout.runtime_dir / "service.pid").read_text())
+    wait_for(lambda: (inst.layout.runtime_dir / "cudawrap.sock").exists())
+    again = inst.cli(None, "serve", "--daemon")
+    assert again.returncode == 64 and b"already running" in again.stderr, again.stderr
+    said: list = []
+    stop_monitor(inst.layout, said.append)
+    assert said == [f"==> stopped `cudawrap serve --daemon` (pid {pid})"]
+    assert not os.path.exists(f"/proc/{pid}") or b"Z" in Path(f"/proc/{pid}/stat").read_bytes().split(b")")[-1][:3]
+
+
+def _overlaps(log: Path) -> List[str]:
+    """Devices two runs held at once, from the stand-in's own start and end lines."""
+    import json
+
+    spans: dict = {}
+    for rec in map(json.loads, log.read_text().splitlines()):
+        spans.setdefault(rec["pid"], {})[rec["event"]] = rec
+    bad = []
+    by_device: dict = {}
+    for span in spans.values():
+        start, end = span["start"], span.get("end")
+        for uuid in start["devices"]:
+            by_device.setdefault(uuid, []).append((start["time"], end["time"] if end else float("inf")))
+    for uuid, intervals in by_device.items():
+        intervals.sort()
+        bad += [uuid for (a0, a1), (b0, _b1) in zip(intervals, intervals[1:]) if b0 < a1]
+    return bad
+
+
+def test_kill_9_of_the_service_loses_no_run_and_grants_no_device_twice(served: Served) -> None:
+    """Its held leases run on (their locks are the runs'); its waiters go on waiting in the
+    queue directory, which a restarted service honours; every one of them is served."""
+    inst = served.inst
+    holders = served.fill()
+    waiters = [inst.start(user, "recon", "--hold", "0.2", "--log", str(inst.log), CUDAWRAP_WAIT="120")
+               for user in [inst.world.alice, inst.world.bob] * 5]
+    for w in waiters:
+        assert b"waiting for a device" in w.stderr.readline()
+    served.proc.kill()
+    served.proc.wait()
+    restarted = Served.__new__(Served)
+    restarted.inst, restarted.link, restarted.sock = inst, served.link, served.sock
+    code = CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main")
+    restarted.proc = inst.start(None, inst.world.python, "-I", "-c", code, "serve")
+    assert b"listening on" in restarted.proc.stdout.readline()
+    try:
+        for h in holders:
+            h.kill()
+            h.wait()
+        for w in waiters:
+            assert w.wait(timeout=120) == 0, w.stderr.read().decode()
+        assert _overlaps(inst.log) == []
+        # The restarted service followed the leases granted before the kill to their ends.
+        pids = {h.pid for h in holders}
+        wait_for(lambda: len([r for r in _ledger(inst, "end") if r["pid"] in pids]) == 4)
+        assert all(r["seen_by"] == "service" for r in _ledger(inst, "end") if r["pid"] in pids)
+    finally:
+        restarted.proc.terminate()
+        restarted.proc.wait(timeout=10)

@@ -69,3 +69,13 @@ def end(layout: Layout, lid: str, how: str = "ended") -> None:
         ledger.append(ledger.ledger_path(layout), [done], *limits)
         ledger._save_state(path, state)
     ledger._append_user_view(layout, done, limits)
+
+
+def still_open(layout: Layout) -> List[Dict[str, Any]]:
+    """The grants a service recorded that no end has closed yet (for a restarted service)."""
+    path = layout.state_dir / ledger.STATE
+    with ledger.Locked(layout):
+        state = ledger._load_state(path)
+    if state["boot"] != ledger.boot_id():
+        return []
+    return [r for r in state["open"].values() if r.get("seen_by") == "service"]

@@ -33,8 +33,12 @@ log = logging.getLogger(__name__)
 TICK_S = 1.0
 MIN_GAP_S = 0.002
 HELLO_S = 5.0
-MAX_CONNECTIONS_PER_UID = 64
+MAX_CONNECTIONS_PER_UID = 1000  # as many runs as one user may have in the queue directory
 BACKLOG = 1024
+
+
+class _Stop(Exception):
+    """SIGTERM, SIGINT or SIGHUP: close the socket and leave."""
 
 
 class Client:
@@ -73,9 +77,9 @@ class Service:
         self.selector = selectors.DefaultSelector()
         self.dirty = False
         self.last_decision = 0.0
-        self.stopping = False
         self.listener = self._listen()
         self.watch = self._watch()
+        self._adopt()
 
     # -- setting up -------------------------------------------------------------------------
     def _listen(self) -> socket.socket:
@@ -123,6 +127,28 @@ class Service:
         self.selector.register(watch.fileno(), selectors.EVENT_READ, "watch")
         return watch
 
+    def _adopt(self) -> None:
+        """Follow again the grants a service before us made that have not ended (a restart):
+        their ends are recorded when they happen, not at some later look."""
+        from .. import ledger
+        from . import accounts
+
+        for record in accounts.still_open(self.grants.layout):
+            pid = record["pid"]
+            try:
+                pidfd = os.pidfd_open(pid)
+            except (AttributeError, OSError):
+                pidfd = -1
+            alive = ledger.proc(pid)
+            held = Held(record["uid"], pid, pidfd if pidfd >= 0 else os.open("/dev/null", os.O_RDONLY),
+                        list(record["devices"]), record.get("program", ""), record["start"], lease_id=record["id"])
+            self.grants.follow(held)
+            if pidfd >= 0 and alive is not None and alive.ticks == record["ticks"]:
+                self.selector.register(held.pidfd, selectors.EVENT_READ, held)
+            else:  # its client is gone: ended now, or when the child holding it lets go
+                held.exited = True
+                self.grants.check(held)
+
     def close(self) -> None:
         for client in list(self.clients.values()):
             self._drop(client)
@@ -137,13 +163,15 @@ class Service:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._stop)
         try:
-            while not self.stopping:
+            while True:
                 self.step(self._timeout())
+        except _Stop:
+            pass
         finally:
             self.close()
 
     def _stop(self, signum: int, frame: object) -> None:
-        self.stopping = True
+        raise _Stop()  # from inside the poll: it would otherwise sleep out its timeout first
 
     def _timeout(self) -> float:
         now = time.monotonic()
@@ -389,7 +417,12 @@ def raise_file_limit() -> None:
 
 
 def serve(root: str) -> None:
+    from pathlib import Path
+
+    from ..config import load_config
+
     raise_file_limit()
-    service = Service(root)
+    config = load_config(Path(root) / loc.CONFIG_FILE)  # a broken config: one line, 78, before listening
+    service = Service(root, config["max_connections_per_uid"], config["private_status"])
     _say(f"listening on {service.path}")
     service.run()
