@@ -1,5 +1,10 @@
 """The ledger, written by the service at the moment a grant is made and when it ends.
 
+The record is in the file (the page cache) before the descriptors leave, which a crash of
+the service cannot lose; the fsync that makes it survive a crash of the machine (which
+ends every lease anyway) is left to flush(), which the service calls once it is idle, so
+the disk's latency is not a launch's.
+
 Records have the daemonless ledger's shape (ledger.observe) with exact times
 (``start_lo == start_hi``, ``end_lo == end_hi``) and ``seen_by = "service"``. Each grant
 is written before its descriptors are sent (a crash between the two loses no record) and
@@ -10,11 +15,35 @@ neither side records a lease twice.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import ledger
 from ..paths import Layout
 from ..users import user_name
+
+
+_unsynced: "set[Path]" = set()  # ledger files written since their last fsync
+
+
+def pending() -> bool:
+    return bool(_unsynced)
+
+
+def flush() -> None:
+    """Make what was recorded durable (one fsync per file written since the last flush)."""
+    import os
+
+    while _unsynced:
+        path = _unsynced.pop()
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue  # rotated away meanwhile: rotation renames, the data is in the new name
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _limits(layout: Layout) -> Tuple[int, int]:
@@ -48,7 +77,8 @@ def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, 
         state = ledger._load_state(path)
         if state["boot"] not in ("", boot):
             return lid  # a look after the restart records it (and ends what the old boot held)
-        ledger.append(ledger.ledger_path(layout), [record], *limits)
+        ledger.append(ledger.ledger_path(layout), [record], *limits, durable=False)
+        _unsynced.add(ledger.ledger_path(layout))
         state["boot"] = boot
         state["open"][lid] = record
         ledger._save_state(path, state)
@@ -66,7 +96,8 @@ def end(layout: Layout, lid: str, how: str = "ended") -> None:
         if record is None:
             return
         done = ledger._end(record, now, now, now, how, "service")
-        ledger.append(ledger.ledger_path(layout), [done], *limits)
+        ledger.append(ledger.ledger_path(layout), [done], *limits, durable=False)
+        _unsynced.add(ledger.ledger_path(layout))
         ledger._save_state(path, state)
     ledger._append_user_view(layout, done, limits)
 

@@ -15,7 +15,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .. import locations as loc
-from ..acquire import GRACE_S, STALL_S, Acquirer
+from ..acquire import GRACE_S, STALL_S, UNKNOWN_HOLDER, Acquirer
 from ..devices import Inventory
 from ..errors import NvmlUnavailable
 from ..leases import LeaseFiles, lease_file_inventory
@@ -97,7 +97,7 @@ class Line:
 
         CLAIMED: devices sent to a client whose lock may not show yet (uuid -> its pid):
         held, for this decision."""
-        scan = self.queue.scan()
+        scan = self._probed() if self._alone(mine) else self.queue.scan()
         now = time.monotonic()
         entries = [w for w in (self._believable(w) for w in scan.waiters) if w is not None]
         table = dict(scan.table)
@@ -114,6 +114,26 @@ class Line:
         """Queue entry -> the program its file names (its owner's word, shown as such)."""
         return {w.key: (self.queue.read_info(self.paths[w.key]) or {}).get("program", "?")
                 for w in self.entries if w.key in self.paths}
+
+    def _alone(self, mine: Sequence[Waiter]) -> bool:
+        """Whether the one run asking now has nobody to take turns with: no other waiter of the
+        service, nobody in the queue directory, no limits, no sharing (whose shared locks
+        and owners only the lock table shows)."""
+        return (len(mine) == 1 and self.limit_of is None and not self.acquirer.sharing.anywhere
+                and self.queue.idle())
+
+    def _probed(self) -> Scan:
+        """The leases as trying each one's lock says (held or not), without reading /proc/locks.
+
+        That read costs ~8 ms whenever nothing read it a moment before (the kernel waits out
+        an RCU grace period); trying 56 locks costs microseconds. The holders stay unnamed,
+        which only limits and turns (see _alone) would need."""
+        table = {}
+        for uuid in self.present:
+            ident = self.leases.ident(uuid)
+            if ident is not None and not self.leases.free_now(uuid):
+                table[ident] = [UNKNOWN_HOLDER]
+        return Scan([], table, {})
 
     def _pass_over_idle(self, entries: List[Waiter], verdicts: Dict[str, Verdict], now: float) -> None:
         """Queue entries offered devices that they leave untaken lose their turn for a while."""

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 TICK_S = 1.0
 MIN_GAP_S = 0.002
 HELLO_S = 5.0
+IDLE_SYNC_S = 0.05  # the ledger is made durable once nothing happened for this long
 MAX_CONNECTIONS_PER_UID = 1000  # as many runs as one user may have in the queue directory
 BACKLOG = 1024
 
@@ -180,12 +181,17 @@ class Service:
         if self._waiting():
             times.append(now + TICK_S)
             times += [c.wait_until for c in self._waiting()]
-        if self.dirty:
-            times.append(self.last_decision + MIN_GAP_S)
+            if self.dirty:
+                times.append(self.last_decision + MIN_GAP_S)
         return max(0.0, min(times) - now) if times else TICK_S * 30
 
     def step(self, timeout: float) -> None:
-        for key, _mask in self.selector.select(timeout):
+        from . import accounts
+
+        ready = self.selector.select(min(timeout, IDLE_SYNC_S) if accounts.pending() else timeout)
+        if not ready and accounts.pending():
+            accounts.flush()  # idle: now the ledger's fsync costs nobody's launch
+        for key, _mask in ready:
             if key.data == "listen":
                 self._accept()
             elif key.data == "watch":
