@@ -419,3 +419,18 @@ def test_kill_9_of_the_service_loses_no_run_and_grants_no_device_twice(served: S
     finally:
         restarted.proc.terminate()
         restarted.proc.wait(timeout=10)
+
+
+def test_a_launch_through_the_service_loads_no_nvml(served: Served) -> None:
+    """The run's own process cannot load NVML at all here (no library on its path), and the
+    admin asked for failure without a driver: through the service it is granted all the same,
+    since only the service reads NVML; without it the same run fails as configured."""
+    inst = served.inst
+    inst.layout.config_file.write_text('[policy]\nno_driver = "fail"\n')
+    inst.layout.config_file.chmod(0o644)
+    run = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0", LD_LIBRARY_PATH=None)
+    assert run.returncode == 0, run.stderr.decode()
+    served.proc.terminate()
+    served.proc.wait(timeout=10)
+    alone = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0", LD_LIBRARY_PATH=None)
+    assert alone.returncode == 69, alone.stderr.decode()
