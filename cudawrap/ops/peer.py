@@ -3,8 +3,9 @@
 The uid and gid come from SO_PEERCRED, the process from SO_PEERPIDFD where the kernel has it
 (a pidfd names the very process that connected, whatever pids are reused since), else from
 the pid SO_PEERCRED recorded at connect(2), held by a pidfd opened at once and checked to
-belong to the same uid. The program is the kernel's word too: a request counts as a run of
-a wrapped program only when the process runs the interpreter of this install's shims on a
+belong to the same uid and to have started before the connection was accepted (to within the
+second /proc/stat's boot time is given in). The program is the kernel's word too: a request
+counts as a run of a wrapped program only when the process runs the interpreter of this install's shims on a
 shim file of this install that is root's (README "The cudawrap service").
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -44,15 +46,32 @@ def identify(sock: socket.socket) -> Optional[Peer]:
         return Peer(pid, uid, gid, pidfd)
     except OSError:
         pass
+    accepted = time.time()
     try:
         pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):
         pidfd = -1
-    if real_uid(pid) != uid:  # exited, its pid reused by someone else's process
+    started = _started(pid)
+    # Exited, its pid reused since: by someone else's process, or by one started after the
+    # connection was accepted (so after it was made).
+    if real_uid(pid) != uid or started is None or started > accepted + _SLACK_S:
         if pidfd >= 0:
             os.close(pidfd)
         return None
     return Peer(pid, uid, gid, pidfd)
+
+
+# The boot time in /proc/stat is whole seconds: a start time read from /proc may be late by
+# up to that, and by a clock tick.
+_SLACK_S = 1.0 + 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _started(pid: int) -> Optional[float]:
+    """When PID started (seconds since the epoch, to a clock tick), None if it is gone."""
+    from ..ledger import proc
+
+    p = proc(pid)
+    return p.started if p is not None else None
 
 
 def _cmdline(pid: int) -> List[bytes]:
