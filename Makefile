@@ -32,9 +32,10 @@ packaging: $(STAMP)
 	$(VPY) -m cudawrap.cli.installer render-unit > packaging/cudawrap-sync.service.tmp
 	$(VPY) -m cudawrap.cli.installer render-monitor-unit > packaging/cudawrap-monitor.service.tmp
 	$(VPY) -m cudawrap.cli.installer render-mps-unit > packaging/cudawrap-mps.service.tmp
+	$(VPY) -m cudawrap.cli.installer render-service-unit > packaging/cudawrap.service.tmp
 	$(VPY) -m cudawrap.cli.installer render-tmpfiles > packaging/cudawrap.tmpfiles.tmp
 	for f in cudawrap.bash-completion cudawrap-sync.service cudawrap-monitor.service cudawrap-mps.service \
-		cudawrap.tmpfiles; do \
+		cudawrap.service cudawrap.tmpfiles; do \
 		mv packaging/$$f.tmp packaging/$$f; done
 	mkdir -p packaging/man
 	for page in cudawrap.1 create-cudawrap.8 cudawrap.toml.5; do \

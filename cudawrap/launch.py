@@ -286,6 +286,11 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         raise NoDeviceError(f"{count} devices asked for as a shared run, but an MPS client uses one device",
                             hint="ask for one device (CUDAWRAP_GPUS=1), or run without sharing")
 
+    if job is None and not share and os.path.exists(loc.under(root, loc.SERVICE_SOCKET)):
+        leased = _from_service(root, prog, value, environ, count)
+        if leased is not None:
+            return _whole_devices(root, leased, environ)
+
     from .policy.effective import UNFILTERED
     from .devices.snapshot import SnapshotRefresh, read_fresh
 
@@ -448,6 +453,11 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         uuid = lease.shared[0]
         device = acquirer.current[uuid]
         extra = sharing.mps_env(root, uuid, acquirer.slots[uuid], device.memory_total_mib or None)
+    return _whole_devices(root, lease, environ, extra)
+
+
+def _whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[bytes, bytes]] = None) -> Grant:
+    """The Grant of LEASE, with a shared run's MPS variables dropped for whole devices."""
     grant = Grant(lease, ",".join(lease.uuids), extra)
     mps_dir = loc.under(root, loc.MPS_DIR) + "/"
     if not lease.shared and environ.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(mps_dir):
@@ -456,6 +466,20 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         grant.drop = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
                       b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
     return grant
+
+
+def _from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, count: int) -> Optional[Lease]:
+    """Devices granted by `cudawrap serve` (README "The cudawrap service"); None when it
+    does not answer, and the run decides for itself as without it."""
+    from . import client
+
+    def on_wait(text: str) -> None:
+        say(prog, text)
+
+    lease = client.obtain(root, client.request_fields(value, environ, count), on_wait)
+    if lease is not None:
+        audit.log("grant", program=prog, pid=os.getpid(), devices=",".join(lease.uuids), via="service")
+    return lease
 
 
 def exec_program(path: str, argv: Sequence[str], env: Dict[bytes, bytes], grant: Grant) -> NoReturn:

@@ -30,6 +30,10 @@ INVENTORY_CACHE = RUNTIME_DIR + "/inventory.cache"
 # `cudawrap monitor --daemon` (installs without systemd): its flock-held pid file and log.
 MONITOR_PID = RUNTIME_DIR + "/monitor.pid"
 MONITOR_LOG = RUNTIME_DIR + "/monitor.log"
+# `cudawrap serve`: the service's socket (every user connects), pid file and log (--daemon).
+SERVICE_SOCKET = RUNTIME_DIR + "/cudawrap.sock"
+SERVICE_PID = RUNTIME_DIR + "/service.pid"
+SERVICE_LOG = RUNTIME_DIR + "/service.log"
 LIB_DIR = "opt/cudawrap"
 # The shim prototype: install.sh bakes the interpreter into it, and links made by cudawrap
 # before each program had its own shim still lead to it.

@@ -27,7 +27,7 @@ from test_install import (  # noqa: F401 - fixtures
 OWNED = ["/opt/cudawrap", "/etc/cudawrap", "/var/lib/cudawrap", "/run/cudawrap", "/usr/bin/cudawrap",
          "/usr/bin/create-cudawrap", "/lib/systemd/system/cudawrap-sync.service",
          "/lib/systemd/system/cudawrap-monitor.service", "/lib/systemd/system/cudawrap-mps.service",
-         "/usr/lib/tmpfiles.d/cudawrap.conf",
+         "/lib/systemd/system/cudawrap.service", "/usr/lib/tmpfiles.d/cudawrap.conf",
          "/usr/share/bash-completion/completions/cudawrap", "/usr/share/doc/cudawrap"]
 
 
@@ -100,7 +100,8 @@ def test_deb_install_wrap_refuse_unwrap_purge(deb, public_dir, fakenvml_lib, whe
     for path in ("/opt/cudawrap/venv/bin/cudawrap", "/usr/bin/cudawrap", "/usr/bin/create-cudawrap",
                  DEFAULT_CONFIG, wheel, "/lib/systemd/system/cudawrap-sync.service",
                  "/lib/systemd/system/cudawrap-monitor.service", "/lib/systemd/system/cudawrap-mps.service",
-                 "/usr/lib/tmpfiles.d/cudawrap.conf", "/usr/share/bash-completion/completions/cudawrap"):
+                 "/lib/systemd/system/cudawrap.service", "/usr/lib/tmpfiles.d/cudawrap.conf",
+                 "/usr/share/bash-completion/completions/cudawrap"):
         assert path in files, path
     for page in PAGES:
         section = page.rsplit(".", 1)[1]

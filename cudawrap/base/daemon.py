@@ -74,7 +74,7 @@ def stop(pid_file: str, wait_s: float = 10.0) -> Optional[int]:
     return pid
 
 
-def detach(pid_file: str, log_file: str) -> int:
+def detach(pid_file: str, log_file: str, name: str = "monitor") -> int:
     """Fork into the background; returns in the daemon only (the caller's process exits 0).
 
     The pid file is locked before forking, so a second start fails at once with
@@ -97,7 +97,7 @@ def detach(pid_file: str, log_file: str) -> int:
         os.close(fd)
         with os.fdopen(read_end, "rb") as pipe:
             pid = int(pipe.read().decode() or "0")
-        print(f"cudawrap monitor: running as pid {pid} (pid file {pid_file}, log {log_file})")
+        print(f"cudawrap {name}: running as pid {pid} (pid file {pid_file}, log {log_file})")
         os._exit(0 if pid else 1)
     os.close(read_end)
     os.setsid()  # no controlling terminal: a closed terminal's SIGHUP does not reach us

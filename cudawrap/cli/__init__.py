@@ -128,6 +128,7 @@ _SUBCOMMANDS = {
     "sync": "cudawrap.cli.runtime.SyncCommand",
     "status": "cudawrap.cli.runtime.StatusCommand",
     "monitor": "cudawrap.cli.runtime.MonitorCommand",
+    "serve": "cudawrap.cli.serve_cmd.ServeCommand",
     "run": "cudawrap.cli.runtime.RunCommand",
     "config": "cudawrap.cli.config_cmd.ConfigCommand",
     "drain": "cudawrap.cli.ops.DrainCommand",

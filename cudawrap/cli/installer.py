@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 from ..admin.wrap import refresh_shims
 from ..install.installation import (
     MONITOR_UNIT, MPS_UNIT, PROG, UNIT_NAME, InstallError, Layout, install, prepare_package, render_monitor_unit,
-    render_mps_unit, render_tmpfiles, render_unit, stop_monitor, uninstall, _package_say,
+    render_mps_unit, render_service_unit, SERVICE_UNIT, render_tmpfiles, render_unit, stop_monitor, uninstall, _package_say,
 )
 from .manpages import PAGES, man_path, render as render_man
 
@@ -45,6 +45,8 @@ def _render(action: str, layout: Layout) -> str:
         return render_monitor_unit(layout)
     if action == "render-mps-unit":
         return render_mps_unit(layout)
+    if action == "render-service-unit":
+        return render_service_unit(layout)
     return render_tmpfiles(layout)
 
 
@@ -80,6 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "render-unit": f"packaging/{UNIT_NAME} (for --root, default /)",
         "render-monitor-unit": f"packaging/{MONITOR_UNIT} (for --root, default /)",
         "render-mps-unit": f"packaging/{MPS_UNIT} (for --root, default /)",
+        "render-service-unit": f"packaging/{SERVICE_UNIT} (for --root, default /)",
         "render-tmpfiles": "packaging/cudawrap.tmpfiles (for --root, default /)",
     }
     renderers.update({f"render-man-{page}": f"the man page packaging/man/{page}" for page in PAGES})

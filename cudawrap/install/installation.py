@@ -167,6 +167,7 @@ MANIFEST_VERSION = 1
 UNIT_NAME = "cudawrap-sync.service"
 MONITOR_UNIT = "cudawrap-monitor.service"
 MPS_UNIT = "cudawrap-mps.service"
+SERVICE_UNIT = "cudawrap.service"
 COMPLETION_SOURCE = "packaging/cudawrap.bash-completion"
 COMMANDS = ("cudawrap", "create-cudawrap")
 PROG = "install.sh"
@@ -386,8 +387,30 @@ WantedBy=multi-user.target
 """
 
 
+def render_service_unit(layout: Layout) -> str:
+    """`cudawrap serve`: the broker that grants leases by descriptor (README "The cudawrap service")."""
+    cudawrap, command = _unit_command(layout)
+    return f"""\
+# Written by cudawrap's install.sh (re-running it rewrites this file).
+[Unit]
+Description=cudawrap: grant GPU leases through one socket (runs decide for themselves without it)
+After={UNIT_NAME}
+ConditionPathExists={cudawrap}
+
+[Service]
+ExecStart={command} serve
+# Held leases survive a restart (their locks are the runs'); waiting runs decide for themselves
+# until the socket answers again.
+Restart=on-failure
+RestartSec=1
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
 UNITS: Dict[str, Callable[[Layout], str]] = {UNIT_NAME: render_unit, MONITOR_UNIT: render_monitor_unit,
-                                             MPS_UNIT: render_mps_unit}
+                                             MPS_UNIT: render_mps_unit, SERVICE_UNIT: render_service_unit}
 
 
 def mps_mode(layout: Layout) -> bool:
@@ -554,6 +577,8 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
         else:
             say(f"==> {MPS_UNIT} not enabled: [sharing] mode is not \"mps\" (once it is: "
                 f"`systemctl enable --now {MPS_UNIT}`)")
+        say(f"==> {SERVICE_UNIT} not enabled (optional, README \"The cudawrap service\"): "
+            f"`systemctl enable --now {SERVICE_UNIT}` starts it")
         for name, started in enable:
             # Not the MPS unit --now: its daemons are for the lease files, which the `cudawrap sync`
             # after this makes; install.sh starts the unit after that.
@@ -620,18 +645,20 @@ def _wrapped(layout: Layout, environ: Dict[str, str]) -> List[str]:
 
 
 def stop_monitor(layout: Layout, say: Callable[[str], None] = _say, why: str = "") -> None:
-    """Stop a `cudawrap monitor --daemon` of LAYOUT (it would recreate the runtime area), and say so."""
+    """Stop a `cudawrap monitor --daemon` and a `cudawrap serve --daemon` of LAYOUT (the monitor
+    would recreate the runtime area, the service keep its socket there), and say so."""
     from .. import locations as loc
     from ..base.daemon import stop
 
-    pid_file = loc.under(str(layout.root), loc.MONITOR_PID)
-    try:
-        pid = stop(pid_file)
-    except OSError as exc:  # it will not exit, its pid is unreadable, or it is not ours to signal
-        raise InstallError(f"cannot stop `cudawrap monitor --daemon` ({pid_file}): {exc.strerror or exc}; "
-                           f"stop it yourself, then run this again", 75) from None
-    if pid is not None:
-        say(f"==> stopped `cudawrap monitor --daemon` (pid {pid}){why}")
+    for command, where in (("monitor", loc.MONITOR_PID), ("serve", loc.SERVICE_PID)):
+        pid_file = loc.under(str(layout.root), where)
+        try:
+            pid = stop(pid_file)
+        except OSError as exc:  # it will not exit, its pid is unreadable, or it is not ours to signal
+            raise InstallError(f"cannot stop `cudawrap {command} --daemon` ({pid_file}): {exc.strerror or exc}; "
+                               f"stop it yourself, then run this again", 75) from None
+        if pid is not None:
+            say(f"==> stopped `cudawrap {command} --daemon` (pid {pid}){why}")
 
 
 # What --keep-wraps leaves for the Debian package, which takes over the same layout.

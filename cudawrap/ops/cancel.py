@@ -100,7 +100,13 @@ def cancel(layout: Layout, pids: Sequence[int], caller_uid: Optional[int] = None
         for pid in holding.pids:  # the holder, or each sharer
             if pid is not None:
                 held.setdefault(pid, []).append(uuid)
+    from .view import cancel as cancel_served, service_waiters
+
+    waiting.update((pid, Waiter(pid, uid, "")) for pid, uid in service_waiters(layout).items())
     chosen = [check(pid, waiting, held, caller_uid) for pid in pids]
+    served = [w.pid for w in chosen if not w.paths]  # waiting in the service: it answers them
+    if served:
+        cancel_served(layout, served)
     for waiter in chosen:
         for path in waiter.paths:
             try:

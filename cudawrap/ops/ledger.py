@@ -63,8 +63,9 @@ def _rotate(path: Path, keep: int) -> None:
 
 
 def append(path: Path, records: Sequence[Dict[str, Any]], max_bytes: int, keep: int,
-           mode: int = 0o600, group: Optional[int] = None) -> None:
-    """Append RECORDS as one write, durably; raises OSError and leaves the file as it was.
+           mode: int = 0o600, group: Optional[int] = None, durable: bool = True) -> None:
+    """Append RECORDS as one write, durably (unless not DURABLE: the caller syncs later);
+    raises OSError and leaves the file as it was.
 
     The caller holds the ledger lock (the only writers are root processes taking it).
     """
@@ -92,7 +93,8 @@ def append(path: Path, records: Sequence[Dict[str, Any]], max_bytes: int, keep: 
                 written = os.write(fd, prefix + data)
                 if written != len(prefix) + len(data):
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-                os.fsync(fd)
+                if durable:
+                    os.fsync(fd)
             except OSError:
                 os.ftruncate(fd, st.st_size)  # cut back what went in: the file stays as it was
                 raise

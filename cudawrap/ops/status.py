@@ -342,6 +342,9 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
         cover = covering(found, device["uuid"], device["parent"])
         device["drains"] = [dict(drains[cover], uuid=cover)] if cover else []
     waiting = _waiting(layout, inventory)
+    from .view import through_service
+
+    waiting = through_service(layout, devices, waiting)  # the service's line, where one runs
     for device in devices:
         device["waiters"] = [w["pid"] for w in waiting
                              if w["candidates"] is None or device["uuid"] in w["candidates"]]

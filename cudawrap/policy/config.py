@@ -170,10 +170,18 @@ def _mib(value: Any) -> int:
     return value
 
 
-# The monitor's accounting and metrics: root's settings, not a run's. Section -> its keys.
+def _connections(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 16:
+        raise ValueError(f"{_shown(value)} is not a whole number from 1 to {1 << 16}")
+    return value
+
+
+# The monitor's accounting and metrics, the service's bounds: root's settings, not a run's.
+# Section -> its keys.
 OPS_SECTIONS: Dict[str, Dict[str, Callable[[Any], Any]]] = {
     "metrics": {"textfile": _path_or_empty},
     "ledger": {"max_mib": _mib, "keep": _non_negative_int},
+    "service": {"private_status": _bool, "max_connections_per_uid": _connections},
 }
 
 DEFAULTS: Dict[str, Any] = {
@@ -197,6 +205,8 @@ DEFAULTS: Dict[str, Any] = {
     "textfile": "",
     "max_mib": 64,
     "keep": 4,
+    "private_status": False,
+    "max_connections_per_uid": 1000,
 }
 
 DESCRIPTIONS: Dict[str, str] = {
@@ -221,6 +231,10 @@ DESCRIPTIONS: Dict[str, str] = {
                 "directory, *.prom), or \"\" for none",
     "max_mib": "size at which the ledger of leases is rotated (MiB)",
     "keep": "rotated ledger files kept (ledger.1 is the newest)",
+    "private_status": "with `cudawrap serve`: status through it shows a user others' leases and waits "
+                      "without their names, pids and programs (root sees all)",
+    "max_connections_per_uid": "with `cudawrap serve`: the most connections one user may keep open to it, "
+                               "so runs waiting at once (root is not limited)",
 }
 
 

@@ -1,0 +1,231 @@
+"""The service's client: ask `cudawrap serve` for devices and take the locks it hands over.
+
+Used by the launch (the shim, `cudawrap run`, the Python API) when the service's socket
+answers. The service decides, opens the lease files read-only and passes the descriptors
+(SCM_RIGHTS); the lock is taken here, on the descriptor received, so that the kernel's
+lock table names this process and the lease lives exactly as long as this process and
+the children it hands the descriptors to (kill -9 frees the device at once).
+
+On the launch path: the C module ``_socket`` only (``socket`` builds its enums at import,
+~5 ms), no ``json``, no ``re``; waiting is one blocking read of the socket, no CPU.
+"""
+from __future__ import annotations
+
+import _socket
+import fcntl
+import os
+import sys
+
+TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from . import locations as loc
+from . import wire
+from .errors import CudawrapError
+from .lease.files import Lease
+
+# The variables a run's settings are read from (policy.effective), passed on as asks.
+ASK_PREFIX = "CUDAWRAP_"
+FILTER_ASKS = ("model", "min_memory_mib", "min_free_memory_mib", "max_utilization")
+_FD_BYTES = 4  # an int in SCM_RIGHTS
+
+
+class ServiceGone(Exception):
+    """The service closed the connection before answering (restarted, or stopped)."""
+
+
+class ServiceError(CudawrapError):
+    """What the service refused, with the exit status it named."""
+
+    def __init__(self, message: str, hint: Optional[str], exit_code: int) -> None:
+        super().__init__(message, hint)
+        self.exit_code = exit_code
+
+
+def socket_path(root: str) -> str:
+    return loc.under(root, loc.SERVICE_SOCKET)
+
+
+def connect(root: str) -> Optional[Any]:
+    """A connection to the service of the install at ROOT, or None when none answers."""
+    try:
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        sock.connect(socket_path(root))
+    except OSError:  # no socket (no service), or refused (a service that died)
+        sock.close()
+        return None
+    return sock
+
+
+class Connection:
+    """Messages (and the descriptors that came with them) on one connection."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+        self.reader = wire.Reader()
+        self.pending: List[Tuple[str, Dict[str, str]]] = []
+        self.fds: List[int] = []
+
+    def send(self, verb: str, fields: Dict[str, str]) -> None:
+        try:
+            self.sock.sendall(wire.encode(verb, fields))
+        except OSError:
+            raise ServiceGone() from None
+
+    def receive(self) -> Tuple[str, Dict[str, str]]:
+        while not self.pending:
+            try:
+                data, ancillary, flags, _addr = self.sock.recvmsg(
+                    wire.MAX_MESSAGE, _socket.CMSG_SPACE(wire.MAX_FDS * _FD_BYTES))
+            except InterruptedError:
+                continue
+            except OSError:
+                raise ServiceGone() from None
+            for level, kind, payload in ancillary:
+                if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                    usable = len(payload) - len(payload) % _FD_BYTES
+                    self.fds += [int.from_bytes(payload[i:i + _FD_BYTES], sys.byteorder, signed=True)
+                                 for i in range(0, usable, _FD_BYTES)]
+            if not data:
+                raise ServiceGone()
+            try:
+                self.pending += self.reader.feed(data)
+            except wire.WireError:
+                raise ServiceGone() from None
+        return self.pending.pop(0)
+
+    def take_fds(self, n: int) -> Optional[List[int]]:
+        """The next N descriptors received; None (all closed) if fewer came."""
+        if len(self.fds) < n:
+            self.drop_fds()
+            return None
+        taken, self.fds = self.fds[:n], self.fds[n:]
+        return taken
+
+    def drop_fds(self) -> None:
+        for fd in self.fds:
+            _close(fd)
+        self.fds = []
+
+    def close(self) -> None:
+        self.drop_fds()
+        self.sock.close()
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def request_fields(value: Dict[str, Any], environ: Any, count: int) -> Dict[str, str]:
+    """What a run asks of the service: the count, its wait, its narrowing and asks.
+
+    Everything here can only narrow what the service's own reading of the policy gives
+    (the service decides the program, its settings and limits from the kernel's word)."""
+    fields = {"count": str(count), "wait": "inf" if value["wait"] == float("inf") else repr(float(value["wait"]))}
+    for name, key in (("CUDA_VISIBLE_DEVICES", "visible"), ("CUDA_DEVICE_ORDER", "order")):
+        raw = environ.get(name)
+        if raw is not None:
+            fields[key] = raw.replace("\0", "")
+    from .policy.effective import UNFILTERED
+
+    for key in FILTER_ASKS:
+        raw = value.get(key, UNFILTERED[key])
+        if raw != UNFILTERED[key] and isinstance(raw, (int, str)) and not isinstance(raw, bool):
+            fields[key] = str(raw)
+    return fields
+
+
+def _error(fields: Dict[str, str]) -> ServiceError:
+    code = fields.get("code", "")
+    exit_code = int(code) if code.isascii() and code.isdigit() and 0 < int(code) < 256 else os.EX_SOFTWARE
+    return ServiceError(fields.get("text") or "the cudawrap service refused the request",
+                        fields.get("hint") or None, exit_code)
+
+
+def _lock_all(fds: List[int]) -> bool:
+    """Take the exclusive lock on each descriptor without blocking; all or none."""
+    for fd in fds:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+    return True
+
+
+def obtain(root: str, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Optional[Lease]:
+    """Devices from the service for one run: the Lease (locks held here), or None when no
+    service answers (the caller decides without it). ServiceError for a refusal."""
+    sock = connect(root)
+    if sock is None:
+        return None
+    conn = Connection(sock)
+    try:
+        return _exchange(conn, fields, on_wait)
+    except ServiceGone:
+        return None  # it went away before granting: the daemonless path decides
+    finally:
+        conn.close()
+
+
+def _exchange(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Optional[Lease]:
+    held: List[Lease] = []
+    try:
+        return _converse(conn, fields, on_wait, held)
+    except ServiceGone:
+        if held:
+            return held[0]  # the locks are ours: the kernel's word stands without the service
+        raise
+
+
+def _converse(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str], None],
+              held: List[Lease]) -> Lease:
+    conn.send(wire.REQUEST, fields)
+    while True:
+        verb, reply = conn.receive()
+        if verb == wire.WAIT:
+            on_wait(reply.get("text", ""))
+        elif verb == wire.ERROR:
+            for lease in held:
+                lease.release()
+            held.clear()
+            raise _error(reply)
+        elif verb == wire.GRANT:
+            devices = [u for u in reply.get("devices", "").split(",") if u]
+            fds = conn.take_fds(len(devices))
+            if not devices or fds is None:
+                raise ServiceGone()
+            if _lock_all(fds):
+                held.append(Lease(dict(zip(devices, fds))))
+                conn.send(wire.HELD, {"devices": ",".join(devices)})
+            else:  # taken past the service (a daemonless run): it decides again
+                for fd in fds:
+                    _close(fd)
+                conn.send(wire.LOST, {"devices": ",".join(devices)})
+        elif verb == wire.DONE and held:
+            return held[0]
+
+
+def question(root: str, verb: str, fields: Dict[str, str]) -> Optional[Dict[str, str]]:
+    """One question to the service (status, cancel) and its answer; None when no service
+    answers. ServiceError for a refusal."""
+    sock = connect(root)
+    if sock is None:
+        return None
+    conn = Connection(sock)
+    try:
+        conn.send(verb, fields)
+        reply_verb, reply = conn.receive()
+    except ServiceGone:
+        return None
+    finally:
+        conn.close()
+    if reply_verb == wire.ERROR:
+        raise _error(reply)
+    return reply

@@ -1,0 +1,148 @@
+"""One line for everyone: the service's waiters and the file queue's, decided together.
+
+Each decision is acquire.Acquirer.decide (the machine as the lock table and NVML show it,
+then schedule.decide) over the service's own waiters and the live entries of the queue
+directory (runs that decided for themselves: started before the service, or in a Slurm
+job). What a queue entry claims is a user's word, so the service believes of it only what
+cannot keep devices from others: a count above what that user could ever hold there is
+left out (it could never be served, and would only have devices kept idle for it), and its
+devices are kept for it no sooner than the admin's reserve_after. An entry offered devices
+that does not take them within acquire.GRACE_S is passed over for acquire.STALL_S.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+from .. import locations as loc
+from ..sched.acquirer import GRACE_S, STALL_S, UNKNOWN_HOLDER, Acquirer
+from ..devices.model import Inventory
+from ..errors import NvmlUnavailable
+from ..lease.files import LeaseFiles, lease_file_inventory
+from ..sched.schedule import GRANTED, Verdict, Waiter
+from ..sched.queue import Scan, WaitQueue
+
+
+def _inventory(root: str) -> "tuple[Inventory, Optional[Callable]]":
+    """The machine from NVML (kept open), else from the lease files root made."""
+    from ..devices import nvml
+
+    try:
+        return nvml.inventory(direct=False), nvml.refresh
+    except NvmlUnavailable:
+        inventory = lease_file_inventory(loc.under(root, loc.LEASE_DIR))
+        if inventory is None:
+            raise
+        return inventory, None
+
+
+class Line:
+    """The machine and its waiters, as the service decides on them."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.leases = LeaseFiles(loc.under(root, loc.LEASE_DIR), loc.under(root, loc.SHARE_DIR))
+        self.queue = WaitQueue(loc.under(root, loc.QUEUE_DIR))
+        self.offered: Dict[str, float] = {}  # queue entry -> when first offered devices
+        self.entries: List[Waiter] = []  # the queue entries of the last decision
+        self.paths: Dict[str, str] = {}
+        self.load()
+
+    def load(self) -> None:
+        """Read the machine and the policy afresh (at start, and when the lease files change)."""
+        from ..policy import effective as policy
+        from ..lease.sharing import Sharing
+
+        self.inventory, refresh = _inventory(self.root)
+        self.present = frozenset(self.leases.names())
+        value = {k: v for k, (v, _src) in policy.effective(self.root, None, {}).items()}
+        self.reserve_after = float(value.get("reserve_after", 300.0))
+        limits = value.get("limits") or {}
+        self.limit_of = None
+        if limits.get("users") or limits.get("groups") or limits.get("default", (0, ""))[0]:
+            from ..policy.limits import limit_for
+
+            self.limit_of = lambda uid: limit_for(uid, limits)
+        devices = [d for d in self.inventory.devices if d.uuid in self.present]
+        self.acquirer = Acquirer(
+            self.leases, self.queue, devices, self.inventory.devices, 1, foreign=value["foreign"],
+            busy_memory_mib=value["busy_memory_mib"], refresh=refresh, reserve_after=self.reserve_after,
+            limit_of=self.limit_of, drained=self._drained, sharing=Sharing(value.get("sharing")))
+
+    def _drained(self) -> "set[str]":
+        import os
+
+        if not os.path.exists(loc.under(self.root, loc.DRAINS)):
+            return set()
+        from ..sched.drains import covering, drained
+
+        drains = drained(self.root)
+        return {d.uuid for d in self.inventory.devices if covering(drains, d.uuid, d.parent_uuid)}
+
+    def changed(self) -> bool:
+        """Whether the lease files are not those the machine was read with (a sync since)."""
+        return frozenset(self.leases.names()) != self.present
+
+    def _believable(self, w: Waiter) -> Optional[Waiter]:
+        """A queue entry as far as it can be believed (module docstring), or None."""
+        ceiling = len(self.present if w.candidates is None else w.candidates & self.present)
+        limit = self.limit_of(w.uid) if self.limit_of is not None else 0
+        if w.count > ceiling or (limit and w.count > limit):
+            return None
+        w.reserve_after = max(w.reserve_after, self.reserve_after)
+        return w
+
+    def decide(self, mine: Sequence[Waiter], claimed: Dict[str, int]) -> Dict[str, Verdict]:
+        """Verdicts for MINE (the service's waiters) and the believable queue entries.
+
+        CLAIMED: devices sent to a client whose lock may not show yet (uuid -> its pid):
+        held, for this decision."""
+        scan = self._probed() if self._alone(mine) else self.queue.scan()
+        now = time.monotonic()
+        entries = [w for w in (self._believable(w) for w in scan.waiters) if w is not None]
+        table = dict(scan.table)
+        for uuid, pid in claimed.items():
+            ident = self.leases.ident(uuid)
+            if ident is not None and ident not in table:
+                table[ident] = [(pid, True)]
+        self.entries, self.paths = entries, scan.paths
+        verdicts, _free = self.acquirer.decide(Scan(entries + list(mine), table, scan.paths), None, True)
+        self._pass_over_idle(entries, verdicts, now)
+        return verdicts
+
+    def programs(self) -> Dict[str, str]:
+        """Queue entry -> the program its file names (its owner's word, shown as such)."""
+        return {w.key: (self.queue.read_info(self.paths[w.key]) or {}).get("program", "?")
+                for w in self.entries if w.key in self.paths}
+
+    def _alone(self, mine: Sequence[Waiter]) -> bool:
+        """Whether the one run asking now has nobody to take turns with: no other waiter of the
+        service, nobody in the queue directory, no limits, no sharing (whose shared locks
+        and owners only the lock table shows)."""
+        return (len(mine) == 1 and self.limit_of is None and not self.acquirer.sharing.anywhere
+                and self.queue.idle())
+
+    def _probed(self) -> Scan:
+        """The leases as trying each one's lock says (held or not), without reading /proc/locks.
+
+        That read costs ~8 ms whenever nothing read it a moment before (the kernel waits out
+        an RCU grace period); trying 56 locks costs microseconds. The holders stay unnamed,
+        which only limits and turns (see _alone) would need."""
+        table = {}
+        for uuid in self.present:
+            ident = self.leases.ident(uuid)
+            if ident is not None and not self.leases.free_now(uuid):
+                table[ident] = [UNKNOWN_HOLDER]
+        return Scan([], table, {})
+
+    def _pass_over_idle(self, entries: List[Waiter], verdicts: Dict[str, Verdict], now: float) -> None:
+        """Queue entries offered devices that they leave untaken lose their turn for a while."""
+        live = {w.key for w in entries}
+        self.offered = {k: t for k, t in self.offered.items() if k in live}
+        for key in live:
+            verdict = verdicts.get(key)
+            if verdict is None or verdict.kind != GRANTED:
+                self.offered.pop(key, None)
+            elif now - self.offered.setdefault(key, now) > GRACE_S:
+                self.acquirer.skip_keys[key] = now + STALL_S
+                del self.offered[key]

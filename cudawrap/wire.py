@@ -1,0 +1,129 @@
+"""What travels between the cudawrap service and its clients: small, versioned, plain bytes.
+
+A message is a header line ``cudawrap/1 VERB`` followed by ``key=value`` lines and an
+empty line::
+
+    cudawrap/1 request\\ncount=1\\nwait=30\\n\\n
+
+Keys are lower-case ASCII words; a value is any text without NUL, a newline written ``\\n``
+and a backslash ``\\\\``. A message is at most MAX_MESSAGE bytes. That is all the parsing
+there is, so the shim's side needs neither ``json`` nor ``re`` (the launch pays for every
+module it imports). A leaf: nothing here imports the rest of cudawrap.
+
+Descriptors (the lease files of a grant) travel beside a ``grant`` message as SCM_RIGHTS,
+in the order its ``devices`` field lists them.
+"""
+from __future__ import annotations
+
+TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
+if TYPE_CHECKING:
+    from typing import Dict, List, Tuple
+
+VERSION = 1
+MAGIC = b"cudawrap/%d " % VERSION
+MAX_MESSAGE = 16 << 10
+# The most descriptors one message carries (lease files of one grant).
+MAX_FDS = 64
+END = b"\n\n"
+
+# Client -> service.
+REQUEST = "request"  # ask for devices
+HELD = "held"  # the grant's locks are taken
+LOST = "lost"  # a lock of the grant was taken by someone else first
+STATUS = "status"  # anyone's question: who holds and who waits (answer: json=)
+CANCEL = "cancel"  # pids=: end those waiting runs (their owner's or root's word, by the kernel)
+# Service -> client.
+WAIT = "wait"  # a line to show while waiting (text=)
+GRANT = "grant"  # descriptors attached
+DONE = "done"  # the grant counts as held; anything to add to the environment
+ERROR = "error"  # code= (an exit status), text=, hint=; the connection closes after it
+ANSWER = "answer"  # the reply to a question
+
+
+class WireError(ValueError):
+    """A message that breaks the format: the peer gets one error and the connection closes."""
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _unescape(text: str) -> str:
+    if "\\" not in text:
+        return text
+    out = []
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\" and i + 1 < len(text):
+            nxt = text[i + 1]
+            out.append("\n" if nxt == "n" else nxt)
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _key_ok(key: str) -> bool:
+    return 0 < len(key) <= 32 and key.isascii() and key.replace("_", "a").isalnum() and key.islower()
+
+
+def encode(verb: str, fields: Dict[str, str]) -> bytes:
+    """One message; ValueError for a key or size outside the format (a bug of ours)."""
+    parts = [MAGIC, verb.encode("ascii"), b"\n"]
+    for key, value in fields.items():
+        if not _key_ok(key) or "\0" in value:
+            raise ValueError(f"cannot send {key!r}")
+        parts.append(f"{key}={_escape(value)}\n".encode("utf-8", "surrogateescape"))
+    parts.append(b"\n")
+    data = b"".join(parts)
+    if len(data) > MAX_MESSAGE:
+        raise ValueError(f"a {verb} message of {len(data)} bytes is over {MAX_MESSAGE}")
+    return data
+
+
+def decode(frame: bytes) -> Tuple[str, Dict[str, str]]:
+    """(verb, fields) of one message without its final empty line; WireError if malformed."""
+    if not frame.startswith(MAGIC):
+        raise WireError("not a cudawrap/%d message" % VERSION)
+    if b"\0" in frame:
+        raise WireError("a NUL byte in a message")
+    try:
+        text = frame[len(MAGIC):].decode("utf-8")
+    except UnicodeDecodeError:
+        raise WireError("a message that is not UTF-8") from None
+    lines = text.split("\n")
+    verb = lines[0]
+    if not _key_ok(verb):
+        raise WireError("a message without a verb")
+    fields: Dict[str, str] = {}
+    for line in lines[1:]:
+        if not line:
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not _key_ok(key) or key in fields:
+            raise WireError("a malformed line in a message")
+        fields[key] = _unescape(value)
+    return verb, fields
+
+
+class Reader:
+    """Cuts a byte stream into messages; WireError once it is oversized or malformed."""
+
+    def __init__(self) -> None:
+        self.buffer = b""
+
+    def feed(self, data: bytes) -> List[Tuple[str, Dict[str, str]]]:
+        self.buffer += data
+        out = []
+        while True:
+            end = self.buffer.find(END)
+            if end < 0:
+                if len(self.buffer) > MAX_MESSAGE:
+                    raise WireError(f"a message over {MAX_MESSAGE} bytes")
+                return out
+            if end + len(END) > MAX_MESSAGE:
+                raise WireError(f"a message over {MAX_MESSAGE} bytes")
+            frame, self.buffer = self.buffer[:end], self.buffer[end + len(END):]
+            out.append(decode(frame))

@@ -1,0 +1,436 @@
+"""`cudawrap serve` with real accounts: grants by descriptor, turns, and what attackers can't do.
+
+The service runs as root on a simulated machine (tests/userfix.py); wrapped programs run as
+two throwaway accounts, reach it through the shim, and hold their devices by a lock the
+kernel credits to their own process.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator, List
+
+import pytest
+
+from corefix import ready_line, wait_for
+from userfix import CLI_CODE, MuInstall, root_only
+
+pytestmark = [pytest.mark.root, root_only]
+
+
+class Served:
+    """An install with its service running (as root) and a wrapped stand-in program."""
+
+    def __init__(self, inst: MuInstall) -> None:
+        self.inst = inst
+        self.link = inst.wrap("recon")
+        self.sock = inst.layout.runtime_dir / "cudawrap.sock"
+        code = CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main")
+        self.proc = inst.start(None, inst.world.python, "-I", "-c", code, "serve")
+        line = self.proc.stdout.readline().decode()
+        assert "listening on" in line, line + self.proc.stderr.read().decode()
+
+    def answers(self) -> bool:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(str(self.sock))
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def fill(self) -> List[subprocess.Popen]:
+        """Alice holds all four GPUs (until killed)."""
+        holders = [self.inst.start(self.inst.world.alice, "recon", "--hold", "60") for _ in range(4)]
+        for h in holders:
+            ready_line(h)
+        return holders
+
+    def waiting(self, user) -> subprocess.Popen:
+        """A run of USER's that has said it waits (its first line)."""
+        waiter = self.inst.start(user, "recon", CUDAWRAP_WAIT="60")
+        line = waiter.stderr.readline().decode()
+        assert "waiting for a device" in line, line
+        return waiter
+
+    def granted(self) -> str:
+        """The service's next line (it says each grant)."""
+        return self.proc.stdout.readline().decode()
+
+
+@pytest.fixture
+def served(mu) -> Iterator[Served]:
+    s = Served(mu("four-gpus"))
+    yield s
+    s.proc.terminate()
+    s.proc.wait(timeout=10)
+
+
+def _locks_of(pid: int) -> List[str]:
+    """/proc/locks lines of flocks PID took."""
+    return [line for line in Path("/proc/locks").read_text().splitlines()
+            if line.split()[1] == "FLOCK" and line.split()[4] == str(pid)]
+
+
+def test_a_wrapped_run_through_the_service_holds_its_device_by_its_own_lock(served: Served) -> None:
+    inst = served.inst
+    run = inst.start(inst.world.alice, "recon", "--hold", "30")
+    hello = ready_line(run)
+    assert len(hello["devices"]) == 1
+    assert f"pid {run.pid} (recon)" in served.granted()
+    uuid = hello["cvd"]
+    lease = inst.layout.lease_dir / uuid
+    ino = os.stat(lease).st_ino
+    assert any(line.split()[5].endswith(f":{ino}") for line in _locks_of(run.pid))
+    run.kill()  # kill -9: the kernel frees the device at once
+    run.wait()
+    again = inst.run(inst.world.bob, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=uuid)
+    assert again.returncode == 0, again.stderr.decode()
+
+
+def test_a_second_account_waits_for_the_first_and_is_granted_on_release(served: Served) -> None:
+    inst = served.inst
+    holders = served.fill()
+    waiter = served.waiting(inst.world.bob)
+    holders[2].kill()
+    holders[2].wait()
+    hello = ready_line(waiter)
+    assert len(hello["devices"]) == 1
+    for h in holders:
+        h.kill()
+
+
+def test_garbage_huge_and_silent_clients_do_not_stop_others(served: Served) -> None:
+    inst = served.inst
+    silent = []
+    for _ in range(10):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(served.sock))
+        silent.append(s)
+    garbage = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    garbage.connect(str(served.sock))
+    garbage.sendall(b"\xff\x00GET / HTTP/1.0\n\n")
+    reply = garbage.recv(4096)
+    assert reply.startswith(b"cudawrap/1 error\n") and garbage.recv(4096) == b""
+    huge = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    huge.connect(str(served.sock))
+    try:
+        huge.sendall(b"cudawrap/1 request\ncount=1\n" + b"x" * (1 << 20))
+    except OSError:
+        pass  # closed on us mid-way: that is the point
+    run = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0")
+    assert run.returncode == 0, run.stderr.decode()
+    assert served.proc.poll() is None
+    for s in silent + [garbage, huge]:
+        s.close()
+
+
+def test_connections_per_user_are_bounded(served: Served) -> None:
+    inst = served.inst
+    code = ("import socket, sys, time\n"
+            "socks = []\n"
+            "for i in range(1001):\n"
+            "    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); socks.append(s)\n"
+            "s.settimeout(5); print(s.recv(4096).decode().splitlines()[0], flush=True)\n")
+    done = inst.py(inst.world.bob, code, str(served.sock))
+    assert done.stdout.decode().strip() == "cudawrap/1 error", done.stderr.decode()
+    run = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0")
+    assert run.returncode == 0, run.stderr.decode()
+
+
+# A queue entry made and held by hand, claiming 999 devices and no patience (reserve_after 0).
+FORGED = r"""
+import fcntl, os, sys, time
+name = "%020d.%d.999sa.0.wait" % (time.time_ns() - 10**12, os.getpid())
+fd = os.open(os.path.join(sys.argv[1], name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_forged_queue_entry_keeps_no_device_idle(served: Served) -> None:
+    inst = served.inst
+    forger = inst.py_start(inst.world.bob, FORGED, str(inst.layout.queue_dir))
+    assert forger.stdout.readline().strip() == b"held"
+    run = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="3")
+    assert run.returncode == 0, run.stderr.decode()
+    assert f"({Path(str(served.link)).name})" in served.granted()
+
+
+def test_a_runs_program_is_the_kernels_word_not_the_clients(served: Served) -> None:
+    """[programs."recon"] allows 2 devices: a shim run of recon gets them; an API call that
+    names itself recon (sys.argv[0]) and skips its own check gets the defaults' 1."""
+    inst = served.inst
+    inst.layout.config_file.write_text('[policy]\nmax_gpus = 1\n[programs."recon"]\ngpus = 2\nmax_gpus = 2\n')
+    inst.layout.config_file.chmod(0o644)
+    run = inst.start(inst.world.alice, "recon", "--hold", "30")
+    assert len(ready_line(run)["devices"]) == 2
+    run.kill()
+    api = ("import sys; sys.path[:0] = %r; sys.argv[0] = 'recon'\n"
+           "from cudawrap import launch, policy\n"
+           "s = policy.effective(%r, %r)\n"
+           "print(launch.obtain(%r, 'recon', s, {}, count=2).visible)\n"
+           % (inst.world.path, str(inst.layout.root), str(served.link), str(inst.layout.root)))
+    done = inst.py(inst.world.alice, api)
+    assert done.returncode != 0 and "at most 1 (max_gpus" in done.stderr.decode(), done.stderr.decode()
+
+
+def test_every_short_run_is_in_the_ledger_at_its_own_times(served: Served) -> None:
+    """12 runs of 0.1 s, one after another: 12 grants and 12 ends, each end after the
+    stand-in's own logged end and each lease spanning its logged interval."""
+    import json
+
+    inst = served.inst
+    for _ in range(12):
+        done = inst.run(inst.world.alice, "recon", "--hold", "0.1", "--log", str(inst.log), CUDAWRAP_WAIT="0")
+        assert done.returncode == 0, done.stderr.decode()
+
+    def ends() -> list:
+        path = inst.layout.state_dir / "ledger"
+        if not path.exists():
+            return []
+        return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == "end"]
+
+    wait_for(lambda: len(ends()) == 12)
+    logged = {}
+    for rec in map(json.loads, inst.log.read_text().splitlines()):
+        logged.setdefault(rec["pid"], {})[rec["event"]] = rec["time"]
+    for rec in ends():
+        assert rec["seen_by"] == "service" and rec["uid"] == inst.world.alice.uid
+        own = logged[rec["pid"]]
+        assert rec["start"] <= own["start"] and own["end"] <= rec["end"], (rec, own)
+
+
+def _ledger(inst: MuInstall, event: str) -> list:
+    import json
+
+    path = inst.layout.state_dir / "ledger"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == event]
+
+
+def test_a_wrapped_program_started_by_a_wrapped_program_keeps_its_parents_lease(served: Served) -> None:
+    """The child inherits the descriptor the service sent: same device, no second grant."""
+    inst = served.inst
+    inst.wrap("inner")
+    parent = inst.bindir / "CUDAWRAP_outer"
+    parent.write_text(f"#!/bin/sh\nexec {inst.bindir}/inner --hold 0\n")
+    parent.chmod(0o755)
+    (inst.bindir / "outer").symlink_to(inst.layout.shim)
+    done = inst.run(inst.world.alice, "outer", CUDAWRAP_WAIT="0")
+    assert done.returncode == 0, done.stderr.decode()
+    import json
+
+    hello = json.loads(done.stdout.decode().splitlines()[0])
+    assert len(hello["devices"]) == 1
+    wait_for(lambda: len(_ledger(inst, "end")) == 1)
+    grants = _ledger(inst, "grant")
+    assert len(grants) == 1 and grants[0]["program"] == "outer", grants
+
+
+def test_a_lease_passed_to_a_child_ends_when_the_child_lets_go(served: Served) -> None:
+    """The run exits at once, its background child keeps the descriptor for a while: the
+    service records the end only after the child is done, and offers the device meanwhile
+    to nobody."""
+    inst = served.inst
+    script = inst.bindir / "CUDAWRAP_spawner"
+    done_file = inst.dir / "child-done"
+    script.write_text(f"#!/bin/sh\n(sleep 1; date +%s.%N > {done_file}; chmod 644 {done_file}) >/dev/null 2>&1 &\nexit 0\n")
+    script.chmod(0o755)
+    (inst.bindir / "spawner").symlink_to(inst.layout.shim)
+    inst.dir.chmod(0o777)
+    first = inst.run(inst.world.alice, "spawner", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES="0")
+    assert first.returncode == 0, first.stderr.decode()
+    assert not done_file.exists()
+    wait_for(lambda: done_file.exists() and done_file.read_text().strip() != "")
+    wait_for(lambda: len(_ledger(inst, "end")) == 1)
+    end = _ledger(inst, "end")[0]
+    assert end["end"] >= float(done_file.read_text()) - 0.005, end
+
+
+def _status(inst: MuInstall, user) -> dict:
+    import json
+
+    done = inst.cli(user, "status", "--json")
+    assert done.returncode == 0, done.stderr.decode()
+    return json.loads(done.stdout)
+
+
+def test_status_names_every_holder_and_waiter_for_everyone(served: Served) -> None:
+    inst = served.inst
+    holders = served.fill()
+    pids = {h.pid for h in holders}
+    waiter = served.waiting(inst.world.alice)
+    seen = _status(inst, inst.world.bob)  # another user: /proc alone cannot name alice's holders
+    named = {d["holder"]["pid"]: d["holder"] for d in seen["devices"] if d["holder"]}
+    assert set(named) == pids, seen["devices"]
+    assert all(h["user"] == inst.world.alice.name and h["program"] == "recon" for h in named.values())
+    assert [(w["pid"], w["user"], w["position"]) for w in seen["waiting"]] == [(waiter.pid, inst.world.alice.name, 1)]
+    for h in holders:
+        h.kill()
+
+
+def test_cancel_answers_a_service_waiter_with_its_reason(served: Served) -> None:
+    inst = served.inst
+    holders = served.fill()
+    waiter = served.waiting(inst.world.alice)
+    refused = inst.cli(inst.world.bob, "cancel", str(waiter.pid))
+    assert refused.returncode == 77, refused.stderr.decode()
+    assert waiter.poll() is None
+    done = inst.cli(None, "cancel", str(waiter.pid))
+    assert done.returncode == 0, done.stderr.decode()
+    assert waiter.wait(timeout=10) == 75
+    assert "cancelled by root" in waiter.stderr.read().decode()
+    for h in holders:
+        h.kill()
+
+
+def test_a_resume_grants_a_waiter_of_the_service(served: Served) -> None:
+    inst = served.inst
+    gpus = sorted(p.name for p in inst.layout.lease_dir.iterdir())
+    done = inst.cli(None, "drain", *gpus, "--reason", "maintenance")
+    assert done.returncode == 0, done.stderr.decode()
+    waiter = served.waiting(inst.world.alice)
+    done = inst.cli(None, "resume", gpus[1])
+    assert done.returncode == 0, done.stderr.decode()
+    assert ready_line(waiter)["cvd"] == gpus[1]
+    waiter.kill()
+
+
+def test_private_status_hides_other_users_and_bounds_come_from_the_config(mu) -> None:
+    inst = mu("four-gpus")
+    inst.layout.config_file.write_text("[service]\nprivate_status = true\nmax_connections_per_uid = 5\n")
+    inst.layout.config_file.chmod(0o644)
+    served = Served(inst)
+    try:
+        holders = served.fill()
+        waiter = served.waiting(inst.world.alice)
+        seen = _status(inst, inst.world.bob)
+        assert [(w["user"], w["pid"], w["program"]) for w in seen["waiting"]] == [("?", None, "?")]
+        assert not any(d["holder"] and d["holder"]["pid"] for d in seen["devices"]), seen["devices"]
+        own = _status(inst, inst.world.alice)
+        assert [w["pid"] for w in own["waiting"]] == [waiter.pid]
+        code = ("import socket, sys\n"
+                "socks = [socket.socket(socket.AF_UNIX) for _ in range(6)]\n"
+                "for s in socks: s.connect(sys.argv[1])\n"
+                "socks[5].settimeout(5); print(socks[5].recv(4096).decode().splitlines()[0])\n")
+        done = inst.py(inst.world.bob, code, str(served.sock))
+        assert done.stdout.decode().strip() == "cudawrap/1 error", done.stderr.decode()
+        for h in holders + [waiter]:
+            h.kill()
+    finally:
+        served.proc.terminate()
+        served.proc.wait(timeout=10)
+
+
+def test_the_service_unit_is_written_not_enabled_and_restarts_on_failure(tmp_path: Path, monkeypatch) -> None:
+    import sys
+
+    from cudawrap import installation
+    from cudawrap.installation import SERVICE_UNIT, render_service_unit, unit_file
+    from cudawrap.paths import Layout
+
+    unit = render_service_unit(Layout(Path("/")))
+    for line in ("ExecStart=/opt/cudawrap/venv/bin/cudawrap serve", "Restart=on-failure", "WantedBy=multi-user.target"):
+        assert f"\n{line}\n" in unit, line
+    packaged = Path(__file__).resolve().parent.parent / "packaging" / SERVICE_UNIT
+    assert packaged.read_text() == unit, "packaging/ is stale: run `make packaging`"
+    layout = Layout(tmp_path / "root")
+    layout.venv_dir.mkdir(parents=True)
+    calls: list = []
+    said: list = []
+    monkeypatch.setattr(installation, "systemd_running", lambda _layout: True)
+    monkeypatch.setattr(installation, "_systemctl", lambda *args: calls.append(list(args)))
+    installation.install(layout, sys.executable, None, [], say=said.append)
+    assert unit_file(layout, SERVICE_UNIT).read_text() == render_service_unit(layout)
+    assert not any(SERVICE_UNIT in call for call in calls)
+    assert any(line.startswith(f"==> {SERVICE_UNIT} not enabled") for line in said), said
+
+
+def test_serve_daemon_writes_a_pid_file_and_uninstall_stops_it(mu) -> None:
+    from cudawrap.installation import stop_monitor
+
+    inst = mu("four-gpus")
+    done = inst.cli(None, "serve", "--daemon")
+    assert done.returncode == 0, done.stderr.decode()
+    pid = int((inst.layout.runtime_dir / "service.pid").read_text())
+    wait_for(lambda: (inst.layout.runtime_dir / "cudawrap.sock").exists())
+    again = inst.cli(None, "serve", "--daemon")
+    assert again.returncode == 64 and b"already running" in again.stderr, again.stderr
+    said: list = []
+    stop_monitor(inst.layout, said.append)
+    assert said == [f"==> stopped `cudawrap serve --daemon` (pid {pid})"]
+    assert not os.path.exists(f"/proc/{pid}") or b"Z" in Path(f"/proc/{pid}/stat").read_bytes().split(b")")[-1][:3]
+
+
+def _overlaps(log: Path) -> List[str]:
+    """Devices two runs held at once, from the stand-in's own start and end lines."""
+    import json
+
+    spans: dict = {}
+    for rec in map(json.loads, log.read_text().splitlines()):
+        spans.setdefault(rec["pid"], {})[rec["event"]] = rec
+    bad = []
+    by_device: dict = {}
+    for span in spans.values():
+        start, end = span["start"], span.get("end")
+        for uuid in start["devices"]:
+            by_device.setdefault(uuid, []).append((start["time"], end["time"] if end else float("inf")))
+    for uuid, intervals in by_device.items():
+        intervals.sort()
+        bad += [uuid for (a0, a1), (b0, _b1) in zip(intervals, intervals[1:]) if b0 < a1]
+    return bad
+
+
+def test_kill_9_of_the_service_loses_no_run_and_grants_no_device_twice(served: Served) -> None:
+    """Its held leases run on (their locks are the runs'); its waiters go on waiting in the
+    queue directory, which a restarted service honours; every one of them is served."""
+    inst = served.inst
+    holders = served.fill()
+    waiters = [inst.start(user, "recon", "--hold", "0.2", "--log", str(inst.log), CUDAWRAP_WAIT="120")
+               for user in [inst.world.alice, inst.world.bob] * 5]
+    for w in waiters:
+        assert b"waiting for a device" in w.stderr.readline()
+    served.proc.kill()
+    served.proc.wait()
+    restarted = Served.__new__(Served)
+    restarted.inst, restarted.link, restarted.sock = inst, served.link, served.sock
+    code = CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main")
+    restarted.proc = inst.start(None, inst.world.python, "-I", "-c", code, "serve")
+    assert b"listening on" in restarted.proc.stdout.readline()
+    try:
+        for h in holders:
+            h.kill()
+            h.wait()
+        for w in waiters:
+            assert w.wait(timeout=120) == 0, w.stderr.read().decode()
+        assert _overlaps(inst.log) == []
+        # The restarted service followed the leases granted before the kill to their ends.
+        pids = {h.pid for h in holders}
+        wait_for(lambda: len([r for r in _ledger(inst, "end") if r["pid"] in pids]) == 4)
+        assert all(r["seen_by"] == "service" for r in _ledger(inst, "end") if r["pid"] in pids)
+    finally:
+        restarted.proc.terminate()
+        restarted.proc.wait(timeout=10)
+
+
+def test_a_launch_through_the_service_loads_no_nvml(served: Served) -> None:
+    """The run's own process cannot load NVML at all here (no library on its path), and the
+    admin asked for failure without a driver: through the service it is granted all the same,
+    since only the service reads NVML; without it the same run fails as configured."""
+    inst = served.inst
+    inst.layout.config_file.write_text('[policy]\nno_driver = "fail"\n')
+    inst.layout.config_file.chmod(0o644)
+    run = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0", LD_LIBRARY_PATH=None)
+    assert run.returncode == 0, run.stderr.decode()
+    served.proc.terminate()
+    served.proc.wait(timeout=10)
+    alone = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0", LD_LIBRARY_PATH=None)
+    assert alone.returncode == 69, alone.stderr.decode()
