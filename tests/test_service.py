@@ -173,7 +173,8 @@ def test_a_runs_program_is_the_kernels_word_not_the_clients(served: Served) -> N
     assert len(ready_line(run)["devices"]) == 2
     run.kill()
     api = ("import sys; sys.path[:0] = %r; sys.argv[0] = 'recon'\n"
-           "from cudawrap import launch, policy\n"
+           "from cudawrap import launch\n"
+           "from cudawrap.policy import effective as policy\n"
            "s = policy.effective(%r, %r)\n"
            "print(launch.obtain(%r, 'recon', s, {}, count=2).visible)\n"
            % (inst.world.path, str(inst.layout.root), str(served.link), str(inst.layout.root)))
@@ -333,8 +334,8 @@ def test_private_status_hides_other_users_and_bounds_come_from_the_config(mu) ->
 def test_the_service_unit_is_written_not_enabled_and_restarts_on_failure(tmp_path: Path, monkeypatch) -> None:
     import sys
 
-    from cudawrap import installation
-    from cudawrap.installation import SERVICE_UNIT, render_service_unit, unit_file
+    from cudawrap.install import installation
+    from cudawrap.install.installation import SERVICE_UNIT, render_service_unit, unit_file
     from cudawrap.paths import Layout
 
     unit = render_service_unit(Layout(Path("/")))
@@ -348,14 +349,14 @@ def test_the_service_unit_is_written_not_enabled_and_restarts_on_failure(tmp_pat
     said: list = []
     monkeypatch.setattr(installation, "systemd_running", lambda _layout: True)
     monkeypatch.setattr(installation, "_systemctl", lambda *args: calls.append(list(args)))
-    installation.install(layout, sys.executable, None, [], say=said.append)
+    installation.install(layout, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: ())
     assert unit_file(layout, SERVICE_UNIT).read_text() == render_service_unit(layout)
     assert not any(SERVICE_UNIT in call for call in calls)
     assert any(line.startswith(f"==> {SERVICE_UNIT} not enabled") for line in said), said
 
 
 def test_serve_daemon_writes_a_pid_file_and_uninstall_stops_it(mu) -> None:
-    from cudawrap.installation import stop_monitor
+    from cudawrap.install.installation import stop_monitor
 
     inst = mu("four-gpus")
     done = inst.cli(None, "serve", "--daemon")
