@@ -118,6 +118,7 @@ class Grant:
         self.lease = lease
         self.visible = visible  # value for CUDA_VISIBLE_DEVICES; None = leave it as it is
         self.extra = extra or {}  # more variables: an MPS client's
+        self.defaults: Dict[bytes, bytes] = {}  # variables set only where the caller has none
         self.drop: Tuple[bytes, ...] = ()  # variables to remove
         self.program: Optional[str] = None  # the wrapped name, for a run a shim started
 
@@ -125,6 +126,8 @@ class Grant:
         for name in self.drop:
             env.pop(name, None)
         env.update(self.extra)
+        for name, value in self.defaults.items():
+            env.setdefault(name, value)
         if self.visible is not None:
             env[CVD_B] = self.visible.encode()
         if self.lease is not None:
@@ -278,7 +281,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     from .policy import check_count
 
     check_count(settings, count)
-    from .sharing import MPS, Sharing
+    from .sharing import MPS, Sharing, framework_env
 
     sharing = Sharing(value.get("sharing"))
     share = bool(value.get("share")) and sharing.anywhere
@@ -443,11 +446,19 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     if waited["yes"]:
         say(prog, f"got {','.join(lease.uuids)} after {waited_s:.1f} s")
     extra: Dict[bytes, bytes] = {}
-    if lease.shared and sharing.mode == MPS:
-        uuid = lease.shared[0]
+    fractions = []
+    for uuid in lease.shared:
         device = acquirer.current[uuid]
-        extra = sharing.mps_env(root, uuid, acquirer.slots[uuid], device.memory_total_mib or None)
+        total = device.memory_total_mib or None
+        limit = sharing.limit_mib(uuid, device.parent_uuid, acquirer.slots[uuid], total,
+                                  settings.get("memory_limit_mib", (None,))[0])
+        if limit and total:
+            fractions.append(min(limit / total, 1.0))
+        if sharing.mode == MPS:
+            extra = sharing.mps_env(root, uuid, acquirer.slots[uuid], total, limit)
     grant = Grant(lease, ",".join(lease.uuids), extra)
+    if fractions:
+        grant.defaults = framework_env(min(fractions))
     mps_dir = loc.under(root, loc.MPS_DIR) + "/"
     if not lease.shared and environ.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(mps_dir):
         # A whole device bypasses MPS: a client of a device's daemon (a shared run's
