@@ -171,6 +171,28 @@ def ended_line(program: str, pid: int, user: str, used_mib: int, limit_mib: int)
     return f"{program} (pid {pid}, {user}) ended: {gib(used_mib)} GiB on a {limit_mib / GIB_MIB:g} GiB share"
 
 
+def limit_problems(config: Any, devices: Iterable[Any]) -> List[str]:
+    """A line for each memory_limit_mib above the memory of a shared device it applies to
+    (CONFIG: a loaded Config; DEVICES: the inventory's). Such a share is never held back. Pure."""
+    sharing = config.sharing
+    slots = sorted(((n, s.value) for n, s in sharing["devices"].items()), key=lambda i: -len(i[0]))
+    tables = sharing.get("device_memory", {})
+    out = []
+    for d in devices:
+        matches = [n for n, _s in slots if d.uuid.startswith(n) or d.parent_uuid.startswith(n)]
+        count = dict(slots)[matches[0]] if matches else sharing["slots"].value
+        if count <= 1 or not d.memory_total_mib:
+            continue
+        found = [("[sharing]", sharing["memory_limit_mib"].value)] if "memory_limit_mib" in sharing else []
+        found += [(f'[sharing.devices."{n}"]', t["memory_limit_mib"].value) for n, t in sorted(tables.items())
+                  if "memory_limit_mib" in t and (d.uuid.startswith(n) or d.parent_uuid.startswith(n))]
+        found += [(f'[programs."{n}"]', t["memory_limit_mib"].value) for n, t in sorted(config.programs.items())
+                  if "memory_limit_mib" in t]
+        out += [f"memory_limit_mib = {limit} in {where} is above the {d.memory_total_mib} MiB of {d.uuid}: "
+                f"a share there is never held back" for where, limit in found if limit > d.memory_total_mib]
+    return out
+
+
 # --- reading the machine --------------------------------------------------------------------
 
 

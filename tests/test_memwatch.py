@@ -270,3 +270,71 @@ def test_a_share_over_its_limit_is_warned_then_ended_and_the_other_is_untouched(
     end = next(r for r in records if r["event"] == "end" and r["pid"] == grower.pid)
     assert end["how"] == ended[0] and end["memory_peak_mib"] == 25600
     assert not any(r["event"] == "end" and r["pid"] == theirs.pid for r in records)
+
+
+# --- telling the frameworks ----------------------------------------------------------------------
+
+
+def _env_of(path: Path) -> Dict[bytes, bytes]:
+    return dict(item.split(b"=", 1) for item in path.read_bytes().split(b"\0") if b"=" in item)
+
+
+def test_a_share_tells_the_frameworks_its_allowance_unless_the_user_did(installed: Any, tmp_path: Path) -> None:
+    from test_sharing import SHARE, share_config
+
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    d0 = inst.machine.leaf_uuids()[0]
+    share_config(inst, slots=3, allow=(d0,))
+    out = tmp_path / "env"
+    assert inst.run("recon", "--env-out", str(out), **SHARE).returncode == 0
+    env = _env_of(out)
+    assert env[b"XLA_PYTHON_CLIENT_MEM_FRACTION"] == b"0.33"  # 40960 // 3 MiB of 40960, rounded down
+    assert env[b"TF_FORCE_GPU_ALLOW_GROWTH"] == b"true"
+    assert inst.run("recon", "--env-out", str(out), **SHARE, XLA_PYTHON_CLIENT_MEM_FRACTION="0.9",
+                    TF_FORCE_GPU_ALLOW_GROWTH="false").returncode == 0
+    env = _env_of(out)
+    assert (env[b"XLA_PYTHON_CLIENT_MEM_FRACTION"], env[b"TF_FORCE_GPU_ALLOW_GROWTH"]) == (b"0.9", b"false")
+    assert inst.run("recon", "--env-out", str(out)).returncode == 0  # a whole device: nothing to tell
+    assert b"XLA_PYTHON_CLIENT_MEM_FRACTION" not in out.read_bytes()
+
+
+def test_the_device_and_program_limits_reach_the_share_and_mps(installed: Any, tmp_path: Path) -> None:
+    from test_sharing import SHARE, share_config
+
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    d0 = inst.machine.leaf_uuids()[0]
+    share_config(inst, slots=4, extra=f'mode = "mps"\n[sharing.devices."{d0[:12]}"]\nmemory_limit_mib = 4096\n',
+                 allow=(d0,))
+    out = tmp_path / "env"
+    assert inst.run("recon", "--env-out", str(out), **SHARE).returncode == 46  # no MPS daemon here
+    env = _env_of(out)
+    assert env[b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == b"0=4096M"
+    assert env[b"XLA_PYTHON_CLIENT_MEM_FRACTION"] == b"0.10"
+    text = inst.layout.config_file.read_text() + '\n[programs."recon"]\nmemory_limit_mib = 8192\n'
+    inst.write_config(text)
+    assert inst.run("recon", "--env-out", str(out), **SHARE).returncode == 46
+    assert _env_of(out)[b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == b"0=8192M"
+
+
+def test_the_metrics_file_has_each_runs_memory() -> None:
+    from cudawrap.metrics import Counters, render
+
+    text = render([], {}, Counters(), [{"pid": 4242, "uid": 0, "program": "recon", "device": "GPU-a",
+                                          "used_mib": 1024, "limit_mib": None}])
+    assert 'cudawrap_run_memory_bytes{device="GPU-a",user="root",program="recon",pid="4242"} 1073741824' in text
+
+
+def test_a_limit_above_a_devices_memory_is_reported_by_sync_and_doctor(installed: Any) -> None:
+    inst = installed("two-models")
+    small = next(d for d in inst.machine.parse().gpus if d.memory_mib < 50000)
+    big = next(d for d in inst.machine.parse().gpus if d.memory_mib > small.memory_mib)
+    inst.write_config(f'[sharing]\nslots = 2\n[programs."recon"]\nmemory_limit_mib = {small.memory_mib + 1}\n')
+    warning = (f'memory_limit_mib = {small.memory_mib + 1} in [programs."recon"] is above the '
+               f"{small.memory_mib} MiB of {small.uuid}")
+    r = inst.cli("sync")
+    assert r.returncode == 0 and f"warning: {warning}".encode() in r.stdout + r.stderr, r.stdout + r.stderr
+    assert big.uuid.encode() not in b"".join(l for l in (r.stdout + r.stderr).splitlines() if b"above" in l)
+    r = inst.cli("doctor")
+    assert warning.encode() in r.stdout + r.stderr, r.stdout
