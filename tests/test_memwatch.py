@@ -338,3 +338,24 @@ def test_a_limit_above_a_devices_memory_is_reported_by_sync_and_doctor(installed
     assert big.uuid.encode() not in b"".join(l for l in (r.stdout + r.stderr).splitlines() if b"above" in l)
     r = inst.cli("doctor")
     assert warning.encode() in r.stdout + r.stderr, r.stdout
+
+
+# --- placement -----------------------------------------------------------------------------------
+
+
+def test_a_share_asking_free_memory_joins_only_where_the_other_shares_leave_it(installed: Any) -> None:
+    from test_sharing import SHARE, share_config
+
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    d0, d1 = inst.machine.leaf_uuids()[:2]
+    share_config(inst, slots=4, allow=(d0, d1))
+    big = inst.start("recon", "--hold", "60", "--mem", "30000", **SHARE)
+    (first,) = ready_line(big)["devices"]
+    other = d1 if first == d0 else d0
+    # 40960 - 30518 MiB is left where the big share runs: a run asking 20000 free goes elsewhere ...
+    roomy = inst.start("recon", "--hold", "60", CUDAWRAP_MIN_FREE_MEMORY_MIB="20000", **SHARE)
+    assert ready_line(roomy)["devices"] == [other]
+    # ... and one asking 5000 fills the first device, as shares do.
+    small = inst.start("recon", "--hold", "60", CUDAWRAP_MIN_FREE_MEMORY_MIB="5000", **SHARE)
+    assert ready_line(small)["devices"] == [first]
