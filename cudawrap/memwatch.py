@@ -51,7 +51,7 @@ class Run:
     uid: int
     program: str
     devices: Tuple[str, ...]
-    shared: bool
+    shared: Tuple[str, ...]  # those of DEVICES it holds a share of (the others whole)
     files: Tuple[Tuple[int, int], ...]  # (st_dev, st_ino) of its lease or slot files
 
 
@@ -220,10 +220,11 @@ def runs(layout: Layout) -> List[Run]:
 
     def add(pid: Optional[int], uuid: str, shared: bool, key: Tuple[int, int]) -> None:
         if pid is not None:
-            entry = found.setdefault(pid, {"devices": set(), "shared": shared, "files": set()})
+            entry = found.setdefault(pid, {"devices": set(), "shared": set(), "files": set()})
             entry["devices"].add(uuid)
             entry["files"].add(key)
-            entry["shared"] = entry["shared"] or shared
+            if shared:
+                entry["shared"].add(uuid)
 
     leases = {name: key for key, name in _locked(str(layout.lease_dir), table).items()}
     for uuid, holding in holdings(str(layout.lease_dir), table).items():
@@ -237,7 +238,8 @@ def runs(layout: Layout) -> List[Run]:
         devices = tuple(sorted(entry["devices"]))
         p = proc(pid, devices)
         if p is not None:
-            out.append(Run(pid, p.uid, p.program, devices, entry["shared"], tuple(sorted(entry["files"]))))
+            out.append(Run(pid, p.uid, p.program, devices, tuple(sorted(entry["shared"])),
+                           tuple(sorted(entry["files"]))))
     return out
 
 
@@ -302,10 +304,10 @@ class Watch:
         from .errors import CudawrapError
 
         now = time.time()
-        if inventory is None:
-            inventory = nvml.inventory()
         held = runs(self.layout)
-        devices = {d.uuid: d for d in inventory.devices}
+        if held and inventory is None:
+            inventory = nvml.inventory()  # only while something is held: an idle machine costs nothing
+        devices = {d.uuid: d for d in inventory.devices} if held else {}
         usage = process_memory(u for u in devices if any(u in r.devices for r in held))
         member_of = members({pid for by_pid in usage.values() for pid in by_pid}, held)
         used = account(usage, member_of)
@@ -321,9 +323,9 @@ class Watch:
             for uuid in run.devices:
                 d = devices.get(uuid)
                 row = {"pid": run.pid, "uid": run.uid, "program": run.program, "device": uuid,
-                       "shared": run.shared, "used_mib": used.get(run.pid, {}).get(uuid, 0),
+                       "shared": uuid in run.shared, "used_mib": used.get(run.pid, {}).get(uuid, 0),
                        "processes": procs, "limit_mib": None}
-                if run.shared and settings is not None and d is not None:
+                if row["shared"] and settings is not None and d is not None:
                     limit = self._limit(settings, d, run.program)
                     row["limit_mib"] = limit.limit_mib or None
                     track = self.tracks.setdefault((run.pid, uuid), Track())

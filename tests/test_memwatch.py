@@ -11,8 +11,10 @@ import logging
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -221,6 +223,8 @@ def test_a_run_of_three_processes_is_summed(mu: Any) -> None:
     assert row["processes"] == sorted([run.pid, *hello["children"]])
     assert row["limit_mib"] is None and not row["shared"]  # exclusive: never limited
     assert memwatch.read_snapshot(inst.layout)["runs"] == snapshot["runs"]  # what status shows
+    shown = inst.cli(None, "status").stdout.decode()
+    assert f"pid {run.pid} {inst.world.alice.name} recon {3 * (1000 + CONTEXT) / 1024:.1f} GiB" in shown, shown
 
 
 @root_only
@@ -359,3 +363,37 @@ def test_a_share_asking_free_memory_joins_only_where_the_other_shares_leave_it(i
     # ... and one asking 5000 fills the first device, as shares do.
     small = inst.start("recon", "--hold", "60", CUDAWRAP_MIN_FREE_MEMORY_MIB="5000", **SHARE)
     assert ready_line(small)["devices"] == [first]
+
+
+@root_only
+def test_the_monitor_loop_ends_a_share_over_its_limit_and_reports_its_memory(mu: Any) -> None:
+    """The same through `cudawrap monitor`'s loop: the overrun is acted on by the monitor itself,
+    and its metrics file carries each run's memory."""
+    import threading
+
+    from cudawrap import ledger, monitor
+
+    prom = Path(tempfile.mkdtemp(prefix="prom-", dir="/tmp")) / "cudawrap.prom"
+    inst = one_device(mu, '[sharing]\nslots = 2\nmemory_action = "terminate"\ngrace_s = 0.2\n'
+                          f'[metrics]\ntextfile = "{prom}"\n')
+    calm = inst.start(inst.world.bob, "recon", "--hold", "600", "--mem", "1000", CUDAWRAP_SHARE="1")
+    ready_line(calm)
+    grower = inst.start(inst.world.alice, "recon", "--hold", "600", "--mem", "30000", CUDAWRAP_SHARE="1")
+    ready_line(grower)
+    stop = threading.Event()
+    loop = threading.Thread(target=monitor.run, args=(inst.layout, 0.05, stop.is_set))
+    loop.start()
+    try:
+        wait_for(lambda: prom.exists() and f'pid="{calm.pid}"' in prom.read_text(), timeout=30)
+        assert grower.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        stop.set()
+        loop.join()
+    assert calm.poll() is None
+    assert f'cudawrap_run_memory_bytes{{device="{inst.machine.leaf_uuids()[0]}",user="{inst.world.bob.name}",' \
+        f'program="recon",pid="{calm.pid}"}} {(1000 + CONTEXT) << 20}' in prom.read_text()
+    ledger.observe(inst.layout)
+    records = [json.loads(line) for line in ledger.ledger_path(inst.layout).read_text().splitlines()]
+    end = next(r for r in records if r["event"] == "end" and r["pid"] == grower.pid)
+    assert end["how"] == f"recon (pid {grower.pid}, {inst.world.alice.name}) ended: 29.8 GiB on a 20 GiB share"
+    shutil.rmtree(prom.parent)
