@@ -270,8 +270,11 @@ def process_memory(uuids: Iterable[str]) -> Dict[str, Dict[int, Optional[int]]]:
     """device -> pid -> MiB NVML says each compute process uses (None where it hides it)."""
     from . import nvml
 
-    nv = nvml.init()
     out: Dict[str, Dict[int, Optional[int]]] = {}
+    uuids = list(uuids)
+    if not uuids:
+        return out
+    nv = nvml.init()
     for uuid in uuids:
         try:
             procs = nv.nvmlDeviceGetComputeRunningProcesses(nv.nvmlDeviceGetHandleByUUID(uuid))
@@ -296,6 +299,7 @@ class Watch:
     _ended: Dict[int, str] = field(default_factory=dict)  # holder pid -> why it was ended
     _signature: Any = None
     _config: Any = None
+    _problem: Optional[str] = None  # the config's, said once
 
     def cycle(self, inventory: Any = None) -> Dict[str, Any]:
         """Account every run, act on the shared ones over their share, write the snapshot.
@@ -314,8 +318,9 @@ class Watch:
         try:
             settings = self._settings()
         except CudawrapError as exc:
-            log.warning("memory limits not applied: %s", exc)
-            settings = None
+            if exc.message != self._problem:
+                log.warning("memory limits not applied: %s", exc.message)
+            self._problem, settings = exc.message, None
         rows = []
         alive: Set[Tuple[int, str]] = set()
         for run in held:
@@ -336,6 +341,7 @@ class Watch:
         for key in set(self.tracks) - alive:
             del self.tracks[key]
         self._ledger(rows, now)
+        self._ended = {pid: why for pid, why in self._ended.items() if any(r.pid == pid for r in held)}
         snapshot = {"time": now, "runs": rows}
         self._write(snapshot)
         return snapshot
