@@ -397,3 +397,27 @@ def test_the_monitor_loop_ends_a_share_over_its_limit_and_reports_its_memory(mu:
     end = next(r for r in records if r["event"] == "end" and r["pid"] == grower.pid)
     assert end["how"] == f"recon (pid {grower.pid}, {inst.world.alice.name}) ended: 29.8 GiB on a 20 GiB share"
     shutil.rmtree(prom.parent)
+
+
+@root_only
+def test_the_warning_reaches_the_runs_own_terminal_and_never_its_pipe(mu: Any) -> None:
+    import pty
+    import select
+
+    inst = one_device(mu, "[sharing]\nslots = 2\n")
+    alice = inst.world.alice
+    master, slave = pty.openpty()
+    os.fchown(slave, alice.uid, -1)  # her terminal, as login makes it
+    at_tty = subprocess.Popen(alice.argv(["recon", "--hold", "600", "--mem", "19000"]),
+                              env=inst.environ(CUDAWRAP_SHARE="1"), stdout=subprocess.PIPE, stderr=slave,
+                              cwd=inst.dir)
+    inst.procs.append(at_tty)
+    os.close(slave)
+    at_pipe = inst.start(inst.world.bob, "recon", "--hold", "600", "--mem", "19000", CUDAWRAP_SHARE="1")
+    ready_line(at_tty), ready_line(at_pipe)
+    memwatch.Watch(inst.layout).cycle()  # both at 19518 of 20480 MiB: over 90 %
+    assert select.select([master], [], [], 10)[0]
+    said = os.read(master, 4096).decode()
+    assert f"cudawrap: recon (pid {at_tty.pid}) uses 19.1 GiB of its 20.0 GiB share" in said, said
+    assert not select.select([at_pipe.stderr], [], [], 0)[0]  # a pipe is the run's output, not ours
+    os.close(master)
