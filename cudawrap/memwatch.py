@@ -401,6 +401,9 @@ class Watch:
                 log.warning("%s", line)
                 self._ended[run.pid] = line
                 tell(run.pid, run.uid, f"cudawrap: {line}")
+            else:
+                log.warning("%s (pid %d, %s) still runs %g s after SIGTERM: SIGKILL", run.program, run.pid, user,
+                            action.limit.kill_after_s)
             _signal(run, procs, signal.SIGTERM if action.kind == "term" else signal.SIGKILL)
 
     def _ledger(self, rows: Sequence[Mapping[str, Any]], now: float) -> None:

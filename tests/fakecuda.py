@@ -40,6 +40,14 @@ normally or on SIGTERM/SIGINT (it then dies of that signal, as a real program
 would).  A registration left behind by a killed process is ignored by the
 library because its pid is dead.
 
+Memory: each device shows ``--mem`` MiB plus what its context costs (``--context``, by default
+518 MiB, 274 for an MPS client, as measured); ``--grow MIB_PER_S`` rewrites the registration
+as the allocation grows, up to ``--max``. ``--children N`` forks N processes that register on
+the same devices as their own contexts and hold them alike (their pids in the ready line's
+``"children"``); with ``--escape`` each is forked twice, so that its parent is gone and it is
+no descendant of the program, its inherited descriptors (a lease) still open. They end with
+the program.
+
 On start it prints one JSON line to stdout, once its registration and its
 ``--log`` start record are in place, so a test can read that line as "ready":
 ``{"pid", "argv", "cvd", "devices", "driver", "mps", "mps_server"}``.  With ``--require N`` and
@@ -104,7 +112,8 @@ MULTI_MIG_DRIVER = 570
 TIMING_H200 = {"init": 9.8, "attach": 6.0, "uuid": 0.09, "memory": 0.05, "procs": 0.3, "by_uuid": 0.01,
                "shutdown": 2.4, "cold": 1000.0, "context": 135.0, "leave": 28.0}
 # MiB a CUDA context costs beyond what the program allocates, as NVML's usedGpuMemory shows it
-# (REAL-GPU-FACTS.md: 256 MiB allocated showed as 774 MiB, and as 530 MiB for an MPS client).
+# (REAL-GPU-FACTS.md: 256 MiB allocated showed as 774 MiB, and as 530 MiB for an MPS client; on
+# an H200, three driver-API processes each showed 518 MiB as their contexts appeared).
 CONTEXT_MIB = 518
 MPS_CONTEXT_MIB = 274
 GROW_STEP_S = 0.05  # how often a growing program rewrites its registration
