@@ -421,3 +421,16 @@ def test_the_warning_reaches_the_runs_own_terminal_and_never_its_pipe(mu: Any) -
     assert f"cudawrap: recon (pid {at_tty.pid}) uses 19.1 GiB of its 20.0 GiB share" in said, said
     assert not select.select([at_pipe.stderr], [], [], 0)[0]  # a pipe is the run's output, not ours
     os.close(master)
+
+
+def test_cudawrap_config_shows_the_memory_keys_and_where_they_come_from(installed: Any) -> None:
+    inst = installed("four-gpus")
+    inst.write_config('[sharing]\nslots = 2\nmemory_action = "terminate"\n[sharing.devices."GPU-5e7f"]\ngrace_s = 2\n')
+    shown = inst.cli("config").stdout.decode()
+
+    def row(name: str) -> str:
+        return next(line for line in shown.splitlines() if line.startswith(name + " "))
+
+    assert "terminate" in row("memory_action") and "config.toml" in row("memory_action"), shown
+    assert "10" in row("kill_after_s") and "default" in row("kill_after_s"), shown
+    assert any(line.startswith("grace_s of GPU-5e7f") and "2" in line for line in shown.splitlines()), shown
