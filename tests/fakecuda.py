@@ -504,6 +504,8 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--max", type=int, default=0, metavar="MIB", help="stop growing at this allocation (0: never)")
     parser.add_argument("--children", type=int, default=0, metavar="N",
                         help="start N child processes that use the same devices alike (each its own context)")
+    parser.add_argument("--stubborn", action="store_true",
+                        help="ignore SIGTERM (it and its children), as a program that traps it and carries on")
     parser.add_argument("--escape", action="store_true",
                         help="the children leave this process (double fork): reparented, the lease still open")
     parser.add_argument("--env-out", metavar="FILE", help="write the environment, NUL-terminated KEY=VALUE")
@@ -578,7 +580,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(pid, signum)
 
-    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if args.stubborn else on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if devices:  # NVML lists a CUDA process once its context exists
         time.sleep(max(0.0, STARTED + timing["context"] / 1000.0 - time.monotonic()))
@@ -675,7 +677,7 @@ def _child(args: argparse.Namespace, devices: Sequence[str], usage: Usage, ready
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
-    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if args.stubborn else on_signal)
     signal.signal(signal.SIGINT, on_signal)
     registration.create(devices, usage.at(0.0))
     os.write(ready, f"{os.getpid()}\n".encode())

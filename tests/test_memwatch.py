@@ -434,3 +434,20 @@ def test_cudawrap_config_shows_the_memory_keys_and_where_they_come_from(installe
     assert "terminate" in row("memory_action") and "config.toml" in row("memory_action"), shown
     assert "10" in row("kill_after_s") and "default" in row("kill_after_s"), shown
     assert any(line.startswith("grace_s of GPU-5e7f") and "2" in line for line in shown.splitlines()), shown
+
+
+@root_only
+def test_a_share_that_ignores_sigterm_is_killed_after_kill_after_s(mu: Any, caplog: pytest.LogCaptureFixture) -> None:
+    inst = one_device(mu, '[sharing]\nslots = 2\nmemory_action = "terminate"\ngrace_s = 0.1\nkill_after_s = 0.5\n')
+    run = inst.start(inst.world.alice, "recon", "--hold", "600", "--mem", "12000", "--children", "1", "--stubborn",
+                     CUDAWRAP_SHARE="1")
+    (child,) = ready_line(run)["children"]
+    watch = memwatch.Watch(inst.layout)
+    caplog.set_level(logging.WARNING, logger="cudawrap.memwatch")
+    wait_for(lambda: watch.cycle() is not None and run.poll() is not None, timeout=30)
+    assert run.returncode == -signal.SIGKILL
+    wait_for(lambda: not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z")
+    said = [r.getMessage() for r in caplog.records]
+    assert any("ended: 24.4 GiB on a 20 GiB share" in m for m in said), said  # 2 x (12000 + 518) MiB
+    assert any(f"recon (pid {run.pid}, {inst.world.alice.name}) still runs 0.5 s after SIGTERM: SIGKILL" in m
+               for m in said), said
