@@ -363,6 +363,11 @@ def test_a_share_asking_free_memory_joins_only_where_the_other_shares_leave_it(i
     # ... and one asking 5000 fills the first device, as shares do.
     small = inst.start("recon", "--hold", "60", CUDAWRAP_MIN_FREE_MEMORY_MIB="5000", **SHARE)
     assert ready_line(small)["devices"] == [first]
+    # A program's policy asks the same: it joins where room is left, now the second device.
+    inst.wrap("roomy")
+    inst.write_config(inst.layout.config_file.read_text() + '\n[programs."roomy"]\nmin_free_memory_mib = 20000\n')
+    policy = inst.start("roomy", "--hold", "60", **SHARE)
+    assert ready_line(policy)["devices"] == [other]
 
 
 @root_only
