@@ -118,6 +118,7 @@ class Grant:
         self.lease = lease
         self.visible = visible  # value for CUDA_VISIBLE_DEVICES; None = leave it as it is
         self.extra = extra or {}  # more variables: an MPS client's
+        self.defaults: Dict[bytes, bytes] = {}  # variables set only where the caller has none
         self.drop: Tuple[bytes, ...] = ()  # variables to remove
         self.program: Optional[str] = None  # the wrapped name, for a run a shim started
 
@@ -125,6 +126,8 @@ class Grant:
         for name in self.drop:
             env.pop(name, None)
         env.update(self.extra)
+        for name, value in self.defaults.items():
+            env.setdefault(name, value)
         if self.visible is not None:
             env[CVD_B] = self.visible.encode()
         if self.lease is not None:
@@ -278,7 +281,7 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     from .policy.effective import check_count, queue_bounds
 
     check_count(settings, count)
-    from .lease.sharing import MPS, Sharing
+    from .lease.sharing import MPS, Sharing, framework_env
 
     sharing = Sharing(value.get("sharing"))
     share = bool(value.get("share")) and sharing.anywhere
@@ -449,11 +452,20 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     if waited["yes"]:
         say(prog, f"got {','.join(lease.uuids)} after {waited_s:.1f} s")
     extra: Dict[bytes, bytes] = {}
-    if lease.shared and sharing.mode == MPS:
-        uuid = lease.shared[0]
+    fractions = []
+    for uuid in lease.shared:
         device = acquirer.current[uuid]
-        extra = sharing.mps_env(root, uuid, acquirer.slots[uuid], device.memory_total_mib or None)
-    return _whole_devices(root, lease, environ, extra)
+        total = device.memory_total_mib or None
+        limit = sharing.limit_mib(uuid, device.parent_uuid, acquirer.slots[uuid], total,
+                                  settings.get("memory_limit_mib", (None,))[0])
+        if limit and total:
+            fractions.append(min(limit / total, 1.0))
+        if sharing.mode == MPS:
+            extra = sharing.mps_env(root, uuid, acquirer.slots[uuid], total, limit)
+    grant = _whole_devices(root, lease, environ, extra)
+    if fractions:
+        grant.defaults = framework_env(min(fractions))
+    return grant
 
 
 def _whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[bytes, bytes]] = None) -> Grant:

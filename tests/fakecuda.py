@@ -40,6 +40,14 @@ normally or on SIGTERM/SIGINT (it then dies of that signal, as a real program
 would).  A registration left behind by a killed process is ignored by the
 library because its pid is dead.
 
+Memory: each device shows ``--mem`` MiB plus what its context costs (``--context``, by default
+518 MiB, 274 for an MPS client, as measured); ``--grow MIB_PER_S`` rewrites the registration
+as the allocation grows, up to ``--max``. ``--children N`` forks N processes that register on
+the same devices as their own contexts and hold them alike (their pids in the ready line's
+``"children"``); with ``--escape`` each is forked twice, so that its parent is gone and it is
+no descendant of the program, its inherited descriptors (a lease) still open. They end with
+the program.
+
 On start it prints one JSON line to stdout, once its registration and its
 ``--log`` start record are in place, so a test can read that line as "ready":
 ``{"pid", "argv", "cvd", "devices", "driver", "mps", "mps_server"}``.  With ``--require N`` and
@@ -103,6 +111,12 @@ MULTI_MIG_DRIVER = 570
 # ms: FAKENVML_TIMING's keys (the library's, fakenvml.c, and the two used here) and defaults.
 TIMING_H200 = {"init": 9.8, "attach": 6.0, "uuid": 0.09, "memory": 0.05, "procs": 0.3, "by_uuid": 0.01,
                "shutdown": 2.4, "cold": 1000.0, "context": 135.0, "leave": 28.0}
+# MiB a CUDA context costs beyond what the program allocates, as NVML's usedGpuMemory shows it
+# (REAL-GPU-FACTS.md: 256 MiB allocated showed as 774 MiB, and as 530 MiB for an MPS client; on
+# an H200, three driver-API processes each showed 518 MiB as their contexts appeared).
+CONTEXT_MIB = 518
+MPS_CONTEXT_MIB = 274
+GROW_STEP_S = 0.05  # how often a growing program rewrites its registration
 MPS_VARIABLES = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
                  "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
 
@@ -464,6 +478,11 @@ class Registration:
         self.path = os.path.join(procs, str(pid))
         os.replace(tmp, self.path)
 
+    def update(self, devices: Sequence[str], memory_mib: int) -> None:
+        """Rewrite the figure (a program that allocates more): replaced whole, never half-written."""
+        if self.path is not None:
+            self.create(devices, memory_mib)
+
     def remove(self) -> None:
         if self.path:
             try:
@@ -478,7 +497,17 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--hold", type=float, default=0.0, metavar="SECONDS", help="keep the devices this long")
     parser.add_argument("--log", metavar="FILE", help="append a JSON line at start and at end")
     parser.add_argument("--exit", type=int, default=0, metavar="CODE", help="exit status at the end")
-    parser.add_argument("--mem", type=int, default=256, metavar="MIB", help="memory used on each device")
+    parser.add_argument("--mem", type=int, default=256, metavar="MIB", help="memory allocated on each device")
+    parser.add_argument("--context", type=int, default=None, metavar="MIB",
+                        help=f"what its context costs on top (default {CONTEXT_MIB}, {MPS_CONTEXT_MIB} as an MPS client)")
+    parser.add_argument("--grow", type=float, default=0.0, metavar="MIB_PER_S", help="allocate this much more a second")
+    parser.add_argument("--max", type=int, default=0, metavar="MIB", help="stop growing at this allocation (0: never)")
+    parser.add_argument("--children", type=int, default=0, metavar="N",
+                        help="start N child processes that use the same devices alike (each its own context)")
+    parser.add_argument("--stubborn", action="store_true",
+                        help="ignore SIGTERM (it and its children), as a program that traps it and carries on")
+    parser.add_argument("--escape", action="store_true",
+                        help="the children leave this process (double fork): reparented, the lease still open")
     parser.add_argument("--env-out", metavar="FILE", help="write the environment, NUL-terminated KEY=VALUE")
     parser.add_argument("--require", type=int, default=0, metavar="N", help="fail like CUDA with fewer devices")
     return parser.parse_args(argv)
@@ -533,10 +562,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return NO_DEVICE_EXIT
 
     registration = Registration()
+    usage = Usage(args, client is not None)
+    children: List[int] = []
 
     def finish(**how: int) -> None:
         registered = registration.path is not None
         registration.remove()
+        _end_children(children)
         if args.log:
             _append_line(args.log, dict(pid=pid, event="end", time=time.time(), devices=devices, **how))
         if registered:
@@ -548,30 +580,134 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(pid, signum)
 
-    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if args.stubborn else on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if devices:  # NVML lists a CUDA process once its context exists
         time.sleep(max(0.0, STARTED + timing["context"] / 1000.0 - time.monotonic()))
-    registration.create(devices, args.mem)
+    registration.create(devices, usage.at(0.0))
+    if devices and args.children > 0:
+        children.extend(_start_children(args, devices, usage))
+        ready["children"] = children
+        hello = json.dumps(ready)
     if args.log:
         _append_line(args.log, dict(pid=pid, event="start", time=time.time(), devices=devices))
     print(hello, flush=True)
     if client is not None:
         # Connected for as long as it runs; the daemon closing its end ends the client.
-        import select
-
-        if select.select([client], [], [], max(args.hold, 0.0))[0] and not client.recv(1):
+        if _hold(args.hold, registration, devices, usage, client):
             finish(exit=MPS_TERMINATED_EXIT)
             print("CUDA error: the MPS client has been terminated by the server "
                   "(cudaErrorMpsClientTerminated)", file=sys.stderr)
             return MPS_TERMINATED_EXIT
     elif args.hold > 0:
-        time.sleep(args.hold)
+        _hold(args.hold, registration, devices, usage, None)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     finish(exit=args.exit)
     return args.exit
 
+
+class Usage:
+    """What the program's context shows in NVML over time: its allocation (--mem, growing by
+    --grow MiB a second up to --max) plus what the context itself costs."""
+
+    def __init__(self, args: argparse.Namespace, mps_client: bool) -> None:
+        self.mem, self.grow, self.max = args.mem, args.grow, args.max
+        default = MPS_CONTEXT_MIB if mps_client else CONTEXT_MIB
+        self.context = default if args.context is None else args.context
+
+    def at(self, elapsed: float) -> int:
+        allocated = self.mem + self.grow * max(elapsed, 0.0)
+        if self.max > 0:
+            allocated = min(allocated, max(self.max, self.mem))
+        return int(allocated) + self.context
+
+
+def _hold(seconds: float, registration: Registration, devices: Sequence[str], usage: Usage,
+          client: Optional["socket.socket"]) -> bool:
+    """Hold the devices SECONDS, growing as USAGE says; True when the MPS daemon dropped CLIENT."""
+    import select
+
+    began = time.monotonic()
+    deadline = began + max(seconds, 0.0)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        step = min(left, GROW_STEP_S) if usage.grow else left
+        if client is not None:
+            if select.select([client], [], [], step)[0] and not client.recv(1):
+                return True
+        else:
+            time.sleep(step)
+        if usage.grow:
+            registration.update(devices, usage.at(time.monotonic() - began))
+
+
+def _start_children(args: argparse.Namespace, devices: Sequence[str], usage: Usage) -> List[int]:
+    """Fork --children processes that each make a context on DEVICES and hold them like this one;
+    with --escape each is forked twice, so that it is no child of ours (its parent is gone).
+    Returns their pids once each is registered."""
+    read_end, write_end = os.pipe()
+    for _ in range(args.children):
+        first = os.fork()
+        if first == 0:
+            os.close(read_end)
+            if args.escape and os.fork() != 0:
+                os._exit(0)
+            _child(args, devices, usage, write_end)
+        if args.escape:
+            os.waitpid(first, 0)
+    os.close(write_end)
+    pids: List[int] = []
+    with os.fdopen(read_end, "rb") as ready:
+        for line in ready:
+            pids.append(int(line))
+            if len(pids) == args.children:
+                break
+    return pids
+
+
+def _child(args: argparse.Namespace, devices: Sequence[str], usage: Usage, ready: int) -> None:
+    """A child's life: register, say so, hold as its parent does; never returns."""
+    registration = Registration()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        registration.remove()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if args.stubborn else on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    registration.create(devices, usage.at(0.0))
+    os.write(ready, f"{os.getpid()}\n".encode())
+    os.close(ready)
+    _hold(args.hold, registration, devices, usage, None)
+    registration.remove()
+    os._exit(0)
+
+
+def _end_children(children: Sequence[int]) -> None:
+    """End the children with their parent, as a program's workers end with it."""
+    for child in children:
+        try:
+            os.kill(child, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for child in children:
+        try:
+            os.waitpid(child, 0)
+        except ChildProcessError:  # an escaped one: its new parent reaps it
+            while os.path.exists(f"/proc/{child}") and _state(child) not in ("Z", "X", ""):
+                time.sleep(0.01)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 if __name__ == "__main__":
     sys.exit(main())

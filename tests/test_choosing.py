@@ -223,7 +223,7 @@ def test_status_json_reports_what_gpustatus_does(installed):
     inst = installed(MIXED)
     inst.wrap("recon")
     kinds = by_model(inst)
-    holder = inst.start("recon", "--hold", "30", "--mem", "2048", CUDA_VISIBLE_DEVICES=kinds["H100"][0])
+    holder = inst.start("recon", "--hold", "30", "--mem", "2048", "--context", "0", CUDA_VISIBLE_DEVICES=kinds["H100"][0])
     ready_line(holder)
     inst.machine.add_process(4242, kinds["A6000"][1], 1500)
     status = json.loads(inst.cli("status", "--json").stdout)

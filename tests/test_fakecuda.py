@@ -185,7 +185,7 @@ def test_registers_while_running_and_cleans_up_on_sigterm(machine: Any, tmp_path
         out = json.loads(proc.stdout.readline())
         registration = fake.procs_dir / str(proc.pid)
         assert out["pid"] == proc.pid
-        assert registration.read_text() == f"{mig} 300\n"
+        assert registration.read_text() == f"{mig} {300 + fakecuda.CONTEXT_MIB}\n"  # with its context
         assert fake.compute_pids()[mig] == [proc.pid]
 
         proc.send_signal(signal.SIGTERM)

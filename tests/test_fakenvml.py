@@ -199,7 +199,7 @@ def test_reports_foreign_and_live_processes_and_aggregates_them_on_the_mig_paren
     migs = fake.leaf_uuids()
     fake.add_process(4242, migs[1], memory_mib=1024)
 
-    proc, hello = stand_ins(fake, migs[3], "--mem", "700")
+    proc, hello = stand_ins(fake, migs[3], "--mem", "700", "--context", "0")
 
     assert hello["devices"] == [migs[3]]
     assert processes(migs[1]) == [(4242, 1024, 8, 0)]
@@ -216,7 +216,7 @@ def test_whole_gpu_processes_have_no_instance_ids(nvml: Any, stand_ins: Any) -> 
     fake = nvml("mixed")
     h100 = fake.gpu_uuids()[1]
 
-    proc, _ = stand_ins(fake, "1", "--mem", "2048")
+    proc, _ = stand_ins(fake, "1", "--mem", "2048", "--context", "0")
 
     na = pynvml.NVML_VALUE_NOT_AVAILABLE_uint.value
     assert processes(h100) == [(proc.pid, 2048, na, na)]

@@ -37,7 +37,8 @@ def test_the_window_clips_leases_and_drops_those_outside() -> None:
     items = [lease("ann", DAY1, 10), lease("ann", DAY1 - 48 * H, 1)]
     rows = summarize(items, "user", DAY1 + 8 * H, DAY1 + 20 * H)
     assert rows == [{"user": "ann", "device_seconds": 2 * H, "device_hours": 2.0, "runs": 1,
-                     "wait_mean_s": 0.0, "wait_p95_s": 0.0, "uncertainty_s": 0.0}]
+                     "wait_mean_s": 0.0, "wait_p95_s": 0.0, "uncertainty_s": 0.0,
+                     "memory_gib_hours": None, "memory_peak_gib": None}]
 
 
 def test_waits_mean_and_p95_by_nearest_rank() -> None:

@@ -213,6 +213,10 @@ class _Doctor:
                                     f"{', '.join(short)} (run 'cudawrap sync')", self._sync())
         else:
             self.add(LEVEL_OK, "sharing", "slot files for every shared device")
+        from ..ops.sync import limit_warnings
+
+        for line in limit_warnings(self.layout, devices):
+            self.add(LEVEL_WARNING, "sharing", line)
         self._check_slots_apart()
 
     def _check_slots_apart(self) -> None:

@@ -142,7 +142,7 @@ def _sharing_rows(sharing: Dict[str, Any]) -> List[Tuple[str, Any, str]]:
     from ..policy.config import SHARING_KEYS
 
     derived = {"thread_percentage": "100/slots", "memory_limit_mib": "device memory/slots",
-               "counts_as": "1/slots"}
+               "counts_as": "1/slots", "memory_action": "warn", "grace_s": 5, "kill_after_s": 10}
     rows: List[Tuple[str, Any, str]] = []
     for key in SHARING_KEYS:
         if key in sharing:
@@ -150,6 +150,8 @@ def _sharing_rows(sharing: Dict[str, Any]) -> List[Tuple[str, Any, str]]:
         else:
             rows.append((key, derived.get(key, ""), "default"))
     rows += [(f"slots of {name}", v, src) for name, (v, src) in sorted((sharing.get("devices") or {}).items())]
+    tables, src = sharing.get("device_memory", ({}, ""))
+    rows += [(f"{key} of {name}", v, src) for name, table in sorted(tables.items()) for key, v in table.items()]
     return rows
 
 

@@ -154,12 +154,15 @@ def render_config_page() -> str:
 
     lines.append(".SH SECTION [sharing]")
     for key, what in SHARING_DESCRIPTIONS.items():
-        default = {"slots": "1", "mode": '"time-slicing"'}.get(key, "(derived from slots)")
+        default = {"slots": "1", "mode": '"time-slicing"', "memory_action": '"warn"', "grace_s": "5",
+                   "kill_after_s": "10"}.get(key, "(derived from slots)")
         lines += [".TP", f"\\fB{esc(key)}\\fR = {esc(default)}", esc(what)]
     lines += [".PP", esc('[sharing.devices."UUID or prefix"] slots = N: one device\'s slots (a GPU- prefix '
-                         'covers its MIG instances). Run cudawrap sync after changing slots.')]
+                         'covers its MIG instances). Run cudawrap sync after changing slots. The same table may '
+                         'set memory_limit_mib, memory_action, grace_s and kill_after_s for that device.')]
     lines += [".SH SECTION [programs.\"NAME\"]", ".PP",
-              esc("Any [policy] key, for one wrapped program, by its name or its full path (the path wins)."),
+              esc("Any [policy] key, for one wrapped program, by its name or its full path (the path wins); "
+                  "and [sharing]'s memory_limit_mib, memory_action, grace_s and kill_after_s for its shares."),
               ".SH SEE ALSO", "\\fBcudawrap\\fR(1), \\fBcreate\\-cudawrap\\fR(8)"]
     return "\n".join(lines) + "\n"
 

@@ -211,16 +211,21 @@ class UsageCommand(Command):
             print(json.dumps(rows, indent=2))
             return 0
         print(f"# {_when(since)} to {_when(until)}" + ("" if os.geteuid() == 0 else f", runs of {user_name(os.getuid())}"))
-        table = [(self.by.upper(), "DEVICE-HOURS", "RUNS", "MEAN WAIT", "P95 WAIT")]
+        table = [(self.by.upper(), "DEVICE-HOURS", "RUNS", "MEAN WAIT", "P95 WAIT", "GIB-HOURS", "PEAK GIB")]
         for row in rows:
             table.append((str(row[self.by]), f"{row['device_hours']:.2f}", str(row["runs"]),
-                          _secs(row["wait_mean_s"]), _secs(row["wait_p95_s"])))
+                          _secs(row["wait_mean_s"]), _secs(row["wait_p95_s"]),
+                          _num(row["memory_gib_hours"], ".2f"), _num(row["memory_peak_gib"], ".1f")))
         table.append(("total", f"{sum(r['device_seconds'] for r in rows) / 3600:.2f}",
-                      str(sum(r["runs"] for r in rows)), "", ""))
+                      str(sum(r["runs"] for r in rows)), "", "", "", ""))
         widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
         for row in table:
             print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
         return 0
+
+
+def _num(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _secs(value: Optional[float]) -> str:

@@ -107,6 +107,9 @@ class Sharing:
         self.devices: Tuple[Tuple[str, int], ...] = tuple(sorted(
             ((name, v[0]) for name, v in (data.get("devices") or {}).items()),
             key=lambda item: -len(item[0])))
+        # [sharing.devices."UUID"] memory keys, longest prefix first (plain values).
+        self.device_memory: Tuple[Tuple[str, Mapping[str, Any]], ...] = tuple(sorted(
+            value("device_memory", {}).items(), key=lambda item: -len(item[0])))
 
     def slots_for(self, uuid: str, parent: Optional[str] = None) -> int:
         """Slots of the device UUID (a MIG instance also matches by its GPU's UUID)."""
@@ -126,16 +129,40 @@ class Sharing:
             return 1.0
         return self.counts_as if self.counts_as is not None else 1.0 / slots
 
-    def mps_env(self, root: str, uuid: str, slots: int, memory_total_mib: Optional[int]) -> Dict[bytes, bytes]:
+    def limit_mib(self, uuid: str, parent: Optional[str], slots: int, memory_total_mib: Optional[int],
+                  program_limit: Optional[int] = None) -> int:
+        """The memory one share of UUID may use, MiB (0: no limit): the program's
+        memory_limit_mib, else its device's ([sharing.devices], longest prefix), else
+        [sharing]'s, else the device's memory over its SLOTS. The monitor enforces the same."""
+        if program_limit is not None:
+            return program_limit
+        for name, table in self.device_memory:
+            if "memory_limit_mib" in table and (uuid.startswith(name) or (parent and parent.startswith(name))):
+                return table["memory_limit_mib"]
+        if self.memory_limit_mib is not None:
+            return self.memory_limit_mib
+        return memory_total_mib // slots if memory_total_mib else 0
+
+    def mps_env(self, root: str, uuid: str, slots: int, memory_total_mib: Optional[int],
+                limit: Optional[int] = None) -> Dict[bytes, bytes]:
         """The variables that make a shared run an MPS client of its device's daemon, with
-        its share of the SMs and of the memory. The run sees one device, CUDA's device 0."""
+        its share of the SMs and of the memory (LIMIT MiB, by default limit_mib's). The run
+        sees one device, CUDA's device 0."""
         env = {b"CUDA_MPS_PIPE_DIRECTORY": mps_pipe_dir(root, uuid).encode(),
                b"CUDA_MPS_LOG_DIRECTORY": mps_log_dir(root, uuid).encode()}
         percentage = self.thread_percentage or max(1, 100 // slots)
         env[b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percentage).encode()
-        limit = self.memory_limit_mib
-        if limit is None and memory_total_mib:
-            limit = memory_total_mib // slots
+        if limit is None:
+            limit = self.limit_mib(uuid, None, slots, memory_total_mib)
         if limit:
             env[b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={limit}M".encode()
         return env
+
+
+def framework_env(fraction: float) -> Dict[bytes, bytes]:
+    """What tells the frameworks a shared run's allowance, FRACTION of its device's memory: JAX
+    preallocates that much instead of 75 %, TensorFlow grows as it needs instead of taking all.
+    Defaults only: a value the user set wins (Grant.defaults)."""
+    # Rounded down: a fraction a hair above the share would be ended for its last megabytes.
+    return {b"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{int(fraction * 100) / 100:.2f}".encode(),
+            b"TF_FORCE_GPU_ALLOW_GROWTH": b"true"}

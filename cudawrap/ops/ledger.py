@@ -383,7 +383,9 @@ def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = 
 
 def _end(grant: Dict[str, Any], lo: float, hi: float, now: float, how: str, seen_by: str) -> Dict[str, Any]:
     """The end record: self-contained (the grant's facts too), so a user's view needs no grants."""
-    record = {k: v for k, v in grant.items() if k not in ("seen", "seen_by")}
+    record = {k: v for k, v in grant.items() if k not in ("seen", "seen_by", "memory_at", "memory_ended")}
+    if grant.get("memory_ended"):
+        how = grant["memory_ended"]  # ended for its memory (memwatch): the one line saying who and why
     end = _estimate(lo, hi)
     record.update(event="end", end=round(end, 3), end_lo=round(lo, 3), end_hi=round(hi, 3), how=how,
                   seen_by=seen_by)

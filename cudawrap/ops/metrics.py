@@ -75,9 +75,11 @@ def device_seconds(end: Dict[str, Any]) -> Optional[float]:
         return None
 
 
-def render(devices: Sequence[Dict[str, Any]], waiting: Dict[int, int], counters: Counters) -> str:
+def render(devices: Sequence[Dict[str, Any]], waiting: Dict[int, int], counters: Counters,
+           runs: Sequence[Dict[str, Any]] = ()) -> str:
     """The metrics file's text. DEVICES: dicts with uuid, gpu, name, user ("" if free; a sharer's
-    if shared), shares (shared runs on it), drained, memory_used_bytes (None if unknown). Pure."""
+    if shared), shares (shared runs on it), drained, memory_used_bytes (None if unknown). RUNS:
+    memwatch's rows (pid, uid, program, device, used_mib, limit_mib). Pure."""
     out: List[str] = []
 
     def family(name: str, kind: str, text: str, samples: List[Tuple[str, Any]]) -> None:
@@ -97,6 +99,9 @@ def render(devices: Sequence[Dict[str, Any]], waiting: Dict[int, int], counters:
            [(_labels(**dev(d)), int(d["drained"])) for d in devices])
     family("cudawrap_device_memory_used_bytes", "gauge", "device memory in use, as NVML reports it",
            [(_labels(**dev(d)), d["memory_used_bytes"]) for d in devices if d["memory_used_bytes"] is not None])
+    family("cudawrap_run_memory_bytes", "gauge", "device memory a run's processes use on the device, summed",
+           [(_labels(device=r["device"], user=user_name(r["uid"]), program=r["program"], pid=r["pid"]),
+             r["used_mib"] << 20) for r in runs])
     family("cudawrap_queue_length", "gauge", "runs waiting for a device, per user",
            [(_labels(user=user_name(uid)), n) for uid, n in sorted(waiting.items())])
     family("cudawrap_grants_total", "counter", "leases granted, as the monitor observed them since it started",
@@ -199,6 +204,15 @@ def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
     return rows
 
 
+def file_signature(path: Any) -> Any:
+    """What tells a changed file from the one read before (None: none there)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class MonitorHook:
     """The monitor's per-cycle step: the ledger, then the metrics file."""
 
@@ -221,11 +235,7 @@ class MonitorHook:
         from ..policy.config import DEFAULTS, load_config
 
         path = self.layout.config_file
-        try:
-            st = os.stat(path)
-            signature: Any = (st.st_ino, st.st_size, st.st_mtime_ns)
-        except OSError:
-            signature = None
+        signature = file_signature(path)
         if signature == self._signature and self.settings:
             return
         self._signature = signature
@@ -255,13 +265,22 @@ class MonitorHook:
             try:
                 if inventory is None:
                     inventory = _inventory()
-                write_textfile(path, render(device_rows(self.layout, inventory), obs.waiting, self.counters))
+                write_textfile(path, render(device_rows(self.layout, inventory), obs.waiting, self.counters,
+                                            _run_rows(self.layout)))
             except OSError as exc:
                 error = error or f"cannot write the metrics file {path}: {exc.strerror or exc}"
             except Unsafe as exc:
                 error = error or f"not writing the metrics file {path}: its directory is not root's alone: {exc.why}"
         self._say(error)
         return obs
+
+
+def _run_rows(layout: Layout) -> List[Dict[str, Any]]:
+    """memwatch's last rows (a cycle old at most, from the monitor)."""
+    from .memwatch import read_snapshot
+
+    snapshot = read_snapshot(layout)
+    return list(snapshot["runs"]) if snapshot else []
 
 
 def _inventory() -> Any:

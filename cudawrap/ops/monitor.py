@@ -60,13 +60,23 @@ def _refresh(layout: Layout) -> Optional[str]:
     return None
 
 
+def watch_memory(watch: object) -> None:
+    """One memory step (memwatch); a failure is logged, never the end of the monitor."""
+    try:
+        watch.cycle()  # type: ignore[attr-defined]
+    except (CudawrapError, OSError) as exc:
+        log.warning("memory accounting skipped this cycle: %s", exc)
+
+
 def run(layout: Layout, period: float = snapshot.PERIOD_S,
         should_stop: Callable[[], bool] = lambda: False) -> None:
     from ..base.audit import notice_if_unreachable
+    from .memwatch import Watch
     from .metrics import MonitorHook
 
     notice_if_unreachable()
     hook = MonitorHook(layout)  # the ledger of leases and the metrics file, every cycle
+    watch = Watch(layout)  # each run's GPU memory, and shares over their limit
     last_error: Optional[str] = None
     while not should_stop():
         try:
@@ -76,6 +86,8 @@ def run(layout: Layout, period: float = snapshot.PERIOD_S,
             # rather than exit and be restarted in a loop by systemd.
             error = exc.message
         hook.cycle()
+        if error is None:
+            watch_memory(watch)
         if error != last_error:
             if error:
                 log.warning("%s; shims ask NVML themselves until this is resolved", error)

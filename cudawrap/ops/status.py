@@ -341,6 +341,7 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
     for device in devices:  # which drain covers each device, if any (a GPU's covers its MIG instances)
         cover = covering(found, device["uuid"], device["parent"])
         device["drains"] = [dict(drains[cover], uuid=cover)] if cover else []
+    _run_memory(layout, devices)
     waiting = _waiting(layout, inventory)
     from .view import through_service
 
@@ -352,6 +353,33 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
             "nvml_error": nvml_error,
             "lost": list(inventory.lost) if inventory else [],
             "gpus": _gpus(inventory) if inventory else []}
+
+
+def _run_memory(layout: Layout, devices: List[Dict[str, Any]]) -> None:
+    """Each named holder's "memory" on its device (used and limit, MiB) from the monitor's last
+    memory snapshot, where it is recent (memwatch)."""
+    from .memwatch import read_snapshot
+
+    snapshot = read_snapshot(layout)
+    if snapshot is None:
+        return
+    found = {(r.get("pid"), r.get("device")): r for r in snapshot.get("runs", [])}
+    for device in devices:
+        shares = device.get("shares") or {}
+        for holder in [device.get("holder"), *shares.get("holders", [])]:
+            row = found.get((holder.get("pid"), device["uuid"])) if holder else None
+            if row is not None:
+                holder["memory"] = {"used_mib": row.get("used_mib"), "limit_mib": row.get("limit_mib")}
+
+
+def memory_text(holder: Dict[str, Any]) -> str:
+    """" 23.1/40 GiB" (a share: used of its limit), " 23.1 GiB", or "" when not known."""
+    memory = holder.get("memory")
+    if not memory or memory.get("used_mib") is None:
+        return ""
+    used = f"{memory['used_mib'] / 1024:.1f}"
+    limit = memory.get("limit_mib")
+    return f" {used}/{limit / 1024:g} GiB" if limit else f" {used} GiB"
 
 
 # --- the table `cudawrap status` prints ------------------------------------------------------
@@ -390,7 +418,7 @@ def holder_text(holder: Optional[Dict[str, Any]]) -> str:
         return "free"
     if holder["pid"] is None:
         return "held (holder not visible to you)"
-    return f"pid {holder['pid']} {_cut(holder['user'], 8)} {_cut(holder.get('program', '?'), 10)}"
+    return f"pid {holder['pid']} {_cut(holder['user'], 8)} {_cut(holder.get('program', '?'), 10)}{memory_text(holder)}"
 
 
 def _lease(d: Dict[str, Any]) -> str:
@@ -412,7 +440,7 @@ def _lease(d: Dict[str, Any]) -> str:
 
 
 def _sharer(h: Dict[str, Any]) -> str:
-    who = "?" if h["pid"] is None else f"{_cut(h['user'], 8)} pid {h['pid']}"
+    who = "?" if h["pid"] is None else f"{_cut(h['user'], 8)} pid {h['pid']}{memory_text(h)}"
     return who if h.get("lease", True) else f"{who} (slot only)"
 
 

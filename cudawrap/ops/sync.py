@@ -144,6 +144,7 @@ def _sync(layout: Layout) -> SyncReport:
             report.elsewhere.append(uuid)
         for gpu in inventory.lost:
             report.lines.append(f"warning: NVML reports GPU {gpu} lost or failing; its lease files are kept")
+        report.lines.extend(f"warning: {line}" for line in limit_warnings(layout, inventory))
         report.lines.append(f"{len(inventory.devices)} devices, {len(report.created)} new, {len(report.removed)} removed"
                             + (f", {len(report.elsewhere)} managed by another install" if report.elsewhere else ""))
     WaitQueue(str(layout.queue_dir)).scan()  # removes dead waiters' entries (root may)
@@ -152,6 +153,18 @@ def _sync(layout: Layout) -> SyncReport:
         report.lines.append(f"removed {len(swept)} file(s) from the queue directory that no waiter holds")
     policy.write_cache(str(layout.root))
     return report
+
+
+def limit_warnings(layout: Layout, inventory: Inventory) -> List[str]:
+    """memwatch.limit_problems for the install at LAYOUT (sync and doctor report them)."""
+    from ..policy.config import load_config
+    from ..errors import CudawrapError
+    from .memwatch import limit_problems
+
+    try:
+        return limit_problems(load_config(layout.config_file), inventory.devices)
+    except CudawrapError:
+        return []  # a broken config stops every launch, which says why
 
 
 def sync_lease_files(lease_dir: str, present: Iterable[str], keep: Iterable[str] = ()) -> Tuple[List[str], List[str]]:

@@ -58,6 +58,8 @@ class Lease:
     running: bool  # still held: counted up to now
     uncertainty_s: float  # how far start and end may be off, together (the ledger's intervals)
     held: float = 0.0  # devices it counts as: all of them, or a share's part (0: len(devices))
+    memory_peak_mib: Optional[int] = None  # the most its processes used at once, summed (memwatch)
+    memory_mib_s: float = 0.0  # memory used over time, MiB-seconds (memwatch)
 
     @property
     def weight(self) -> float:
@@ -75,9 +77,15 @@ def _lease(record: Dict[str, Any], end: Optional[float]) -> Optional[Lease]:
         return Lease(str(record.get("user", "?")), str(record.get("program", "?")),
                      tuple(str(d) for d in record["devices"]), start, max(stop, start),
                      float(wait) if isinstance(wait, (int, float)) else None, end is not None, spread,
-                     float(record.get("devices_held", 0.0)))
+                     float(record.get("devices_held", 0.0)), _peak(record),
+                     float(record.get("memory_mib_s", 0.0)))
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def _peak(record: Dict[str, Any]) -> Optional[int]:
+    peak = record.get("memory_peak_mib")
+    return int(peak) if isinstance(peak, (int, float)) else None
 
 
 def leases(records: Iterable[Dict[str, Any]], open_ids: Iterable[str], now: float,
@@ -131,8 +139,11 @@ def p95(values: Sequence[float]) -> Optional[float]:
 
 
 def summarize(items: Iterable[Lease], by: str, since: float, until: float) -> List[Dict[str, Any]]:
-    """Rows of {BY, device_seconds, device_hours, runs, wait_mean_s, wait_p95_s, uncertainty_s}."""
+    """Rows of {BY, device_seconds, device_hours, runs, wait_mean_s, wait_p95_s, uncertainty_s,
+    memory_gib_hours, memory_peak_gib (None where no run's memory was recorded)}."""
     seconds: Dict[str, float] = {}
+    mib_s: Dict[str, float] = {}
+    peaks: Dict[str, int] = {}
     runs: Dict[str, int] = {}
     waits: Dict[str, List[float]] = {}
     spread: Dict[str, float] = {}
@@ -158,12 +169,17 @@ def summarize(items: Iterable[Lease], by: str, since: float, until: float) -> Li
                 spread[key] = spread.get(key, 0.0) + lease.uncertainty_s * lease.weight
                 if lease.wait_s is not None:
                     waits.setdefault(key, []).append(lease.wait_s)
+                if lease.memory_peak_mib is not None:  # a run's memory counts once too
+                    mib_s[key] = mib_s.get(key, 0.0) + lease.memory_mib_s
+                    peaks[key] = max(peaks.get(key, 0), lease.memory_peak_mib)
     rows = []
     for key in sorted(seconds):
         w = waits.get(key, [])
         rows.append({by: key, "device_seconds": round(seconds[key], 3), "device_hours": round(seconds[key] / 3600, 4),
                      "runs": runs.get(key, 0), "wait_mean_s": round(sum(w) / len(w), 3) if w else None,
-                     "wait_p95_s": round(p95(w), 3) if w else None, "uncertainty_s": round(spread.get(key, 0.0), 3)})
+                     "wait_p95_s": round(p95(w), 3) if w else None, "uncertainty_s": round(spread.get(key, 0.0), 3),
+                     "memory_gib_hours": round(mib_s[key] / 1024 / 3600, 4) if key in peaks else None,
+                     "memory_peak_gib": round(peaks[key] / 1024, 2) if key in peaks else None})
     return rows
 
 

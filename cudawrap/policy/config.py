@@ -289,22 +289,44 @@ def _fraction(value: Any) -> float:
     return float(value)
 
 
+def _seconds(zero_ok: bool) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        number = not isinstance(value, bool) and isinstance(value, (int, float))
+        if not (number and (0 <= value if zero_ok else 0 < value) and value <= 86400):  # NaN fails too
+            raise ValueError(f"{_shown(value)} is not a number of seconds {'from 0' if zero_ok else 'above 0'} "
+                             f"to 86400")
+        return float(value)
+    return parse
+
+
+# A shared run's memory limit and what exceeding it does (README "Memory of shared runs"); also
+# per device ([sharing.devices."UUID"]) and per program ([programs."NAME"]).
+MEMORY_KEYS: Dict[str, Callable[[Any], Any]] = {
+    "memory_limit_mib": _memory_limit,
+    "memory_action": _choice(("warn", "terminate")),
+    "grace_s": _seconds(False),
+    "kill_after_s": _seconds(True),
+}
+
 # [sharing]: how shared runs share a device (README "Sharing a GPU"). Absent optional keys
 # mean "derived from slots" (thread share, memory limit, what a share counts as).
 SHARING_KEYS: Dict[str, Callable[[Any], Any]] = {
     "slots": _slots,
     "mode": _choice(SHARING_MODES),
     "thread_percentage": _share_percentage,
-    "memory_limit_mib": _memory_limit,
     "counts_as": _fraction,
+    **MEMORY_KEYS,
 }
-SHARING_DEVICE_KEYS: Dict[str, Callable[[Any], Any]] = {"slots": _slots}
+SHARING_DEVICE_KEYS: Dict[str, Callable[[Any], Any]] = {"slots": _slots, **MEMORY_KEYS}
 SHARING_DESCRIPTIONS: Dict[str, str] = {
     "slots": "shared runs one device takes at once; 1 = no sharing",
     "mode": "time-slicing (CUDA's own) or mps (NVIDIA MPS; `cudawrap mps start`)",
     "thread_percentage": "MPS: % of the device's SMs one shared run may use (default 100/slots)",
-    "memory_limit_mib": "MPS: device memory one shared run may pin, MiB; 0 = none (default memory/slots)",
+    "memory_limit_mib": "device memory one shared run may use, MiB (MPS pins it); 0 = none (default memory/slots)",
     "counts_as": "what one share counts as towards a user's device limit (default 1/slots)",
+    "memory_action": "a time-slicing share over memory_limit_mib: warn (default) or terminate",
+    "grace_s": "seconds a share may stay over its memory limit before memory_action (default 5)",
+    "kill_after_s": "seconds from SIGTERM to SIGKILL for a share ended for its memory (default 10)",
 }
 
 
@@ -313,7 +335,8 @@ SHARING_DESCRIPTIONS: Dict[str, str] = {
 SCHEMA: Dict[str, Mapping[str, Callable[[Any], Any]]] = {
     "devices": DEVICE_KEYS, "policy": POLICY_KEYS, "limits": LIMIT_KEYS,
     "limits.users.*": LIMIT_ENTRY_KEYS, "limits.groups.*": LIMIT_ENTRY_KEYS,
-    "sharing": SHARING_KEYS, "sharing.devices.*": SHARING_DEVICE_KEYS, "programs.*": POLICY_KEYS,
+    "sharing": SHARING_KEYS, "sharing.devices.*": SHARING_DEVICE_KEYS,
+    "programs.*": {**POLICY_KEYS, **MEMORY_KEYS},
     **OPS_SECTIONS,
 }
 
@@ -439,7 +462,7 @@ def parse_config(path: Path, text: str) -> Config:
                 label = f'programs."{name}"'
                 if not name or "\0" in name:
                     raise ConfigError(f"{_where(path, lines, None, 'programs')}: empty program name")
-                programs[name] = _parse_table(path, lines, label, sub, POLICY_KEYS)
+                programs[name] = _parse_table(path, lines, label, sub, {**POLICY_KEYS, **MEMORY_KEYS})
         elif not isinstance(table, dict) and (section in POLICY_KEYS or section in DEVICE_KEYS):
             home = "policy" if section in POLICY_KEYS else "devices"
             line = _line_of(lines, "", section)
@@ -472,9 +495,14 @@ def _parse_sharing(path: Path, lines: List[str], table: Any) -> Dict[str, Any]:
             raise ConfigError(f"{_where(path, lines, None, label)}: [{label}] does not name a device",
                               hint="use a GPU-... or MIG-... UUID or a prefix of one")
         values = _parse_table(path, lines, label, entry, SHARING_DEVICE_KEYS)
-        if "slots" not in values:
-            raise ConfigError(f"{_where(path, lines, None, label)}: [{label}] needs slots = N")
-        out["devices"][name] = values["slots"]
+        if not values:
+            raise ConfigError(f"{_where(path, lines, None, label)}: [{label}] needs slots = N "
+                              f"or a memory key ({', '.join(MEMORY_KEYS)})")
+        if "slots" in values:
+            out["devices"][name] = values["slots"]
+        memory = {k: v for k, v in values.items() if k in MEMORY_KEYS}
+        if memory:  # kept apart: the launch cache carries [sharing] as key -> Setting
+            out.setdefault("device_memory", {})[name] = memory
     return out
 
 

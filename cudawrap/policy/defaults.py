@@ -33,7 +33,8 @@ HEADER = """\
 PROGRAMS_EXAMPLE = """\
 # Per-program settings: a table per wrapped program, by its name (the file name, as in
 # "recon") or its full path (as in "/opt/app/bin/recon"; the path wins over the name).
-# Any [policy] key may appear there; create-cudawrap's flags for a program win over it.
+# Any [policy] key may appear there, and [sharing]'s memory_limit_mib, memory_action, grace_s
+# and kill_after_s for its shared runs; create-cudawrap's flags for a program win over it.
 #
 #[programs."recon"]
 #gpus = 2
@@ -61,7 +62,8 @@ LIMITS_EXAMPLE = """\
 # [sharing]'s optional keys have no fixed default: absent, each is derived from the device's
 # slots. The value shown is what it is with slots = 1, so uncommenting one changes nothing.
 SHARING_SHOWN = {"slots": "1", "mode": '"time-slicing"', "thread_percentage": "100",
-                 "memory_limit_mib": "0", "counts_as": "1.0"}
+                 "memory_limit_mib": "0", "counts_as": "1.0", "memory_action": '"warn"', "grace_s": "5",
+                 "kill_after_s": "10"}
 
 SHARING_EXAMPLE = """\
 # One device's slots, by its UUID or a prefix (a GPU- prefix covers its MIG instances).
@@ -69,6 +71,12 @@ SHARING_EXAMPLE = """\
 #
 #[sharing.devices."GPU-8f3a"]
 #slots = 4
+# ... and its shares' memory: memory_limit_mib, memory_action, grace_s, kill_after_s as in
+# [sharing] (a [programs."NAME"] table may set them too, and wins).
+#memory_limit_mib = 20480
+#memory_action = "terminate"
+#grace_s = 5
+#kill_after_s = 10
 """
 
 

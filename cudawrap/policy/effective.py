@@ -53,7 +53,9 @@ def _compile(root: str) -> Dict[str, Any]:
         checked = validate_policy(raw, f"{layout.registry_file} (wrap of {link})")
         links[link] = {k: (s.value, s.source) for k, s in checked.items()}
     lim = config.limits
-    sharing = {k: (s.value, s.source) for k, s in config.sharing.items() if k != "devices"}
+    sharing = {k: (s.value, s.source) for k, s in config.sharing.items() if k not in ("devices", "device_memory")}
+    sharing["device_memory"] = ({n: {k: s.value for k, s in t.items()}
+                                 for n, t in config.sharing.get("device_memory", {}).items()}, "[sharing.devices]")
     sharing["devices"] = {n: (s.value, s.source) for n, s in config.sharing["devices"].items()}
     return {
         "sharing": sharing,
