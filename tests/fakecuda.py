@@ -276,6 +276,8 @@ def parse_topology(text: str) -> Topology:
                 parent["instances"][mig.slot] = mig
             elif kind == "process":
                 processes.append(Process(int(kv["pid"]), kv["device"], int(kv["memory_mib"])))
+            elif kind == "health":
+                pass  # the board's health readings (NVML only): CUDA still sees the GPU
             else:
                 raise TopologyError(f"line {lineno}: unknown keyword {kind!r}")
         except (KeyError, IndexError, ValueError) as e:
