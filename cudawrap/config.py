@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .errors import ConfigError
+from .healthconf import HEALTH_DEFAULTS, HEALTH_DESCRIPTIONS, health_keys
 
 FOREVER = math.inf
 
@@ -174,6 +175,7 @@ def _mib(value: Any) -> int:
 OPS_SECTIONS: Dict[str, Dict[str, Callable[[Any], Any]]] = {
     "metrics": {"textfile": _path_or_empty},
     "ledger": {"max_mib": _mib, "keep": _non_negative_int},
+    "health": health_keys(_choice),
 }
 
 DEFAULTS: Dict[str, Any] = {
@@ -197,6 +199,7 @@ DEFAULTS: Dict[str, Any] = {
     "textfile": "",
     "max_mib": 64,
     "keep": 4,
+    **HEALTH_DEFAULTS,
 }
 
 DESCRIPTIONS: Dict[str, str] = {
@@ -221,6 +224,7 @@ DESCRIPTIONS: Dict[str, str] = {
                 "directory, *.prom), or \"\" for none",
     "max_mib": "size at which the ledger of leases is rotated (MiB)",
     "keep": "rotated ledger files kept (ledger.1 is the newest)",
+    **HEALTH_DESCRIPTIONS,
 }
 
 

@@ -15,7 +15,7 @@ import time
 from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 from . import ledger
-from .drains import covering, drained
+from .drains import covering, drained, health_drained
 from .holders import holdings
 from .paths import Layout
 from .proc import real_uid
@@ -95,6 +95,8 @@ def render(devices: Sequence[Dict[str, Any]], waiting: Dict[int, int], counters:
            [(_labels(**dev(d)), d.get("shares", 0)) for d in devices])
     family("cudawrap_device_drained", "gauge", "1 while the device is drained (no new leases)",
            [(_labels(**dev(d)), int(d["drained"])) for d in devices])
+    family("cudawrap_device_health", "gauge", "1 while the device is healthy, 0 while drained for an error "
+           "([health]; `cudawrap health` says why)", [(_labels(**dev(d)), int(d.get("healthy", True))) for d in devices])
     family("cudawrap_device_memory_used_bytes", "gauge", "device memory in use, as NVML reports it",
            [(_labels(**dev(d)), d["memory_used_bytes"]) for d in devices if d["memory_used_bytes"] is not None])
     family("cudawrap_queue_length", "gauge", "runs waiting for a device, per user",
@@ -179,6 +181,7 @@ def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
     """One dict per device for render(): from INVENTORY (None without NVML: the lease files)."""
     held = holdings(str(layout.lease_dir))
     drains = drained(str(layout.root))
+    sick = health_drained(str(layout.root))
     if inventory is not None:
         devices = [(d.uuid, d.parent_uuid, d.gpu_index, d.name, d.memory_used_mib) for d in inventory.devices]
     else:
@@ -195,6 +198,7 @@ def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
             user = "?" if uid is None else user_name(uid)
         rows.append({"uuid": uuid, "gpu": gpu, "name": name, "user": user, "shares": shares,
                      "drained": covering(drains, uuid, parent) is not None,
+                     "healthy": covering(sick, uuid, parent) is None,
                      "memory_used_bytes": None if used is None else used << 20})
     return rows
 

@@ -62,10 +62,12 @@ def _refresh(layout: Layout) -> Optional[str]:
 def run(layout: Layout, period: float = snapshot.PERIOD_S,
         should_stop: Callable[[], bool] = lambda: False) -> None:
     from .audit import notice_if_unreachable
+    from .health import MonitorHealth
     from .metrics import MonitorHook
 
     notice_if_unreachable()
     hook = MonitorHook(layout)  # the ledger of leases and the metrics file, every cycle
+    health = MonitorHealth(layout)  # GPU health: drain on a reset-class error, resume when clear
     last_error: Optional[str] = None
     while not should_stop():
         try:
@@ -74,6 +76,7 @@ def run(layout: Layout, period: float = snapshot.PERIOD_S,
             # A full runtime filesystem or a broken driver: say so once and keep trying,
             # rather than exit and be restarted in a loop by systemd.
             error = exc.message
+        health.cycle()
         hook.cycle()
         if error != last_error:
             if error:

@@ -135,6 +135,7 @@ _SUBCOMMANDS = {
     "cancel": "cudawrap.cli.ops.CancelCommand",
     "usage": "cudawrap.cli.ops.UsageCommand",
     "mps": "cudawrap.cli.mps_cmd.MpsCommand",
+    "health": "cudawrap.cli.health_cmd.HealthCommand",
 }
 for _name, _target in _SUBCOMMANDS.items():
     Cudawrap.subcommand(_name, _target)
