@@ -369,6 +369,9 @@ class MonitorHealth:
     def __init__(self, layout: Any) -> None:
         self.layout = layout
         self.keeper = HealthKeeper(str(layout.root))
+        from .eta import RunLengths
+
+        self.run_lengths = RunLengths(layout)  # for "when will it start", which users cannot read the ledger for
         self._signature: Any = None
         self.policy: Optional[Policy] = None
         self._reload(strict=True)  # a bad [health] value stops the monitor at start: one line, 78
@@ -415,6 +418,10 @@ class MonitorHealth:
         from . import snapshot
 
         self._reload()
+        try:
+            self.run_lengths.cycle()
+        except OSError as exc:
+            log.warning("run lengths not recorded: %s", exc)
         inventory = snapshot.read_fresh(str(self.layout.root))
         if inventory is None:  # no NVML this cycle: nothing to judge the GPUs by
             return []

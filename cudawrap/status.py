@@ -168,6 +168,7 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
                     "program": printable(info.get("program", "?")),
                     "waiting_s": round(max(0.0, time.time() - w.arrival), 1),
                     "position": verdict.position + 1 if verdict else None,
+                    "kind": verdict.kind if verdict else None,
                     "reason": verdict.text if verdict else "unknown (no device data)",
                     "candidates": sorted(w.candidates) if w.candidates is not None else None})
     out.sort(key=lambda w: (w["position"] is None, w["position"] or 0, w["key"]))
@@ -341,6 +342,9 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
         cover = covering(found, device["uuid"], device["parent"])
         device["drains"] = [dict(drains[cover], uuid=cover)] if cover else []
     waiting = _waiting(layout, inventory)
+    from .eta import annotate
+
+    annotate(waiting, devices, layout)  # when each may start (README "Why am I waiting")
     for device in devices:
         device["waiters"] = [w["pid"] for w in waiting
                              if w["candidates"] is None or device["uuid"] in w["candidates"]]
@@ -431,6 +435,7 @@ WAITING_COLUMNS: List[Column] = [
     ("PID", lambda w: str(w["pid"]), 0),
     ("N", lambda w: str(w["count"]), 0),
     ("PROGRAM", lambda w: w["program"], 12),
+    ("START", lambda w: w.get("start", "unknown"), 10),  # README "Why am I waiting"
     ("WHY", lambda w: w["reason"], 38),  # all of it in --json
 ]
 
