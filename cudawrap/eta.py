@@ -32,26 +32,29 @@ def medians(records: Iterable[Mapping[str, Any]], recent: int = RECENT) -> Dict[
     return {p: (statistics.median(v), len(v)) for p, v in lengths.items()}
 
 
-def write(layout: Any, held: Mapping[str, Tuple[str, float]]) -> None:
-    """Root: the medians from the ledger, and each held device's program and start (HELD),
-    into RUN_LENGTHS: a user cannot read the ledger, nor name another user's process."""
+def write(layout: Any, ends: Mapping[str, Optional[float]], runs: Mapping[str, Tuple[float, int]]) -> None:
+    """Root: the medians, and when each held device is expected to free (ENDS: device UUID
+    -> epoch, None where its program has no run recorded), into RUN_LENGTHS. A user cannot
+    read the ledger nor name another user's process; the file tells them when, not what."""
     rootfile.write(loc.under(str(layout.root), RUN_LENGTHS),
-                   {"version": VERSION, "medians": dict(_from_ledger(layout)), "held": dict(held)})
+                   {"version": VERSION, "medians": dict(runs), "ends": dict(ends)})
 
 
-def holders(layout: Any) -> Dict[str, Tuple[str, float]]:
-    """Device UUID -> (program, start) of its lease holder, as root sees /proc."""
+def expected_ends(layout: Any, runs: Medians) -> Dict[str, Optional[float]]:
+    """Device UUID -> when its lease holder is expected to end (its start + its program's
+    median), None where the program has no finished run; as root sees /proc."""
     from .holders import holdings
     from .status import process_info
 
-    out: Dict[str, Tuple[str, float]] = {}
+    out: Dict[str, Optional[float]] = {}
     for uuid, holding in holdings(str(layout.lease_dir)).items():
         if holding.pid is None:
             continue
         info = process_info(holding.pid, [uuid])
         started = _since(info["since"])
         if started is not None:
-            out[uuid] = (info["program"], started)
+            median = runs.get(info["program"])
+            out[uuid] = None if median is None else started + median[0]
     return out
 
 
@@ -62,10 +65,10 @@ def _from_ledger(layout: Any) -> Dict[str, Tuple[float, int]]:
     return medians(ledger.read(ledger.rotated(ledger.ledger_path(layout), 2), problems))
 
 
-Held = Mapping[str, Tuple[str, float]]  # device UUID -> (its holder's program, start)
+Ends = Mapping[str, Optional[float]]  # device UUID -> when its holder is expected to end
 
 
-def read(layout: Any) -> Tuple[Optional[Dict[str, Tuple[float, int]]], Dict[str, Tuple[str, float]]]:
+def read(layout: Any) -> Tuple[Optional[Dict[str, Tuple[float, int]]], Dict[str, Optional[float]]]:
     """The medians and the held devices: root's file, or for root the ledger itself (root
     names every holder in status); (None, {}) when neither is there."""
     import os
@@ -74,7 +77,7 @@ def read(layout: Any) -> Tuple[Optional[Dict[str, Tuple[float, int]]], Dict[str,
     if data is not None:
         try:
             return ({str(p): (float(m), int(n)) for p, (m, n) in data["medians"].items()},
-                    {str(u): (str(p), float(t)) for u, (p, t) in data["held"].items()})
+                    {str(u): None if t is None else float(t) for u, t in data["ends"].items()})
         except (KeyError, TypeError, ValueError, AttributeError):
             pass
     if os.geteuid() == 0:
@@ -91,7 +94,8 @@ class RunLengths:
     def __init__(self, layout: Any) -> None:
         self.layout = layout
         self._signature: Any = ()
-        self._held: Any = None
+        self._runs: Dict[str, Tuple[float, int]] = {}
+        self._ends: Any = None
 
     def cycle(self) -> None:
         import os
@@ -103,10 +107,12 @@ class RunLengths:
             signature: Any = (st.st_ino, st.st_size, st.st_mtime_ns)
         except OSError:
             signature = None
-        held = holders(self.layout)
-        if signature != self._signature or held != self._held:
-            write(self.layout, held)
-            self._signature, self._held = signature, held
+        if signature != self._signature:
+            self._runs = _from_ledger(self.layout)
+        ends = expected_ends(self.layout, self._runs)
+        if signature != self._signature or ends != self._ends:
+            write(self.layout, ends, self._runs)
+            self._signature, self._ends = signature, ends
 
 
 # --- the estimate -----------------------------------------------------------------------------
@@ -146,13 +152,18 @@ def _median(program: str, runs: Medians, whose: str) -> float:
     return runs[program][0]
 
 
-def _free_at(device: Mapping[str, Any], runs: Medians, held: Held, now: float) -> float:
+def _free_at(device: Mapping[str, Any], runs: Medians, ends: Ends, now: float) -> float:
     holder = device.get("holder")
     if holder is None:
         return 0.0
+    if holder.get("pid") is None and device["uuid"] in ends:  # another user's: root's estimate
+        end = ends[device["uuid"]]
+        if end is None:
+            raise _Unknown(f"no finished run in the ledger of the program on {device['uuid'][:12]}")
+        if end < now:
+            raise _Unknown(f"the run on {device['uuid'][:12]} has run past its program's median")
+        return end - now
     program, started = holder.get("program", "?"), _since(holder.get("since"))
-    if holder.get("pid") is None and device["uuid"] in held:  # another user's: root named it
-        program, started = held[device["uuid"]]
     median = _median(program, runs, "a holder")
     if started is None:
         raise _Unknown(f"the start of the holder of {device['uuid'][:12]} is not known")
@@ -164,7 +175,7 @@ def _free_at(device: Mapping[str, Any], runs: Medians, held: Held, now: float) -
 
 def estimate(row: Mapping[str, Any], waiting: Sequence[Mapping[str, Any]],
              devices: Sequence[Mapping[str, Any]], runs: Optional[Medians], now: float,
-             held: Held = {}) -> Tuple[Optional[float], str]:
+             ends: Ends = {}) -> Tuple[Optional[float], str]:
     """Seconds from NOW until the waiting run ROW starts (None: unknown), and the basis.
 
     Each device it may use frees when its holder's program reaches its median run length;
@@ -177,11 +188,11 @@ def estimate(row: Mapping[str, Any], waiting: Sequence[Mapping[str, Any]],
             own = [d for d in devices if d.get("holder") and d["holder"].get("user") == row["user"]]
             if not own:
                 raise _Unknown("none of this user's runs is seen holding a device")
-            return min(_free_at(d, runs, held, now) for d in own), "when the first of your running runs ends"
+            return min(_free_at(d, runs, ends, now) for d in own), "when the first of your running runs ends"
         pool = _usable(row, devices)
         if len(pool) < row["count"]:
             raise _Unknown(f"only {len(pool)} undrained device(s) it may use, {row['count']} needed")
-        free = {d["uuid"]: _free_at(d, runs, held, now) for d in pool}
+        free = {d["uuid"]: _free_at(d, runs, ends, now) for d in pool}
         ahead: List[str] = []
         for other in waiting:
             if other is row or (other.get("position") or 0) >= (row.get("position") or 0):
@@ -197,10 +208,15 @@ def estimate(row: Mapping[str, Any], waiting: Sequence[Mapping[str, Any]],
         start = sorted(free.values())[row["count"] - 1]
     except _Unknown as why:
         return None, str(why)
-    used = sorted({held[d["uuid"]][0] if d["holder"].get("pid") is None and d["uuid"] in held
-                   else d["holder"]["program"] for d in pool if d.get("holder")} | set(ahead))
+    used = sorted({d["holder"]["program"] for d in pool if d.get("holder") and d["holder"].get("pid") is not None}
+                  | set(ahead))
     basis = ", ".join(f"{p} {_minutes(runs[p][0])} (median of {runs[p][1]})" for p in used)
     n = len(ahead)
+    hidden = sum(1 for d in pool if d.get("holder") and d["holder"].get("pid") is None and d["uuid"] in ends)
+    if hidden:  # another user's run: its program is not this user's to know, its usual end is
+        basis = (basis + ", " if basis else "") + (
+            f"{hidden} other user's run{'s' if hidden != 1 else ''} ending at {'their' if hidden != 1 else 'its'} "
+            f"program's median")
     return start, (f"run lengths: {basis}; " if basis else "") + (
         f"{n} run{'s' if n != 1 else ''} ahead" if n else "no run ahead")
 
@@ -209,10 +225,10 @@ def annotate(waiting: List[Dict[str, Any]], devices: Sequence[Mapping[str, Any]]
     """Add "start" (words), "start_s" and "start_basis" to each waiting row, in place."""
     if not waiting:
         return
-    runs, held = read(layout)
+    runs, ends = read(layout)
     now = time.time()
     for row in waiting:
-        seconds, basis = estimate(row, waiting, devices, runs, now, held)
+        seconds, basis = estimate(row, waiting, devices, runs, now, ends)
         row["start_s"] = None if seconds is None else round(seconds, 1)
         row["start"] = shown(seconds)
         row["start_basis"] = basis

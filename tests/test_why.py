@@ -80,7 +80,10 @@ def test_status_and_why_give_place_reason_and_start(mu) -> None:  # type: ignore
     text = done.stdout.decode()
     assert done.returncode == 0, done.stderr
     assert f"pid {first.pid} ({world.bob.name}, recon, 1 device): position 1 in line" in text
-    assert "why: every device it may use is busy" in text and "start: about 10 min (run lengths: recon" in text
+    assert "why: every device it may use is busy" in text
+    # Alice's program is not bob's to know; when it usually ends is.
+    assert "start: about 10 min (run lengths: 1 other user's run ending at its program's median; no run ahead)" \
+        in text, text
     table = inst.cli(world.carol, "status").stdout.decode()
     assert "START" in table and "about 20 min" in table
     # Someone else's run: root only. Not a waiting run: one line each.
