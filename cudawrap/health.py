@@ -60,11 +60,13 @@ class Policy:
     ignore_xids: Tuple[int, ...]
     unknown_xid: str  # "drain" or "ignore"
     recover_after_s: float
+    leftover_action: str = "report"
+    leftover_grace_s: float = 60.0
 
     @classmethod
     def from_config(cls, config: Any) -> "Policy":
         return cls(tuple(config["drain_xids"]), tuple(config["ignore_xids"]), config["unknown_xid"],
-                   float(config["recover_after_s"]))
+                   float(config["recover_after_s"]), config["leftover_action"], float(config["leftover_grace_s"]))
 
     def drains(self, event: Event) -> bool:
         if event.kind == "dbe":
@@ -160,11 +162,13 @@ def comes_back(gpu: GpuHealth, policy: Policy, now: float) -> str:
 # --- the state file: `cudawrap health` and the metrics read it ---------------------------
 
 
-def save(root: str, gpus: Mapping[str, GpuHealth], policy: Policy, now: float) -> None:
+def save(root: str, gpus: Mapping[str, GpuHealth], policy: Policy, now: float,
+         leftovers: Sequence[Any] = ()) -> None:
     rootfile.write(loc.under(root, HEALTH_STATE), {
         "version": STATE_VERSION, "written": now,
         "gpus": [g.to_tuple() for g in gpus.values()],
         "back": {u: comes_back(g, policy, now) for u, g in gpus.items()},
+        "leftovers": [left.to_tuple() for left in leftovers],
     })
 
 
@@ -178,6 +182,21 @@ def load(root: str) -> Tuple[Dict[str, GpuHealth], Dict[str, str], float]:
         return gpus, {str(k): str(v) for k, v in data["back"].items()}, float(data["written"])
     except (KeyError, TypeError, ValueError, AttributeError):
         return {}, {}, 0.0
+
+
+def leftovers(root: str) -> Dict[str, List[str]]:
+    """Device UUID -> its leftover processes as the monitor last saw them, in words."""
+    from .leftovers import Leftover
+
+    data = rootfile.read(root, loc.under(root, HEALTH_STATE), STATE_VERSION)
+    out: Dict[str, List[str]] = {}
+    try:
+        for t in (data or {}).get("leftovers", ()):
+            left = Leftover(*t)
+            out.setdefault(left.uuid, []).append(left.describe())
+    except (TypeError, ValueError):
+        return {}
+    return out
 
 
 # --- what NVML says: events and persisting conditions ------------------------------------
@@ -311,6 +330,7 @@ class HealthKeeper:
         self.root = root
         self.watch = watch if watch is not None else Watch()
         self.by_index: Dict[int, str] = {}
+        self.leftovers: Sequence[Any] = ()  # this cycle's leftover processes (leftovers.py), saved with the rest
         self.gpus: Dict[str, GpuHealth] = self._restore()
 
     def _restore(self) -> Dict[str, GpuHealth]:
@@ -345,7 +365,7 @@ class HealthKeeper:
             gpu.notes = notes.get(uuid, "")
         for t in transitions:
             self._apply(t)
-        save(self.root, self.gpus, policy, now)
+        save(self.root, self.gpus, policy, now, self.leftovers)
         return transitions
 
     def _apply(self, t: Transition) -> None:
@@ -372,6 +392,9 @@ class MonitorHealth:
         from .eta import RunLengths
 
         self.run_lengths = RunLengths(layout)  # for "when will it start", which users cannot read the ledger for
+        from .leftovers import LeftoverWatch
+
+        self.leftover_watch = LeftoverWatch(layout)
         self._signature: Any = None
         self.policy: Optional[Policy] = None
         self._reload(strict=True)  # a bad [health] value stops the monitor at start: one line, 78
@@ -426,7 +449,11 @@ class MonitorHealth:
         if inventory is None:  # no NVML this cycle: nothing to judge the GPUs by
             return []
         assert self.policy is not None
+        now = time.time() if now is None else now
         try:
+            found = self.leftover_watch.cycle(inventory, self.policy.leftover_action,
+                                              self.policy.leftover_grace_s, now)
+            self.keeper.leftovers = sorted(found.values(), key=lambda left: (left.uuid, left.pid))
             return self.keeper.cycle(inventory, self.policy, now)
         except OSError as exc:  # a full disk must not stop the snapshot: next cycle again
             log.warning("GPU health not recorded: %s", exc)
@@ -445,6 +472,8 @@ def report(root: str, now: float) -> Dict[str, Any]:
     inventory = invcache.read(root)
     index = {g.uuid: g.index for g in inventory.gpus} if inventory is not None else {}
     drains = drained(root)
+    left = leftovers(root)
+    parents = _parents(inventory)
     rows = []
     for uuid, gpu in sorted(gpus.items(), key=lambda kv: (index.get(kv[0], 1 << 20), kv[0])):
         admin = drains.get(uuid)
@@ -454,8 +483,13 @@ def report(root: str, now: float) -> Dict[str, Any]:
             "back": back.get(uuid, ""),
             "admin_drain": admin.reason if admin is not None and admin.kind != "health" else None,
             "events": [{"at": at, "what": what, "drains": d} for at, what, d in gpu.events],
+            "leftovers": [text for u, texts in left.items() if uuid in (u, parents.get(u)) for text in texts],
         })
     return {"written": written, "age_s": now - written if written else None, "gpus": rows}
+
+
+def _parents(inventory: Any) -> Dict[str, str]:
+    return {d.uuid: d.parent_uuid for d in inventory.devices} if inventory is not None else {}
 
 
 def render(data: Mapping[str, Any]) -> List[str]:
@@ -477,6 +511,7 @@ def render(data: Mapping[str, Any]) -> List[str]:
             lines.append(f"  also drained by an admin ({row['admin_drain']}): `cudawrap resume` lifts that")
         if row["notes"]:
             lines.append(f"  note: {row['notes']}")
+        lines += [f"  {text}" for text in row["leftovers"]]
         for event in row["events"][-5:]:
             effect = "drains" if event["drains"] else "changes nothing"
             lines.append(f"  {_clock(event['at'])} {event['what']}: {effect}")

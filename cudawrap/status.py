@@ -341,6 +341,11 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
     for device in devices:  # which drain covers each device, if any (a GPU's covers its MIG instances)
         cover = covering(found, device["uuid"], device["parent"])
         device["drains"] = [dict(drains[cover], uuid=cover)] if cover else []
+    from .health import leftovers
+
+    left = leftovers(str(layout.root))  # processes of ended runs still on a device (the monitor's look)
+    for device in devices:
+        device["leftovers"] = left.get(device["uuid"], [])
     waiting = _waiting(layout, inventory)
     from .eta import annotate
 
@@ -472,6 +477,7 @@ def render(status: Dict[str, Any], cut: bool = True) -> List[str]:
                             for p in d["mps_without_share"])
             lines.append(f"{d['uuid']}: MPS client(s) holding no share: {who}; "
                          "the device's shares wait for them to end")
+    lines += [f"{d['uuid']}: {text}" for d in status["devices"] for text in d.get("leftovers", ())]
     if status.get("drained"):
         lines.append("")
         lines += table([dict(d, uuid=u) for u, d in sorted(status["drained"].items())], DRAINED_COLUMNS, cut)
