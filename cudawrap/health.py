@@ -62,11 +62,14 @@ class Policy:
     recover_after_s: float
     leftover_action: str = "report"
     leftover_grace_s: float = 60.0
+    idle_after_s: float = 1800.0
+    idle_action: str = "report"
 
     @classmethod
     def from_config(cls, config: Any) -> "Policy":
         return cls(tuple(config["drain_xids"]), tuple(config["ignore_xids"]), config["unknown_xid"],
-                   float(config["recover_after_s"]), config["leftover_action"], float(config["leftover_grace_s"]))
+                   float(config["recover_after_s"]), config["leftover_action"], float(config["leftover_grace_s"]),
+                   60.0 * float(config["idle_after_min"]), config["idle_action"])
 
     def drains(self, event: Event) -> bool:
         if event.kind == "dbe":
@@ -163,12 +166,13 @@ def comes_back(gpu: GpuHealth, policy: Policy, now: float) -> str:
 
 
 def save(root: str, gpus: Mapping[str, GpuHealth], policy: Policy, now: float,
-         leftovers: Sequence[Any] = ()) -> None:
+         leftovers: Sequence[Any] = (), idle: Optional[Mapping[str, Any]] = None) -> None:
     rootfile.write(loc.under(root, HEALTH_STATE), {
         "version": STATE_VERSION, "written": now,
         "gpus": [g.to_tuple() for g in gpus.values()],
         "back": {u: comes_back(g, policy, now) for u, g in gpus.items()},
         "leftovers": [left.to_tuple() for left in leftovers],
+        "idle": {u: lease.to_tuple() for u, lease in (idle or {}).items()}, "idle_after_s": policy.idle_after_s,
     })
 
 
@@ -182,6 +186,18 @@ def load(root: str) -> Tuple[Dict[str, GpuHealth], Dict[str, str], float]:
         return gpus, {str(k): str(v) for k, v in data["back"].items()}, float(data["written"])
     except (KeyError, TypeError, ValueError, AttributeError):
         return {}, {}, 0.0
+
+
+def idle_leases(root: str) -> Tuple[Dict[str, Any], float, float]:
+    """Held device UUID -> idle.Lease as the monitor last sampled it, idle_after_s, and when."""
+    from .idle import Lease
+
+    data = rootfile.read(root, loc.under(root, HEALTH_STATE), STATE_VERSION)
+    try:
+        return ({str(u): Lease(*t) for u, t in (data or {}).get("idle", {}).items()},
+                float((data or {}).get("idle_after_s", 0.0)), float((data or {}).get("written", 0.0)))
+    except (TypeError, ValueError, AttributeError):
+        return {}, 0.0, 0.0
 
 
 def leftovers(root: str) -> Dict[str, List[str]]:
@@ -280,6 +296,16 @@ class Watch:
                 return uuid
         return None
 
+    def utilization(self, uuid: str) -> Optional[int]:
+        """A whole GPU's utilisation %, or None where NVML gives none (MIG mode, no driver)."""
+        if not self._open():
+            return None
+        nv = self._nvml
+        try:
+            return int(nv.nvmlDeviceGetUtilizationRates(nv.nvmlDeviceGetHandleByUUID(uuid)).gpu)
+        except nv.NVMLError:
+            return None
+
     def conditions(self, gpu_uuids: Iterable[str], lost: Iterable[str]) -> Tuple[Dict[str, str], Dict[str, str]]:
         """GPU UUID -> what persists that keeps it drained; and -> notes (clock slowdowns)."""
         out = {u: "GPU is lost to the driver (fallen off the bus)" for u in lost}
@@ -331,6 +357,7 @@ class HealthKeeper:
         self.watch = watch if watch is not None else Watch()
         self.by_index: Dict[int, str] = {}
         self.leftovers: Sequence[Any] = ()  # this cycle's leftover processes (leftovers.py), saved with the rest
+        self.idle: Dict[str, Any] = {}  # this cycle's held devices and how long each has been quiet (idle.py)
         self.gpus: Dict[str, GpuHealth] = self._restore()
 
     def _restore(self) -> Dict[str, GpuHealth]:
@@ -365,7 +392,7 @@ class HealthKeeper:
             gpu.notes = notes.get(uuid, "")
         for t in transitions:
             self._apply(t)
-        save(self.root, self.gpus, policy, now, self.leftovers)
+        save(self.root, self.gpus, policy, now, self.leftovers, self.idle)
         return transitions
 
     def _apply(self, t: Transition) -> None:
@@ -392,9 +419,11 @@ class MonitorHealth:
         from .eta import RunLengths
 
         self.run_lengths = RunLengths(layout)  # for "when will it start", which users cannot read the ledger for
+        from .idle import IdleWatch
         from .leftovers import LeftoverWatch
 
         self.leftover_watch = LeftoverWatch(layout)
+        self.idle_watch = IdleWatch()
         self._signature: Any = None
         self.policy: Optional[Policy] = None
         self._reload(strict=True)  # a bad [health] value stops the monitor at start: one line, 78
@@ -454,6 +483,8 @@ class MonitorHealth:
             found = self.leftover_watch.cycle(inventory, self.policy.leftover_action,
                                               self.policy.leftover_grace_s, now)
             self.keeper.leftovers = sorted(found.values(), key=lambda left: (left.uuid, left.pid))
+            self.keeper.idle = self.idle_watch.cycle(self.layout, inventory, self.keeper.watch.utilization,
+                                                     self.policy.idle_after_s, self.policy.idle_action, now)
             return self.keeper.cycle(inventory, self.policy, now)
         except OSError as exc:  # a full disk must not stop the snapshot: next cycle again
             log.warning("GPU health not recorded: %s", exc)

@@ -341,11 +341,16 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
     for device in devices:  # which drain covers each device, if any (a GPU's covers its MIG instances)
         cover = covering(found, device["uuid"], device["parent"])
         device["drains"] = [dict(drains[cover], uuid=cover)] if cover else []
-    from .health import leftovers
+    from .health import idle_leases, leftovers
 
     left = leftovers(str(layout.root))  # processes of ended runs still on a device (the monitor's look)
+    quiet, idle_after_s, sampled = idle_leases(str(layout.root))
     for device in devices:
         device["leftovers"] = left.get(device["uuid"], [])
+        lease = quiet.get(device["uuid"])
+        device["idle"] = None if lease is None or lease.idle_s(sampled) < idle_after_s or not device["holder"] \
+            or device["holder"]["pid"] not in (lease.pid, None) else {
+                "idle_s": round(lease.idle_s(sampled)), "pid": lease.pid, "user": lease.user, "basis": lease.basis}
     waiting = _waiting(layout, inventory)
     from .eta import annotate
 
@@ -478,6 +483,8 @@ def render(status: Dict[str, Any], cut: bool = True) -> List[str]:
             lines.append(f"{d['uuid']}: MPS client(s) holding no share: {who}; "
                          "the device's shares wait for them to end")
     lines += [f"{d['uuid']}: {text}" for d in status["devices"] for text in d.get("leftovers", ())]
+    lines += [f"{d['uuid']}: IDLE for {d['idle']['idle_s'] / 60:.0f} min: pid {d['idle']['pid']} {d['idle']['user']} "
+              f"({d['idle']['basis']})" for d in status["devices"] if d.get("idle")]
     if status.get("drained"):
         lines.append("")
         lines += table([dict(d, uuid=u) for u, d in sorted(status["drained"].items())], DRAINED_COLUMNS, cut)

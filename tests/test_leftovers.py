@@ -59,3 +59,36 @@ def test_a_leftover_is_reported_keeps_exclusive_runs_away_and_is_killed_when_ask
     wait_for(lambda: not pid_alive(orphan), timeout=30)
     cycle(hook, inst)
     assert "leftover" not in inst.cli(None, "status").stdout.decode()
+
+
+def test_an_idle_lease_is_flagged_after_idle_after_min_and_activity_clears_it(mu) -> None:  # type: ignore[no-untyped-def]
+    from cudawrap.metrics import device_rows
+    from cudawrap.nvml import inventory
+
+    inst = mu("four-gpus")
+    inst.layout.config_file.write_text("[health]\nidle_after_min = 1\n")
+    inst.layout.config_file.chmod(0o644)
+    recon = inst.wrap()
+    hook = MonitorHealth(inst.layout)
+    holder = inst.start(inst.world.alice, str(recon), "--hold", "120")
+    device = ready_line(holder)["devices"][0]
+    t0 = time.time()
+
+    def at(now: float) -> str:
+        assert refresh_once(inst.layout) is None
+        hook.cycle(now)
+        return inst.cli(inst.world.bob, "status").stdout.decode()
+
+    assert "IDLE" not in at(t0)
+    assert "IDLE" not in at(t0 + 59)  # quiet for 59 s of the 60
+    shown = at(t0 + 61)
+    assert f"{device}: IDLE for 1 min: pid {holder.pid} {inst.world.alice.name} " \
+           f"(0 % utilisation and unchanged memory)" in shown, shown
+    rows = {r["uuid"]: r for r in device_rows(inst.layout, inventory())}
+    assert rows[device]["idle_s"] == 61 and all("idle_s" not in r for u, r in rows.items() if u != device)
+    # It computes again: the quiet spell is over.
+    inst.machine.write(inst.machine.read().replace(f"uuid={device} ", f"uuid={device} util=40 "))
+    assert "IDLE" not in at(t0 + 200)
+    inst.machine.write(inst.machine.read().replace(f"uuid={device} util=40 ", f"uuid={device} "))
+    assert "IDLE" not in at(t0 + 201)
+    assert "IDLE for 1 min" in at(t0 + 262)
