@@ -290,6 +290,8 @@ def parse_topology(text: str) -> Topology:
                 parent["instances"][mig.slot] = mig
             elif kind == "process":
                 processes.append(Process(int(kv["pid"]), kv["device"], int(kv["memory_mib"])))
+            elif kind == "health":
+                pass  # the board's health readings (NVML only): CUDA still sees the GPU
             else:
                 raise TopologyError(f"line {lineno}: unknown keyword {kind!r}")
         except (KeyError, IndexError, ValueError) as e:
@@ -492,6 +494,28 @@ class Registration:
             self.path = None
 
 
+def leave_orphan(devices: Sequence[str], memory_mib: int, seconds: float) -> int:
+    """Fork a child that outlives this process on DEVICES, as a worker a training script
+    forgot does: it closes every inherited descriptor (the lease's with them), starts its own
+    session, keeps its CUDA context (its own registration) and ends SIGTERM-able after SECONDS."""
+    child = os.fork()
+    if child:
+        return child
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, 65536)
+        os.setsid()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        registration = Registration()
+        registration.create(devices, memory_mib)
+        time.sleep(seconds)
+        registration.remove()
+    finally:
+        os._exit(0)
+
+
 def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n")[0])
     parser.add_argument("--hold", type=float, default=0.0, metavar="SECONDS", help="keep the devices this long")
@@ -509,6 +533,9 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--escape", action="store_true",
                         help="the children leave this process (double fork): reparented, the lease still open")
     parser.add_argument("--env-out", metavar="FILE", help="write the environment, NUL-terminated KEY=VALUE")
+    parser.add_argument("--orphan", type=float, default=0.0, metavar="SECONDS",
+                        help="at the end, leave a child on the devices for SECONDS that closed every "
+                             "inherited descriptor (the lease's too); its pid is a second JSON line")
     parser.add_argument("--require", type=int, default=0, metavar="N", help="fail like CUDA with fewer devices")
     return parser.parse_args(argv)
 
@@ -601,6 +628,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return MPS_TERMINATED_EXIT
     elif args.hold > 0:
         _hold(args.hold, registration, devices, usage, None)
+    if args.orphan > 0 and devices:
+        print(json.dumps({"orphan": leave_orphan(devices, args.mem, args.orphan)}), flush=True)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     finish(exit=args.exit)

@@ -199,6 +199,21 @@ class FakeMachine:
     def clear_fault(self, name: str) -> None:
         self._edit(lambda f: f[:2] == [("fault", None), (name, None)])
 
+    def inject_event(self, uuid: str, kind: str = "xid", data: int = 0) -> None:
+        """An NVML event on UUID (a GPU, or a MIG device: delivered on its GPU): KIND xid,
+        dbe or sbe; DATA the XID. One write with O_APPEND, so concurrent injections never mix."""
+        fd = os.open(self.state_dir / "events", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, f"{uuid} {kind} {data}\n".encode())
+        finally:
+            os.close(fd)
+
+    def set_health(self, uuid: str, **fields: int) -> None:
+        """Replace the GPU's `health` line (remapped rows, clock event reasons); none: defaults."""
+        line = f"health uuid={uuid} " + " ".join(f"{k}={v}" for k, v in fields.items())
+        self._edit(lambda f: bool(f) and f[0][0] == "health" and ("uuid", uuid) in f,
+                   line if fields else None)
+
     def add_process(self, pid: int, device: str, memory_mib: int = 512) -> None:
         """A foreign process the library always reports, alive or not (someone else's job)."""
         self._edit(lambda f: False, f"process pid={pid} device={device} memory_mib={memory_mib}")

@@ -136,6 +136,8 @@ _SUBCOMMANDS = {
     "cancel": "cudawrap.cli.ops.CancelCommand",
     "usage": "cudawrap.cli.ops.UsageCommand",
     "mps": "cudawrap.cli.mps_cmd.MpsCommand",
+    "health": "cudawrap.cli.health_cmd.HealthCommand",
+    "why": "cudawrap.cli.health_cmd.WhyCommand",
 }
 for _name, _target in _SUBCOMMANDS.items():
     Cudawrap.subcommand(_name, _target)

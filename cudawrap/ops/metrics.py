@@ -15,7 +15,7 @@ import time
 from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 from . import ledger
-from ..sched.drains import covering, drained
+from ..sched.drains import covering, drained, health_drained
 from ..lease.holders import holdings
 from ..paths import Layout
 from ..proc import real_uid
@@ -97,6 +97,10 @@ def render(devices: Sequence[Dict[str, Any]], waiting: Dict[int, int], counters:
            [(_labels(**dev(d)), d.get("shares", 0)) for d in devices])
     family("cudawrap_device_drained", "gauge", "1 while the device is drained (no new leases)",
            [(_labels(**dev(d)), int(d["drained"])) for d in devices])
+    family("cudawrap_device_health", "gauge", "1 while the device is healthy, 0 while drained for an error "
+           "([health]; `cudawrap health` says why)", [(_labels(**dev(d)), int(d.get("healthy", True))) for d in devices])
+    family("cudawrap_lease_idle_seconds", "gauge", "how long the lease on the device has shown 0 % utilisation and "
+           "unchanged memory (0: busy)", [(_labels(**dev(d)), d["idle_s"]) for d in devices if "idle_s" in d])
     family("cudawrap_device_memory_used_bytes", "gauge", "device memory in use, as NVML reports it",
            [(_labels(**dev(d)), d["memory_used_bytes"]) for d in devices if d["memory_used_bytes"] is not None])
     family("cudawrap_run_memory_bytes", "gauge", "device memory a run's processes use on the device, summed",
@@ -184,6 +188,10 @@ def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
     """One dict per device for render(): from INVENTORY (None without NVML: the lease files)."""
     held = holdings(str(layout.lease_dir))
     drains = drained(str(layout.root))
+    sick = health_drained(str(layout.root))
+    from .health import idle_leases
+
+    quiet, _, sampled = idle_leases(str(layout.root))
     if inventory is not None:
         devices = [(d.uuid, d.parent_uuid, d.gpu_index, d.name, d.memory_used_mib) for d in inventory.devices]
     else:
@@ -200,6 +208,8 @@ def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
             user = "?" if uid is None else user_name(uid)
         rows.append({"uuid": uuid, "gpu": gpu, "name": name, "user": user, "shares": shares,
                      "drained": covering(drains, uuid, parent) is not None,
+                     "healthy": covering(sick, uuid, parent) is None,
+                     **({"idle_s": round(quiet[uuid].idle_s(sampled))} if uuid in quiet and pid == quiet[uuid].pid else {}),
                      "memory_used_bytes": None if used is None else used << 20})
     return rows
 

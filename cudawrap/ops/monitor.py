@@ -72,11 +72,13 @@ def run(layout: Layout, period: float = snapshot.PERIOD_S,
         should_stop: Callable[[], bool] = lambda: False) -> None:
     from ..base.audit import notice_if_unreachable
     from .memwatch import Watch
+    from .health import MonitorHealth
     from .metrics import MonitorHook
 
     notice_if_unreachable()
     hook = MonitorHook(layout)  # the ledger of leases and the metrics file, every cycle
     watch = Watch(layout)  # each run's GPU memory, and shares over their limit
+    health = MonitorHealth(layout)  # GPU health: drain on a reset-class error, resume when clear
     last_error: Optional[str] = None
     while not should_stop():
         try:
@@ -85,6 +87,7 @@ def run(layout: Layout, period: float = snapshot.PERIOD_S,
             # A full runtime filesystem or a broken driver: say so once and keep trying,
             # rather than exit and be restarted in a loop by systemd.
             error = exc.message
+        health.cycle()
         hook.cycle()
         if error is None:
             watch_memory(watch)

@@ -169,6 +169,7 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
                     "program": printable(info.get("program", "?")),
                     "waiting_s": round(max(0.0, time.time() - w.arrival), 1),
                     "position": verdict.position + 1 if verdict else None,
+                    "kind": verdict.kind if verdict else None,
                     "reason": verdict.text if verdict else "unknown (no device data)",
                     "candidates": sorted(w.candidates) if w.candidates is not None else None})
     out.sort(key=lambda w: (w["position"] is None, w["position"] or 0, w["key"]))
@@ -341,11 +342,24 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
     for device in devices:  # which drain covers each device, if any (a GPU's covers its MIG instances)
         cover = covering(found, device["uuid"], device["parent"])
         device["drains"] = [dict(drains[cover], uuid=cover)] if cover else []
+    from .health import idle_leases, leftovers
+
+    left = leftovers(str(layout.root))  # processes of ended runs still on a device (the monitor's look)
+    quiet, idle_after_s, sampled = idle_leases(str(layout.root))
+    for device in devices:
+        device["leftovers"] = left.get(device["uuid"], [])
+        lease = quiet.get(device["uuid"])
+        device["idle"] = None if lease is None or lease.idle_s(sampled) < idle_after_s or not device["holder"] \
+            or device["holder"]["pid"] not in (lease.pid, None) else {
+                "idle_s": round(lease.idle_s(sampled)), "pid": lease.pid, "user": lease.user, "basis": lease.basis}
     _run_memory(layout, devices)
     waiting = _waiting(layout, inventory)
     from .view import through_service
 
     waiting = through_service(layout, devices, waiting)  # the service's line, where one runs
+    from .eta import annotate
+
+    annotate(waiting, devices, layout)  # when each may start (README "Why am I waiting")
     for device in devices:
         device["waiters"] = [w["pid"] for w in waiting
                              if w["candidates"] is None or device["uuid"] in w["candidates"]]
@@ -463,6 +477,7 @@ WAITING_COLUMNS: List[Column] = [
     ("PID", lambda w: str(w["pid"]), 0),
     ("N", lambda w: str(w["count"]), 0),
     ("PROGRAM", lambda w: w["program"], 12),
+    ("START", lambda w: w.get("start", "unknown"), 10),  # README "Why am I waiting"
     ("WHY", lambda w: w["reason"], 38),  # all of it in --json
 ]
 
@@ -499,6 +514,9 @@ def render(status: Dict[str, Any], cut: bool = True) -> List[str]:
                             for p in d["mps_without_share"])
             lines.append(f"{d['uuid']}: MPS client(s) holding no share: {who}; "
                          "the device's shares wait for them to end")
+    lines += [f"{d['uuid']}: {text}" for d in status["devices"] for text in d.get("leftovers", ())]
+    lines += [f"{d['uuid']}: IDLE for {d['idle']['idle_s'] / 60:.0f} min: pid {d['idle']['pid']} {d['idle']['user']} "
+              f"({d['idle']['basis']})" for d in status["devices"] if d.get("idle")]
     if status.get("drained"):
         lines.append("")
         lines += table([dict(d, uuid=u) for u, d in sorted(status["drained"].items())], DRAINED_COLUMNS, cut)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..errors import ConfigError
+from .healthconf import HEALTH_DEFAULTS, HEALTH_DESCRIPTIONS, health_keys
 
 FOREVER = math.inf
 
@@ -182,6 +183,7 @@ OPS_SECTIONS: Dict[str, Dict[str, Callable[[Any], Any]]] = {
     "metrics": {"textfile": _path_or_empty},
     "ledger": {"max_mib": _mib, "keep": _non_negative_int},
     "service": {"private_status": _bool, "max_connections_per_uid": _connections},
+    "health": health_keys(_choice),
 }
 
 DEFAULTS: Dict[str, Any] = {
@@ -207,6 +209,7 @@ DEFAULTS: Dict[str, Any] = {
     "keep": 4,
     "private_status": False,
     "max_connections_per_uid": 1000,
+    **HEALTH_DEFAULTS,
 }
 
 DESCRIPTIONS: Dict[str, str] = {
@@ -235,6 +238,7 @@ DESCRIPTIONS: Dict[str, str] = {
                       "without their names, pids and programs (root sees all)",
     "max_connections_per_uid": "with `cudawrap serve`: the most connections one user may keep open to it, "
                                "so runs waiting at once (root is not limited)",
+    **HEALTH_DESCRIPTIONS,
 }
 
 

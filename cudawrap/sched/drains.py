@@ -4,6 +4,11 @@ Root keeps the drains in ``var/lib/cudawrap/drains`` (so they survive a reboot),
 ``marshal`` file replaced atomically (rootfile), which the shim reads at no import cost.
 A file not written by the install's owner, or writable by others, is ignored.
 
+Two kinds of drain live there apart: an admin's (`cudawrap drain`, lifted only by
+`cudawrap resume`) and a health drain (made and lifted by the monitor, cudawrap/health.py).
+Where both cover a device the admin's is the one shown and kept: a health drain never
+replaces it, and lifting a health drain never lifts it.
+
 A drained GPU UUID covers the GPU's MIG instances, those that exist now and those created
 later (a drain for MIG reconfiguration must hold across it).
 """
@@ -24,14 +29,16 @@ VERSION = 1
 
 
 class Drain:
-    """Why a device is drained, by whom (a user name) and when (seconds since the epoch)."""
+    """Why a device is drained, by whom (a user name) and when (seconds since the epoch);
+    KIND is ADMIN or HEALTH."""
 
-    __slots__ = ("reason", "by", "at")
+    __slots__ = ("reason", "by", "at", "kind")
 
-    def __init__(self, reason: str, by: str, at: float) -> None:
+    def __init__(self, reason: str, by: str, at: float, kind: str = "admin") -> None:
         self.reason = reason
         self.by = by
         self.at = at
+        self.kind = kind
 
     def to_tuple(self) -> tuple:
         return (self.reason, self.by, self.at)
@@ -40,18 +47,40 @@ class Drain:
         return f"Drain({self.reason!r}, by={self.by!r}, at={self.at})"
 
 
-def drained(root: str) -> Dict[str, Drain]:
-    """UUID -> Drain for every drained device (GPU or MIG UUID, as the admin named it)."""
-    data = rootfile.read(root, loc.under(root, DRAINS), VERSION)
+ADMIN = "admin"
+HEALTH = "health"
+HEALTH_BY = "cudawrap health"  # who a health drain is by, as status shows it
+
+
+def _table(data: object, key: str, kind: str) -> Dict[str, Drain]:
     out: Dict[str, Drain] = {}
-    if data is None:
-        return out
     try:
-        for uuid, (reason, by, at) in data["drains"].items():
-            out[str(uuid)] = Drain(str(reason), str(by), float(at))
-    except (KeyError, TypeError, ValueError, AttributeError):
+        for uuid, (reason, by, at) in data.get(key, {}).items():  # type: ignore[attr-defined]
+            out[str(uuid)] = Drain(str(reason), str(by), float(at), kind)
+    except (TypeError, ValueError, AttributeError):
         return {}
     return out
+
+
+def _read(root: str) -> Dict[str, Dict[str, Drain]]:
+    data = rootfile.read(root, loc.under(root, DRAINS), VERSION)
+    if data is None:
+        return {ADMIN: {}, HEALTH: {}}
+    return {ADMIN: _table(data, "drains", ADMIN), HEALTH: _table(data, HEALTH, HEALTH)}
+
+
+def drained(root: str) -> Dict[str, Drain]:
+    """UUID -> Drain for every drained device (GPU or MIG UUID, as the admin named it);
+    a device an admin drained shows the admin's drain, whatever its health."""
+    tables = _read(root)
+    out = dict(tables[HEALTH])
+    out.update(tables[ADMIN])
+    return out
+
+
+def health_drained(root: str) -> Dict[str, Drain]:
+    """UUID -> Drain for the health drains alone (an admin's drain of the same GPU aside)."""
+    return _read(root)[HEALTH]
 
 
 def covering(drains: Dict[str, Drain], uuid: str, parent_uuid: str = "") -> Optional[str]:
@@ -73,9 +102,11 @@ def is_drained(root: str, device: object) -> bool:
     return covering(drained(root), device.uuid, device.parent_uuid) is not None  # type: ignore[attr-defined]
 
 
-def _store(root: str, drains: Dict[str, Drain]) -> None:
+def _store(root: str, tables: Dict[str, Dict[str, Drain]]) -> None:
     path = loc.under(root, DRAINS)
-    rootfile.write(path, {"version": VERSION, "drains": {u: d.to_tuple() for u, d in drains.items()}})
+    rootfile.write(path, {"version": VERSION,
+                          "drains": {u: d.to_tuple() for u, d in tables[ADMIN].items()},
+                          HEALTH: {u: d.to_tuple() for u, d in tables[HEALTH].items()}})
     # A drain must survive a crash or power cut as well as a reboot: flush file and directory.
     for target, flags in ((path, os.O_RDONLY), (os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)):
         fd = os.open(target, flags | os.O_CLOEXEC)
@@ -85,17 +116,18 @@ def _store(root: str, drains: Dict[str, Drain]) -> None:
             os.close(fd)
 
 
-def _update(root: str, change) -> Dict[str, Drain]:  # type: ignore[no-untyped-def]
-    """Apply CHANGE to the drains under their lock, so two admins never lose each other's."""
+def _update(root: str, change, kind: str = ADMIN) -> Dict[str, Drain]:  # type: ignore[no-untyped-def]
+    """Apply CHANGE to the drains of KIND under their lock, so two admins (or an admin and
+    the monitor) never lose each other's; returns that kind's drains now."""
     import fcntl
 
     fd = os.open(loc.under(root, DRAINS_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        drains = drained(root)
-        change(drains)
-        _store(root, drains)
-        return drains
+        tables = _read(root)
+        change(tables[kind])
+        _store(root, tables)
+        return tables[kind]
     finally:
         os.close(fd)
 
@@ -121,6 +153,20 @@ def resume(root: str, uuids: Sequence[str]) -> Dict[str, Drain]:
             drains.pop(uuid, None)
 
     return _update(root, change)
+
+
+def health_drain(root: str, uuid: str, reason: str, at: float) -> None:
+    """Drain the GPU UUID for its health (its MIG instances with it); an admin's drain stays."""
+
+    def change(drains: Dict[str, Drain]) -> None:
+        drains[uuid] = Drain(reason, HEALTH_BY, at, HEALTH)
+
+    _update(root, change, HEALTH)
+
+
+def health_resume(root: str, uuid: str) -> None:
+    """Lift the health drain of UUID (never an admin's)."""
+    _update(root, lambda drains: drains.pop(uuid, None), HEALTH)
 
 
 # --- naming devices on the command line (admin commands only, not the shim) -----------------

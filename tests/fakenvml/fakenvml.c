@@ -176,6 +176,13 @@ struct fake_proc {
     unsigned long long memory_mib;
 };
 
+/* What a `health` line sets for one GPU (health block at the end of this file). */
+struct fake_health {
+    unsigned int remapped_corr, remapped_unc, remap_pending, remap_failed;
+    unsigned long long clocks_event_reasons;
+    int set; /* 0: defaults (no remapped rows; clock reasons "idle") */
+};
+
 #define FAILS_DRIVER_VERSION 1
 #define FAILS_DEVICE_COUNT 2
 
@@ -193,6 +200,7 @@ struct machine {
     struct fake_gpu gpu[MAX_GPUS];
     int nprocs;
     struct fake_proc procs[MAX_PROCS];
+    struct fake_health health[MAX_GPUS]; /* `health` lines (health block at the end) */
     char error[512]; /* non-empty: the topology could not be used */
 };
 
@@ -421,6 +429,8 @@ static int find_uuid(const struct machine *m, const char *uuid, int *gpu, int *s
     }
     return -1;
 }
+
+static const char *parse_health(struct machine *m, struct token *tok, int n);
 
 #define FAIL(...)                                                  \
     do {                                                           \
@@ -653,6 +663,8 @@ static const char *parse_line(struct machine *m, char *line)
         m->nprocs++;
         return NULL;
     }
+    if (strcmp(kind, "health") == 0)
+        return parse_health(m, tok, n);
     FAIL("unknown keyword '%s'", kind);
 }
 
@@ -1684,4 +1696,285 @@ nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, unsigned int *
 nvmlReturn_t nvmlDeviceGetPerformanceState(nvmlDevice_t device, int *pState)
 {
     return reading(device, READING_PSTATE, (unsigned int *)pState);
+}
+
+/* ==== health: events, remapped rows, clock event reasons ===================
+ *
+ * Events are lines appended to $FAKENVML_STATE/events by whoever injects them
+ * (a test): `UUID TYPE DATA`, TYPE one of xid, dbe, sbe (or a number, the
+ * nvmlEventType bit), DATA the XID number (0 for ECC).  An event set sees the
+ * lines appended after it was created, once each, for the GPUs and types
+ * registered on it, as a real event set gets each event once.  A line naming a
+ * MIG device is delivered on its GPU's handle with the instance's ids, as the
+ * driver reports an XID in a GPU instance.
+ */
+
+#define EVENT_SBE 0x1ULL
+#define EVENT_DBE 0x2ULL
+#define EVENT_XID 0x8ULL
+/* What an H200 reports for nvmlDeviceGetSupportedEventTypes (0xFF9F). */
+#define SUPPORTED_EVENTS 65439ULL
+#define MAX_EVENT_SETS 16
+#define EVENT_LINE 256
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+struct fake_event_set {
+    int used;
+    off_t offset; /* how far into the events file this set has read */
+    char uuid[MAX_GPUS][UUID_BUF]; /* registered GPUs, by UUID: indexes may change */
+    unsigned long long mask[MAX_GPUS];
+    int nregistered;
+};
+typedef struct fake_event_set *nvmlEventSet_t;
+
+static struct fake_event_set event_sets[MAX_EVENT_SETS];
+
+static const char *parse_health(struct machine *m, struct token *tok, int n)
+{
+    static __thread char why[256];
+    static const char *const health_fields[] = {"uuid", "remapped_corr", "remapped_unc", "remap_pending",
+                                                "remap_failed", "clocks_event_reasons", NULL};
+    const char *bad = check_fields(tok, n, health_fields);
+    const char *s;
+    int g, slot;
+    if (bad)
+        FAIL("health: unknown, repeated or empty field '%s'", bad);
+    if (!(s = field(tok, n, "uuid")) || find_uuid(m, s, &g, &slot) || slot != -1)
+        FAIL("health: uuid= must name a GPU declared above");
+    struct fake_health *h = &m->health[g];
+    if (h->set)
+        FAIL("health: a second line for %s", s);
+    if (opt_uint(tok, n, "remapped_corr", 10, 0xFFFF, 0, &h->remapped_corr) ||
+        opt_uint(tok, n, "remapped_unc", 10, 0xFFFF, 0, &h->remapped_unc))
+        FAIL("health: remapped_corr= and remapped_unc= want a number of rows");
+    if (opt_uint(tok, n, "remap_pending", 10, 1, 0, &h->remap_pending) ||
+        opt_uint(tok, n, "remap_failed", 10, 1, 0, &h->remap_failed))
+        FAIL("health: remap_pending= and remap_failed= want 0 or 1");
+    if (opt_u64(tok, n, "clocks_event_reasons", 0, 0xFFFFFFFFFFFFULL, 1, &h->clocks_event_reasons))
+        FAIL("health: clocks_event_reasons= wants a bit mask, e.g. 0x40");
+    h->set = 1;
+    return NULL;
+}
+
+/* The GPU a handle names (not a MIG device: events and row remapping are the board's). */
+static struct machine *board(nvmlDevice_t device, struct target *t, nvmlReturn_t *ret)
+{
+    struct machine *m = begin(ret);
+    if (!m)
+        return NULL;
+    if ((*ret = resolve(m, device, t, ASK_GPU)) != NVML_SUCCESS || (t->mig && (*ret = NVML_ERROR_NOT_SUPPORTED))) {
+        free(m);
+        return NULL;
+    }
+    return m;
+}
+
+nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)
+{
+    nvmlReturn_t ret;
+    struct target t;
+    struct machine *m = board(device, &t, &ret);
+    if (!m)
+        return ret;
+    if (!eventTypes)
+        return finish(m, NVML_ERROR_INVALID_ARGUMENT);
+    *eventTypes = SUPPORTED_EVENTS;
+    return finish(m, NVML_SUCCESS);
+}
+
+static int events_path(char *out, size_t size)
+{
+    const char *state = getenv("FAKENVML_STATE");
+    return !state || !*state || snprintf(out, size, "%s/events", state) >= (int)size ? -1 : 0;
+}
+
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    char path[4096];
+    struct stat st;
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!set)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (int i = 0; i < MAX_EVENT_SETS; i++) {
+        if (!__sync_bool_compare_and_swap(&event_sets[i].used, 0, 1))
+            continue;
+        struct fake_event_set *e = &event_sets[i];
+        e->nregistered = 0;
+        /* Only what happens from now on: earlier lines are history. */
+        e->offset = events_path(path, sizeof path) == 0 && stat(path, &st) == 0 ? st.st_size : 0;
+        *set = e;
+        return NVML_SUCCESS;
+    }
+    return NVML_ERROR_MEMORY;
+}
+
+static int valid_set(nvmlEventSet_t set)
+{
+    return set >= &event_sets[0] && set < &event_sets[MAX_EVENT_SETS] && set->used;
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes, nvmlEventSet_t set)
+{
+    nvmlReturn_t ret;
+    struct target t;
+    if (!valid_set(set))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct machine *m = board(device, &t, &ret);
+    if (!m)
+        return ret;
+    if (eventTypes & ~SUPPORTED_EVENTS)
+        return finish(m, NVML_ERROR_NOT_SUPPORTED);
+    for (int i = 0; i < set->nregistered; i++) {
+        if (strcmp(set->uuid[i], t.gpu->uuid) == 0) {
+            set->mask[i] |= eventTypes;
+            return finish(m, NVML_SUCCESS);
+        }
+    }
+    if (set->nregistered == MAX_GPUS)
+        return finish(m, NVML_ERROR_INSUFFICIENT_SIZE);
+    strcpy(set->uuid[set->nregistered], t.gpu->uuid);
+    set->mask[set->nregistered++] = eventTypes;
+    return finish(m, NVML_SUCCESS);
+}
+
+/* One event line into data, if this set registered for it; 1 delivered, 0 skipped. */
+static int deliver(const struct machine *m, const struct fake_event_set *set, char *line, nvmlEventData_t *data)
+{
+    char uuid[UUID_BUF], type[16];
+    unsigned long long xid, bit;
+    int g, slot, used;
+    if (sscanf(line, "%95s %15s %llu %n", uuid, type, &xid, &used) != 3 || line[used] != '\0')
+        return 0;
+    if (strcmp(type, "xid") == 0)
+        bit = EVENT_XID;
+    else if (strcmp(type, "dbe") == 0)
+        bit = EVENT_DBE;
+    else if (strcmp(type, "sbe") == 0)
+        bit = EVENT_SBE;
+    else if (parse_u64(type, 0, SUPPORTED_EVENTS, &bit))
+        return 0;
+    if (find_uuid(m, uuid, &g, &slot))
+        return 0;
+    for (int i = 0; i < set->nregistered; i++) {
+        if (strcmp(set->uuid[i], m->gpu[g].uuid) != 0 || !(set->mask[i] & bit))
+            continue;
+        data->device = handle_of(g, -1);
+        data->eventType = bit;
+        data->eventData = xid;
+        data->gpuInstanceId = slot >= 0 ? m->gpu[g].slot[slot].gi : NVML_VALUE_NOT_AVAILABLE_UINT;
+        data->computeInstanceId = slot >= 0 ? m->gpu[g].slot[slot].ci : NVML_VALUE_NOT_AVAILABLE_UINT;
+        return 1;
+    }
+    return 0;
+}
+
+/* The next complete line at set->offset that is for this set; 1 found, 0 none yet. */
+static int next_event(struct fake_event_set *set, nvmlEventData_t *data)
+{
+    char path[4096], buf[64 * EVENT_LINE];
+    if (events_path(path, sizeof path))
+        return 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    nvmlReturn_t ret;
+    struct machine *m = begin(&ret);
+    int found = 0;
+    while (m && !found) {
+        ssize_t got = pread(fd, buf, sizeof buf - 1, set->offset);
+        if (got <= 0)
+            break;
+        buf[got] = '\0';
+        char *line = buf, *nl;
+        while (!found && (nl = strchr(line, '\n')) != NULL) {
+            *nl = '\0';
+            set->offset += nl - line + 1;
+            found = deliver(m, set, line, data);
+            line = nl + 1;
+        }
+        if (line == buf) /* a partial line only: its writer is not done */
+            break;
+    }
+    free(m);
+    close(fd);
+    return found;
+}
+
+/* Waits up to timeoutms for an event, as the real call does (NVML_ERROR_TIMEOUT after it). */
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    struct timespec start, now;
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!valid_set(set) || !data)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        if (next_event(set, data))
+            return NVML_SUCCESS;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        double waited = (double)(now.tv_sec - start.tv_sec) * 1e3 + (double)(now.tv_nsec - start.tv_nsec) / 1e6;
+        if (waited >= timeoutms)
+            return NVML_ERROR_TIMEOUT;
+        sleep_ms(timeoutms - waited < 2.0 ? timeoutms - waited : 2.0);
+    }
+}
+
+nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    return nvmlEventSetWait_v2(set, data, timeoutms);
+}
+
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!valid_set(set))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    __atomic_store_n(&set->used, 0, __ATOMIC_SEQ_CST);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows, unsigned int *uncRows,
+                                       unsigned int *isPending, unsigned int *failureOccurred)
+{
+    nvmlReturn_t ret;
+    struct target t;
+    struct machine *m = board(device, &t, &ret);
+    if (!m)
+        return ret;
+    if (!corrRows || !uncRows || !isPending || !failureOccurred)
+        return finish(m, NVML_ERROR_INVALID_ARGUMENT);
+    const struct fake_health *h = &m->health[t.g];
+    *corrRows = h->remapped_corr;
+    *uncRows = h->remapped_unc;
+    *isPending = h->remap_pending;
+    *failureOccurred = h->remap_failed;
+    return finish(m, NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device, unsigned long long *reasons)
+{
+    nvmlReturn_t ret;
+    struct target t;
+    struct machine *m = board(device, &t, &ret);
+    if (!m)
+        return ret;
+    if (!reasons)
+        return finish(m, NVML_ERROR_INVALID_ARGUMENT);
+    *reasons = m->health[t.g].set ? m->health[t.g].clocks_event_reasons : 1; /* 1: GPU idle */
+    return finish(m, NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device, unsigned long long *reasons)
+{
+    return nvmlDeviceGetCurrentClocksEventReasons(device, reasons);
 }

@@ -1,0 +1,94 @@
+"""Leftover processes: a worker that outlived its wrapped run on a GPU is reported with its
+owner, keeps exclusive runs away while it lasts, and is ended with leftover_action = "kill"
+(real accounts)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from corefix import ready_line, wait_for
+from cudawrap.ops.health import MonitorHealth
+from cudawrap.ops.ledger import observe
+from cudawrap.ops.monitor import refresh_once
+from fakemachine import pid_alive
+
+
+def cycle(hook: MonitorHealth, inst) -> None:  # type: ignore[no-untyped-def]
+    assert refresh_once(inst.layout) is None
+    hook.cycle()
+
+
+def test_a_leftover_is_reported_keeps_exclusive_runs_away_and_is_killed_when_asked(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("four-gpus")
+    world, gpus = inst.world, inst.machine.gpu_uuids()
+    recon = inst.wrap()
+    # A process that never held a lease: foreign, as before, never a leftover.
+    inst.machine.add_process(os.getpid(), gpus[1])
+    hook = MonitorHealth(inst.layout)
+    run = inst.start(world.alice, str(recon), "--hold", "0.5", "--orphan", "120")
+    device = ready_line(run)["devices"][0]
+    observe(inst.layout)  # the ledger sees the grant
+    orphan = json.loads(run.stdout.readline())["orphan"]
+    assert run.wait(timeout=30) == 0
+    observe(inst.layout)  # ... and the end
+    cycle(hook, inst)
+    ended = time.strftime("%H:%M", time.localtime(
+        [json.loads(line) for line in (inst.layout.state_dir / "ledger").read_text().splitlines()][-1]["end"]))
+    words = f"leftover: pid {orphan} {world.alice.name} (from recon, ended {ended})"
+    for user in (None, world.alice, world.bob):
+        status = inst.cli(user, "status").stdout.decode()
+        assert f"{device}: {words}" in status, status
+        assert "leftover" not in status.replace(f"{device}: {words}", "")  # the foreign one is not
+    assert words in inst.cli(world.bob, "health").stdout.decode()
+    # Exclusive runs stay off its device while it lasts.
+    others = [inst.start(world.bob, str(recon), "--hold", "60", CUDAWRAP_WAIT="0") for _ in range(2)]
+    got = {ready_line(p)["devices"][0] for p in others}
+    assert device not in got and gpus[1] not in got
+    late = inst.run(world.carol, str(recon), CUDAWRAP_WAIT="0")
+    assert late.returncode == 75, late.stderr
+    for p in others:
+        p.kill()
+        p.wait()
+    # Report only by default: still there after the grace period's default would be up.
+    cycle(hook, inst)
+    assert pid_alive(orphan)
+    inst.layout.config_file.write_text('[health]\nleftover_action = "kill"\nleftover_grace_s = 0\n')
+    inst.layout.config_file.chmod(0o644)
+    cycle(hook, inst)
+    wait_for(lambda: not pid_alive(orphan), timeout=30)
+    cycle(hook, inst)
+    assert "leftover" not in inst.cli(None, "status").stdout.decode()
+
+
+def test_an_idle_lease_is_flagged_after_idle_after_min_and_activity_clears_it(mu) -> None:  # type: ignore[no-untyped-def]
+    from cudawrap.ops.metrics import device_rows
+    from cudawrap.devices.nvml import inventory
+
+    inst = mu("four-gpus")
+    inst.layout.config_file.write_text("[health]\nidle_after_min = 1\n")
+    inst.layout.config_file.chmod(0o644)
+    recon = inst.wrap()
+    hook = MonitorHealth(inst.layout)
+    holder = inst.start(inst.world.alice, str(recon), "--hold", "120")
+    device = ready_line(holder)["devices"][0]
+    t0 = time.time()
+
+    def at(now: float) -> str:
+        assert refresh_once(inst.layout) is None
+        hook.cycle(now)
+        return inst.cli(inst.world.bob, "status").stdout.decode()
+
+    assert "IDLE" not in at(t0)
+    assert "IDLE" not in at(t0 + 59)  # quiet for 59 s of the 60
+    shown = at(t0 + 61)
+    assert f"{device}: IDLE for 1 min: pid {holder.pid} {inst.world.alice.name} " \
+           f"(0 % utilisation and unchanged memory)" in shown, shown
+    rows = {r["uuid"]: r for r in device_rows(inst.layout, inventory())}
+    assert rows[device]["idle_s"] == 61 and all("idle_s" not in r for u, r in rows.items() if u != device)
+    # It computes again: the quiet spell is over.
+    inst.machine.write(inst.machine.read().replace(f"uuid={device} ", f"uuid={device} util=40 "))
+    assert "IDLE" not in at(t0 + 200)
+    inst.machine.write(inst.machine.read().replace(f"uuid={device} util=40 ", f"uuid={device} "))
+    assert "IDLE" not in at(t0 + 201)
+    assert "IDLE for 1 min" in at(t0 + 262)

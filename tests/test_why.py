@@ -1,0 +1,100 @@
+"""`cudawrap why` and the waiting rows of status: place, reason and an estimated start whose
+value a ledger of known run lengths fixes (real accounts)."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Dict, List
+
+import pytest
+
+from corefix import ready_line, wait_for
+from cudawrap.ops.eta import estimate, medians, shown
+from cudawrap.ops.ledger import ledger_path
+from cudawrap.ops.monitor import refresh_once
+
+
+def ends(program: str, lengths: List[float], t0: float) -> List[Dict[str, Any]]:
+    return [{"v": 1, "event": "end", "id": f"{program}-{i}", "program": program, "start": t0 + i * 1000,
+             "end": t0 + i * 1000 + length} for i, length in enumerate(lengths)]
+
+
+def test_the_median_is_of_the_last_20_runs_of_each_program() -> None:
+    records = ends("recon", [10.0] * 7 + [600.0] * 20, 0) + ends("other", [100, 300, 900], 0)
+    assert medians(records) == {"recon": (600.0, 20), "other": (300.0, 3)}
+
+
+def test_estimates_read_as_people_say_them() -> None:
+    assert [shown(s) for s in (None, 0.2, 100, 598, 4000)] == ["unknown", "now", "about 2 min", "about 10 min",
+                                                                 "about 1 h 07 min"]
+
+
+def test_a_holder_past_its_median_makes_the_estimate_unknown_with_why() -> None:
+    now = time.time()
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now - 700))
+    device = {"uuid": "GPU-a", "holder": {"program": "recon", "since": since, "user": "alice"}, "drains": []}
+    row = {"pid": 1, "user": "bob", "count": 1, "candidates": None, "position": 1, "kind": "busy", "program": "x"}
+    seconds, why = estimate(row, [row], [device], {"recon": (600.0, 20)}, now)
+    assert seconds is None and "run past its median of 10 min" in why
+
+
+def write_ledger(inst: Any) -> None:
+    t0 = time.time() - 100000
+    records = ends("recon", [5.0] * 6 + [600.0] * 20, t0) + ends("other", [60.0, 60.0, 60.0], t0)
+    path = ledger_path(inst.layout)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path.chmod(0o600)
+
+
+def test_status_and_why_give_place_reason_and_start(mu) -> None:  # type: ignore[no-untyped-def]
+    inst = mu("h200")
+    world = inst.world
+    recon, other = inst.wrap(), inst.wrap("other")
+    write_ledger(inst)
+    holder = inst.start(world.alice, str(recon), "--hold", "120")
+    ready_line(holder)
+    first = inst.start(world.bob, str(recon))
+
+    def waiting() -> List[Dict[str, Any]]:
+        return json.loads(inst.cli(None, "status", "--json").stdout)["waiting"]
+
+    wait_for(lambda: len(waiting()) == 1, timeout=30)
+    second = inst.start(world.carol, str(other))
+    wait_for(lambda: len(waiting()) == 2, timeout=30)
+    # Users cannot read the ledger: without the monitor's run lengths, "unknown", and why.
+    rows = json.loads(inst.cli(world.bob, "why", "--json").stdout)
+    assert [r["pid"] for r in rows] == [first.pid]
+    assert rows[0]["start"] == "unknown" and "the monitor keeps them" in rows[0]["start_basis"]
+    # Root reads the ledger itself; a user reads what the monitor keeps.
+    rows = waiting()
+    assert [(r["pid"], r["position"]) for r in rows] == [(first.pid, 1), (second.pid, 2)]
+    assert rows[0]["start"] == "about 10 min" and 560 <= rows[0]["start_s"] <= 600, rows[0]
+    assert "recon 10 min (median of 20)" in rows[0]["start_basis"] and "no run ahead" in rows[0]["start_basis"]
+    # Carol's starts when bob's recon has had its median run after alice's: 10 + 10 min.
+    assert rows[1]["start"] == "about 20 min" and "1 run ahead" in rows[1]["start_basis"], rows[1]
+    assert refresh_once(inst.layout) is None
+    from cudawrap.ops.health import MonitorHealth
+
+    MonitorHealth(inst.layout).cycle()  # the monitor keeps the run lengths for everyone
+    done = inst.cli(world.bob, "why", str(first.pid))
+    text = done.stdout.decode()
+    assert done.returncode == 0, done.stderr
+    assert f"pid {first.pid} ({world.bob.name}, recon, 1 device): position 1 in line" in text
+    assert "why: every device it may use is busy" in text
+    # Alice's program is not bob's to know; when it usually ends is.
+    assert "start: about 10 min (run lengths: 1 other user's run ending at its program's median; no run ahead)" \
+        in text, text
+    table = inst.cli(world.carol, "status").stdout.decode()
+    assert "START" in table and "about 20 min" in table
+    # Someone else's run: root only. Not a waiting run: one line each.
+    denied = inst.cli(world.bob, "why", str(second.pid))
+    assert denied.returncode == 77 and f"{world.carol.name}'s run" in denied.stderr.decode()
+    assert inst.cli(None, "why", str(second.pid)).returncode == 0
+    for arg, words in ((str(holder.pid), "is not waiting"), ("abc", "not a process id")):
+        bad = inst.cli(world.bob, "why", arg)
+        lines = bad.stderr.decode().splitlines()
+        assert bad.returncode == 64 and words in lines[0] and len(lines) == 2, lines
+    # A drained device: the start is unknown, and why.
+    assert inst.cli(None, "drain", "0", "--reason", "fan").returncode == 0
+    row = json.loads(inst.cli(None, "why", "--json", str(first.pid)).stdout)[0]
+    assert row["start"] == "unknown" and "only 0 undrained device(s) it may use, 1 needed" in row["start_basis"]
