@@ -56,7 +56,8 @@ def test_status_and_why_give_place_reason_and_start(mu) -> None:  # type: ignore
     first = inst.start(world.bob, str(recon))
 
     def waiting() -> List[Dict[str, Any]]:
-        return json.loads(inst.cli(None, "status", "--json").stdout)["waiting"]
+        r = inst.cli(None, "status", "--json"); assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["waiting"]
 
     wait_for(lambda: len(waiting()) == 1, timeout=30)
     second = inst.start(world.carol, str(other))
