@@ -179,3 +179,25 @@ def test_the_debug_trace_is_an_observer_of_the_decisions_made_while_waiting(
     trace(Decision(Decision.ARRIVAL, "~", {"~": Verdict(GRANTED, 0, "", (UUID,))}, [UUID], []))
     err = capfd.readouterr().err
     assert f"free=['{UUID}'] skipped=['1.b'] a:granted:{UUID}" in err and len(err.splitlines()) == 1
+
+
+def test_the_machine_view_decides_for_the_queue_without_a_run_of_its_own(runtime: Layout) -> None:
+    """What `cudawrap status` shows: the view alone (no queue, no request) gives every waiter
+    the verdict its own acquirer gives it, here the queued run's "held" while a lease is."""
+    from cudawrap.sched.machine import MachineView
+    from cudawrap.sched.schedule import GRANTED
+
+    holder = LeaseFiles(str(runtime.lease_dir))
+    assert holder.try_lock(UUID)
+    device = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
+    queue = WaitQueue(str(runtime.queue_dir))
+    entry = queue.enqueue(1, "spread", None, 300.0, b"pid=1\n")
+    scan = queue.scan()
+    view = MachineView(LeaseFiles(str(runtime.lease_dir)), [device], [device])
+    mine = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], 1)
+    theirs, free = view.decide(scan, None, queued=True)
+    assert free == [] and theirs[entry.name].kind != GRANTED
+    assert theirs[entry.name].text == mine.decide(scan, None, queued=True)[0][entry.name].text
+    holder.close()
+    assert view.decide(queue.scan(), None, queued=True)[0][entry.name].kind == GRANTED
+    queue.leave(entry)
