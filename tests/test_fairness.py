@@ -273,9 +273,10 @@ def test_an_api_caller_claiming_no_reserve_after_jumps_nobody(mu) -> None:  # ty
     for h in [inst.start(None, "recon", "--hold", "600") for _ in range(2)]:
         ready_line(h)
     code = ("import os, sys; sys.path[:0] = sys.argv[1:]\n"
-            "from cudawrap import launch, policy\n"
+            "from cudawrap import launch\n"
+            "from cudawrap.policy.effective import effective\n"
             "root = os.environ['CUDAWRAP_ROOT']\n"
-            "settings = policy.effective(root, None)\n"
+            "settings = effective(root, None)\n"
             "settings['reserve_after'] = (0.0, 'mine')\n"
             "launch.obtain(root, 'jumper', settings, os.environ, count=4)\n")
     jumper = inst.py_start(alice, code, *inst.world.path)
