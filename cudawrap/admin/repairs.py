@@ -17,10 +17,8 @@ from .inspect_wraps import (
     LINK_FILE, LINK_MISSING, LINK_SAME, LINK_SHIM, LINK_SYMLINK, facts_of, inspect_entry, is_original, link_kind,
     own_shim_state,
 )
-from .wrap import (
-    _clear_tmp, _drop_diversion, _remove_own_shim, _replace, _replace_with_link, _replace_with_shim_link,
-    saved_name, unwrap_one, utc_now,
-)
+from .unwrap import _drop_diversion, saved_name, unwrap_one
+from .wrap import _clear_tmp, _remove_own_shim, _replace, _replace_with_link, _replace_with_shim_link, utc_now
 
 log = logging.getLogger(__name__)
 
