@@ -1,4 +1,5 @@
 # make test: the test suite in a private virtual environment (.venv), created on first use.
+# make test-fast: the same without the tests marked slow or root, for the edit loop.
 # make deb: build dist/cudawrap_VERSION_all.deb (dh + dh-virtualenv; see debian/rules).
 # make packaging: regenerate packaging/ from the code (completion, units, tmpfiles entry, man pages).
 
@@ -8,7 +9,7 @@ PYTEST_ARGS ?=
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.cudawrap-installed
 
-.PHONY: test venv packaging completion deb clean
+.PHONY: test test-fast venv packaging completion deb clean
 
 # -ra: the summary names every skip with its reason (CI must have none), besides failures and
 # xfails; a bare -rs would replace pyproject's -ra and drop the FAILED lines.
@@ -16,6 +17,11 @@ STAMP := $(VENV)/.cudawrap-installed
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -q -ra $(PYTEST_ARGS)
+
+# The edit loop: all but the slow tests and those needing root (CI still runs everything).
+test-fast: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(VPY) -m pytest -q -ra -m "not slow and not root" $(PYTEST_ARGS)
 
 venv: $(STAMP)
 

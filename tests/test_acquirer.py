@@ -118,3 +118,86 @@ def test_a_stale_snapshot_listing_the_job_that_held_the_lease_does_not_keep_it_b
                      refresh=lambda device: snapshot)
     with pytest.raises(NoDeviceError):
         other.acquire(0.3, b"pid=3\n")
+
+
+def test_an_observer_sees_each_decision_and_a_waiter_decides_again_when_the_line_moves(runtime: Layout) -> None:
+    """The observer is handed the arrival's decision (queued behind another run) and the
+    waiter's next one, made once the run ahead left: the test waits on decisions, not time."""
+    from cudawrap.sched.acquirer import Decision
+    from cudawrap.sched.schedule import GRANTED
+
+    queue = WaitQueue(str(runtime.queue_dir))
+    ahead = queue.enqueue(1, "spread", None, 300.0, b"pid=1\n")
+    device = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
+    seen: list = []
+
+    def observe(decision: Decision) -> None:
+        seen.append((decision.cause, decision.verdicts[decision.key].kind))
+        if decision.cause == Decision.ARRIVAL:
+            queue.leave(ahead)  # the line moves only once the newcomer has decided to queue
+
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], 1,
+                        refresh=lambda d: d, observe=observe)
+    lease = acquirer.acquire(60.0, b"pid=2\n")
+    assert lease.uuids == [UUID]
+    assert seen[0][0] == Decision.ARRIVAL and seen[0][1] != GRANTED
+    assert seen[-1] == (Decision.LOOK, GRANTED)
+    lease.release()
+
+
+def test_the_wait_is_timed_by_the_injected_clock(runtime: Layout) -> None:
+    """A clock that jumps an hour once the run has queued ends a minute's wait at once."""
+    from cudawrap.sched.acquirer import Decision
+
+    holder = LeaseFiles(str(runtime.lease_dir))
+    assert holder.try_lock(UUID)
+    device = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
+    offset = [0.0]
+
+    def observe(decision: Decision) -> None:
+        if decision.cause == Decision.ARRIVAL:
+            offset[0] = 3600.0
+
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), [device], [device],
+                        1, refresh=lambda d: d, clock=lambda: 1000.0 + offset[0], observe=observe)
+    with pytest.raises(NoDeviceError, match="no device within 60 s"):
+        acquirer.acquire(60.0, b"pid=2\n")
+    assert os.listdir(runtime.queue_dir) == []  # it left the line
+    holder.close()
+
+
+def test_the_debug_trace_is_an_observer_of_the_decisions_made_while_waiting(
+        runtime: Layout, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> None:
+    """CUDAWRAP_DEBUG adds the trace to a run's observers: each look while waiting, on stderr."""
+    from cudawrap.sched.acquirer import Decision, trace
+    from cudawrap.sched.schedule import GRANTED, Verdict
+
+    monkeypatch.setenv("CUDAWRAP_DEBUG", "1")
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), [], [], 1)
+    assert acquirer.observers == [trace]
+    trace(Decision(Decision.LOOK, "1.a", {"1.a": Verdict(GRANTED, 0, "", (UUID,))}, [UUID], ["1.b"]))
+    trace(Decision(Decision.ARRIVAL, "~", {"~": Verdict(GRANTED, 0, "", (UUID,))}, [UUID], []))
+    err = capfd.readouterr().err
+    assert f"free=['{UUID}'] skipped=['1.b'] a:granted:{UUID}" in err and len(err.splitlines()) == 1
+
+
+def test_the_machine_view_decides_for_the_queue_without_a_run_of_its_own(runtime: Layout) -> None:
+    """What `cudawrap status` shows: the view alone (no queue, no request) gives every waiter
+    the verdict its own acquirer gives it, here the queued run's "held" while a lease is."""
+    from cudawrap.sched.machine import MachineView
+    from cudawrap.sched.schedule import GRANTED
+
+    holder = LeaseFiles(str(runtime.lease_dir))
+    assert holder.try_lock(UUID)
+    device = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
+    queue = WaitQueue(str(runtime.queue_dir))
+    entry = queue.enqueue(1, "spread", None, 300.0, b"pid=1\n")
+    scan = queue.scan()
+    view = MachineView(LeaseFiles(str(runtime.lease_dir)), [device], [device])
+    mine = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], 1)
+    theirs, free = view.decide(scan, None, queued=True)
+    assert free == [] and theirs[entry.name].kind != GRANTED
+    assert theirs[entry.name].text == mine.decide(scan, None, queued=True)[0][entry.name].text
+    holder.close()
+    assert view.decide(queue.scan(), None, queued=True)[0][entry.name].kind == GRANTED
+    queue.leave(entry)

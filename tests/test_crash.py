@@ -26,7 +26,8 @@ from cudawrap.admin.divert import Dpkg
 from cudawrap.admin.doctor import check, healthy
 from cudawrap.admin.inspect_wraps import OK, inspect_entry
 from cudawrap.policy.registry import WRAPPED
-from cudawrap.admin.wrap import TMP_PREFIX, unwrap_programs, wrap_programs
+from cudawrap.admin.unwrap import unwrap_programs
+from cudawrap.admin.wrap import TMP_PREFIX, wrap_programs
 from userfix import AdminRoot, Call, inject, needs_strace, snapshot, traced
 
 pytestmark = [needs_strace, pytest.mark.slow]

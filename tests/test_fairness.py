@@ -276,7 +276,7 @@ def test_an_api_caller_claiming_no_reserve_after_jumps_nobody(mu) -> None:  # ty
             "from cudawrap import launch\n"
             "from cudawrap.policy import effective as policy\n"
             "root = os.environ['CUDAWRAP_ROOT']\n"
-            "settings = policy.effective(root, None)\n"
+            "settings = effective(root, None)\n"
             "settings['reserve_after'] = (0.0, 'mine')\n"
             "launch.obtain(root, 'jumper', settings, os.environ, count=4)\n")
     jumper = inst.py_start(alice, code, *inst.world.path)

@@ -12,7 +12,7 @@ import time
 
 from corefix import ready_line, wait_for
 
-from cudawrap.sched.acquirer import NEAR
+from cudawrap.sched.waiting import NEAR
 from cudawrap.sched.farwait import FarWait
 from cudawrap.sched.queue import WaitQueue
 

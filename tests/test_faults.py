@@ -22,7 +22,8 @@ from corefix import Installed, ready_line
 from cudawrap.policy import registry
 from cudawrap.admin.divert import Dpkg
 from cudawrap.ops.monitor import refresh_once
-from cudawrap.admin.wrap import unwrap_programs, wrap_programs
+from cudawrap.admin.unwrap import unwrap_programs
+from cudawrap.admin.wrap import wrap_programs
 from userfix import AdminRoot, inject, needs_strace, snapshot, traced
 
 NO_DPKG = Dpkg(available=False)

@@ -1,6 +1,6 @@
 """A waiter kept off a device only by a process cudawrap did not start wakes as it leaves.
 
-The waiter's own timer (acquire.WATCH_S) is set to an hour here, so a run granted within the
+The waiter's own timer (waiting.WATCH_S) is set to an hour here, so a run granted within the
 test was woken by the process's exit (a pidfd) or by the monitor rewriting its snapshot.
 """
 import importlib
@@ -26,7 +26,7 @@ UNSEEN_PID = (1 << 22) + 1
 
 @pytest.fixture(autouse=True)
 def no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(importlib.import_module("cudawrap.sched.acquirer"), "WATCH_S", 3600.0)
+    monkeypatch.setattr(importlib.import_module("cudawrap.sched.waiting"), "WATCH_S", 3600.0)
 
 
 def foreign(inst, uuid: str) -> subprocess.Popen:  # type: ignore[no-untyped-def]

@@ -7,6 +7,7 @@ closes every lease file it looked at), the kernel's flock decides every take, an
 the events cannot amend (a newcomer, a lease file opened, a cancel) means a full look.
 """
 import fcntl
+import importlib
 import os
 import signal
 import subprocess
@@ -20,7 +21,8 @@ import pytest
 
 from cudawrap.sched import acquirer as acquire, queue as waitqueue
 from cudawrap.base import inotify
-from cudawrap.sched.acquirer import Acquirer, _amendments
+from cudawrap.sched.acquirer import Acquirer
+from cudawrap.sched.handover import after_release, amend, amendments, hand_over
 from cudawrap.devices.model import Device
 from cudawrap.install.installation import prepare_runtime
 from cudawrap.lease.files import LeaseFiles
@@ -175,8 +177,8 @@ def test_devices_taken_since_the_look_are_counted_for_the_runs_that_left_and_sti
         return decide(scan, *args, **kwargs)
 
     monkeypatch.setattr(acquirer, "decide", recorded)
-    amended = acquirer._amend(look, set(UUIDS), {"a1", "b1"}, {})
-    _verdicts, lease = acquirer._after_release(amended, me, "a3", set(UUIDS), False)
+    amended = amend(acquirer, look, set(UUIDS), {"a1", "b1"}, {})
+    _verdicts, lease = after_release(acquirer, amended, me, "a3", set(UUIDS))
     assert lease is not None and lease.uuids == [UUIDS[0]]  # the free one, ours
     assert seen[0] == {idents[1]: [(b1.pid, True)]}
     lease.release()
@@ -184,6 +186,7 @@ def test_devices_taken_since_the_look_are_counted_for_the_runs_that_left_and_sti
 
 
 ACQUIRE = sys.modules["cudawrap.sched.acquirer"]
+WAITING = importlib.import_module("cudawrap.sched.waiting")
 PROBE = HOLD.replace("fcntl.LOCK_EX", "fcntl.LOCK_SH")  # another watcher's probe, caught mid-probe
 
 
@@ -235,11 +238,11 @@ def test_a_lease_freed_while_another_watcher_probes_it_counts_free(runtime: Layo
     look = waitqueue.Scan([waiter("a3", os.getpid())],
                           {idents[0]: [(dead.pid, True)], idents[1]: [(b1.pid, True)]}, {})
     other = probe(f"{runtime.lease_dir}/{UUIDS[0]}")
-    assert acquirer._amend(look, {UUIDS[0]}, set(), {}).table == {idents[1]: [(b1.pid, True)]}
+    assert amend(acquirer, look, {UUIDS[0]}, set(), {}).table == {idents[1]: [(b1.pid, True)]}
     end(other)
     # Taken since by a real taker (an exclusive lock): held, by someone the look cannot name.
     taker = hold(f"{runtime.lease_dir}/{UUIDS[0]}")
-    assert acquirer._amend(look, {UUIDS[0]}, set(), {}).table[idents[0]] == [ACQUIRE.UNKNOWN_HOLDER]
+    assert amend(acquirer, look, {UUIDS[0]}, set(), {}).table[idents[0]] == [ACQUIRE.UNKNOWN_HOLDER]
     end(taker)
     end(b1)
 
@@ -254,7 +257,7 @@ def test_a_device_a_run_that_left_may_have_taken_is_probed_as_its_locks_allow(ru
     a1 = subprocess.Popen(["sleep", "30"])
     look = waitqueue.Scan([waiter("a1", a1.pid), waiter("a3", os.getpid())], {idents[1]: [(b1.pid, True)]}, {})
     shared = probe(f"{runtime.lease_dir}/{UUIDS[0]}")
-    table = acquirer._amend(look, set(), {"a1"}, {}).table
+    table = amend(acquirer, look, set(), {"a1"}, {}).table
     assert table.get(idents[0]) == (None if slots == 1 else [(a1.pid, True)])
     end(shared)
     a1.kill()
@@ -399,11 +402,11 @@ CLOSE = inotify.IN_CLOSE_NOWRITE
     ([(-1, inotify.IN_Q_OVERFLOW, "")], None),  # events lost
 ])
 def test_what_events_can_amend_a_look(events, expected) -> None:  # type: ignore[no-untyped-def]
-    assert _amendments(events, [LEASES, QUEUE]) == expected
+    assert amendments(events, [LEASES, QUEUE]) == expected
 
 
 def test_without_its_watches_a_waiter_amends_nothing() -> None:
-    assert _amendments([(LEASES, CLOSE, "GPU-a")], []) is None
+    assert amendments([(LEASES, CLOSE, "GPU-a")], []) is None
 
 
 def test_a_run_leaving_wakes_everyone_it_moves_into_the_watching_places(
@@ -412,7 +415,7 @@ def test_a_run_leaving_wakes_everyone_it_moves_into_the_watching_places(
     move into the watching places. Each leaver wakes them all (its view of the line may be
     older than the others'), not only the next in line: one left unwoken would sleep through
     its turn (IDLE_S) if nobody looked meanwhile, as the last run of a benchmark burst did."""
-    module = sys.modules["cudawrap.sched.acquirer"]
+    module = sys.modules["cudawrap.sched.handover"]
     from cudawrap.sched.schedule import BUSY, GRANTED, Verdict
 
     keys = [f"w{i:02d}" for i in range(20)]
@@ -422,12 +425,12 @@ def test_a_run_leaving_wakes_everyone_it_moves_into_the_watching_places(
     monkeypatch.setattr(module, "poke", poked.append)
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), devices(),
                         devices(), 1, refresh=lambda d: d)
-    acquirer._hand_over(verdicts, look, "w00")
+    hand_over(acquirer, verdicts, look, "w00")
     assert sorted(poked) == [f"/queue/w{i:02d}" for i in range(module.WATCHERS, module.WATCHERS + 7)]
     # Alone in its turn, it wakes the next in line only.
     poked.clear()
     alone = {k: Verdict(GRANTED if i == 0 else BUSY, i, "") for i, k in enumerate(keys)}
-    acquirer._hand_over(alone, look, "w00")
+    hand_over(acquirer, alone, look, "w00")
     assert poked == [f"/queue/w{module.WATCHERS:02d}"]
 
 
@@ -447,9 +450,9 @@ def test_a_storm_of_opens_of_a_held_lease_file_makes_no_looks(runtime: Layout, m
         os.close(os.open(path, os.O_RDONLY))
         time.sleep(0.001)
     took = time.monotonic() - started
-    rate, burst = getattr(ACQUIRE, "REFRESH_LOOKS", (2.0, 3))
+    rate, burst = getattr(WAITING, "REFRESH_LOOKS", (2.0, 3))
     # Those looks, and the head's once a second (WATCH_S): a handful, not one per open.
-    assert len(reads.at) - before <= burst + 1 + (rate + 1 / ACQUIRE.WATCH_S) * took and got == []
+    assert len(reads.at) - before <= burst + 1 + (rate + 1 / WAITING.WATCH_S) * took and got == []
     end(holders[0])
     thread.join(5)
     assert got and got[0][1].uuids == [UUIDS[0]]

@@ -207,7 +207,8 @@ LAUNCH_MODULES = {
     "cudawrap.devices", "cudawrap.devices.model", "cudawrap.devices.snapshot",
     "cudawrap.lease", "cudawrap.lease.files", "cudawrap.lease.sharing",
     "cudawrap.policy", "cudawrap.policy.effective",
-    "cudawrap.sched", "cudawrap.sched.acquirer", "cudawrap.sched.placement", "cudawrap.sched.queue",
+    "cudawrap.sched", "cudawrap.sched.acquirer", "cudawrap.sched.machine", "cudawrap.sched.placement",
+    "cudawrap.sched.queue",
 }
 # With the monitor's snapshot: /proc, for whether the processes it names have exited since.
 LAUNCH_MODULES_SNAPSHOT = LAUNCH_MODULES | {"cudawrap.proc"}

@@ -14,7 +14,8 @@ from cudawrap.policy import registry
 from cudawrap.admin.divert import Dpkg
 from cudawrap.errors import StateError, UsageError
 from cudawrap.admin.inspect_wraps import BINARY_CHANGED, INTERRUPTED, OK, inspect_entry
-from cudawrap.admin.wrap import check_wrap, unwrap_programs, wrap_programs
+from cudawrap.admin.unwrap import unwrap_programs
+from cudawrap.admin.wrap import check_wrap, wrap_programs
 
 NO_DPKG = Dpkg(available=False)
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, List, Mapping, Optional, Set
 from .. import __version__
 from ..base import audit
 from ..policy import registry
-from . import wrap
+from . import repairs, wrap
 from ..devices.model import Inventory
 from .divert import PACKAGE, Dpkg, real_name
 from ..errors import CudawrapError
@@ -323,19 +323,19 @@ class _Doctor:
                     self._check_diversion(entry)
             elif state == BINARY_CHANGED:
                 # Expected after a package upgrade through the diversion: not broken.
-                self.problem(link, status.detail, partial(wrap.accept, layout, entry), LEVEL_WARNING)
+                self.problem(link, status.detail, partial(repairs.accept, layout, entry), LEVEL_WARNING)
             elif state == INTERRUPTED:
-                self.problem(link, status.detail, partial(wrap.finish, layout, entry, dpkg))
+                self.problem(link, status.detail, partial(repairs.finish, layout, entry, dpkg))
             elif state == SHIM_REPLACED:
-                self.problem(link, status.detail, partial(wrap.rewrap, layout, entry, dpkg))
+                self.problem(link, status.detail, partial(repairs.rewrap, layout, entry, dpkg))
             elif state == SHIM_OVERWRITTEN:
-                self.problem(link, status.detail, partial(wrap.adopt_build, layout, entry))
+                self.problem(link, status.detail, partial(repairs.adopt_build, layout, entry))
             elif state == REAL_MISSING or (state == NOT_A_LINK and not status.real_present):
                 self.problem(link, status.detail + ("" if state == REAL_MISSING else
                                                     f", and {entry.real} is gone"),
-                             partial(wrap.forget, layout, entry, dpkg))
+                             partial(repairs.forget, layout, entry, dpkg))
             elif state == NOT_A_LINK and status.link in (LINK_MISSING, LINK_SHIM):
-                self.problem(link, status.detail, partial(wrap.relink, layout, entry))
+                self.problem(link, status.detail, partial(repairs.relink, layout, entry))
             else:
                 self.add(LEVEL_ERROR, link, f"{status.detail}; decide by hand: 'cudawrap unwrap --force {link}' "
                                             "keeps both it and the wrapped program")
@@ -364,14 +364,14 @@ class _Doctor:
                 if self.dpkg.diverter(entry.diversion) != PACKAGE:
                     self.problem(link, f"the dpkg diversion of {entry.diversion} is gone: an upgrade of "
                                        f"{entry.package} would replace the shim link",
-                                 partial(wrap.ensure_diversion, self.layout, entry, self.dpkg))
+                                 partial(repairs.ensure_diversion, self.layout, entry, self.dpkg))
                     return
             else:
                 owner = self.dpkg.owner(link)
                 if owner is not None:
                     self.problem(link, f"package {owner[0]} ships it but it is not diverted: an upgrade "
                                        f"of {owner[0]} would replace the shim link",
-                                 partial(wrap.ensure_diversion, self.layout, entry, self.dpkg))
+                                 partial(repairs.ensure_diversion, self.layout, entry, self.dpkg))
                     return
         except CudawrapError as exc:
             self.add(LEVEL_NOTE, link, f"dpkg not consulted: {exc.message}")
@@ -410,7 +410,7 @@ class _Doctor:
                 path = os.path.join(directory, name)
                 if name.startswith(wrap.TMP_PREFIX):
                     self.problem(path, "a temporary name left by an interrupted cudawrap command",
-                                 partial(wrap.remove_tmp, path), LEVEL_WARNING)
+                                 partial(repairs.remove_tmp, path), LEVEL_WARNING)
                 elif name.startswith(REAL_PREFIX) and len(name) > len(REAL_PREFIX):
                     link = os.path.join(directory, name[len(REAL_PREFIX):])
                     if link not in known and not is_shim_link(layout, link):
@@ -422,7 +422,7 @@ class _Doctor:
             if path not in known:
                 name = dpkg.name_of(path) or path
                 self.problem(path, f"dpkg diverts it to {target} for cudawrap, but nothing is wrapped there",
-                             partial(wrap.drop_stray_diversion, dpkg, name))
+                             partial(repairs.drop_stray_diversion, dpkg, name))
 
     def _stray_wrap(self, path: str) -> bool:
         """Whether PATH looks like a wrap: a link straight to the shim, or one leading to it
@@ -437,7 +437,7 @@ class _Doctor:
         real = real_name(path)
         if os.path.lexists(real):
             self.problem(path, f"a shim link with its real program {real} but no registry entry",
-                         lambda: wrap.adopt(self.layout, path, self.dpkg))
+                         lambda: repairs.adopt(self.layout, path, self.dpkg))
         else:
             self.add(LEVEL_ERROR, path, f"a shim link without a real program ({real} is missing) or a "
                                         "registry entry; remove it, or put the program back as "

@@ -1,6 +1,7 @@
 """Wrapping and unwrapping programs: the core under ``create-cudawrap`` and ``cudawrap unwrap``.
 
-Never prints, never exits: every refusal is a CudawrapError naming the path.
+Never prints, never exits: every refusal is a CudawrapError naming the path. Unwrapping is
+in unwrap.py, doctor's repairs of interrupted or outdated wraps in repairs.py.
 
 The promise is that a wrapped name never stops being runnable, so no step removes or
 renames the name itself; it is only ever *replaced* with ``rename``:
@@ -18,7 +19,7 @@ unwrap (entry phase "unwrapping" first):
 
 Every intermediate state is an entry in phase "wrapping"/"unwrapping" plus a link path
 that is the original program, the same inode as CUDAWRAP_x, or the shim link: each runs
-the program, and :func:`finish` completes the operation from any of them. A stray
+the program, and :func:`repairs.finish` completes the operation from any of them. A stray
 ``.cudawrap-tmp-x`` is always a second name of something that still exists elsewhere.
 
 A name that is a symlink to a program (``/usr/bin/recon -> /opt/recon-2.1/bin/recon``) is
@@ -43,13 +44,12 @@ from ..policy import registry
 from .divert import PACKAGE, Dpkg, real_name, rpm_package
 from ..errors import CudawrapError, NotPermitted, StateError, UsageError
 from .inspect_wraps import (
-    INTERRUPTED, LINK_FILE, LINK_MISSING, LINK_SAME, LINK_SHIM, LINK_SYMLINK,
-    OK, WrapStatus, canonical, facts_of, inspect_entry, is_original, is_shim_link, link_kind, own_shim_state,
+    LINK_SHIM, canonical, facts_of, is_shim_link, link_kind,
     same_file,
     stamp_of, symlink_chain,
 )
 from ..paths import REAL_PREFIX, Layout
-from ..policy.registry import UNWRAPPING, WRAPPED, WRAPPING, Entry, Registry
+from ..policy.registry import WRAPPED, WRAPPING, Entry, Registry
 from ..base.safepath import trusted_uids, unsafe_reason
 
 log = logging.getLogger(__name__)
@@ -199,6 +199,33 @@ class WrapOutcome:
     warnings: Tuple[str, ...] = ()
 
 
+def _packaged(link: str, name: str, dpkg: Dpkg, force: bool) -> Tuple[Optional[str], Optional[str], Optional[str]]:
+    """(dpkg package, diversion name, RPM package) of LINK, one of NAME to be wrapped; raise
+    where a package makes the wrap unsafe (see check_wrap)."""
+    package = diversion = None
+    owner = dpkg.owner(link)
+    if owner is not None:
+        package, diversion = owner
+        system = dpkg.system_package(package)
+        if system is not None and not force:
+            raise StateError(f"{link}: belongs to {system[0]}, a package {system[1]} (part of the base "
+                             f"system), so every run of {name} on this machine, by any user or script, "
+                             "would take a device; wrap a CUDA program, or give --force if that is meant")
+        diverter = dpkg.diverter(diversion)
+        if diverter == PACKAGE:
+            raise StateError(f"{link}: dpkg already diverts it for cudawrap but the registry has no "
+                             "entry; run 'cudawrap doctor --repair' first")
+        if diverter is not None:
+            raise StateError(f"{link}: already diverted by {diverter} (dpkg-divert --list); "
+                             "cudawrap cannot divert it a second time")
+    rpm = rpm_package(link) if owner is None else None
+    if rpm is not None and not force:
+        raise StateError(f"{link}: belongs to the RPM package {rpm}, and rpm cannot divert files: an update "
+                         f"of {rpm} would silently unwrap it; wrap a copy outside the package's files, or "
+                         "give --force and wrap it again after every update")
+    return package, diversion, rpm
+
+
 def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg, force: bool = False) -> Candidate:
     """Check that PATH can be wrapped; raise a CudawrapError naming it if not. FORCE wraps a
     program of the base system (every run of it would take a device) or one an RPM package
@@ -268,27 +295,7 @@ def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg, force: bool
     if not os.access(head, os.W_OK | os.X_OK):
         raise NotPermitted(f"{link}: cannot create files in {head} (read-only file system or no "
                            "write permission)")
-    package = diversion = None
-    owner = dpkg.owner(link)
-    if owner is not None:
-        package, diversion = owner
-        system = dpkg.system_package(package)
-        if system is not None and not force:
-            raise StateError(f"{link}: belongs to {system[0]}, a package {system[1]} (part of the base "
-                             f"system), so every run of {name} on this machine, by any user or script, "
-                             "would take a device; wrap a CUDA program, or give --force if that is meant")
-        diverter = dpkg.diverter(diversion)
-        if diverter == PACKAGE:
-            raise StateError(f"{link}: dpkg already diverts it for cudawrap but the registry has no "
-                             "entry; run 'cudawrap doctor --repair' first")
-        if diverter is not None:
-            raise StateError(f"{link}: already diverted by {diverter} (dpkg-divert --list); "
-                             "cudawrap cannot divert it a second time")
-    rpm = rpm_package(link) if owner is None else None
-    if rpm is not None and not force:
-        raise StateError(f"{link}: belongs to the RPM package {rpm}, and rpm cannot divert files: an update "
-                         f"of {rpm} would silently unwrap it; wrap a copy outside the package's files, or "
-                         "give --force and wrap it again after every update")
+    package, diversion, rpm = _packaged(link, name, dpkg, force)
     from ..users import user_name
 
     owner = None if st.st_uid in trusted_uids() else user_name(st.st_uid)
@@ -438,295 +445,7 @@ def wrap_programs(
     return WrapOutcome(tuple(wrapped), tuple(failed), warnings)
 
 
-# --- unwrap ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Unwrapped:
-    link: str
-    message: str  # what was done, one line for the admin
-    saved: Optional[str] = None  # where a real program was kept when its name was taken
-
-
-@dataclass(frozen=True)
-class UnwrapOutcome:
-    unwrapped: Tuple[Unwrapped, ...]
-    failed: Tuple[Failure, ...]
-
-
-def saved_name(link: str) -> str:
-    """A free name next to LINK for a real program that cannot go back to LINK."""
-    candidate = link + SAVED_SUFFIX
-    number = 1
-    while os.path.lexists(candidate):
-        number += 1
-        candidate = f"{link}{SAVED_SUFFIX}.{number}"
-    return candidate
-
-
-def _force_effect(status: WrapStatus) -> str:
-    """What --force would do for STATUS, for the refusal message."""
-    link = status.entry.link
-    if not status.real_present:
-        if status.link == LINK_SHIM:
-            return "removes the shim link (no real program is left to restore)"
-        return "drops the registry entry (no real program is left to restore)"
-    if status.link in (LINK_SHIM, LINK_MISSING, LINK_SAME):
-        return f"puts {status.entry.real} back as {link} as it is now"
-    return f"leaves {link} as it is and keeps the wrapped program as {saved_name(link)}"
-
-
-def check_unwrap(layout: Layout, entry: Entry, force: bool) -> WrapStatus:
-    """Raise StateError unless ENTRY can be unwrapped (with FORCE: unless it can at all)."""
-    status = inspect_entry(layout, entry)
-    why = unsafe_dir(entry)
-    if why is not None:
-        if force:
-            return status
-        raise StateError(f"{entry.link}: {why}; nothing was changed: cudawrap no longer acts there; "
-                         "'cudawrap unwrap --force' drops its entry and shim and leaves the files there "
-                         "to their owner")
-    if status.state == OK or force:
-        return status
-    if status.state == INTERRUPTED:
-        # Finishing an interrupted operation by unwrapping is safe from the states the
-        # steps leave behind: the name is the shim link or the same file as the real one.
-        if status.link in (LINK_SHIM, LINK_SAME) and status.real_present:
-            return status
-        if status.link in (LINK_FILE, LINK_SYMLINK) and not status.real_present and is_original(entry, entry.link):
-            return status
-    raise StateError(f"{entry.link}: {status.state}: {status.detail or 'disk differs from the registry'}; "
-                     f"nothing was changed; 'cudawrap unwrap --force' {_force_effect(status)}")
-
-
-def _drop_diversion(entry: Entry, dpkg: Dpkg, rename: bool) -> None:
-    if entry.diversion is not None and dpkg.diverter(entry.diversion) == PACKAGE:
-        dpkg.remove(entry.diversion, rename=rename)
-
-
-def unwrap_one(layout: Layout, entry: Entry, dpkg: Dpkg) -> Unwrapped:
-    """Put ENTRY's real program back under its name; the caller holds the lock and has
-    called :func:`check_unwrap`. Never deletes a real program: when the name now holds
-    something else, both are kept and the message says where."""
-    if unsafe_dir(entry) is not None:
-        return _let_go(layout, entry, dpkg)
-    original = entry
-    entry = entry.replace(phase=UNWRAPPING)
-    try:
-        registry.update(layout, lambda reg: reg.put(entry))
-    except CudawrapError as exc:
-        raise StateError(f"{entry.link}: could not unwrap it: {exc.message}; nothing was changed") from None
-    link, real = entry.link, entry.real
-    kind = link_kind(layout, entry)
-    real_present = os.path.lexists(real)
-    saved = None
-    started = False  # whether any file changed yet: before that, a failure is undone
-    try:
-        if real_present and kind in (LINK_SHIM, LINK_MISSING):
-            _replace_with_link(real, link)
-            started, kind = True, LINK_SAME
-        if kind == LINK_SAME:
-            _drop_diversion(entry, dpkg, rename=True)  # unlinks CUDAWRAP_x: one inode with x
-            started = True
-            if same_file(link, real):
-                os.unlink(real)
-            message = f"unwrapped {link}"
-        elif real_present:
-            saved = saved_name(link)
-            os.link(real, saved, follow_symlinks=False)  # link+unlink: never overwrites
-            started = True
-            os.unlink(real)
-            _drop_diversion(entry, dpkg, rename=False)
-            message = f"unwrapped {link}: left what is there now; the wrapped program was kept as {saved}"
-        else:
-            if kind == LINK_SHIM:
-                os.unlink(link)
-                started = True
-                message = f"unwrapped {link}: removed the shim link; there was no real program to restore"
-            elif kind in (LINK_FILE, LINK_SYMLINK) and is_original(entry, link):
-                message = f"unwrapped {link}"  # an interrupted unwrap had already put it back
-            else:
-                message = f"unwrapped {link}: dropped the entry; there was no real program to restore"
-            _drop_diversion(entry, dpkg, rename=False)
-        _fsync_dir(os.path.dirname(link))
-        if link_kind(layout, entry) != LINK_SHIM:
-            _remove_own_shim(layout, link)
-    except (OSError, CudawrapError) as exc:
-        if not started and original.phase == WRAPPED:
-            try:
-                registry.update(layout, lambda reg: reg.put(original))
-            except CudawrapError:
-                pass
-            else:
-                raise StateError(f"{link}: could not unwrap it: {_why(exc)}; nothing was changed") from exc
-        raise StateError(f"{link}: unwrap stopped half-way ({_why(exc)}); the program still runs; "
-                         "run 'cudawrap doctor --repair' to finish") from exc
-    try:
-        registry.update(layout, lambda reg: reg.drop(link))
-    except CudawrapError as exc:
-        raise StateError(f"{link}: unwrapped, but recording that failed ({exc.message}); "
-                         "run 'cudawrap doctor --repair' to record it") from None
-    log.info("unwrapped %s (%s)", link, message)
-    audit.log("unwrap", program=link, by=invoking_user(), result=message)
-    return Unwrapped(link, message, saved)
-
-
-def _let_go(layout: Layout, entry: Entry, dpkg: Dpkg) -> Unwrapped:
-    """Forget ENTRY without touching its directory, which another user controls (unwrap --force)."""
-    _remove_own_shim(layout, entry.link)
-    _drop_diversion(entry, dpkg, rename=False)
-    registry.update(layout, lambda reg: reg.drop(entry.link))
-    message = (f"unwrapped {entry.link}: dropped its entry and shim; {os.path.dirname(entry.link)} is not "
-               f"root's, so its files were left as they are ({entry.real} is the real program)")
-    log.info("%s", message)
-    audit.log("unwrap", program=entry.link, by=invoking_user(), result=message)
-    return Unwrapped(entry.link, message)
-
-
-def unwrap_programs(
-    layout: Layout,
-    paths: Sequence[str],
-    *,
-    everything: bool = False,
-    force: bool = False,
-    dpkg: Optional[Dpkg] = None,
-) -> UnwrapOutcome:
-    """Unwrap PATHS (link or CUDAWRAP_ paths), or every entry with EVERYTHING.
-
-    As for wrapping, all are checked before any is changed; a refusal changes nothing.
-    """
-    dpkg = Dpkg.from_environment() if dpkg is None else dpkg
-
-    def check_all(reg: Registry) -> Tuple[List[Entry], List[Failure]]:
-        good: List[Entry] = []
-        bad: List[Failure] = []
-        wanted: List[Tuple[str, Optional[Entry]]] = (
-            [(e.link, e) for e in reg] if everything
-            else [(p, reg.find(os.path.abspath(p)) if p else None) for p in paths]
-        )
-        for path, entry in wanted:
-            try:
-                if entry is None:
-                    raise StateError(f"{os.path.abspath(path) if path else repr(path)}: not wrapped by "
-                                     "cudawrap (see 'cudawrap list')")
-                if entry in good:
-                    raise UsageError(f"{entry.link}: given twice")
-                check_unwrap(layout, entry, force)
-                good.append(entry)
-            except CudawrapError as exc:
-                bad.append(Failure(path, exc))
-        return good, bad
-
-    _, bad = check_all(registry.load(layout))
-    if bad:
-        return UnwrapOutcome((), tuple(bad))
-    done: List[Unwrapped] = []
-    failed: List[Failure] = []
-    with registry.lock(layout):
-        good, failed = check_all(registry.load(layout))
-        for entry in good:
-            try:
-                done.append(unwrap_one(layout, entry, dpkg))
-            except CudawrapError as exc:
-                failed.append(Failure(entry.link, exc))
-        if done:
-            refresh_launch_cache(layout)
-    return UnwrapOutcome(tuple(done), tuple(failed))
-
-
-# --- repairs (cudawrap doctor --repair); the caller holds the lock --------------------
-
-
-def _record(layout: Layout, entry: Entry, **changes: Any) -> Entry:
-    facts = facts_of(entry.real)
-    new = entry.replace(sha256=facts.sha256, mode=facts.mode, uid=facts.uid, gid=facts.gid,
-                        stat=facts.stamp, **changes)
-    registry.update(layout, lambda reg: reg.put(new))
-    return new
-
-
-def _ensure_diversion(entry: Entry, dpkg: Dpkg) -> Tuple[Entry, Optional[str]]:
-    """ENTRY with the diversion it needs in place (dpkg may have come to own the file)."""
-    if entry.diversion is None:
-        owner = dpkg.owner(entry.link)
-        if owner is None:
-            return entry, None
-        entry = entry.replace(package=owner[0], diversion=owner[1])
-    if dpkg.diverter(entry.diversion) == PACKAGE:  # type: ignore[arg-type]
-        return entry, None
-    dpkg.add(entry.diversion)  # type: ignore[arg-type]
-    return entry, f"diverted {entry.diversion} (package {entry.package}) so upgrades cannot replace the link"
-
-
-def finish(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
-    """Complete an interrupted create or unwrap of ENTRY; returns what was done."""
-    if entry.phase == UNWRAPPING:
-        return unwrap_one(layout, entry, dpkg).message + " (finished an interrupted unwrap)"
-    kind = link_kind(layout, entry)
-    link, real = entry.link, entry.real
-    if kind in (LINK_FILE, LINK_SYMLINK) and not os.path.lexists(real) and is_original(entry, link):
-        os.link(link, real, follow_symlinks=False)
-        kind = LINK_SAME
-    if kind not in (LINK_SAME, LINK_SHIM, LINK_MISSING) or not os.path.lexists(real):
-        raise StateError(f"{link}: cannot finish the interrupted create: "
-                         f"{inspect_entry(layout, entry.replace(phase=WRAPPED)).detail}; "
-                         f"'cudawrap unwrap --force {link}' gives up the wrap")
-    entry, _ = _ensure_diversion(entry, dpkg)
-    if kind != LINK_SHIM or own_shim_state(layout, link) != "own":
-        _replace_with_shim_link(layout, link)
-    _record(layout, entry, phase=WRAPPED)
-    log.info("finished the interrupted wrap of %s", link)
-    return f"finished the interrupted wrap of {link}"
-
-
-def _keep_old_real(entry: Entry) -> str:
-    """A second name for ENTRY's real program before a new build replaces it; returns it."""
-    saved = saved_name(entry.link)
-    os.link(entry.real, saved, follow_symlinks=False)  # fails rather than overwrite
-    return saved
-
-
-def rewrap(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
-    """The name holds a new binary (an upgrade or `install` replaced the shim link): make the
-    new binary the real program, keep the old one beside it, and put the shim link back."""
-    link, real = entry.link, entry.real
-    old = entry.sha256
-    saved = _keep_old_real(entry) if os.path.lexists(real) else None
-    _replace_with_link(link, real)  # the new binary is now also CUDAWRAP_x
-    entry, _ = _ensure_diversion(entry, dpkg)
-    _replace_with_shim_link(layout, link)
-    entry = _record(layout, entry)
-    log.info("re-wrapped %s: new binary %s replaced %s (kept as %s)", link, entry.sha256, old, saved)
-    audit.log("rewrap", program=link, sha256=entry.sha256, previous=old, kept=saved or "none")
-    kept = f"; the previous real program (sha256 {old[:12]}...) was kept as {saved}" if saved else ""
-    return (f"re-wrapped {link}: the new binary there became {real}, replacing the one wrapped "
-            f"on {entry.wrapped_at}{kept}")
-
-
-def adopt_build(layout: Layout, entry: Entry) -> str:
-    """A deploy copied a new build through ENTRY's link into its own shim: make that build the
-    real program (the old one kept beside it) and write the shim anew."""
-    link, real = entry.link, entry.real
-    shim = os.fspath(layout.program_shim(link))
-    old = entry.sha256
-    saved = _keep_old_real(entry) if os.path.lexists(real) else None
-
-    def copy(tmp: str) -> None:
-        import shutil
-
-        # A copy, not a link: the shim directory may be on another file system.
-        shutil.copyfile(shim, tmp, follow_symlinks=False)
-        shutil.copymode(shim, tmp)
-
-    _replace(real, copy)
-    from ..install.installation import install_program_shim
-
-    install_program_shim(layout, link)
-    entry = _record(layout, entry)
-    log.info("adopted the build copied through %s as %s (kept the old one as %s)", link, real, saved)
-    audit.log("adopt-build", program=link, sha256=entry.sha256, previous=old, kept=saved or "none")
-    kept = f"; the previous real program (sha256 {old[:12]}...) was kept as {saved}" if saved else ""
-    return f"made the new build {real} and restored the shim{kept}"
+# --- shims after an upgrade (the installer) and for doctor's repairs -------------------
 
 
 def own_shim(layout: Layout, entry: Entry) -> str:
@@ -755,73 +474,3 @@ def refresh_shims(layout: Layout) -> List[str]:
             elif shim_version(own) and install_program_shim(layout, entry.link):
                 done.append(f"refreshed the shim of {entry.link}")
     return done
-
-
-def relink(layout: Layout, entry: Entry) -> str:
-    """Recreate a missing shim link (or the missing shim it leads to)."""
-    _replace_with_shim_link(layout, entry.link)
-    log.info("recreated the shim link %s", entry.link)
-    return f"recreated the shim link {entry.link}"
-
-
-def forget(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
-    """The real program is gone: remove our shim link (it leads nowhere), the diversion
-    and the entry."""
-    removed = ""
-    if link_kind(layout, entry) == LINK_SHIM:
-        os.unlink(entry.link)
-        removed = " and the shim link"
-    _remove_own_shim(layout, entry.link)
-    _drop_diversion(entry, dpkg, rename=False)
-    registry.update(layout, lambda reg: reg.drop(entry.link))
-    log.info("forgot %s: real program %s is gone", entry.link, entry.real)
-    return f"removed the registry entry{removed} of {entry.link}: its real program {entry.real} is gone"
-
-
-def accept(layout: Layout, entry: Entry) -> str:
-    """Record the real program as it is now (after an upgrade through the diversion)."""
-    new = _record(layout, entry)
-    log.info("recorded the new checksum of %s: %s (was %s)", entry.real, new.sha256, entry.sha256)
-    return f"recorded {entry.real} as it is now (sha256 {new.sha256[:12]}..., was {entry.sha256[:12]}...)"
-
-
-def ensure_diversion(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
-    """Add a diversion ENTRY lacks; returns what was done."""
-    new, done = _ensure_diversion(entry, dpkg)
-    if not done:
-        return "the diversion was already in place"
-    registry.update(layout, lambda reg: reg.put(new))
-    log.info("%s", done)
-    return done
-
-
-def remove_tmp(path: str) -> str:
-    """Remove a temporary name an interrupted command left (never an only copy)."""
-    _clear_tmp(path)
-    return "removed it"
-
-
-def drop_stray_diversion(dpkg: Dpkg, name: str) -> str:
-    """Remove a diversion cudawrap made for a program it no longer wraps."""
-    dpkg.remove(name, rename=False)
-    log.info("removed the stray diversion of %s", name)
-    return "removed the diversion"
-
-
-def adopt(layout: Layout, link: str, dpkg: Dpkg) -> str:
-    """Register a shim link whose CUDAWRAP_ program exists but has no entry."""
-    real = real_name(link)
-    name = dpkg.name_of(link)
-    diversion = name if name is not None and dpkg.diverter(name) == PACKAGE else None
-    owner = dpkg.owner(link) if diversion else None
-    facts = facts_of(real)
-    entry = Entry(
-        link=link, real=real, sha256=facts.sha256, mode=facts.mode, uid=facts.uid, gid=facts.gid,
-        symlink=facts.symlink, package=owner[0] if owner else None, diversion=diversion, policy={},
-        wrapped_by="cudawrap doctor", wrapped_at=utc_now(), cudawrap_version=__version__,
-        phase=WRAPPED, stat=facts.stamp,
-    )
-    registry.update(layout, lambda reg: reg.put(entry))
-    log.info("registered the unregistered wrap %s", link)
-    return f"registered {link} (its per-program policy was lost; wrap it anew to set one)"
-

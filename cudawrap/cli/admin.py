@@ -209,7 +209,7 @@ class UnwrapCommand(Command):
 
     def main(self, *programs: str) -> int:
         from ..base.privilege import require_admin
-        from ..admin.wrap import unwrap_programs
+        from ..admin.unwrap import unwrap_programs
 
         if programs and self.everything:
             raise UsageError("give programs or --all, not both")

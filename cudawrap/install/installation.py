@@ -1,143 +1,33 @@
-"""Laying out an install root: directories with their modes, the runtime area, the shim.
+"""Installing and uninstalling: an install root laid out (runtime.py), its shim (shimfile.py),
+units (units.py), and everything recorded in a manifest (manifest.py).
 
 install.sh calls this (through the CLI) for a system install and for ``--prefix``; the
-test suite calls it on a temporary root. One code path for all three.
+test suite calls it on a temporary root. One code path for all three. The names of those
+modules that callers use are importable from here too.
 """
 from __future__ import annotations
 
 import os
-import stat
 import sys
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from .. import __version__
 from ..paths import Layout
-
-SHIM_TEMPLATE = "cudawrap-shim.in"
-SHIM_STAMP = "# cudawrap shim, version "
-
+# Re-exported: callers (the CLI, install.sh's check, doctor, sync, the tests) import these from here.
+from .manifest import (  # noqa: F401
+    CONFFILE, DIR, FILE, LINK, TREE, InstallError, Manifest, manifest_file, missing_dirs, sha256_of,
+)
+from .runtime import _dir, prepare, prepare_runtime  # noqa: F401
+from .shimfile import _template, install_program_shim, install_shim, shim_version  # noqa: F401
+from .units import (  # noqa: F401
+    MONITOR_UNIT, MPS_UNIT, SERVICE_UNIT, UNIT_NAME, UNITS, mps_mode, render_monitor_unit, render_mps_unit,
+    render_service_unit, render_tmpfiles,
+    render_unit, tmpfiles_file, unit_file, unit_wants_link,
+)
 
 # The wrapped programs' shims, rewritten: yields one line per program (cudawrap.admin.wrap.refresh_shims).
 Refresh = Callable[[Layout], Iterable[str]]
-
-
-def _template() -> str:
-    # shims/ ships as the package cudawrap.shims (see pyproject.toml), installed or editable;
-    # run straight from a source checkout (PYTHONPATH), it is shims/ beside the package.
-    try:
-        from .. import shims
-    except ImportError:
-        where = Path(__file__).resolve().parents[2] / "shims"  # cudawrap/install/ -> the checkout
-    else:
-        where = Path(shims.__file__).parent
-    return (where / SHIM_TEMPLATE).read_text(encoding="utf-8")
-
-
-def _import_dirs() -> List[str]:
-    """sys.path entries the shim needs: where cudawrap and pynvml are importable from."""
-    import pynvml
-
-    dirs = []
-    # cudawrap/install/installation.py -> the directory that holds the package cudawrap
-    for module_dir in (str(Path(__file__).resolve().parents[2]), str(Path(pynvml.__file__).resolve().parent)):
-        if module_dir not in dirs:
-            dirs.append(module_dir)
-    return dirs
-
-
-def render_shim(layout: Layout, python: str = sys.executable, link: Optional[str] = None) -> str:
-    """The shim prototype, or with LINK the own shim of the program wrapped there."""
-    text = _template()
-    for key, value in (("@PYTHON@", python), ("@VERSION@", __version__),
-                       ("@SYSPATH@", repr(_import_dirs())), ("@ROOT@", repr(str(layout.root))),
-                       ("@LINK@", repr(link))):
-        text = text.replace(key, value)
-    return text
-
-
-def shim_version(path: Path) -> str:
-    """The version stamped into an installed shim, or "" if it is not one of ours."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            head = f.read(400)
-    except OSError:
-        return ""
-    for line in head.splitlines():
-        if line.startswith(SHIM_STAMP):
-            return line[len(SHIM_STAMP):].split(". ", 1)[0].rstrip(".")
-    return ""
-
-
-def _write_shim(path: Path, text: str) -> bool:
-    """Write a shim atomically if it differs; True if it changed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        if path.read_text(encoding="utf-8") == text:
-            return False
-    except (OSError, UnicodeDecodeError):
-        pass
-    tmp = path.with_name(f".new.{os.getpid()}.{path.name[-16:]}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)  # a running launch keeps the old file; a new one gets the new
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return True
-
-
-def install_shim(layout: Layout, python: str = sys.executable) -> bool:
-    """Write the shim prototype if it differs; True if it changed."""
-    return _write_shim(layout.shim, render_shim(layout, python))
-
-
-def shim_python(layout: Layout) -> str:
-    """The interpreter install.sh baked into the prototype (this one if there is none)."""
-    try:
-        with open(layout.shim, "rb") as f:
-            first = f.readline(4096).decode("utf-8", "surrogateescape")
-    except OSError:
-        return sys.executable
-    words = first[2:].split() if first.startswith("#!") and shim_version(layout.shim) else []
-    return words[0] if words else sys.executable
-
-
-def install_program_shim(layout: Layout, link: str) -> bool:
-    """Write the own shim of the program wrapped at LINK (its interpreter: the prototype's)."""
-    layout.shim_dir.mkdir(parents=True, exist_ok=True)
-    return _write_shim(layout.program_shim(link), render_shim(layout, shim_python(layout), link))
-
-
-def _dir(path: Path, mode: int) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(f"{path} is not a directory")
-    if stat.S_IMODE(st.st_mode) != mode:
-        os.chmod(path, mode)
-
-
-def prepare_runtime(layout: Layout) -> None:
-    """The tmpfs part (/run/cudawrap): lease, slot and queue directories and the queue lock."""
-    _dir(layout.runtime_dir, 0o755)
-    _dir(layout.lease_dir, 0o755)
-    _dir(layout.share_dir, 0o755)
-    # Sticky and world-writable like /tmp: everyone may queue, nobody may unqueue others.
-    _dir(layout.queue_dir, 0o1777)
-    fd = os.open(layout.queue_lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    os.fchmod(fd, 0o644)
-    os.close(fd)
-
-
-def prepare(layout: Layout, python: str = sys.executable) -> None:
-    """Every directory of an install root, the runtime area and the shim."""
-    _dir(layout.etc_dir, 0o755)
-    _dir(layout.state_dir, 0o755)
-    prepare_runtime(layout)
-    install_shim(layout, python)
-    _dir(layout.shim_dir, 0o755)
 
 
 def prepare_package(layout: Layout, python: str, refresh: Refresh) -> None:
@@ -162,51 +52,14 @@ def _package_say(line: str) -> None:
 # and ``... uninstall`` to take it all away again. Everything created is recorded in a
 # manifest in the state directory, so an uninstall removes exactly what an install made.
 
-MANIFEST_NAME = "install-manifest.json"
-MANIFEST_VERSION = 1
-UNIT_NAME = "cudawrap-sync.service"
-MONITOR_UNIT = "cudawrap-monitor.service"
-MPS_UNIT = "cudawrap-mps.service"
-SERVICE_UNIT = "cudawrap.service"
 COMPLETION_SOURCE = "packaging/cudawrap.bash-completion"
 COMMANDS = ("cudawrap", "create-cudawrap")
 PROG = "install.sh"
-
-# Kinds of manifest entry and what an uninstall does with each.
-DIR = "dir"  # removed when empty
-TREE = "tree"  # removed with everything in it (venv, state and runtime directories only)
-FILE = "file"  # removed
-LINK = "link"  # removed while it still points where we pointed it
-CONFFILE = "conffile"  # removed unless edited since (its sha256 differs), like dpkg's conffiles
 
 
 def _say(line: str) -> None:
     """One step on stdout (a warning on stderr), flushed to stay in order with the commands run."""
     print(line, file=sys.stderr if line.startswith(f"{PROG}: ") else sys.stdout, flush=True)
-
-
-class InstallError(Exception):
-    """One line for install.sh to print; the exit code it should return."""
-
-    def __init__(self, message: str, exit_code: int = 1) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def manifest_file(layout: Layout) -> Path:
-    return layout.state_dir / MANIFEST_NAME
-
-
-def tmpfiles_file(layout: Layout) -> Path:
-    return layout.root / "etc" / "tmpfiles.d" / "cudawrap.conf"
-
-
-def unit_file(layout: Layout, name: str = UNIT_NAME) -> Path:
-    return layout.root / "etc" / "systemd" / "system" / name
-
-
-def unit_wants_link(layout: Layout, name: str = UNIT_NAME) -> Path:
-    return layout.root / "etc" / "systemd" / "system" / "multi-user.target.wants" / name
 
 
 def wheel_dir(layout: Layout) -> Path:
@@ -221,207 +74,6 @@ def completion_file(layout: Layout) -> Path:
 def command_links(layout: Layout) -> Dict[Path, Path]:
     """bin_dir/NAME -> the venv's console script, for each command put on PATH."""
     return {layout.bin_dir / name: layout.venv_dir / "bin" / name for name in COMMANDS}
-
-
-def sha256_of(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-class Manifest:
-    """What install.sh created under one root, in creation order (paths are absolute)."""
-
-    def __init__(self, root: Path, entries: Optional[List[Dict[str, str]]] = None) -> None:
-        self.root = root
-        self.entries: List[Dict[str, str]] = list(entries or [])
-
-    def get(self, path: Path) -> Optional[Dict[str, str]]:
-        for entry in self.entries:
-            if entry["path"] == str(path):
-                return entry
-        return None
-
-    def add(self, kind: str, path: Path, **extra: str) -> None:
-        """Record PATH (the first record of a path wins: it says what was there before us)."""
-        if self.get(path) is None:
-            self.entries.append({"kind": kind, "path": str(path), **extra})
-
-    def replace(self, kind: str, path: Path, **extra: str) -> None:
-        """Record PATH anew (a file written again, whose old record is out of date)."""
-        self.entries = [e for e in self.entries if e["path"] != str(path)]
-        self.add(kind, path, **extra)
-
-    @classmethod
-    def load(cls, layout: Layout) -> Optional["Manifest"]:
-        import json
-
-        path = manifest_file(layout)
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as exc:
-            raise InstallError(f"{path}: cannot read the install manifest ({exc}); remove what "
-                               f"cudawrap installed by hand") from None
-        if not isinstance(doc, dict) or doc.get("version") != MANIFEST_VERSION or \
-                not isinstance(doc.get("entries"), list):
-            raise InstallError(f"{path}: not an install manifest this install.sh can read")
-        if doc.get("root") != str(layout.root):
-            raise InstallError(f"{path}: it records an install into {doc.get('root')}, not {layout.root}")
-        return cls(layout.root, [e for e in doc["entries"] if isinstance(e, dict) and "path" in e])
-
-    def save(self, layout: Layout) -> None:
-        import json
-
-        path = manifest_file(layout)
-        doc = {"version": MANIFEST_VERSION, "root": str(self.root), "cudawrap_version": __version__,
-               "entries": self.entries}
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-
-
-def missing_dirs(path: Path) -> List[Path]:
-    """PATH and those of its ancestors that do not exist yet, outermost first."""
-    out: List[Path] = []
-    while not os.path.lexists(path) and path != path.parent:
-        out.append(path)
-        path = path.parent
-    return out[::-1]
-
-
-def render_tmpfiles(layout: Layout) -> str:
-    """systemd-tmpfiles lines recreating what ``prepare_runtime`` makes, at every boot."""
-    owner = "root root" if layout.is_system else "- -"
-    return (
-        "# cudawrap's runtime area on /run (a tmpfs): recreated at every boot.\n"
-        "# Written by cudawrap's install.sh; the modes match cudawrap.install.installation.prepare_runtime.\n"
-        f"d {layout.runtime_dir} 0755 {owner} -\n"
-        f"d {layout.lease_dir} 0755 {owner} -\n"
-        f"d {layout.share_dir} 0755 {owner} -\n"
-        "# sticky and world-writable like /tmp: everyone may queue, nobody may unqueue others\n"
-        f"d {layout.queue_dir} 1777 {owner} -\n"
-        f"f {layout.queue_lock} 0644 {owner} -\n"
-    )
-
-
-def _unit_command(layout: Layout) -> Tuple[str, str]:
-    """The install's cudawrap command: its path, and as a unit's Exec line takes it."""
-    cudawrap = str(layout.venv_dir / "bin" / "cudawrap")
-    return cudawrap, f'"{cudawrap}"' if " " in cudawrap else cudawrap
-
-
-def render_unit(layout: Layout) -> str:
-    """The oneshot unit that runs ``cudawrap sync`` at boot, once the NVIDIA driver is up."""
-    cudawrap, command = _unit_command(layout)
-    return f"""\
-# Written by cudawrap's install.sh (re-running it rewrites this file).
-[Unit]
-Description=cudawrap: lease files for the GPUs and MIG instances present at boot
-# Ordering only, no Wants=: where nvidia-persistenced runs, sync after it has initialised
-# the GPUs; where it does not, NVML loads the driver itself. Pulling the daemon in would
-# start something the admin chose not to run.
-After=nvidia-persistenced.service systemd-modules-load.service systemd-tmpfiles-setup.service
-ConditionPathExists={cudawrap}
-
-[Service]
-Type=oneshot
-RemainAfterExit=yes
-# The install root is recorded in the virtual environment: no CUDAWRAP_ROOT needed.
-ExecStart={command} sync
-# 69: no NVIDIA driver. Wrapped programs then behave as the no_driver setting says; the
-# warning is in the journal, and the boot is not marked as failed.
-SuccessExitStatus=69
-
-[Install]
-WantedBy=multi-user.target
-"""
-
-
-def render_monitor_unit(layout: Layout) -> str:
-    """The service that keeps the launch snapshot fresh, so launches need not load NVML."""
-    cudawrap, command = _unit_command(layout)
-    return f"""\
-# Written by cudawrap's install.sh (re-running it rewrites this file).
-[Unit]
-Description=cudawrap: keep the launch snapshot fresh (launches skip NVML while it runs)
-# Optional: without it every launch asks NVML itself, correctly but slower.
-After={UNIT_NAME}
-ConditionPathExists={cudawrap}
-
-[Service]
-ExecStart={command} monitor
-Restart=always
-RestartSec=5
-Nice=5
-
-[Install]
-WantedBy=multi-user.target
-"""
-
-
-def render_mps_unit(layout: Layout) -> str:
-    """The oneshot unit that keeps an MPS control daemon per shared device ([sharing] mode = "mps")."""
-    cudawrap, command = _unit_command(layout)
-    return f"""\
-# Written by cudawrap's install.sh (re-running it rewrites this file). install.sh enables it
-# when the configuration says [sharing] mode = "mps"; otherwise it stays disabled.
-[Unit]
-Description=cudawrap: an NVIDIA MPS control daemon for each device shared through MPS
-# The daemons are for the devices that have lease files, which sync makes.
-After={UNIT_NAME}
-ConditionPathExists={cudawrap}
-
-[Service]
-Type=oneshot
-RemainAfterExit=yes
-# The daemons stay in this unit's cgroup: stopping the unit ends whatever quit left.
-ExecStart={command} mps start
-# Each daemon refuses new clients and exits once its running clients are done.
-ExecStop={command} mps stop
-
-[Install]
-WantedBy=multi-user.target
-"""
-
-
-def render_service_unit(layout: Layout) -> str:
-    """`cudawrap serve`: the broker that grants leases by descriptor (README "The cudawrap service")."""
-    cudawrap, command = _unit_command(layout)
-    return f"""\
-# Written by cudawrap's install.sh (re-running it rewrites this file).
-[Unit]
-Description=cudawrap: grant GPU leases through one socket (runs decide for themselves without it)
-After={UNIT_NAME}
-ConditionPathExists={cudawrap}
-
-[Service]
-ExecStart={command} serve
-# Held leases survive a restart (their locks are the runs'); waiting runs decide for themselves
-# until the socket answers again.
-Restart=on-failure
-RestartSec=1
-
-[Install]
-WantedBy=multi-user.target
-"""
-
-
-UNITS: Dict[str, Callable[[Layout], str]] = {UNIT_NAME: render_unit, MONITOR_UNIT: render_monitor_unit,
-                                             MPS_UNIT: render_mps_unit, SERVICE_UNIT: render_service_unit}
-
-
-def mps_mode(layout: Layout) -> bool:
-    """Whether LAYOUT's configuration says [sharing] mode = "mps" (a broken one does not)."""
-    from ..policy.config import load_config
-    from ..errors import ConfigError
-
-    try:
-        return load_config(layout.config_file).sharing["mode"].value == "mps"
-    except ConfigError:
-        return False
 
 
 def _write_text(path: Path, text: str, mode: int = 0o644) -> bool:

@@ -135,7 +135,7 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
     kernel's record of who holds its lock: entries are written by users, so nothing else
     in them is trusted.
     """
-    from ..sched.acquirer import Acquirer
+    from ..sched.machine import MachineView
     from ..errors import CudawrapError
     from ..lease.files import LeaseFiles
     from ..policy.limits import limit_for
@@ -153,12 +153,12 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
 
             settings = effective(str(layout.root), None)
             limits = settings.get("limits", (None, ""))[0]
-            acquirer = Acquirer(LeaseFiles(str(layout.lease_dir), str(layout.share_dir)), queue, inventory.devices,
-                                inventory.devices, 1,
-                                limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
-                                sharing=Sharing(settings["sharing"][0]), root=str(layout.root),
-                                admin=lambda: queue_bounds(str(layout.root)))
-            verdicts = acquirer.decide(scan, None, queued=True)[0]
+            view = MachineView(LeaseFiles(str(layout.lease_dir), str(layout.share_dir)), inventory.devices,
+                               inventory.devices,
+                               limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
+                               sharing=Sharing(settings["sharing"][0]), root=str(layout.root),
+                               admin=lambda: queue_bounds(str(layout.root)))
+            verdicts = view.decide(scan, None, queued=True)[0]
         except CudawrapError:
             verdicts = {}
     out = []
@@ -222,7 +222,7 @@ def _mps_without_share(root: str, lease_dir: str, uuid: str, pids: Optional[Sequ
     """Under MPS, the processes on UUID of users who hold no share there, besides the server of
     cudawrap's daemon for it (an MPS client connected without a lease): they keep the
     device's other users waiting. Shares are the lease file's locks, by the owner of each taker."""
-    from ..sched.acquirer import _uid_of, mps_strangers
+    from ..sched.machine import _uid_of, mps_strangers
     from ..lease.sharing import mps_daemon
 
     if not pids:

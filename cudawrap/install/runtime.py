@@ -1,0 +1,42 @@
+"""The directories of an install root, with their modes, and the runtime area on /run."""
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+
+from ..paths import Layout
+from .shimfile import install_shim
+
+
+def _dir(path: Path, mode: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{path} is not a directory")
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode)
+
+
+
+def prepare_runtime(layout: Layout) -> None:
+    """The tmpfs part (/run/cudawrap): lease, slot and queue directories and the queue lock."""
+    _dir(layout.runtime_dir, 0o755)
+    _dir(layout.lease_dir, 0o755)
+    _dir(layout.share_dir, 0o755)
+    # Sticky and world-writable like /tmp: everyone may queue, nobody may unqueue others.
+    _dir(layout.queue_dir, 0o1777)
+    fd = os.open(layout.queue_lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    os.fchmod(fd, 0o644)
+    os.close(fd)
+
+
+
+def prepare(layout: Layout, python: str = sys.executable) -> None:
+    """Every directory of an install root, the runtime area and the shim."""
+    _dir(layout.etc_dir, 0o755)
+    _dir(layout.state_dir, 0o755)
+    prepare_runtime(layout)
+    install_shim(layout, python)
+    _dir(layout.shim_dir, 0o755)

@@ -1,0 +1,474 @@
+"""Waiting in the queue for a turn: imported only once a run must queue (see acquirer.py).
+
+No daemon: each waiter decides for itself. So that hundreds of waiters cost nothing while
+nothing changes, only the first few in line (WATCHERS) watch the lease and queue
+directories through inotify; the others sleep until one of those pokes them (opens their
+entry, which they watch) because they moved up or were given devices. Between full looks a
+watcher decides on its last look amended by the events since (handover.py).
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal  # waiting only: `signal` pulls in enum (~5 ms)
+import time
+
+TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
+if TYPE_CHECKING:
+    from typing import Callable, Dict, List, Optional, Set, Tuple, Union
+
+    from .schedule import Verdict, Waiter
+
+from ..base import inotify
+from ..errors import Interrupted, NoDeviceError
+from ..lease.files import Lease
+from .acquirer import GRACE_S, WATCHERS, Acquirer, Cancelled, Decision, _jitter
+from .farwait import FarWait
+from .foreignwake import ForeignWake
+from .handover import after_release, amend, amendments, hand_over, signature
+from .queue import Entry, Scan
+from .schedule import GRANTED
+
+IDLE_S = 30.0
+# Only the first NEAR in line keep an inotify instance (to be poked): Linux allows a user 128
+# (fs.inotify.max_user_instances), and a batch of 500 runs must not use them all up, leaving
+# the runs at the head to poll. Those further back (or without an instance) sleep until runs
+# leave the queue (farwait: dnotify, or the directory's mtime polled), at most once every
+# FAR_POLL_S x (their position / 100), at least FAR_POLL_S; then they count how many of the
+# runs ahead at their last look have left (one listing, no lock table) and decide again once
+# fewer than NEAR are left, or IDLE_S x (position / NEAR) after their last decision (500
+# waiters looking every 30 s would cost a quarter of a core).
+NEAR = 48
+FAR_POLL_S = 1.0
+# A watcher re-looks this often even without events (NVML state has no event to watch).
+WATCH_S = 1.0
+# A look amended by events (a lease released, a run that left) serves at most this long.
+AMEND_S = 10.0
+# Batches of events that changed nothing, at most this many a second after a burst of
+# (rate, burst): anyone can open a lease file or a queue entry in a loop (1000 a second made
+# the waiters of others use a core), and each batch costs a waiter the same as one event.
+# Past that, events wait to be read in one batch: a release 1/rate at most (a watcher);
+# a poke of a run behind the watchers (who wait for nothing sooner) longer.
+IDLE_BATCHES = (50.0, 10)
+IDLE_POKES = (10.0, 3)
+# A run behind the watchers, poked: it looks at once if fewer than WATCHERS of the runs
+# ahead of it at its last look are left (they cannot be faked: nobody can remove another's
+# entry); if a device it may use is free (maybe given to it), (rate, burst) at most; any
+# poke once this long has passed since its last look.
+POKED_LOOKS = (2.0, 3)
+POKE_IDLE_S = 2.0
+# A watcher whose look a newcomer or a lease file opened may have outdated looks again at
+# once (rate, burst) at most, so that the release that follows is amended on a fresh look
+# (a burst of launches); past that, the release is decided on a full look.
+REFRESH_LOOKS = (2.0, 3)
+MOVED_UP, FREE = "moved up", "free"
+# Without inotify (out of watches) the watchers poll this often.
+POLL_S = 0.02
+# What one batch of events tells the waiting loop: a full look now, or wait on.
+LOOK, WAIT = "look", "wait"
+
+
+def _raise_signal(signum: int, frame: object) -> None:
+    raise Interrupted("interrupted while waiting for a device", exit_code=128 + signum)
+
+
+class Waiting:
+    """One queued run's wait for its turn: ENTRY in the queue until DEADLINE (WAIT_S after
+    it asked), FIRST the verdict it queued on, AHEAD the runs ahead of it then."""
+
+    def __init__(self, acq: Acquirer, entry: Entry, deadline: float, wait_s: float,
+                 on_wait: Optional[Callable[[str], None]], first: Verdict, ahead: Set[str]) -> None:
+        self.acq = acq
+        self.clock = acq.clock
+        self.entry = entry
+        self.deadline = deadline
+        self.wait_s = wait_s
+        self.on_wait = on_wait
+        self.first = first
+        self.previous: Dict[int, object] = {}  # the signal handlers ours replaced
+        self.own: Optional[inotify.Watch] = None  # one inotify instance: our entry, and the machine while a watcher
+        self.world: List[int] = []  # its watches on the lease and queue directories
+        # Watches of `own` removed since (the kernel never reuses a watch descriptor within
+        # an instance): what they still report happened while unwatched, and is no news.
+        self.removed: Set[int] = set()
+        self.poller = select.poll()
+        self.wake = ForeignWake(self.poller, acq.snapshot)  # processes cudawrap did not start, leaving
+        # The newcomer decided just before it queued: far back, it need not decide again
+        # until the queue changes (a full look at 500 entries is ~10 ms, and each arrival of a
+        # batch would otherwise pay it twice).
+        self.position = self.placed = first.position
+        self.last_decision = self.clock() if self.position >= NEAR else 0.0
+        self.before: Optional[Set[str]] = ahead  # the runs ahead of us at our last look
+        self.far: Optional[FarWait] = None  # far back: woken when runs leave the queue
+        self.poked = False  # woken while not watching by a poke: we moved up, or were given devices
+        # Once devices are reserved for us (policy reserve_after) we move up: look then.
+        self.reserve_at = self.clock() + acq.reserve_after
+        self.told = ""  # the kind of wait last reported
+        self.verdicts: Dict[str, Verdict] = {}
+        self.free: List[str] = []
+        self.scan = Scan([], {}, {})
+        self.me: Optional[Waiter] = None
+        self.watcher = False
+        self.lease: Optional[Lease] = None  # taken: the wait is over
+        # For events that change nothing:
+        self.batches, self.pokes = _Budget(*IDLE_BATCHES, self.clock), _Budget(*IDLE_POKES, self.clock)
+        self.looks = _Budget(*POKED_LOOKS, self.clock)  # for pokes that may be true, behind the watchers
+        self.refresh = _Budget(*REFRESH_LOOKS, self.clock)  # for looks outdated by a newcomer or a lease file opened
+
+    def run(self) -> Lease:
+        """Wait until our turn comes and our devices are taken; leave the queue in any case."""
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                self.previous[s] = signal.signal(s, _raise_signal)
+            except ValueError:  # not the main thread: the caller keeps its own handlers
+                pass
+        try:
+            if self.on_wait is not None:  # inside the try: a Ctrl-C from here on leaves the queue clean
+                self.on_wait(self.first.text)  # what the newcomer's own decision said; later, what changed
+            self.told = self.first.kind
+            while self.lease is None:
+                self._round()
+            return self.lease
+        except KeyboardInterrupt:
+            raise Interrupted("interrupted while waiting for a device") from None
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)  # type: ignore[arg-type]
+        self.acq.queue.leave(self.entry)
+        if self.own is not None:
+            self.own.close()
+        if self.far is not None:
+            self.far.close()
+        self.wake.close()
+
+    def _round(self) -> None:
+        """One turn of the wait: a look and a decision, then sleep until something may have
+        changed (or, far back, until enough runs ahead have left)."""
+        now = self.clock()
+        self._check(now)
+        if self._far_asleep(now):
+            return
+        if self._decide(now):
+            return
+        if self._rewatch():
+            return
+        timeout = self._timeout(now)
+        if self.own is None and not self.watcher:
+            return  # to the far wait
+        if self.own is None:
+            time.sleep(timeout)
+            return
+        self.wake.follow(self.acq.foreign_pids() if self.watcher else ())
+        self._listen(timeout)
+
+    def _check(self, now: float) -> None:
+        """Raise if our entry was cancelled or our time is up."""
+        by = self.acq.queue.cancelled_by(self.entry)
+        if by is not None:
+            raise Cancelled(f"cancelled by {by}")
+        if now >= self.deadline:
+            key, wait_s = self.entry.name, self.wait_s
+            raise NoDeviceError(f"no device within {wait_s:g} s: {self.verdicts[key].text}"
+                                if key in self.verdicts else f"no device within {wait_s:g} s",
+                                hint="try again later, or set CUDAWRAP_WAIT=SECONDS")
+
+    def _far_asleep(self, now: float) -> bool:
+        """Far back (or no inotify): decide again only once enough of those ahead of us at
+        our last look have left; asleep until a run leaves the queue. True: not yet."""
+        position = self.position
+        if not (self.own is None and position >= WATCHERS and now < self.reserve_at
+                and now - self.last_decision < IDLE_S * max(1.0, position / NEAR)):
+            return False
+        if self.far is None:
+            self.far = FarWait(self.acq.queue.dir)
+        moved = self.far.moved()
+        if moved:
+            if self.before is None:
+                self.before = {k for k, v in self.verdicts.items() if v.position < self.placed}
+            try:
+                listed = os.listdir(self.acq.queue.dir)
+            except OSError:
+                listed = []  # (all gone: decide)
+            # Junk can only add names, never remove those we counted.
+            self.position = position = max(0, self.placed - len(self.before.difference(listed)))
+        if not moved or position >= NEAR:
+            self.far.wait(FAR_POLL_S * max(1.0, position / 100),
+                          min(self.last_decision + IDLE_S * max(1.0, position / NEAR), self.reserve_at,
+                              self.deadline) - now,
+                          moved)
+            return True
+        return False
+
+    def _decide(self, now: float) -> bool:
+        """A full look and a decision on it; True to look again at once (or our lease taken)."""
+        acq, entry = self.acq, self.entry
+        if now >= self.reserve_at:
+            self.reserve_at = float("inf")  # devices are reserved for us from now: one look to see it
+        if self.far is not None:
+            self.far.moved()  # what happens from this look on counts for the next far wait
+        self.last_decision = now
+        self.before = None
+        # Watch before looking where this look will probably say so (the place we
+        # expect; a poke says we moved up): what changes during the look is then an
+        # event, and the look need not be made again once the watch exists (~10 ms at
+        # 500 waiters, paid by every run moving up).
+        if self.own is None and self.position < NEAR:
+            self.own = self._watch_entry()
+        if self.own is not None and not self.world and (self.position < WATCHERS or self.poked):
+            self.world = self._watch_world(self.own)
+        self.poked = False
+        scan = self.scan = acq.queue.scan(mine=entry.name)
+        me = next((w for w in scan.waiters if w.key == entry.name), None)
+        if me is None:  # our entry is not seen as valid (cannot happen unless tampered with)
+            me = acq._me(entry.name)
+            self.verdicts, self.free = acq.decide(scan, me, queued=False)
+        else:
+            # What we ask for, we know first-hand; the entry says the same to others.
+            me.candidates, me.min_free_mib, me.max_util = acq.wanted, acq.min_free_mib, acq.max_util
+            self.verdicts, self.free = acq.decide(scan, me, queued=True)
+        self.me = me
+        verdict = self.verdicts[entry.name]
+        self.position = self.placed = verdict.position
+        acq._observe(Decision.LOOK, entry.name, self.verdicts, self.free)
+        if verdict.kind == GRANTED:
+            self.lease = acq._take(verdict.devices)
+            if self.lease is not None:
+                hand_over(acq, self.verdicts, scan, entry.name)
+                return True
+            _jitter()
+            return True
+        if acq.usable() < acq.count:
+            if any(d.uuid in acq.unavailable for d in acq.candidates):
+                raise NoDeviceError("the devices this run may use were drained by an admin while it waited",
+                                    hint="`cudawrap status` says why and since when")
+            raise NoDeviceError("the devices this run may use are gone (lost or removed)")
+        if verdict.kind != self.told:
+            if self.on_wait is not None:
+                self.on_wait(verdict.text)
+            self.told = verdict.kind
+        return acq._watch_others(self.verdicts, scan, entry.name)
+
+    def _rewatch(self) -> bool:
+        """Watch what our place in line calls for; True to look again at once (something may
+        have changed before a new watch existed)."""
+        position = self.position
+        if position < NEAR and self.own is None:
+            self.own = self._watch_entry()
+            if self.own is not None:
+                return True  # something may have changed before the watch existed
+        elif position >= NEAR and self.own is not None:
+            self.poller.unregister(self.own.fileno())
+            self.own.close()  # give the instance back for those nearer the head
+            self.own, self.world = None, []
+            self.removed = set()
+        self.watcher = watcher = position < WATCHERS
+        if watcher and self.own is not None and not self.world:
+            self.world = self._watch_world(self.own)
+            return True  # something may have changed before the watch existed
+        if not watcher and self.world and self.own is not None:
+            for wd in self.world:
+                self.own.remove(wd)
+            self.removed.update(wd for wd in self.world if wd >= 0)  # (-1: never added; -1 also marks an overflow)
+            self.world = []
+        return False
+
+    def _timeout(self, now: float) -> float:
+        """How long to wait for events before the next full look."""
+        acq, position = self.acq, self.position
+        if self.watcher and self.own is not None and min(self.world) >= 0:
+            # The head alone re-looks WATCH_S apart (NVML changes have no event); the
+            # other watchers wake on events, or when the head pokes them.
+            timeout = WATCH_S if position == 0 else IDLE_S
+        elif self.watcher:
+            timeout = POLL_S
+        elif self.own is not None:
+            timeout = IDLE_S
+        else:
+            timeout = FAR_POLL_S * max(1.0, position / 100)
+        if acq.offered:
+            timeout = min(timeout, max(0.0, min(acq.offered.values()) + GRACE_S - now))
+        timeout = min(timeout, max(0.0, self.deadline - now))
+        acq.stale.update(d.uuid for d in acq.candidates if d.uuid not in self.free)
+        return timeout
+
+    def _listen(self, timeout: float) -> None:
+        """Wait up to TIMEOUT for events on what we watch, deciding on our look amended by
+        them where they allow it (sets self.lease when our turn came); back for a full look."""
+        assert self.own is not None
+        self.looked_at = self.clock()
+        self.until = self.looked_at + timeout
+        self.released: Set[str] = set()  # lease files closed since this look
+        self.departed: Set[str] = set()  # queue entries removed since
+        self.decided_on = signature(self.scan)  # what the verdicts were last decided on
+        self.pending = False  # another run's turn on what was amended: it should leave soon
+        self.outdated = False  # a newcomer or a lock maybe taken since the look
+        self.poke_due = False  # a poke worth a look once POKED_LOOKS allows
+        while True:
+            left = (min(self.until, self.clock() + 0.1) if self.pending else self.until) - self.clock()
+            ready = self.poller.poll(left * 1000) if left > 0 else []
+            if not ready:
+                if self.poke_due:
+                    self.looks.spend()
+                    self.poked = True
+                return  # time for a full look
+            if self.wake.woken(ready) and self.acq.foreign_left():
+                return  # a device is free of what kept it from us: a full look
+            # A job ended (its lease file closed) or a run left the queue: decide on this
+            # look, amended by what the events say, and take our turn at once (a full
+            # look instead if a newcomer came or a lease file was opened since: the look
+            # may be out of date). A cancel or an old look: a full look at once. A
+            # newcomer or a lease file opened alone cannot make it our turn: a full
+            # look only within REFRESH_LOOKS, for a fresh look at the next release.
+            budget = self.batches if self.watcher else self.pokes
+            budget.pause()  # a storm of events that change nothing: read them in one batch
+            events = [e for e in self.own.events() if e[0] not in self.removed]
+            if not events:
+                continue  # only what watches we removed saw (and IN_IGNORED for them)
+            outcome = self._poked(events) if not self.watcher else self._amended(events)
+            if outcome == LOOK:
+                return
+            if isinstance(outcome, Lease):
+                self.lease = outcome
+                return
+            if outcome == WAIT:
+                budget.spend()
+
+    def _poked(self, events: List[Tuple[int, int, str]]) -> str:
+        """Behind the watchers, EVENTS on our entry: a full look now, or wait on."""
+        if any(mask != inotify.IN_OPEN for _wd, mask, _name in events):
+            return LOOK  # our entry written (a cancel), or events lost
+        # Poked: someone's look says we moved up or were given devices, if
+        # the poke is true (anyone may open our entry).
+        worth = self._poke_worth(self.looked_at, self.verdicts, self.entry.name, self.free)
+        if worth == MOVED_UP:
+            self.poked = True
+            return LOOK
+        if worth is not None:
+            due = self.looks.ready_at()
+            if due <= self.clock():
+                self.looks.spend()
+                self.poked = True
+                return LOOK
+            self.until, self.poke_due = min(self.until, due), True
+        return WAIT
+
+    def _amended(self, events: List[Tuple[int, int, str]]) -> Union[str, Lease]:
+        """A watcher's EVENTS: a full look now, wait on (WAIT: they changed nothing; "": they
+        did), or our lease, taken on our look amended by them."""
+        seen = amendments(events, self.world)
+        if seen is None or self.clock() - self.looked_at > AMEND_S:
+            return LOOK
+        if seen[3] and not self.outdated:
+            self.outdated = True
+            due = self.refresh.ready_at()
+            if due <= self.clock():
+                self.refresh.spend()
+                return LOOK
+            self.until = min(self.until, due)  # (and a full look then, as any look past UNTIL)
+        poke = seen[2] and self._poke_worth(self.looked_at, self.verdicts, self.entry.name, self.free) is not None
+        if not (seen[0] or seen[1] or poke):
+            return WAIT  # nothing freed, left or said: nothing to decide on
+        self.released |= seen[0]
+        self.departed |= seen[1]
+        amended = amend(self.acq, self.scan, self.released, self.departed, self.verdicts)
+        signed = signature(amended)
+        if signed == self.decided_on:
+            # Nothing freed, taken or left since the verdicts (a run that took its
+            # device closing the other lease files, a holder's probe): they stand.
+            # Eight watchers deciding again on each such event kept the one whose
+            # turn it was off the CPU for milliseconds.
+            self.pending = self.pending or poke
+            return WAIT
+        if self.outdated:
+            return LOOK  # something freed or left, on a look that may be out of date
+        self.decided_on = signed
+        assert self.me is not None
+        self.verdicts, outcome = after_release(self.acq, amended, self.me, self.entry.name, self.released)
+        if outcome is not None:
+            hand_over(self.acq, self.verdicts, self.scan, self.entry.name)
+            return outcome
+        if self.verdicts[self.entry.name].kind == GRANTED:
+            return LOOK  # our turn, and the race for the locks lost: a full look
+        # Another run's turn: it takes its devices and leaves the queue (an event);
+        # should it not within 0.1 s, a full look (which passes it over after
+        # GRACE_S). Poked, though not our turn here: a full look as soon, as the
+        # poker's look may be newer. Nobody's turn: the look stands, keep waiting.
+        self.pending = poke or any(v.kind == GRANTED for k, v in self.verdicts.items() if k != self.entry.name)
+        return ""
+
+    def _poke_worth(self, looked_at: float, verdicts: Dict[str, Verdict], me: str,
+                    free: List[str]) -> Optional[str]:
+        """Whether a poke (our entry opened) may be true, and why: pokes are sent when we moved
+        into the watching places or were given devices, and anyone can open our entry in a
+        loop. MOVED_UP (look now): fewer than WATCHERS of the runs ahead of us at the look
+        are left, or a device we may use was freed since the look (FREE at the look, a list
+        of devices); neither can be faked, as nobody can remove another's entry or free
+        another's lease. FREE (look within POKED_LOOKS): a device we may use is free, as it
+        was at the look, or the look LOOKED_AT is POKE_IDLE_S old (a turn moved by a lease
+        taken or let go elsewhere). None: a poke that cannot be true."""
+        acq = self.acq
+        mine = verdicts.get(me)
+        if mine is not None and mine.position >= WATCHERS:
+            ahead = {k for k, v in verdicts.items() if v.position < mine.position}
+            try:
+                left = len(ahead.intersection(os.listdir(acq.queue.dir)))
+            except OSError:
+                left = 0
+            if left < WATCHERS:
+                return MOVED_UP
+        vacant = [d.uuid for d in acq.candidates if d.uuid not in acq.lost and acq._vacant(d.uuid)]
+        if any(u not in free for u in vacant):
+            return MOVED_UP
+        if vacant or acq.share or self.clock() - looked_at >= POKE_IDLE_S:
+            return FREE
+        return None
+
+    def _watch_entry(self) -> Optional[inotify.Watch]:
+        """An inotify instance watching our entry (pokes, a cancel); None if none is left."""
+        own = inotify.open_watch()
+        if own is not None:
+            own.add(self.entry.path, inotify.IN_OPEN | inotify.IN_MODIFY)
+            self.poller.register(own.fileno(), select.POLLIN)
+        return own
+
+    def _watch_world(self, own: inotify.Watch) -> List[int]:
+        """Watch the machine as a watcher does: lease files opened and closed, runs coming
+        and leaving (OWN's watches on the lease and queue directories)."""
+        acq = self.acq
+        return [own.add(acq.leases.dir, inotify.IN_CLOSE_NOWRITE | inotify.IN_CLOSE_WRITE | inotify.IN_OPEN),
+                own.add(acq.queue.dir, inotify.IN_CREATE | inotify.IN_DELETE
+                        | inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO)]
+
+
+class _Budget:
+    """A leaky bucket: BURST at once, then RATE a second (by CLOCK)."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float]) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = float(burst)
+        self.clock = clock
+        self.at = clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.tokens = min(float(self.burst), self.tokens + (now - self.at) * self.rate)
+        self.at = now
+
+    def pause(self) -> None:
+        """Sleep until there is one to spend."""
+        self._refill()
+        if self.tokens < 1:
+            time.sleep((1 - self.tokens) / self.rate)
+
+    def spend(self) -> None:
+        self._refill()
+        self.tokens -= 1
+
+    def ready_at(self) -> float:
+        """When there is one to spend (by the clock)."""
+        self._refill()
+        return self.at + max(0.0, 1 - self.tokens) / self.rate
