@@ -274,7 +274,7 @@ def test_an_api_caller_claiming_no_reserve_after_jumps_nobody(mu) -> None:  # ty
         ready_line(h)
     code = ("import os, sys; sys.path[:0] = sys.argv[1:]\n"
             "from cudawrap import launch\n"
-            "from cudawrap.policy import effective as policy\n"
+            "from cudawrap.policy.effective import effective\n"
             "root = os.environ['CUDAWRAP_ROOT']\n"
             "settings = effective(root, None)\n"
             "settings['reserve_after'] = (0.0, 'mine')\n"
