@@ -13,8 +13,6 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
-    from .devices.model import Device
-
 from .base import audit
 from . import locations as loc
 from .errors import (CannotExecute, CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound,

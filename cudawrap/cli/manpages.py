@@ -8,7 +8,7 @@ a second copy that could drift. ``make packaging`` writes them to packaging/man/
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Iterable, List, Tuple
 
 from .. import __version__
 from .app import exit_codes
