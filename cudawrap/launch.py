@@ -13,8 +13,6 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
-    from .devices.model import Device
-
 from .base import audit
 from . import locations as loc
 from .errors import (CannotExecute, CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound,
@@ -167,83 +165,6 @@ def _narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
     return lease.part(kept) if kept else None
 
 
-def _unchanged(device: Device) -> Device:
-    """Re-reading a device nothing is known of (no NVML): it stays as it was."""
-    return device
-
-
-def _candidates(inventory: Any, value: Dict[str, Any], allow: List[str], preset: Optional[str],
-                count: int, order: Optional[str] = None) -> List[Any]:
-    """The devices of INVENTORY this run may be given; NoDeviceError if fewer than COUNT.
-
-    Narrowed by the allow-list, CUDA_VISIBLE_DEVICES (read in ORDER, as CUDA will) and the
-    filters that can never change (model, memory in all); free memory and utilisation
-    change as jobs end, and the scheduler judges them at every decision.
-    """
-    from .policy.effective import filtered
-
-    candidates = list(inventory.devices)
-    if allow:
-        from .sched.selection import allowed
-
-        candidates = allowed(candidates, allow)
-    if preset is not None:
-        from .devices import nvml
-        from .sched.selection import parse_visible
-
-        visible = parse_visible(preset, inventory, order, nvml.mig_by_ids)
-        candidates = [d for d in candidates if d in visible]
-    why = " (narrowed by CUDA_VISIBLE_DEVICES)" if preset is not None else (
-        " (narrowed by the allow-list)" if allow else "")
-    if filtered(value) and candidates:
-        from .sched.filters import Request, explain, split
-
-        request = Request.from_settings(value, count)
-        kept, _why_not = split(request, candidates, inventory)
-        if len(kept) < count:
-            raise NoDeviceError(explain(request, candidates, inventory),
-                                hint="`cudawrap status` lists the devices; `cudawrap config` the filters")
-        candidates = kept
-    if count > 1 and not inventory.multi_mig and any(d.is_mig for d in candidates):
-        if value["multi_mig"] == "refuse":
-            raise NoDeviceError(
-                f"{count} devices asked for, but with driver {inventory.driver_version} a process "
-                f"can use only one MIG instance",
-                hint="ask for one device, or an admin may set multi_mig = \"whole-gpus\"")
-        candidates = [d for d in candidates if not d.is_mig]
-    if len(candidates) < count:
-        raise NoDeviceError(
-            f"{count} device{'s' if count > 1 else ''} asked for, but only "
-            f"{len(candidates)} can be used here{why}",
-            hint="`cudawrap status` lists the devices")
-    return candidates
-
-
-def _read_nvml(root: str) -> Tuple[Any, bool]:
-    """(inventory, whether its devices' usage is unread) for a launch without the monitor.
-
-    The layout `cudawrap sync` saw, if it still matches the machine: its devices are read
-    from NVML one by one, as the launch is about to take them (the acquirer re-reads a
-    "stale" device before judging it), so a launch on 56 MIG instances reads one or two of
-    them, not all. The whole machine, enumerated, if there is no layout or it is out of date.
-    """
-    from .devices import invcache, nvml
-
-    layout = invcache.read(root)
-    if layout is not None and nvml.matches(layout):
-        return layout, True
-    return nvml.inventory(direct=True), False  # ctypes, not pynvml: see nvmldirect
-
-
-def _drains(root: str) -> Dict[str, Any]:
-    """The admin's drains (uuid -> Drain); drains.py is imported only when there are some."""
-    if not os.path.exists(loc.under(root, loc.DRAINS)):
-        return {}
-    from .sched.drains import drained
-
-    return drained(root)
-
-
 def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
            count: Optional[int] = None, layout: bool = True) -> Grant:
     """Lease devices for one run under SETTINGS (key -> (value, source)).
@@ -253,23 +174,49 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     count = value["gpus"] if count is None else count
     lease_dir = loc.under(root, loc.LEASE_DIR)
     preset = environ.get(CVD)
-
-    marker = environ.get(LEASE_ENV)
-    if marker:
-        inherited = inherited_lease(lease_dir, marker)
-        if inherited is not None:
-            if preset is not None and not preset.strip():
-                return Grant(None, None)  # the caller asked for no device at all
-            narrowed = _narrow_inherited(inherited, preset)
-            if narrowed is not None:
-                return Grant(narrowed, ",".join(narrowed.uuids))
-            # Devices outside the parent's lease: leased anew, like any run's.
-
+    grant = _inherited_grant(lease_dir, environ.get(LEASE_ENV), preset)
+    if grant is not None:
+        return grant
     job = None
     if environ.get("SLURM_JOB_ID"):  # within_job's own test: outside Slurm, slurm is not imported
         from .devices.slurm import within_job
 
         job = within_job(environ)
+    grant = _grant_without_lease(prog, job, preset)
+    if grant is not None:
+        return grant
+
+    from .policy.effective import check_count
+
+    check_count(settings, count)
+    from .lease.sharing import of_run
+
+    sharing, share = of_run(value, count)
+    if job is None and not share and os.path.exists(loc.under(root, loc.SERVICE_SOCKET)):
+        leased = _from_service(root, prog, value, environ, count)
+        if leased is not None:
+            return _whole_devices(root, leased, environ)
+
+    return _Run(root, prog, settings, environ, count, sharing, share).take(job, preset, layout)
+
+
+def _inherited_grant(lease_dir: str, marker: Optional[str], preset: Optional[str]) -> Optional[Grant]:
+    """A child's grant within the lease its parent passed on (MARKER); None when there is
+    none, or the child names devices outside it (leased anew, like any run's)."""
+    if not marker:
+        return None
+    inherited = inherited_lease(lease_dir, marker)
+    if inherited is None:
+        return None
+    if preset is not None and not preset.strip():
+        return Grant(None, None)  # the caller asked for no device at all
+    narrowed = _narrow_inherited(inherited, preset)
+    return Grant(narrowed, ",".join(narrowed.uuids)) if narrowed is not None else None
+
+
+def _grant_without_lease(prog: str, job: Any, preset: Optional[str]) -> Optional[Grant]:
+    """The grant of a run that takes no lease (a Slurm job's shard, or no GPU; no device
+    asked for); None for a run that does."""
     if job is not None and job.shares:
         return Grant(None, None)  # a --gres=shard job: Slurm shares this GPU; a lease would serialise
     if job is not None and job.has_no_gpu:
@@ -277,51 +224,16 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         return Grant(None, "")
     if preset is not None and not preset.strip():
         return Grant(None, None)  # the caller asked for no device at all
+    return None
 
-    from .policy.effective import check_count, queue_bounds
 
-    check_count(settings, count)
-    from .lease.sharing import MPS, Sharing, framework_env
+def _device_source(root: str, prog: str, value: Dict[str, Any], lease_dir: str, layout: bool) -> Any:
+    """Where this launch reads the machine from (devices/source.py); None when NVML is
+    unusable, no_driver allows that and there are no lease files: no lease at all."""
+    from .devices.source import GenericSource, choose
 
-    sharing = Sharing(value.get("sharing"))
-    share = bool(value.get("share")) and sharing.anywhere
-    if share and sharing.mode == MPS and count > 1:
-        raise NoDeviceError(f"{count} devices asked for as a shared run, but an MPS client uses one device",
-                            hint="ask for one device (CUDAWRAP_GPUS=1), or run without sharing")
-
-    if job is None and not share and os.path.exists(loc.under(root, loc.SERVICE_SOCKET)):
-        leased = _from_service(root, prog, value, environ, count)
-        if leased is not None:
-            return _whole_devices(root, leased, environ)
-
-    from .policy.effective import UNFILTERED
-    from .devices.snapshot import SnapshotRefresh, read_fresh
-
-    allow = list(value["allow"])
-    if value["allow_file"]:
-        from .sched.selection import read_allow_file
-
-        allow += read_allow_file(value["allow_file"])
-    order = environ.get("CUDA_DEVICE_ORDER")
-    # What the filters (filters.py, imported only when one is set) need of the devices' usage.
-    min_free_mib = value.get("min_free_memory_mib", UNFILTERED["min_free_memory_mib"])
-    max_util = value.get("max_utilization", UNFILTERED["max_utilization"])
-
-    inventory = read_fresh(root)  # kept by `cudawrap monitor`; spares us NVML
-    unread = False
     try:
-        if inventory is not None:
-            refresh = SnapshotRefresh(root)
-        else:
-            from .devices import nvml
-
-            refresh = nvml.refresh
-            if layout and job is None and min_free_mib <= 0:
-                inventory, unread = _read_nvml(root)
-            else:
-                # Slurm's indices need the GPUs, a free-memory floor every device's memory
-                # (and a retry without the layout, every device NVML has now)
-                inventory = nvml.inventory(direct=True)
+        return choose(root, layout)
     except NvmlUnavailable as exc:
         if value["no_driver"] == "fail":
             raise
@@ -334,138 +246,141 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
         audit.log("no-driver", "warning", program=prog, pid=os.getpid(), reason=str(exc))
         if inventory is None:
             say(prog, f"warning: {exc}; running without a device lease")
-            return Grant(None, None)
+            return None
         say(prog, f"warning: {exc}; leasing by the lease files alone (processes on the devices unseen)")
-        refresh = _unchanged
-    checked_at = time.monotonic()
-    if job is not None:
-        from .sched.selection import PCI_ORDER
+        return GenericSource(inventory)
 
-        slurm_visible = job.visible({g.index for g in inventory.gpus})
-        if slurm_visible is not None:
-            preset, order = slurm_visible, PCI_ORDER  # Slurm's indices: its numbering, not CUDA's
-            if not preset.strip():
-                return Grant(None, None)
-    try:
-        candidates = _candidates(inventory, value, allow, preset, count, order)
-    except CudawrapError:
-        if not unread:
+
+class _Run:
+    """One run's lease being taken: its candidates on the machine its source reads, the
+    acquirer and its wait, the grant."""
+
+    def __init__(self, root: str, prog: str, settings: Dict[str, Any], environ: Any, count: int,
+                 sharing: Any, share: bool) -> None:
+        self.root, self.prog, self.settings, self.environ = root, prog, settings, environ
+        self.value = {k: v for k, (v, _src) in settings.items()}
+        self.count, self.sharing, self.share = count, sharing, share
+        self.waited = False
+
+    def take(self, job: Any, preset: Optional[str], layout: bool) -> Grant:
+        """Read the machine, narrow it to this run's candidates, and lease them."""
+        from .policy.effective import UNFILTERED
+        from .sched.candidates import allow_list, usable, without_drained
+
+        root, prog, value, count = self.root, self.prog, self.value, self.count
+        lease_dir = loc.under(root, loc.LEASE_DIR)
+        allow = allow_list(value)
+        order = self.environ.get("CUDA_DEVICE_ORDER")
+        # What the filters (filters.py, imported only when one is set) need of the devices' usage.
+        min_free_mib = value.get("min_free_memory_mib", UNFILTERED["min_free_memory_mib"])
+        max_util = value.get("max_utilization", UNFILTERED["max_utilization"])
+        # Slurm's indices need the GPUs, a free-memory floor every device's memory (and a retry
+        # without the layout, every device NVML has now): the layout only otherwise.
+        source = _device_source(root, prog, value, lease_dir, layout and job is None and min_free_mib <= 0)
+        if source is None:
+            return Grant(None, None)
+        inventory, unread = source.inventory(), source.unread
+        checked_at = time.monotonic()
+        if job is not None:
+            from .sched.selection import PCI_ORDER
+
+            slurm_visible = job.visible({g.index for g in inventory.gpus})
+            if slurm_visible is not None:
+                preset, order = slurm_visible, PCI_ORDER  # Slurm's indices: its numbering, not CUDA's
+                if not preset.strip():
+                    return Grant(None, None)
+        try:
+            candidates = usable(inventory, value, allow, preset, count, order)
+        except CudawrapError:
+            if not unread:
+                raise
+            # Perhaps the layout's fault (MIG reconfigured since the last sync): NVML decides.
+            from .devices.source import NvmlSource
+
+            inventory, unread = NvmlSource.read().inventory(), False
+            candidates = usable(inventory, value, allow, preset, count, order)
+        candidates = without_drained(root, candidates, count)
+        if max_util < 100 and not any(d.utilization is not None for d in inventory.devices):
+            from .devices import nvml
+
+            try:  # the snapshot and the lean inventory skip utilisation: read it for this filter
+                inventory, unread = nvml.inventory(utilization=True), False
+            except NvmlUnavailable:
+                pass
+        return self.lease(source, inventory, unread, candidates, checked_at)
+
+    def lease(self, source: Any, inventory: Any, unread: bool, candidates: List[Any], checked_at: float) -> Grant:
+        """Wait for and take CANDIDATES' devices; the grant."""
+        from .sched.candidates import limits_of, synced
+
+        root, value, count = self.root, self.value, self.count
+        limits = limits_of(value, count, os.geteuid())
+        lease_dir = loc.under(root, loc.LEASE_DIR)
+        leases = LeaseFiles(lease_dir, loc.under(root, loc.SHARE_DIR))
+        candidates = synced(candidates, leases, lease_dir, count)
+        acquirer = self._acquirer(leases, source, inventory, unread, candidates, checked_at, limits)
+        info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={self.prog}\n".encode()
+        start = time.monotonic()
+        try:
+            lease = acquirer.acquire(value["wait"], info, self.on_wait)
+        except NoDeviceError as exc:
+            from .sched.acquirer import Cancelled
+
+            if unread and acquirer.lost_on_arrival and not isinstance(exc, Cancelled):
+                # A device of the layout is gone (a MIG instance destroyed since the last sync):
+                # the layout is out of date, so decide again from NVML's enumeration, which
+                # also says when the devices there now need `cudawrap sync`.
+                leases.close()
+                return obtain(root, self.prog, self.settings, self.environ, count, layout=False)
+            audit.log("timeout", "warning", program=self.prog, pid=os.getpid(), reason=str(exc))
             raise
-        # Perhaps the layout's fault (MIG reconfigured since the last sync): NVML decides.
-        from .devices import nvml
+        waited_s = time.monotonic() - start
+        audit.log("grant", program=self.prog, pid=os.getpid(), devices=",".join(lease.uuids),
+                  **({"shared": ",".join(lease.shared)} if lease.shared else {}),
+                  wait=f"{waited_s:.3f}s")
+        if self.waited:
+            say(self.prog, f"got {','.join(lease.uuids)} after {waited_s:.1f} s")
+        return self.grant(lease, acquirer)
 
-        inventory, unread = nvml.inventory(direct=True), False
-        candidates = _candidates(inventory, value, allow, preset, count, order)
-    drains = _drains(root)
-    usable = candidates
-    if drains:  # an admin's `cudawrap drain`: no new lease there
-        from .sched.drains import undrained
+    def _acquirer(self, leases: LeaseFiles, source: Any, inventory: Any, unread: bool, candidates: List[Any],
+                  checked_at: float, limits: Dict[str, Any]) -> Any:
+        from .policy.effective import UNFILTERED, queue_bounds
+        from .sched.acquirer import Acquirer
+        from .sched.candidates import drained_now
+        from .sched.queue import WaitQueue
 
-        usable = undrained(candidates, drains)
-    if len(usable) < count:
-        names = ", ".join(d.uuid for d in candidates if d not in usable)
-        raise NoDeviceError(f"{count} device{'s' if count > 1 else ''} asked for, but {names} "
-                            f"{'is' if len(candidates) - len(usable) == 1 else 'are'} drained by an admin "
-                            f"and only {len(usable)} can be used now",
-                            hint="`cudawrap status` says why and since when; try again after `cudawrap resume`")
-    candidates = usable
+        root, value = self.root, self.value
+        limit_of = None
+        if limits:
+            from .policy.limits import limit_for
 
-    def drained_now() -> Any:  # re-read at every decision: a drain made while runs wait
-        drains = _drains(root)
-        if not drains:
-            return ()
-        from .sched.drains import covering
+            limit_of = lambda uid: limit_for(uid, limits)  # noqa: E731 - one call, bound here
+        return Acquirer(
+            leases, WaitQueue(loc.under(root, loc.QUEUE_DIR)), candidates, inventory.devices, self.count,
+            placement=value["placement"], foreign=value["foreign"],
+            busy_memory_mib=value["busy_memory_mib"], refresh=source.refresh, checked_at=checked_at,
+            reserve_after=value.get("reserve_after", 300.0), limit_of=limit_of,
+            min_free_mib=value.get("min_free_memory_mib", UNFILTERED["min_free_memory_mib"]),
+            max_util=value.get("max_utilization", UNFILTERED["max_utilization"]),
+            drained=drained_now(root, inventory), share=self.share, sharing=self.sharing,
+            unread=[d.uuid for d in candidates] if unread else (), root=root,
+            snapshot=source.snapshot, admin=lambda: queue_bounds(root))
 
-        return {d.uuid for d in inventory.devices if covering(drains, d.uuid, d.parent_uuid)}
-    if max_util < 100 and not any(d.utilization is not None for d in inventory.devices):
-        from .devices import nvml
+    def on_wait(self, text: str) -> None:
+        from .sched.acquirer import describe_wait
 
-        try:  # the snapshot and the lean inventory skip utilisation: read it for this filter
-            inventory, unread = nvml.inventory(utilization=True), False
-        except NvmlUnavailable:
-            pass
+        self.waited = True
+        say(self.prog, describe_wait(text))
+        audit.log("wait", program=self.prog, pid=os.getpid(), reason=text, count=self.count)
 
-    from .sched.acquirer import Acquirer, Cancelled, describe_wait
-    from .sched.queue import WaitQueue
-
-    limits = value.get("limits") or {}
-    if not (limits.get("users") or limits.get("groups") or limits.get("default", (0, ""))[0]):
-        limits = {}  # no [limits] configured: limits.py is not imported
-    my_limit = 0
-    if limits:
-        from .policy.limits import limit_for
-
-        my_limit = limit_for(os.geteuid(), limits)
-    if my_limit and count > my_limit:
-        raise NoDeviceError(f"{count} devices asked for, but your limit is {my_limit} at once",
-                            hint="ask for fewer devices, or ask an admin (`cudawrap config` shows the limits)")
-    leases = LeaseFiles(lease_dir, loc.under(root, loc.SHARE_DIR))
-    # A device without a lease file (appeared since the last sync) can never be leased:
-    # leave it out rather than wait for it forever. One listing: the files are opened only
-    # as their devices are tried.
-    present = leases.names()
-    unsynced = [d for d in candidates if d.uuid not in present]
-    if len(candidates) - len(unsynced) < count:
-        from .errors import SetupError
-        from .lease.files import SYNC_HINT
-
-        raise SetupError(f"{len(unsynced)} of the usable devices have no lease file in {lease_dir}",
-                         hint=SYNC_HINT)
-    candidates = [d for d in candidates if d not in unsynced]
-    queue = WaitQueue(loc.under(root, loc.QUEUE_DIR))
-    acquirer = Acquirer(
-        leases, queue, candidates, inventory.devices, count,
-        placement=value["placement"], foreign=value["foreign"],
-        busy_memory_mib=value["busy_memory_mib"], refresh=refresh, checked_at=checked_at,
-        reserve_after=value.get("reserve_after", 300.0),
-        limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
-        min_free_mib=min_free_mib, max_util=max_util,
-        drained=drained_now, share=share, sharing=sharing,
-        unread=[d.uuid for d in candidates] if unread else (), root=root,
-        snapshot=loc.under(root, loc.USAGE_SNAPSHOT) if isinstance(refresh, SnapshotRefresh) else None,
-        admin=lambda: queue_bounds(root))
-    wait_s = value["wait"]
-    info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={prog}\n".encode()
-    waited = {"yes": False}
-
-    def on_wait(text: str) -> None:
-        waited["yes"] = True
-        say(prog, describe_wait(text))
-        audit.log("wait", program=prog, pid=os.getpid(), reason=text, count=count)
-
-    start = time.monotonic()
-    try:
-        lease = acquirer.acquire(wait_s, info, on_wait)
-    except NoDeviceError as exc:
-        if unread and acquirer.lost_on_arrival and not isinstance(exc, Cancelled):
-            # A device of the layout is gone (a MIG instance destroyed since the last sync):
-            # the layout is out of date, so decide again from NVML's enumeration, which
-            # also says when the devices there now need `cudawrap sync`.
-            leases.close()
-            return obtain(root, prog, settings, environ, count, layout=False)
-        audit.log("timeout", "warning", program=prog, pid=os.getpid(), reason=str(exc))
-        raise
-    waited_s = time.monotonic() - start
-    audit.log("grant", program=prog, pid=os.getpid(), devices=",".join(lease.uuids),
-              **({"shared": ",".join(lease.shared)} if lease.shared else {}),
-              wait=f"{waited_s:.3f}s")
-    if waited["yes"]:
-        say(prog, f"got {','.join(lease.uuids)} after {waited_s:.1f} s")
-    extra: Dict[bytes, bytes] = {}
-    fractions = []
-    for uuid in lease.shared:
-        device = acquirer.current[uuid]
-        total = device.memory_total_mib or None
-        limit = sharing.limit_mib(uuid, device.parent_uuid, acquirer.slots[uuid], total,
-                                  settings.get("memory_limit_mib", (None,))[0])
-        if limit and total:
-            fractions.append(min(limit / total, 1.0))
-        if sharing.mode == MPS:
-            extra = sharing.mps_env(root, uuid, acquirer.slots[uuid], total, limit)
-    grant = _whole_devices(root, lease, environ, extra)
-    if fractions:
-        grant.defaults = framework_env(min(fractions))
-    return grant
+    def grant(self, lease: Lease, acquirer: Any) -> Grant:
+        """LEASE's grant: a shared run's memory limit, MPS variables and frameworks' defaults."""
+        extra, defaults = self.sharing.run_env(self.root, lease.shared, acquirer.current, acquirer.slots,
+                                               self.settings.get("memory_limit_mib", (None,))[0])
+        grant = _whole_devices(self.root, lease, self.environ, extra)
+        if defaults is not None:
+            grant.defaults = defaults
+        return grant
 
 
 def _whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[bytes, bytes]] = None) -> Grant:

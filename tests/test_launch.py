@@ -209,6 +209,8 @@ LAUNCH_MODULES = {
     "cudawrap.policy", "cudawrap.policy.effective",
     "cudawrap.sched", "cudawrap.sched.acquirer", "cudawrap.sched.machine", "cudawrap.sched.placement",
     "cudawrap.sched.queue",
+    # launch.obtain split: the device sources' interface, and the narrowing to a run's candidates.
+    "cudawrap.devices.source", "cudawrap.sched.candidates",
 }
 # With the monitor's snapshot: /proc, for whether the processes it names have exited since.
 LAUNCH_MODULES_SNAPSHOT = LAUNCH_MODULES | {"cudawrap.proc"}

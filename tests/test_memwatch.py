@@ -105,7 +105,7 @@ def test_usage_sums_gib_hours_and_keeps_the_peak_per_user() -> None:
 
 
 def test_status_shows_a_holders_memory_and_a_shares_limit() -> None:
-    from cudawrap.ops.status import _sharer, holder_text
+    from cudawrap.ops.statustable import _sharer, holder_text
 
     holder = {"pid": 4242, "user": "alice", "program": "recon", "memory": {"used_mib": 23654, "limit_mib": None}}
     assert holder_text(holder) == "pid 4242 alice recon 23.1 GiB"

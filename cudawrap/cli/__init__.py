@@ -1,103 +1,25 @@
 """The admin CLI: ``cudawrap`` and ``create-cudawrap``, thin plumbum adapters over the core.
 
-Subcommands live one per module and are registered by dotted name so plumbum imports
-only the one that runs. Errors are caught here and printed as one line.
+This module only assembles: the ``cudawrap`` group and its subcommand table, and the console
+scripts' entry points. Subcommands live one per module on the bases in app.py and are
+registered by dotted name so plumbum imports only the one that runs; nothing in this package
+imports this module back except to read the assembled group (man pages, completion). Errors
+are caught here and printed as one line.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import os
-import re
 import sys
 from typing import List, Optional
 
 from plumbum import cli
-from plumbum.cli.switches import SwitchError
 
 from ..errors import CudawrapError
 from ..paths import version_text
+from .app import Command, Group, exit_codes, raise_usage, report
 
-log = logging.getLogger(__name__)
-
-
-_META = ("ShowHelp", "ShowHelpAll", "ShowVersion", "ShowCompletion")
-
-
-def tidy_help(text: str) -> str:
-    """plumbum's help without the ":str" it shows after every value switch's NAME (every value
-    here is text; the NAME says what it is), the help column kept aligned."""
-    lines = text.splitlines(keepends=True)
-    # The help column: where plumbum indents a switch's wrapped help lines.
-    column = min((len(line) - len(line.lstrip(" ")) for line in lines
-                  if line.startswith(" " * 20) and line.strip()), default=36)
-    out = []
-    for line in lines:
-        head, sep, rest = line.partition(":str")
-        if sep and line.startswith("    -") and rest[:1] in (" ", "\n"):
-            rest = rest.lstrip(" ")
-            line = head.ljust(column - 1) + " " + rest if rest.strip() else head + rest
-        out.append(line)
-    return "".join(out)
-
-
-class Command(cli.Application):
-    """Base of every command: a bad switch or argument is one line and exit 64, not a help page."""
-
-    def __init__(self, executable: str) -> None:
-        super().__init__(executable)
-        if not self._subcommands:  # --help-all lists subcommands: none here
-            self._switches_by_name.pop("help-all", None)
-        # A switch whose every name was taken over (--help, below) or removed is not shown.
-        self._switches_by_func = {func: info for func, info in self._switches_by_func.items()
-                                  if any(self._switches_by_name.get(n) is info for n in info.names)}
-
-    @cli.switch(["-h", "--help"], overridable=True, group="Meta-switches", help="Prints this help message and quits")
-    def help(self) -> None:  # noqa: A003 - plumbum's name
-        text = io.StringIO()
-        with contextlib.redirect_stdout(text):
-            super().help()
-        sys.stdout.write(tidy_help(text.getvalue()) + self.epilogue())
-
-    def epilogue(self) -> str:
-        """Text after the switches in --help."""
-        return ""
-
-    def _usage(self, exc: Exception) -> Exception:
-        from ..errors import UsageError
-
-        if type(exc).__name__ in _META:
-            return exc
-        # plumbum appends the converter's exception on a second, indented line: one line only.
-        first = (str(exc).strip().splitlines() or [""])[0]
-        return UsageError(first.strip().rstrip(":"), f"run '{self.PROGNAME} --help' for usage")
-
-    def _parse_args(self, argv):  # type: ignore[no-untyped-def]
-        try:
-            return super()._parse_args(argv)
-        except SwitchError as exc:
-            raise self._usage(exc) from None
-
-    def _validate_args(self, swfuncs, tailargs):  # type: ignore[no-untyped-def]
-        try:
-            return super()._validate_args(swfuncs, tailargs)
-        except SwitchError as exc:
-            raise self._usage(exc) from None
-
-
-class Group(Command):
-    """A command of commands: alone, or with an unknown command, it is a usage error."""
-
-    SUBCOMMAND_HELPMSG = False  # said once, in the description, instead of after every command's line
-
-    def main(self, *args: str) -> int:
-        if args:
-            raise_usage(f"unknown command '{args[0]}'", f"run '{self.PROGNAME} --help' for the commands")
-        if not self.nested_command:
-            self.help()
-            return os.EX_USAGE
-        return 0
+__all__ = ["Command", "Cudawrap", "Group", "create_main", "main", "raise_usage", "report"]
 
 
 class Cudawrap(Group):
@@ -113,8 +35,6 @@ class Cudawrap(Group):
 
     def epilogue(self) -> str:
         import textwrap
-
-        from .manpages import exit_codes
 
         codes = " ".join(f"{code}: {'; '.join(meanings)}." for code, meanings in exit_codes().items())
         return "\n" + textwrap.fill(f"Exit codes: 0: done. {codes}", 80) + "\n"
@@ -141,24 +61,6 @@ _SUBCOMMANDS = {
 }
 for _name, _target in _SUBCOMMANDS.items():
     Cudawrap.subcommand(_name, _target)
-
-
-def raise_usage(message: str, hint: Optional[str] = None) -> None:
-    from ..errors import UsageError
-
-    raise UsageError(message, hint)
-
-
-def report(prog: str, exc: CudawrapError, debug: bool) -> int:
-    """Print EXC as one line (and a hint line); return its exit code."""
-    from ..text import printable  # messages name paths, and file names are chosen by users
-
-    print(printable(f"{prog}: {exc.message}"), file=sys.stderr)
-    if exc.hint:
-        print(printable(f"hint: {exc.hint}"), file=sys.stderr)
-    if debug:
-        log.exception("traceback")
-    return exc.exit_code
 
 
 def _run(app: type, prog: str, argv: Optional[List[str]]) -> int:

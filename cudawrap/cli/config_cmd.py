@@ -20,7 +20,7 @@ from ..policy.defaults import toml_value
 from ..errors import UsageError
 from ..policy.limits import NO_LIMITS
 from ..paths import Layout, default_layout
-from . import Command
+from .app import Command
 
 
 def resolve_program(layout: Layout, program: str) -> Tuple[str, Optional[str]]:

@@ -7,7 +7,7 @@ import time
 from plumbum import cli
 
 from ..paths import default_layout
-from . import Command
+from .app import Command
 
 
 class HealthCommand(Command):

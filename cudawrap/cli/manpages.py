@@ -7,11 +7,11 @@ a second copy that could drift. ``make packaging`` writes them to packaging/man/
 """
 from __future__ import annotations
 
-import inspect
 import re
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Iterable, List, Tuple
 
 from .. import __version__
+from .app import exit_codes
 
 PAGES = {"cudawrap.1": "cudawrap", "create-cudawrap.8": "create-cudawrap", "cudawrap.toml.5": "config"}
 DATE = "2026"
@@ -55,18 +55,6 @@ def _usage(app: Any) -> str:
     usage = app.USAGE or ("    {progname} [SWITCHES] COMMAND [SWITCHES] ARGS...\n" if app._subcommands
                           else "    {progname} [SWITCHES] {tailargs}\n")
     return " ".join(usage.format(progname=app.PROGNAME, tailargs="").split())
-
-
-def exit_codes() -> Dict[int, List[str]]:
-    """Exit code -> what it means, from the docstrings of errors.py's classes."""
-    from .. import errors
-
-    codes: Dict[int, List[str]] = {}
-    for _, cls in inspect.getmembers(errors, inspect.isclass):
-        if issubclass(cls, errors.CudawrapError) and cls is not errors.CudawrapError:
-            doc = _paragraphs(cls.__doc__ or "")[0]
-            codes.setdefault(cls.exit_code, []).append(doc.rstrip("."))
-    return dict(sorted(codes.items()))
 
 
 def _exit_status() -> List[str]:

@@ -11,7 +11,7 @@ from ..base import audit
 from ..errors import MpsUnavailable, NvmlUnavailable
 from ..ops.mps import Outcome
 from ..paths import Layout, default_layout
-from . import Command, Group
+from .app import Command, Group
 
 
 class MpsCommand(Group):

@@ -14,7 +14,7 @@ from ..policy.config import FOREVER, load_config, parse_wait
 from ..errors import NoDeviceError, UsageError
 from ..paths import Layout, default_layout
 from ..users import user_name
-from . import Command
+from .app import Command
 
 
 def _machine(layout: Layout) -> Tuple[Any, List[str]]:

@@ -15,7 +15,7 @@ from ..policy.config import parse_gpus, parse_wait
 from ..errors import NvmlUnavailable, ProgramNotFound, UsageError
 from ..paths import Layout, default_layout
 from ..ops.status import machine_status
-from . import Command
+from .app import Command
 from .filterswitches import FilterSwitches
 
 

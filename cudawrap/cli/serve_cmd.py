@@ -5,7 +5,7 @@ from plumbum import cli
 
 from ..errors import UsageError
 from ..paths import default_layout
-from . import Command
+from .app import Command
 
 
 class ServeCommand(Command):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from .. import __version__
 from ..paths import Layout
@@ -190,6 +190,23 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
         manifest.replace(CONFFILE, config, sha256=sha256_of(config))
         say(f"==> wrote the default configuration {config} (every setting, commented out)")
 
+    _write_files(layout, source, manifest, say, man_pages)
+
+    for parent in missing_dirs(layout.bin_dir):
+        manifest.add(DIR, parent)
+    layout.bin_dir.mkdir(parents=True, exist_ok=True)
+    for link, target in command_links(layout).items():
+        if not os.path.lexists(link):
+            link.symlink_to(target)
+            manifest.add(LINK, link, target=str(target))
+        say(f"==> command {link} -> {target}")
+
+    _enable_units(layout, manifest, say)
+
+
+def _write_files(layout: Layout, source: Optional[Path], manifest: Manifest, say: Callable[[str], None],
+                 man_pages: Mapping[Path, str]) -> None:
+    """The tmpfiles entry, the units, the man pages and the bash completion, recorded in MANIFEST."""
     files: List[Tuple[Path, str, str]] = [
         (tmpfiles_file(layout), render_tmpfiles(layout), "runtime directory at boot (systemd-tmpfiles)"),
     ] + [(unit_file(layout, name), render(layout), f"unit {name}") for name, render in UNITS.items()]
@@ -208,15 +225,9 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
         _write_text(path, text)
         say(f"==> {what}: {path}")
 
-    for parent in missing_dirs(layout.bin_dir):
-        manifest.add(DIR, parent)
-    layout.bin_dir.mkdir(parents=True, exist_ok=True)
-    for link, target in command_links(layout).items():
-        if not os.path.lexists(link):
-            link.symlink_to(target)
-            manifest.add(LINK, link, target=str(target))
-        say(f"==> command {link} -> {target}")
 
+def _enable_units(layout: Layout, manifest: Manifest, say: Callable[[str], None]) -> None:
+    """Enable the units that should run (where systemd runs), or say what to run instead."""
     mps = mps_mode(layout)
     if systemd_running(layout):
         enable = [(UNIT_NAME, "`cudawrap sync` runs at every boot"),
@@ -326,9 +337,6 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
     registry and state, the configuration and the runtime area (the leases of running
     programs) stay for the package, which installs the same layout.
     """
-    import shutil
-    import subprocess
-
     manifest = Manifest.load(layout)
     if manifest is None:
         raise InstallError(f"no install manifest {manifest_file(layout)}: cudawrap was not installed "
@@ -344,13 +352,36 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
     stop_monitor(layout, say, " (once the package is installed, start it again where systemd does not run)"
                  if keep_wraps else "")
     if wrapped and unwrap_all:
-        say(f"==> unwrapping {len(wrapped)} program(s)")
-        done = subprocess.run([str(layout.venv_dir / "bin" / "cudawrap"), "unwrap", "--all"], env=environ)
-        left = _wrapped(layout, environ)
-        if done.returncode != 0 or left:
-            raise InstallError(f"`cudawrap unwrap --all` failed (exit {done.returncode}); nothing else was "
-                               f"removed: fix what it says, or `cudawrap unwrap --force` what is left",
-                               done.returncode or 65)
+        _unwrap_all(layout, environ, len(wrapped), say)
+    _stop_units(layout, environ, say)
+    kept = {str(p) for p in _handed_over(layout)} if keep_wraps else set()
+    _remove_recorded(layout, manifest, kept, say)
+    if not keep_wraps:
+        say(f"==> removed cudawrap from {layout.root}")
+        return
+    say(f"==> removed install.sh's cudawrap from {layout.root}, keeping for the Debian package: the wrapped "
+        f"programs and their shims ({layout.shim_dir}), {layout.state_dir} (registry, drains, ledger), "
+        f"{layout.config_file} and {layout.runtime_dir} (the leases of running programs)")
+    say("==> wrapped programs cannot start until the package is installed: now run "
+        "`sudo apt-get install ./cudawrap_VERSION_all.deb` (or `sudo ./install.sh` to go back)")
+
+
+def _unwrap_all(layout: Layout, environ: Dict[str, str], count: int, say: Callable[[str], None]) -> None:
+    """`cudawrap unwrap --all`; InstallError, with nothing removed, unless all COUNT are unwrapped."""
+    import subprocess
+
+    say(f"==> unwrapping {count} program(s)")
+    done = subprocess.run([str(layout.venv_dir / "bin" / "cudawrap"), "unwrap", "--all"], env=environ)
+    left = _wrapped(layout, environ)
+    if done.returncode != 0 or left:
+        raise InstallError(f"`cudawrap unwrap --all` failed (exit {done.returncode}); nothing else was "
+                           f"removed: fix what it says, or `cudawrap unwrap --force` what is left",
+                           done.returncode or 65)
+
+
+def _stop_units(layout: Layout, environ: Dict[str, str], say: Callable[[str], None]) -> None:
+    """Disable the install's units, and stop MPS daemons started without them."""
+    import subprocess
 
     for name in UNITS:
         if unit_file(layout, name).exists() and systemd_running(layout):
@@ -366,69 +397,65 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
             say(f"install.sh: warning: `cudawrap mps stop` failed (exit {done.returncode}); "
                 f"MPS control daemons may still run")
 
-    allowed_trees = {str(layout.venv_dir), str(layout.state_dir), str(layout.runtime_dir)}
-    root = str(layout.root).rstrip("/") + "/"
-    kept = {str(p) for p in _handed_over(layout)} if keep_wraps else set()
 
-    def remove(entry: Dict[str, str]) -> None:
-        kind, path = entry.get("kind"), Path(entry["path"])
-        if str(path) in kept:
-            return
-        if not (str(path).startswith(root) or str(path) == str(layout.root)):
-            say(f"install.sh: warning: {path} is outside {layout.root}; left alone")
-            return
-        if kind == TREE and str(path) in allowed_trees:
-            if path.is_symlink() or path.is_file():
-                path.unlink()
-            elif path.is_dir():
-                shutil.rmtree(path)
-            else:
-                return
-            say(f"==> removed {path}/")
-        elif kind == LINK:
-            if path.is_symlink() and os.readlink(path) == entry.get("target"):
-                path.unlink()
-                say(f"==> removed {path}")
-        elif kind == CONFFILE:
-            if not os.path.lexists(path):
-                return
-            if path.is_file() and not path.is_symlink() and sha256_of(path) == entry.get("sha256"):
-                path.unlink()
-                say(f"==> removed {path}")
-            else:
-                say(f"==> kept {path}: it was edited after install (remove it yourself if it is no "
-                    f"longer needed)")
-        elif kind == FILE:
-            if os.path.lexists(path) and not path.is_dir():
-                path.unlink()
-                say(f"==> removed {path}")
-        elif kind == DIR:
-            try:
-                path.rmdir()
-            except FileNotFoundError:
-                pass
-            except OSError:
-                if path != layout.root:
-                    say(f"==> kept {path}/: not empty")
-
+def _remove_recorded(layout: Layout, manifest: Manifest, kept: Set[str], say: Callable[[str], None]) -> None:
+    """Remove what MANIFEST records but the paths in KEPT: files first, then the manifest, then
+    the directories deepest first."""
     entries = manifest.entries
     dirs = sorted((e for e in entries if e.get("kind") == DIR), key=lambda e: -e["path"].count("/"))
     others = [e for e in entries if e.get("kind") != DIR]
     # The venv goes last: this very interpreter runs from it.
     others.sort(key=lambda e: e["path"] == str(layout.venv_dir))
     for entry in others:
-        remove(entry)
+        _remove(layout, entry, kept, say)
     if os.path.lexists(manifest_file(layout)):
         manifest_file(layout).unlink()
     for entry in dirs:
-        remove(entry)
+        _remove(layout, entry, kept, say)
     if systemd_running(layout):
         _systemctl("daemon-reload")
-    if not keep_wraps:
-        say(f"==> removed cudawrap from {layout.root}")
+
+
+def _remove(layout: Layout, entry: Dict[str, str], kept: Set[str], say: Callable[[str], None]) -> None:
+    """Remove one thing the manifest records, as far as it is still what install.sh made."""
+    import shutil
+
+    kind, path = entry.get("kind"), Path(entry["path"])
+    if str(path) in kept:
         return
-    say(f"==> removed install.sh's cudawrap from {layout.root}, keeping for the Debian package: the wrapped "
-        f"programs and their shims ({layout.shim_dir}), {layout.state_dir} (registry, drains, ledger), "
-        f"{layout.config_file} and {layout.runtime_dir} (the leases of running programs)")
-    say("==> wrapped programs cannot start until the package is installed: now run "
-        "`sudo apt-get install ./cudawrap_VERSION_all.deb` (or `sudo ./install.sh` to go back)")
+    if not (str(path).startswith(str(layout.root).rstrip("/") + "/") or str(path) == str(layout.root)):
+        say(f"install.sh: warning: {path} is outside {layout.root}; left alone")
+        return
+    if kind == TREE and str(path) in {str(layout.venv_dir), str(layout.state_dir), str(layout.runtime_dir)}:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+        else:
+            return
+        say(f"==> removed {path}/")
+    elif kind == LINK:
+        if path.is_symlink() and os.readlink(path) == entry.get("target"):
+            path.unlink()
+            say(f"==> removed {path}")
+    elif kind == CONFFILE:
+        if not os.path.lexists(path):
+            return
+        if path.is_file() and not path.is_symlink() and sha256_of(path) == entry.get("sha256"):
+            path.unlink()
+            say(f"==> removed {path}")
+        else:
+            say(f"==> kept {path}: it was edited after install (remove it yourself if it is no "
+                f"longer needed)")
+    elif kind == FILE:
+        if os.path.lexists(path) and not path.is_dir():
+            path.unlink()
+            say(f"==> removed {path}")
+    elif kind == DIR:
+        try:
+            path.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            if path != layout.root:
+                say(f"==> kept {path}/: not empty")

@@ -159,6 +159,36 @@ class Sharing:
         return env
 
 
+    def run_env(self, root: str, shared: Any, current: Mapping[str, Any], slots: Mapping[str, int],
+                asked_mib: Optional[int]) -> Tuple[Dict[bytes, bytes], Optional[Dict[bytes, bytes]]]:
+        """A run sharing the devices SHARED (CURRENT: uuid -> Device; SLOTS: uuid -> its
+        slots; ASKED_MIB: the run's memory_limit_mib): (MPS's variables, the frameworks'
+        memory defaults, or None when no device's memory is limited)."""
+        extra: Dict[bytes, bytes] = {}
+        fractions = []
+        for uuid in shared:
+            device = current[uuid]
+            total = device.memory_total_mib or None
+            limit = self.limit_mib(uuid, device.parent_uuid, slots[uuid], total, asked_mib)
+            if limit and total:
+                fractions.append(min(limit / total, 1.0))
+            if self.mode == MPS:
+                extra = self.mps_env(root, uuid, slots[uuid], total, limit)
+        return extra, framework_env(min(fractions)) if fractions else None
+
+
+def of_run(value: Mapping[str, Any], count: int) -> Tuple[Sharing, bool]:
+    """(the sharing policy in VALUE, the run's settings; whether this run of COUNT devices shares)."""
+    sharing = Sharing(value.get("sharing"))
+    share = bool(value.get("share")) and sharing.anywhere
+    if share and sharing.mode == MPS and count > 1:
+        from ..errors import NoDeviceError
+
+        raise NoDeviceError(f"{count} devices asked for as a shared run, but an MPS client uses one device",
+                            hint="ask for one device (CUDAWRAP_GPUS=1), or run without sharing")
+    return sharing, share
+
+
 def framework_env(fraction: float) -> Dict[bytes, bytes]:
     """What tells the frameworks a shared run's allowance, FRACTION of its device's memory: JAX
     preallocates that much instead of 75 %, TensorFlow grows as it needs instead of taking all.

@@ -3,7 +3,7 @@
 The program comes from peer.program (the kernel's word), its settings from the config the
 service reads; what the client says (its count, wait, CUDA_VISIBLE_DEVICES, filter asks)
 only narrows them, through the same rules the daemonless launch applies to the
-environment (policy.narrow, launch._candidates).
+environment (policy.narrow, sched.candidates.usable).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, Optional
 
 from ..devices.model import Inventory
-from ..errors import NoDeviceError, SetupError, UsageError
+from ..errors import SetupError, UsageError
 from ..sched.schedule import Waiter
 
 MAX_COUNT = 999  # as the queue's names allow
@@ -53,7 +53,7 @@ def read(root: str, inventory: Inventory, fields: Dict[str, str], link: Optional
     """The Ask of FIELDS from UID running LINK (None: not a wrapped program); CudawrapError
     (with the exit status the client passes on) when it can never be met or is malformed.
     PRESENT: the devices that have lease files."""
-    from .. import launch
+    from ..sched import candidates as narrow
     from ..policy import effective as policy
 
     settings = policy.effective(root, link, {})
@@ -67,23 +67,12 @@ def read(root: str, inventory: Inventory, fields: Dict[str, str], link: Optional
     policy.check_count(settings, count)
     value = {k: v for k, (v, _src) in settings.items()}
     wait = min(float(value["wait"]), _number(fields, "wait", "inf"))
-    allow = list(value["allow"])
-    if value["allow_file"]:
-        from ..sched.selection import read_allow_file
-
-        allow += read_allow_file(value["allow_file"])
+    allow = narrow.allow_list(value)
     preset = fields.get("visible")
     if preset is not None and not preset.strip():
         raise UsageError("CUDA_VISIBLE_DEVICES is empty: this run asks for no device")
-    candidates = launch._candidates(inventory, value, allow, preset, count, fields.get("order"))
-    limits = value.get("limits") or {}
-    if limits.get("users") or limits.get("groups") or limits.get("default", (0, ""))[0]:
-        from ..policy.limits import limit_for
-
-        mine = limit_for(uid, limits)
-        if mine and count > mine:
-            raise NoDeviceError(f"{count} devices asked for, but your limit is {mine} at once",
-                                hint="ask for fewer devices, or ask an admin (`cudawrap config` shows the limits)")
+    candidates = narrow.usable(inventory, value, allow, preset, count, fields.get("order"))
+    narrow.limits_of(value, count, uid)
     usable = frozenset(d.uuid for d in candidates if d.uuid in present)
     if len(usable) < count:
         from ..lease.files import SYNC_HINT

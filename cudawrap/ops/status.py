@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import NvmlUnavailable
 from ..lease.holders import Holding, fd_holders, holdings, slots_apart
@@ -18,6 +18,7 @@ from ..paths import Layout
 from ..proc import real_uid
 from ..users import user_name
 from ..sched.queue import WaitQueue
+from .statustable import Column, holder_text, memory_text, render, table  # noqa: F401 - re-exported
 
 
 def parse_watch(seconds: Any, count: Optional[str]) -> Tuple[float, Optional[int]]:
@@ -283,7 +284,37 @@ def _gpus(inventory: Any) -> List[Dict[str, Any]]:
 def machine_status(layout: Layout) -> Dict[str, Any]:
     from ..devices import nvml
 
-    from ..lease.sharing import MPS, Sharing, configured
+    leases = _leases(layout)  # read before NVML, as the rows always were
+    nvml_error: Optional[str] = None
+    try:
+        inventory = nvml.inventory()
+    except NvmlUnavailable as exc:
+        nvml_error = str(exc)
+        inventory = None
+    devices = _devices(layout, inventory, leases)
+    drains = _add_drains(str(layout.root), devices)
+    _add_health(str(layout.root), devices)
+    _run_memory(layout, devices)
+    waiting = _waiting(layout, inventory)
+    from .view import through_service
+
+    waiting = through_service(layout, devices, waiting)  # the service's line, where one runs
+    from .eta import annotate
+
+    annotate(waiting, devices, layout)  # when each may start (README "Why am I waiting")
+    for device in devices:
+        device["waiters"] = [w["pid"] for w in waiting
+                             if w["candidates"] is None or device["uuid"] in w["candidates"]]
+    return {"root": str(layout.root), "devices": devices, "waiting": waiting, "drained": drains,
+            "nvml_error": nvml_error,
+            "lost": list(inventory.lost) if inventory else [],
+            "gpus": _gpus(inventory) if inventory else []}
+
+
+def _leases(layout: Layout) -> Tuple[Any, ...]:
+    """(the lock table, the holdings, the sharers' slots held apart, the sharing policy, the
+    lease files' names)."""
+    from ..lease.sharing import Sharing, configured
 
     lease_dir = str(layout.lease_dir)
     table = lock_table()
@@ -294,13 +325,16 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
     except Exception:  # a broken config is `cudawrap config`'s to report; status still shows leases
         sharing = Sharing()
     lease_files = set(os.listdir(lease_dir)) if os.path.isdir(lease_dir) else set()
+    return table, held, apart, sharing, lease_files
+
+
+def _devices(layout: Layout, inventory: Any, leases: Tuple[Any, ...]) -> List[Dict[str, Any]]:
+    """A row per device: NVML's (INVENTORY), or the lease files' when NVML is unusable (None)."""
+    from ..lease.sharing import MPS
+
+    lease_dir = str(layout.lease_dir)
+    table, held, apart, sharing, lease_files = leases
     devices: List[Dict[str, Any]] = []
-    nvml_error: Optional[str] = None
-    try:
-        inventory = nvml.inventory()
-    except NvmlUnavailable as exc:
-        nvml_error = str(exc)
-        inventory = None
     if inventory is not None:
         from ..sched.filters import product
 
@@ -334,39 +368,34 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
                             "slots": sharing.slots_for(uuid),
                             "index": None, "product": None, "mig_profile": None, **_NO_READINGS,
                             "processes": None, "waiters": [], "drains": []})
+    return devices
+
+
+def _add_drains(root: str, devices: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The admin's drains (uuid -> reason, by, at), each device given the one covering it."""
     from ..sched.drains import covering, drained
 
-    found = drained(str(layout.root))
+    found = drained(root)
     drains = {u: {"reason": d.reason, "by": d.by, "at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(d.at))}
               for u, d in found.items()}
     for device in devices:  # which drain covers each device, if any (a GPU's covers its MIG instances)
         cover = covering(found, device["uuid"], device["parent"])
         device["drains"] = [dict(drains[cover], uuid=cover)] if cover else []
+    return drains
+
+
+def _add_health(root: str, devices: List[Dict[str, Any]]) -> None:
+    """Each device's leftover processes of ended runs, and its lease if idle (the monitor's look)."""
     from .health import idle_leases, leftovers
 
-    left = leftovers(str(layout.root))  # processes of ended runs still on a device (the monitor's look)
-    quiet, idle_after_s, sampled = idle_leases(str(layout.root))
+    left = leftovers(root)  # processes of ended runs still on a device (the monitor's look)
+    quiet, idle_after_s, sampled = idle_leases(root)
     for device in devices:
         device["leftovers"] = left.get(device["uuid"], [])
         lease = quiet.get(device["uuid"])
         device["idle"] = None if lease is None or lease.idle_s(sampled) < idle_after_s or not device["holder"] \
             or device["holder"]["pid"] not in (lease.pid, None) else {
                 "idle_s": round(lease.idle_s(sampled)), "pid": lease.pid, "user": lease.user, "basis": lease.basis}
-    _run_memory(layout, devices)
-    waiting = _waiting(layout, inventory)
-    from .view import through_service
-
-    waiting = through_service(layout, devices, waiting)  # the service's line, where one runs
-    from .eta import annotate
-
-    annotate(waiting, devices, layout)  # when each may start (README "Why am I waiting")
-    for device in devices:
-        device["waiters"] = [w["pid"] for w in waiting
-                             if w["candidates"] is None or device["uuid"] in w["candidates"]]
-    return {"root": str(layout.root), "devices": devices, "waiting": waiting, "drained": drains,
-            "nvml_error": nvml_error,
-            "lost": list(inventory.lost) if inventory else [],
-            "gpus": _gpus(inventory) if inventory else []}
 
 
 def _run_memory(layout: Layout, devices: List[Dict[str, Any]]) -> None:
@@ -384,143 +413,3 @@ def _run_memory(layout: Layout, devices: List[Dict[str, Any]]) -> None:
             row = found.get((holder.get("pid"), device["uuid"])) if holder else None
             if row is not None:
                 holder["memory"] = {"used_mib": row.get("used_mib"), "limit_mib": row.get("limit_mib")}
-
-
-def memory_text(holder: Dict[str, Any]) -> str:
-    """" 23.1/40 GiB" (a share: used of its limit), " 23.1 GiB", or "" when not known."""
-    memory = holder.get("memory")
-    if not memory or memory.get("used_mib") is None:
-        return ""
-    used = f"{memory['used_mib'] / 1024:.1f}"
-    limit = memory.get("limit_mib")
-    return f" {used}/{limit / 1024:g} GiB" if limit else f" {used} GiB"
-
-
-# --- the table `cudawrap status` prints ------------------------------------------------------
-#
-# A column is (header, cell, widest): cell(row) gives the text, cut to WIDEST characters
-# (0: never cut). The default table fits 80 columns with typical names; --json has it all.
-
-Column = Tuple[str, Callable[[Dict[str, Any]], str], int]
-
-
-def _cut(text: str, width: int) -> str:
-    return text if not width or len(text) <= width else text[:width - 1] + "~"
-
-
-def _short_time(stamp: str) -> str:
-    """HH:MM for today, MM-DD before (process_info's ISO time)."""
-    if len(stamp) < 16:
-        return stamp
-    return stamp[11:16] if stamp[:10] == time.strftime("%Y-%m-%d") else stamp[5:10]
-
-
-def _device(d: Dict[str, Any]) -> str:
-    where = "?" if d["gpu_index"] < 0 else str(d["gpu_index"])
-    if d.get("mig_slot") is not None:
-        where += f"/{d['mig_slot']}"
-    return f"{where} {d['uuid'][:12]}"
-
-
-def _memory(d: Dict[str, Any]) -> str:
-    return "?" if not d["memory_total_mib"] else f"{d['memory_used_mib']}/{d['memory_total_mib']}"
-
-
-def holder_text(holder: Optional[Dict[str, Any]]) -> str:
-    """pid, user and program of a lock's holder, as one cell."""
-    if holder is None:
-        return "free"
-    if holder["pid"] is None:
-        return "held (holder not visible to you)"
-    return f"pid {holder['pid']} {_cut(holder['user'], 8)} {_cut(holder.get('program', '?'), 10)}{memory_text(holder)}"
-
-
-def _lease(d: Dict[str, Any]) -> str:
-    if not d["lease_file"]:
-        return "no lease file (run `cudawrap sync`)"
-    shares = d.get("shares")
-    if shares:  # "2/4 shared: alice pid 123, alice pid 456"; "eve pid 9 (slot only)": no lease lock
-        who = ", ".join(_sharer(h) for h in shares["holders"])
-        text = f"{shares['used']}/{shares['slots']} shared: {who}"
-    elif d.get("slots_apart"):  # held whole, and slots locked besides
-        text = f"{holder_text(d['holder'])}; slots locked apart: {', '.join(_sharer(h) for h in d['slots_apart'])}"
-    else:
-        text = holder_text(d["holder"])
-    if not d.get("drains"):
-        return text
-    # Drained: nobody new gets it, whether or not a run still holds it (drain --wait waits for that run).
-    reason = d["drains"][0]["reason"] or "-"
-    return f"drained: {reason}" if text == "free" else f"{text}; drained"
-
-
-def _sharer(h: Dict[str, Any]) -> str:
-    who = "?" if h["pid"] is None else f"{_cut(h['user'], 8)} pid {h['pid']}{memory_text(h)}"
-    return who if h.get("lease", True) else f"{who} (slot only)"
-
-
-def _others(d: Dict[str, Any]) -> str:
-    pids = d["foreign_pids"]
-    return "unknown" if pids is None else (",".join(map(str, pids)) or "-")
-
-
-DEVICE_COLUMNS: List[Column] = [
-    ("DEVICE", _device, 0),
-    ("MEMORY MiB", _memory, 0),
-    ("LEASE", _lease, 0),
-    ("SINCE", lambda d: _short_time(d["holder"]["since"]) if d["holder"] else "", 5),
-    ("OTHERS", _others, 8),
-]
-
-WAITING_COLUMNS: List[Column] = [
-    ("POS", lambda w: str(w["position"] or "?"), 0),
-    ("USER", lambda w: w["user"], 8),
-    ("PID", lambda w: str(w["pid"]), 0),
-    ("N", lambda w: str(w["count"]), 0),
-    ("PROGRAM", lambda w: w["program"], 12),
-    ("START", lambda w: w.get("start", "unknown"), 10),  # README "Why am I waiting"
-    ("WHY", lambda w: w["reason"], 38),  # all of it in --json
-]
-
-
-DRAINED_COLUMNS: List[Column] = [
-    ("DRAINED", lambda d: d["uuid"][:16], 0),
-    ("SINCE", lambda d: _short_time(d["at"]), 5),
-    ("BY", lambda d: d["by"], 8),
-    ("REASON", lambda d: d["reason"] or "-", 40),
-]
-
-
-def table(rows: Sequence[Dict[str, Any]], columns: Sequence[Column], cut: bool = True) -> List[str]:
-    """ROWS as aligned lines under COLUMNS' headers; each cell cut to its column's widest if CUT
-    (for a terminal: a script reading the table gets every cell whole)."""
-    cells = [[header for header, _, _ in columns]]
-    cells += [[_cut(cell(row), widest if cut else 0) for _, cell, widest in columns] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    return ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
-
-
-def render(status: Dict[str, Any], cut: bool = True) -> List[str]:
-    """`cudawrap status` as text: which install, the devices, who waits, who holds the queue;
-    long cells cut to fit a terminal if CUT."""
-    held = sum(1 for d in status["devices"] if d["holder"] or d.get("shares"))
-    count = (f"devices unknown, {len(status['devices'])} lease files" if status["nvml_error"]
-             else f"{len(status['devices'])} devices")
-    lines = [f"install root {status['root']}: {count}, {held} leased, {len(status['waiting'])} waiting"]
-    if status["devices"]:
-        lines += table(status["devices"], DEVICE_COLUMNS, cut)
-    for d in status["devices"]:
-        if d.get("mps_without_share"):
-            who = ", ".join(f"{_cut(p['user'], 8)} pid {p['pid']} {_cut(p['program'], 16)}"
-                            for p in d["mps_without_share"])
-            lines.append(f"{d['uuid']}: MPS client(s) holding no share: {who}; "
-                         "the device's shares wait for them to end")
-    lines += [f"{d['uuid']}: {text}" for d in status["devices"] for text in d.get("leftovers", ())]
-    lines += [f"{d['uuid']}: IDLE for {d['idle']['idle_s'] / 60:.0f} min: pid {d['idle']['pid']} {d['idle']['user']} "
-              f"({d['idle']['basis']})" for d in status["devices"] if d.get("idle")]
-    if status.get("drained"):
-        lines.append("")
-        lines += table([dict(d, uuid=u) for u, d in sorted(status["drained"].items())], DRAINED_COLUMNS, cut)
-    if status["waiting"]:
-        lines.append("")
-        lines += table(status["waiting"], WAITING_COLUMNS, cut)
-    return lines

@@ -2,347 +2,32 @@
 
 A typo in a key or a value of the wrong type is a ConfigError naming file, line and key,
 raised from the shim as well as the CLI: a broken config must never silently change
-which devices people get.
+which devices people get. The values' parsers are in values.py, the tables and their keys
+in keys.py; their names are exported here too, where callers have always found them.
 """
 from __future__ import annotations
 
-import math
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from ..errors import ConfigError
-from .healthconf import HEALTH_DEFAULTS, HEALTH_DESCRIPTIONS, health_keys
-
-FOREVER = math.inf
-
-PLACEMENTS = ("spread", "pack", "random")
-FOREIGN_RULES = ("avoid", "ignore")
-NO_DRIVER_RULES = ("run", "fail")
-MULTI_MIG_RULES = ("refuse", "whole-gpus")
-
-# The longest wait anyone can ask for in seconds; beyond it "forever" is the honest word
-# (and setitimer overflows somewhere above 2**31).
-MAX_WAIT_S = 10 * 365 * 86400
-MAX_GPUS = 64
-
-
-def _shown(value: Any) -> str:
-    """VALUE for a one-line message: its repr, cut short (it may be 100 kB of environment)."""
-    try:
-        text = repr(value)
-    except ValueError:  # an integer of more digits than Python will print
-        return "a number that long"
-    return text if len(text) <= 40 else text[:36] + "..."
-
-
-def parse_wait(value: Any) -> float:
-    """A wait limit: seconds (int, float or numeric string) >= 0, or "forever"."""
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("forever", "inf", "infinity", "none"):
-            return FOREVER
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"{_shown(value)} is not a number of seconds or 'forever'") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{_shown(value)} is not a number of seconds or 'forever'")
-    # Not math.isnan(value) on an int: TOML integers are unbounded and float() overflows.
-    if (isinstance(value, float) and math.isnan(value)) or value < 0:
-        raise ValueError(f"{_shown(value)} is not a number of seconds >= 0")
-    if value > MAX_WAIT_S:
-        return FOREVER
-    return float(value)
-
-
-def parse_gpus(value: Any) -> int:
-    """A device count per run: an integer from 1 to MAX_GPUS."""
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{_shown(value)} is not a whole number of devices")
-    if not 1 <= value <= MAX_GPUS:
-        raise ValueError(f"{_shown(value)} is not between 1 and {MAX_GPUS}")
-    return value
-
-
-def _choice(choices: Tuple[str, ...]) -> Callable[[Any], str]:
-    def parse(value: Any) -> str:
-        if not isinstance(value, str) or value not in choices:
-            raise ValueError(f"{_shown(value)} is not one of {', '.join(choices)}")
-        return value
-
-    parse.choices = choices  # type: ignore[attr-defined]  # for shell completion
-    return parse
-
-
-def _non_negative_int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{_shown(value)} is not a whole number >= 0")
-    return value
-
-
-def _bool(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{_shown(value)} is not true or false")
-    return value
-
-
-def _uuid_list(value: Any) -> Tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError("expected a list of device UUID strings")
-    bad = [v for v in value if not re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]+", v.strip())]
-    if bad:
-        raise ValueError(f"{_shown(bad[0])} is not a GPU-… or MIG-… UUID (or prefix)")
-    return tuple(v.strip() for v in value)
-
-
-def _percent(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100:
-        raise ValueError(f"{_shown(value)} is not a whole percentage from 0 to 100")
-    return value
-
-
-def parse_model(value: Any) -> str:
-    """A model filter: words each found, case-insensitively, in the product name ("" = any)."""
-    if not isinstance(value, str) or len(value) > 200 or not value.isprintable():
-        raise ValueError(f"{_shown(value)} is not a model name such as \"H100\" or \"A100 1g.10gb\"")
-    return " ".join(value.split())
-
-
-def parse_devices(value: Any) -> Tuple[Any, ...]:
-    """Devices to choose among: GPU-/MIG- UUIDs or prefixes, and NVML indices (nvidia-smi's)."""
-    if isinstance(value, str):  # the environment's and the switches' comma list
-        value = [v.strip() for v in value.split(",") if v.strip()]
-    if not isinstance(value, list):
-        raise ValueError(f"{_shown(value)} is not a list of device UUIDs and indices")
-    out: List[Any] = []
-    for item in value:
-        if isinstance(item, str) and item.isascii() and item.isdigit() and len(item) <= 4:
-            item = int(item)
-        if isinstance(item, int) and not isinstance(item, bool) and 0 <= item <= 9999:
-            out.append(item)
-        elif isinstance(item, str) and re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]+", item.strip()):
-            out.append(item.strip())
-        else:
-            raise ValueError(f"{_shown(item)} is not a GPU-… or MIG-… UUID (or prefix) or an index")
-    return tuple(out)
-
-
-def _path_or_empty(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{_shown(value)} is not a path string")
-    if value and not value.startswith("/"):
-        raise ValueError(f"{_shown(value)} is not an absolute path")
-    return value
-
-
-# Settings a single program may override, by [programs."NAME"] in the config or by
-# create-cudawrap's flags (kept in the registry).
-POLICY_KEYS: Dict[str, Callable[[Any], Any]] = {
-    "gpus": parse_gpus,
-    "wait": parse_wait,
-    "placement": _choice(PLACEMENTS),
-    "foreign": _choice(FOREIGN_RULES),
-    "busy_memory_mib": _non_negative_int,
-    "no_driver": _choice(NO_DRIVER_RULES),
-    "multi_mig": _choice(MULTI_MIG_RULES),
-    "reserve_after": parse_wait,
-    "max_gpus": parse_gpus,
-    "model": parse_model,
-    "min_memory_mib": _non_negative_int,
-    "min_free_memory_mib": _non_negative_int,
-    "max_utilization": _percent,
-    "devices": parse_devices,
-    "share": _bool,
-}
-
-DEVICE_KEYS: Dict[str, Callable[[Any], Any]] = {
-    "allow": _uuid_list,
-    "allow_file": _path_or_empty,
-}
-
-def _mib(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
-        raise ValueError(f"{_shown(value)} is not a whole number of MiB from 1 to {1 << 20}")
-    return value
-
-
-def _connections(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 16:
-        raise ValueError(f"{_shown(value)} is not a whole number from 1 to {1 << 16}")
-    return value
-
-
-# The monitor's accounting and metrics, the service's bounds: root's settings, not a run's.
-# Section -> its keys.
-OPS_SECTIONS: Dict[str, Dict[str, Callable[[Any], Any]]] = {
-    "metrics": {"textfile": _path_or_empty},
-    "ledger": {"max_mib": _mib, "keep": _non_negative_int},
-    "service": {"private_status": _bool, "max_connections_per_uid": _connections},
-    "health": health_keys(_choice),
-}
-
-DEFAULTS: Dict[str, Any] = {
-    "gpus": 1,
-    "wait": FOREVER,
-    "placement": "spread",
-    "foreign": "avoid",
-    "busy_memory_mib": 1024,
-    "no_driver": "run",
-    "multi_mig": "refuse",
-    "reserve_after": 300.0,
-    "max_gpus": MAX_GPUS,
-    "model": "",
-    "min_memory_mib": 0,
-    "min_free_memory_mib": 0,
-    "max_utilization": 100,
-    "devices": (),
-    "share": False,
-    "allow": (),
-    "allow_file": "",
-    "textfile": "",
-    "max_mib": 64,
-    "keep": 4,
-    "private_status": False,
-    "max_connections_per_uid": 1000,
-    **HEALTH_DEFAULTS,
-}
-
-DESCRIPTIONS: Dict[str, str] = {
-    "gpus": "devices given to each run",
-    "wait": "seconds to wait for a free device, or \"forever\"; 0 = do not wait",
-    "placement": "spread (across physical GPUs), pack (fill one GPU first) or random",
-    "foreign": "avoid or ignore devices running processes cudawrap did not start",
-    "busy_memory_mib": "where process lists are hidden, more memory used than this is busy",
-    "no_driver": "without an NVIDIA driver or NVML: run the program (leased by its lease file where one exists), or fail",
-    "multi_mig": "more than one MIG instance on a driver before R570: refuse, or whole-gpus",
-    "reserve_after": "seconds a run waits before free devices are kept for it until it has enough, or \"forever\"",
-    "max_gpus": "the most devices one run may ask for (CUDAWRAP_GPUS, run -n, acquire(N))",
-    "model": "only devices whose product name holds these words, e.g. \"H100\", \"A100 1g.10gb\"",
-    "min_memory_mib": "only devices with at least this much memory in all (MiB)",
-    "min_free_memory_mib": "only devices with at least this much memory free (MiB)",
-    "max_utilization": "only devices busy at most this % (MIG: not reported, never excluded)",
-    "devices": "only these devices: UUIDs, prefixes, NVML indices; empty = all",
-    "share": "runs share a device with other shared runs ([sharing] slots per device) instead of taking it whole",
-    "allow": "device UUIDs (or prefixes) cudawrap may hand out; empty = all",
-    "allow_file": "file with one allowed UUID a line (the getgpu ids format), or \"\"",
-    "textfile": "Prometheus text file the monitor rewrites every cycle (node_exporter's textfile "
-                "directory, *.prom), or \"\" for none",
-    "max_mib": "size at which the ledger of leases is rotated (MiB)",
-    "keep": "rotated ledger files kept (ledger.1 is the newest)",
-    "private_status": "with `cudawrap serve`: status through it shows a user others' leases and waits "
-                      "without their names, pids and programs (root sees all)",
-    "max_connections_per_uid": "with `cudawrap serve`: the most connections one user may keep open to it, "
-                               "so runs waiting at once (root is not limited)",
-    **HEALTH_DESCRIPTIONS,
-}
-
-
-# What `cudawrap config` adds below the table when a setting is in force.
-NOTES: Dict[str, str] = {
-    "max_utilization": "NVML reports no utilisation for MIG instances (nor for a GPU in MIG mode), "
-                       "so max_utilization never excludes them; it applies to whole GPUs only",
-}
-
+from .keys import (  # noqa: F401 - re-exported
+    DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, FOREIGN_RULES, LIMIT_DESCRIPTIONS, LIMIT_ENTRY_KEYS, LIMIT_KEYS,
+    MEMORY_KEYS, MULTI_MIG_RULES, NO_DRIVER_RULES, NOTES, OPS_SECTIONS, PLACEMENTS, POLICY_KEYS, SCHEMA,
+    SHARING_DESCRIPTIONS, SHARING_DEVICE_KEYS, SHARING_KEYS, SHARING_MODES,
+)
+from .values import (  # noqa: F401 - re-exported
+    FOREVER, MAX_GPUS, MAX_SLOTS, MAX_WAIT_S, format_wait, parse_devices, parse_gpus, parse_model, parse_wait,
+)
 
 @dataclass(frozen=True)
 class Setting:
     value: Any
     source: str  # "default", "FILE:LINE", "registry", "CUDAWRAP_WAIT", ...
 
-
-LIMIT_KEYS: Dict[str, Callable[[Any], Any]] = {"max_devices_per_user": _non_negative_int}
-LIMIT_ENTRY_KEYS: Dict[str, Callable[[Any], Any]] = {"max_devices": _non_negative_int}
-LIMIT_DESCRIPTIONS: Dict[str, str] = {
-    "max_devices_per_user": "most devices one user may hold at once; 0 = no limit",
-    "max_devices": "in [limits.users.\"NAME\"] or [limits.groups.\"GROUP\"]: that user's or group's limit",
-}
-
-
-# The most runs one device can be shared by: MPS serves at most 48 clients per device on
-# Volta and later, and time slices thinner than that leave each run next to nothing.
-MAX_SLOTS = 48
-SHARING_MODES = ("time-slicing", "mps")
-
-
-def _slots(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SLOTS:
-        raise ValueError(f"{_shown(value)} is not a whole number of slots from 1 (no sharing) to {MAX_SLOTS}")
-    return value
-
-
-def _share_percentage(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
-        raise ValueError(f"{_shown(value)} is not a whole percentage from 1 to 100")
-    return value
-
-
-def _memory_limit(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 24:
-        raise ValueError(f"{_shown(value)} is not a whole number of MiB from 0 (no limit) to {1 << 24}")
-    return value
-
-
-def _fraction(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"{_shown(value)} is not a fraction of a device above 0 and at most 1")
-    return float(value)
-
-
-def _seconds(zero_ok: bool) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
-        number = not isinstance(value, bool) and isinstance(value, (int, float))
-        if not (number and (0 <= value if zero_ok else 0 < value) and value <= 86400):  # NaN fails too
-            raise ValueError(f"{_shown(value)} is not a number of seconds {'from 0' if zero_ok else 'above 0'} "
-                             f"to 86400")
-        return float(value)
-    return parse
-
-
-# A shared run's memory limit and what exceeding it does (README "Memory of shared runs"); also
-# per device ([sharing.devices."UUID"]) and per program ([programs."NAME"]).
-MEMORY_KEYS: Dict[str, Callable[[Any], Any]] = {
-    "memory_limit_mib": _memory_limit,
-    "memory_action": _choice(("warn", "terminate")),
-    "grace_s": _seconds(False),
-    "kill_after_s": _seconds(True),
-}
-
-# [sharing]: how shared runs share a device (README "Sharing a GPU"). Absent optional keys
-# mean "derived from slots" (thread share, memory limit, what a share counts as).
-SHARING_KEYS: Dict[str, Callable[[Any], Any]] = {
-    "slots": _slots,
-    "mode": _choice(SHARING_MODES),
-    "thread_percentage": _share_percentage,
-    "counts_as": _fraction,
-    **MEMORY_KEYS,
-}
-SHARING_DEVICE_KEYS: Dict[str, Callable[[Any], Any]] = {"slots": _slots, **MEMORY_KEYS}
-SHARING_DESCRIPTIONS: Dict[str, str] = {
-    "slots": "shared runs one device takes at once; 1 = no sharing",
-    "mode": "time-slicing (CUDA's own) or mps (NVIDIA MPS; `cudawrap mps start`)",
-    "thread_percentage": "MPS: % of the device's SMs one shared run may use (default 100/slots)",
-    "memory_limit_mib": "device memory one shared run may use, MiB (MPS pins it); 0 = none (default memory/slots)",
-    "counts_as": "what one share counts as towards a user's device limit (default 1/slots)",
-    "memory_action": "a time-slicing share over memory_limit_mib: warn (default) or terminate",
-    "grace_s": "seconds a share may stay over its memory limit before memory_action (default 5)",
-    "kill_after_s": "seconds from SIGTERM to SIGKILL for a share ended for its memory (default 10)",
-}
-
-
-# Every table the file may hold and its keys; "*" is a name the admin chooses. The default
-# file (cudawrap.policy.defaults) shows each of them.
-SCHEMA: Dict[str, Mapping[str, Callable[[Any], Any]]] = {
-    "devices": DEVICE_KEYS, "policy": POLICY_KEYS, "limits": LIMIT_KEYS,
-    "limits.users.*": LIMIT_ENTRY_KEYS, "limits.groups.*": LIMIT_ENTRY_KEYS,
-    "sharing": SHARING_KEYS, "sharing.devices.*": SHARING_DEVICE_KEYS,
-    "programs.*": {**POLICY_KEYS, **MEMORY_KEYS},
-    **OPS_SECTIONS,
-}
 
 
 def no_sharing() -> Dict[str, Any]:
@@ -562,7 +247,3 @@ def validate_policy(policy: Mapping[str, Any], source: str) -> Dict[str, Setting
         except ValueError as exc:
             raise ConfigError(f"{source}: bad value for '{key}': {exc}") from None
     return out
-
-
-def format_wait(value: float) -> str:
-    return "forever" if value == FOREVER else f"{value:g}"
