@@ -63,7 +63,9 @@ def test_status_and_why_give_place_reason_and_start(mu) -> None:  # type: ignore
     second = inst.start(world.carol, str(other))
     wait_for(lambda: len(waiting()) == 2, timeout=30)
     # Users cannot read the ledger: without the monitor's run lengths, "unknown", and why.
-    rows = json.loads(inst.cli(world.bob, "why", "--json").stdout)
+    asked = inst.cli(world.bob, "why", "--json")
+    assert asked.returncode == 0, asked.stderr
+    rows = json.loads(asked.stdout)
     assert [r["pid"] for r in rows] == [first.pid]
     assert rows[0]["start"] == "unknown" and "the monitor keeps them" in rows[0]["start_basis"]
     # Root reads the ledger itself; a user reads what the monitor keeps.
@@ -97,5 +99,7 @@ def test_status_and_why_give_place_reason_and_start(mu) -> None:  # type: ignore
         assert bad.returncode == 64 and words in lines[0] and len(lines) == 2, lines
     # A drained device: the start is unknown, and why.
     assert inst.cli(None, "drain", "0", "--reason", "fan").returncode == 0
-    row = json.loads(inst.cli(None, "why", "--json", str(first.pid)).stdout)[0]
+    asked = inst.cli(None, "why", "--json", str(first.pid))
+    assert asked.returncode == 0, asked.stderr
+    row = json.loads(asked.stdout)[0]
     assert row["start"] == "unknown" and "only 0 undrained device(s) it may use, 1 needed" in row["start_basis"]
