@@ -69,6 +69,16 @@ def health_config(inst: Any, text: str) -> None:
     inst.layout.config_file.chmod(0o644)
 
 
+def ledger_notes(inst: Any) -> list:
+    """The ledger's health transitions, in order."""
+    from cudawrap.ops.ledger import ledger_path, read
+
+    problems: list = []
+    found = list(read([ledger_path(inst.layout)], problems, ("health-drain", "health-resume")))
+    assert problems == []
+    return found
+
+
 def monitor_cycle(hook: MonitorHealth, inst: Any, now: Any = None) -> list:
     assert refresh_once(inst.layout) is None
     return hook.cycle(now)
@@ -104,6 +114,7 @@ def test_xid_79_drains_that_gpu_alone_its_holder_finishes_the_others_keep_servin
     assert "DRAINED (health: Xid 79 (GPU has fallen off the bus)" in text and "back: by itself in" in text
     status = json.loads(inst.cli(world.alice, "status", "--json").stdout)
     assert status["drained"][held]["reason"] == reason
+    assert [(n["device"], n["reason"]) for n in ledger_notes(inst)] == [(held, reason)]
 
 
 def test_the_running_monitor_drains_within_its_cycle_and_says_so_in_the_metrics(mu) -> None:  # type: ignore[no-untyped-def]
@@ -161,6 +172,8 @@ def test_recovery_after_the_condition_clears_and_not_before(mu) -> None:  # type
     (back,) = monitor_cycle(hook, inst, 5120.0)
     assert back.uuid == gpu and back.to == HEALTHY
     assert drained(root) == {}
+    assert [(n["event"], n["device"], n["at"]) for n in ledger_notes(inst)] == \
+        [("health-drain", gpu, 1001.0), ("health-resume", gpu, 5120.0)]
 
 
 def test_an_admins_drain_is_never_lifted_nor_replaced_by_health(mu) -> None:  # type: ignore[no-untyped-def]

@@ -55,3 +55,65 @@ def test_the_metrics_text_is_valid_exposition_format() -> None:
     assert 'cudawrap_wait_seconds_bucket{le="0.1"} 1' in text and 'cudawrap_wait_seconds_bucket{le="60"} 2' in text
     assert 'cudawrap_wait_seconds_bucket{le="+Inf"} 2' in text and "cudawrap_wait_seconds_count 2" in text
     assert 'cudawrap_ledger_device_seconds_total{user="e\\"ve"} 20.000' in text
+
+
+# --- notes: what the monitor did about the GPUs' health, beside the leases ------------------
+
+OLD = [record(1), dict(record(1), event="end", end=5.0, user="ann", uid=1000, program="p", how="ended")]
+NOTES = [{"v": 1, "event": "health-drain", "device": "GPU-0", "at": 3.0, "reason": "health: Xid 79"},
+         {"v": 1, "event": "leftover", "device": "GPU-0", "at": 4.0, "pid": 42, "uid": 1000, "user": "ann"},
+         {"v": 1, "event": "idle", "device": "GPU-0", "at": 4.0, "uid": 1000, "user": "ann", "start": 2.0, "end": 4.0},
+         {"v": 1, "event": "health-resume", "device": "GPU-0", "at": 9.0, "reason": "clear for 60 s"}]
+
+
+def write_lines(path: Path, records: list) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_lease_readers_pass_over_notes_and_an_old_ledger_reads_as_before(tmp_path: Path) -> None:
+    from cudawrap.ops.usage import leases
+
+    old, mixed = tmp_path / "old", tmp_path / "mixed"
+    write_lines(old, OLD)
+    write_lines(mixed, OLD[:1] + NOTES[:2] + OLD[1:] + NOTES[2:])
+    problems: list = []
+    assert list(read([old], problems)) == OLD == list(read([mixed], problems))
+    assert problems == []
+    (lease,) = leases(read([mixed], problems, ("grant", "end", "idle")), (), 10.0, problems)
+    assert (lease.user, lease.start, lease.end) == ("ann", 1.0, 5.0) and problems == []
+    notes = list(read([mixed], problems, ("health-drain", "health-resume", "leftover", "idle")))
+    assert [n["event"] for n in notes] == ["health-drain", "leftover", "idle", "health-resume"]
+
+
+def test_a_note_without_its_device_or_time_and_an_unknown_kind_are_unreadable(tmp_path: Path) -> None:
+    path = tmp_path / "ledger"
+    write_lines(path, [{"v": 1, "event": "leftover", "at": 1.0}, {"v": 1, "event": "idle", "device": "GPU-0"},
+                       {"v": 1, "event": "reboot", "device": "GPU-0", "at": 1.0}, NOTES[0]])
+    problems: list = []
+    assert [r["event"] for r in read([path], problems, ("health-drain", "leftover", "idle"))] == ["health-drain"]
+    assert problems == [f"{path}:{n}: unreadable record skipped" for n in (1, 2, 3)]
+
+
+def test_notes_wait_for_a_writable_ledger_and_are_written_once(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from cudawrap.ops.ledger import Notes
+
+    layout = SimpleNamespace(state_dir=tmp_path)
+    (tmp_path / "ledger").mkdir()  # not a file: the append fails
+    notes = Notes(layout)  # type: ignore[arg-type]
+    notes.add("health-drain", "GPU-0", 3.0, reason="health: Xid 79")
+    assert "cannot write the ledger" in (notes.flush((1 << 20, 2)) or "")
+    (tmp_path / "ledger").rmdir()
+    notes.add("health-resume", "GPU-0", 9.0, reason="clear")
+    assert notes.flush((1 << 20, 2)) is None and notes.flush((1 << 20, 2)) is None
+    problems: list = []
+    got = list(read([tmp_path / "ledger"], problems, ("health-drain", "health-resume")))
+    assert [(r["event"], r["at"]) for r in got] == [("health-drain", 3.0), ("health-resume", 9.0)] and problems == []
+
+
+def test_the_metrics_text_counts_leftover_processes_per_device_and_user() -> None:
+    text = render([], {}, Counters(), leftovers={("GPU-1", "ann"): 2, ("MIG-2", "ben"): 1})
+    assert "# TYPE cudawrap_leftover_processes gauge" in text
+    assert 'cudawrap_leftover_processes{device="GPU-1",user="ann"} 2' in text
+    assert 'cudawrap_leftover_processes{device="MIG-2",user="ben"} 1' in text

@@ -38,7 +38,7 @@ def test_the_window_clips_leases_and_drops_those_outside() -> None:
     rows = summarize(items, "user", DAY1 + 8 * H, DAY1 + 20 * H)
     assert rows == [{"user": "ann", "device_seconds": 2 * H, "device_hours": 2.0, "runs": 1,
                      "wait_mean_s": 0.0, "wait_p95_s": 0.0, "uncertainty_s": 0.0,
-                     "memory_gib_hours": None, "memory_peak_gib": None}]
+                     "memory_gib_hours": None, "memory_peak_gib": None, "idle_device_hours": 0.0}]
 
 
 def test_waits_mean_and_p95_by_nearest_rank() -> None:
@@ -132,3 +132,23 @@ def test_plot_without_matplotlib_says_how_to_install_it(installed, tmp_path: Pat
     assert done.returncode == 65 and "--plot needs matplotlib" in lines[0], lines
     assert "--with-plot" in lines[1] and len(lines) == 2
     assert not (tmp_path / "x.png").exists()
+
+
+def test_idle_device_hours_come_from_the_idle_notes_per_user_device_and_day() -> None:
+    from cudawrap.ops.usage import idle_spells
+
+    notes = [{"event": "idle", "device": "GPU-0", "at": DAY1 + 3 * H, "user": "ann", "program": "recon",
+              "start": DAY1 + 1 * H, "end": DAY1 + 3 * H},
+             {"event": "idle", "device": "GPU-1", "at": DAY2 + H, "user": "ann", "program": "recon",
+              "start": DAY2 - H, "end": DAY2 + H},
+             {"event": "idle", "device": "GPU-1", "at": DAY1, "user": "ben", "start": "?", "end": DAY1},
+             {"event": "end", "id": "x"}]
+    spells = idle_spells(notes)
+    assert len(spells) == 2  # the one without a start is not counted
+    items = [lease("ann", DAY1, 10), lease("ben", DAY1, 1)]
+    by_user = {r["user"]: r for r in summarize(items, "user", DAY1, DAY2 + 24 * H, spells)}
+    assert by_user["ann"]["idle_device_hours"] == 4.0 and by_user["ben"]["idle_device_hours"] == 0.0
+    by_day = {r["day"]: r["idle_device_hours"] for r in summarize(items, "day", DAY1, DAY2 + 24 * H, spells)}
+    assert by_day == {"2026-11-02": 3.0, "2026-11-03": 1.0}
+    by_device = {r["device"]: r["idle_device_hours"] for r in summarize(items, "device", DAY1, DAY1 + 2 * H, spells)}
+    assert by_device == {"GPU-0": 1.0}  # clipped to the window

@@ -177,7 +177,8 @@ class UsageCommand(Command):
     """Device time, runs and waits per user, program, device or day, from the ledger."""
 
     DESCRIPTION_MORE = ("Root sees everyone; a user sees their own finished runs. Times are local; --since "
-                        "defaults to the start of this month. Device-hours count each device of a run.")
+                        "defaults to the start of this month. Device-hours count each device of a run; IDLE: "
+                        "device-hours held idle ([health] idle_after_min), each spell counted whole once flagged.")
 
     since = cli.SwitchAttr(["--since"], str, argname="WHEN", help="7d, 12h, a date (2026-11-01[T08:00]) or month (2026-11)")
     until = cli.SwitchAttr(["--until"], str, argname="WHEN", help="the same forms; default now")
@@ -186,7 +187,7 @@ class UsageCommand(Command):
     plot_file = cli.SwitchAttr(["--plot"], str, argname="FILE.png", help="also draw device-hours per user per day")
 
     def main(self) -> int:
-        from ..ops.usage import load, month_start, parse_when, plot, summarize, user_day_hours
+        from ..ops.usage import load_all, month_start, parse_when, plot, summarize, user_day_hours
 
         layout = default_layout()
         now = time.time()
@@ -198,12 +199,12 @@ class UsageCommand(Command):
             raise UsageError("--plot: empty file name")
         keep = _keep(layout)
         problems: List[str] = []
-        items = load(layout, keep, problems, now)
+        items, idle = load_all(layout, keep, problems, now)
         for problem in problems[:20]:
             print(f"cudawrap usage: warning: {problem}", file=sys.stderr)
         if len(problems) > 20:
             print(f"cudawrap usage: warning: {len(problems) - 20} more problems", file=sys.stderr)
-        rows = summarize(items, self.by, since, until)
+        rows = summarize(items, self.by, since, until, idle)
         if self.plot_file:
             per_user, days = user_day_hours(items, since, until)
             plot(per_user, days, self.plot_file, f"device-hours per user per day, {_when(since)} to {_when(until)}")
@@ -211,13 +212,14 @@ class UsageCommand(Command):
             print(json.dumps(rows, indent=2))
             return 0
         print(f"# {_when(since)} to {_when(until)}" + ("" if os.geteuid() == 0 else f", runs of {user_name(os.getuid())}"))
-        table = [(self.by.upper(), "DEVICE-HOURS", "RUNS", "MEAN WAIT", "P95 WAIT", "GIB-HOURS", "PEAK GIB")]
+        table = [(self.by.upper(), "DEVICE-HOURS", "IDLE", "RUNS", "MEAN WAIT", "P95 WAIT", "GIB-HOURS", "PEAK GIB")]
         for row in rows:
-            table.append((str(row[self.by]), f"{row['device_hours']:.2f}", str(row["runs"]),
-                          _secs(row["wait_mean_s"]), _secs(row["wait_p95_s"]),
+            table.append((str(row[self.by]), f"{row['device_hours']:.2f}", f"{row['idle_device_hours']:.2f}",
+                          str(row["runs"]), _secs(row["wait_mean_s"]), _secs(row["wait_p95_s"]),
                           _num(row["memory_gib_hours"], ".2f"), _num(row["memory_peak_gib"], ".1f")))
         table.append(("total", f"{sum(r['device_seconds'] for r in rows) / 3600:.2f}",
-                      str(sum(r["runs"] for r in rows)), "", "", "", ""))
+                      f"{sum(r['idle_device_hours'] for r in rows):.2f}", str(sum(r["runs"] for r in rows)),
+                      "", "", "", ""))
         widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
         for row in table:
             print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())

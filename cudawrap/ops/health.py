@@ -201,18 +201,22 @@ def idle_leases(root: str) -> Tuple[Dict[str, Any], float, float]:
         return {}, 0.0, 0.0
 
 
-def leftovers(root: str) -> Dict[str, List[str]]:
-    """Device UUID -> its leftover processes as the monitor last saw them, in words."""
+def leftover_list(root: str) -> List[Any]:
+    """The leftover processes (leftovers.Leftover) as the monitor last saw them."""
     from .leftovers import Leftover
 
     data = rootfile.read(root, loc.under(root, HEALTH_STATE), STATE_VERSION)
-    out: Dict[str, List[str]] = {}
     try:
-        for t in (data or {}).get("leftovers", ()):
-            left = Leftover(*t)
-            out.setdefault(left.uuid, []).append(left.describe())
+        return [Leftover(*t) for t in (data or {}).get("leftovers", ())]
     except (TypeError, ValueError):
-        return {}
+        return []
+
+
+def leftovers(root: str) -> Dict[str, List[str]]:
+    """Device UUID -> its leftover processes as the monitor last saw them, in words."""
+    out: Dict[str, List[str]] = {}
+    for left in leftover_list(root):
+        out.setdefault(left.uuid, []).append(left.describe())
     return out
 
 
@@ -353,9 +357,10 @@ def _query(nv: Any, call: Any, handle: Any) -> Any:
 class HealthKeeper:
     """Once per monitor cycle: read events and conditions, drain or resume, record it all."""
 
-    def __init__(self, root: str, watch: Optional[Watch] = None) -> None:
+    def __init__(self, root: str, watch: Optional[Watch] = None, notes: Any = None) -> None:
         self.root = root
         self.watch = watch if watch is not None else Watch()
+        self.notes = notes  # ledger.Notes: each transition goes into the ledger too
         self.by_index: Dict[int, str] = {}
         self.leftovers: Sequence[Any] = ()  # this cycle's leftover processes (leftovers.py), saved with the rest
         self.idle: Dict[str, Any] = {}  # this cycle's held devices and how long each has been quiet (idle.py)
@@ -408,6 +413,8 @@ class HealthKeeper:
             health_resume(self.root, t.uuid)
             audit.log("health-resume", device=t.uuid, reason=t.reason)
             log.warning("GPU %s resumed: %s", t.uuid, t.reason)
+        if self.notes is not None:
+            self.notes.add("health-drain" if t.to == DRAINED else "health-resume", t.uuid, t.at, reason=t.reason)
 
 
 class MonitorHealth:
@@ -415,16 +422,20 @@ class MonitorHealth:
     keeper fed the snapshot the monitor has just written."""
 
     def __init__(self, layout: Any) -> None:
+        from .ledger import Notes
+
         self.layout = layout
-        self.keeper = HealthKeeper(str(layout.root))
+        self.notes = Notes(layout)  # transitions, leftovers and idle spells, for the ledger
+        self.ledger_limits = (64 << 20, 4)  # [ledger] max_mib and keep, re-read with [health]
+        self.keeper = HealthKeeper(str(layout.root), notes=self.notes)
         from .eta import RunLengths
 
         self.run_lengths = RunLengths(layout)  # for "when will it start", which users cannot read the ledger for
         from .idle import IdleWatch
         from .leftovers import LeftoverWatch
 
-        self.leftover_watch = LeftoverWatch(layout)
-        self.idle_watch = IdleWatch()
+        self.leftover_watch = LeftoverWatch(layout, self.notes)
+        self.idle_watch = IdleWatch(self.notes, *idle_leases(str(layout.root))[::2])  # a spell outlives a restart
         self._signature: Any = None
         self.policy: Optional[Policy] = None
         self._reload(strict=True)  # a bad [health] value stops the monitor at start: one line, 78
@@ -457,7 +468,9 @@ class MonitorHealth:
             return
         self._signature = signature
         try:
-            self.policy = Policy.from_config(load_config(self.layout.config_file))
+            config = load_config(self.layout.config_file)
+            self.policy = Policy.from_config(config)
+            self.ledger_limits = (config["max_mib"] << 20, config["keep"])
         except ConfigError as exc:  # keep the last good settings; the shims say what is wrong
             if strict:
                 raise
@@ -468,6 +481,14 @@ class MonitorHealth:
                 self.policy = Policy.from_config(DEFAULTS)
 
     def cycle(self, now: Optional[float] = None) -> List[Transition]:
+        try:
+            return self._cycle(now)
+        finally:
+            problem = self.notes.flush(self.ledger_limits)
+            if problem:
+                log.warning("health notes kept for the next cycle: %s", problem)
+
+    def _cycle(self, now: Optional[float]) -> List[Transition]:
         from ..devices import snapshot
 
         self._reload()

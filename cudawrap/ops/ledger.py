@@ -14,6 +14,12 @@ already written and the records are written again at the next look. The file is 
 ``[ledger] max_mib`` keeping ``keep`` old files, mode 0600. Each user's finished leases are
 also appended to ``usage/UID``, readable by that user's private group only, so users can
 see their own usage and nobody else's.
+
+Besides leases (``grant``, ``end``: each with an ``id``) the monitor records what it did and
+saw about the GPUs' health (NOTES: ``health-drain``, ``health-resume``, ``leftover``,
+``leftover-killed``, ``idle``: each with a ``device`` and a time ``at``). A reader names the
+kinds it wants; the others are passed over in silence, so a ledger written before notes
+existed reads as it did, and a lease reader never sees a note.
 """
 from __future__ import annotations
 
@@ -37,6 +43,9 @@ STATE = "ledger.state"
 USER_DIR = "usage"
 RECORD_VERSION = 1
 MAX_RECORD = 64 << 10  # a line longer than this is not ours: skipped as corrupt
+LEASES = ("grant", "end")
+NOTES = ("health-drain", "health-resume", "leftover", "leftover-killed", "idle")
+MAX_PENDING = 1000  # notes kept for the next try while the ledger cannot be written
 
 
 def ledger_path(layout: Layout) -> Path:
@@ -122,8 +131,18 @@ class Locked:
 # --- reading --------------------------------------------------------------------------------
 
 
-def read(files: Sequence[Path], problems: List[str]) -> Iterator[Dict[str, Any]]:
-    """The records of FILES in order; an unreadable line is skipped with one line in PROBLEMS."""
+def _valid(record: Any) -> bool:
+    if not isinstance(record, dict):
+        return False
+    if record.get("event") in LEASES:
+        return isinstance(record.get("id"), str)
+    return (record.get("event") in NOTES and isinstance(record.get("device"), str)
+            and isinstance(record.get("at"), (int, float)))
+
+
+def read(files: Sequence[Path], problems: List[str], kinds: Sequence[str] = LEASES) -> Iterator[Dict[str, Any]]:
+    """The records of FILES of the KINDS asked for, in order; an unreadable line is skipped
+    with one line in PROBLEMS (a readable record of another kind is skipped silently)."""
     for path in files:
         try:
             f = open(path, "rb")
@@ -137,11 +156,11 @@ def read(files: Sequence[Path], problems: List[str]) -> Iterator[Dict[str, Any]]
                     record = json.loads(line) if len(line) <= MAX_RECORD else None
                 except ValueError:
                     record = None
-                if not (isinstance(record, dict) and record.get("event") in ("grant", "end")
-                        and isinstance(record.get("id"), str)):
+                if not _valid(record):
                     problems.append(f"{path}:{number}: unreadable record skipped")
                     continue
-                yield record
+                if record["event"] in kinds:
+                    yield record
 
 
 # --- what the kernel shows --------------------------------------------------------------------
@@ -402,6 +421,36 @@ def _append_user_view(layout: Layout, record: Dict[str, Any], limits: Tuple[int,
         append(user_view_path(layout, record["uid"]), [record], *limits, mode=0o640, group=group)
     except OSError:
         pass  # the ledger has it; the user's view catches up with the next end
+
+
+class Notes:
+    """The monitor's notes for the ledger: gathered during a cycle, written at its end under
+    the ledger's lock; kept for the next cycle while the ledger cannot take them (a full disk)."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.pending: List[Dict[str, Any]] = []
+
+    def add(self, event: str, device: str, at: float, **facts: Any) -> None:
+        if event not in NOTES:
+            raise ValueError(f"not a ledger note: {event}")
+        self.pending.append({"v": RECORD_VERSION, "event": event, "device": device, "at": round(at, 3), **facts})
+        del self.pending[:-MAX_PENDING]  # a ledger that stays unwritable must not grow memory
+
+    def flush(self, limits: Tuple[int, int]) -> Optional[str]:
+        """Write the pending notes (and each user's to their own view); why not, or None."""
+        if not self.pending:
+            return None
+        try:
+            with Locked(self.layout):
+                append(ledger_path(self.layout), self.pending, *limits)
+                for record in self.pending:
+                    if isinstance(record.get("uid"), int) and record["uid"] >= 0:
+                        _append_user_view(self.layout, record, limits)  # their own idle time, leftovers
+        except OSError as exc:
+            return f"cannot write the ledger {ledger_path(self.layout)}: {exc.strerror or exc}"
+        self.pending = []
+        return None
 
 
 def look(layout: Layout, seen_by: str) -> Optional[Observation]:

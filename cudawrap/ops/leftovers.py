@@ -136,8 +136,9 @@ class LeftoverWatch:
     """The monitor's part: find leftovers, say so once each, end them after the grace period
     where [health] leftover_action = "kill"."""
 
-    def __init__(self, layout: Any) -> None:
+    def __init__(self, layout: Any, notes: Any = None) -> None:
         self.layout = layout
+        self.notes = notes  # ledger.Notes: each leftover seen and ended goes into the ledger
         self.known: Dict[int, Leftover] = {}
 
     def cycle(self, inventory: Any, action: str, grace_s: float, now: float) -> Dict[int, Leftover]:
@@ -149,8 +150,18 @@ class LeftoverWatch:
                 audit.log("leftover", "warning", device=left.uuid, pid=pid, owner=left.user, program=left.program,
                           ended=left.ended or "?")
                 log.warning("%s on %s", left.describe(), left.uuid)
+                self._note("leftover", left, now)
             if action == "kill" and now - left.first_seen >= grace_s and end(left):
                 audit.log("leftover-killed", "warning", device=left.uuid, pid=pid, owner=left.user,
                           program=left.program, grace_s=grace_s)
+                self._note("leftover-killed", left, now, grace_s=grace_s)
         self.known = found
         return found
+
+    def _note(self, event: str, left: Leftover, now: float, **facts: Any) -> None:
+        from ..proc import real_uid
+
+        if self.notes is not None:
+            uid = real_uid(left.pid)
+            self.notes.add(event, left.uuid, now, pid=left.pid, uid=uid if uid is not None else -1, user=left.user,
+                           program=left.program, ended=left.ended, **facts)

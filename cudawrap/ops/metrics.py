@@ -76,10 +76,11 @@ def device_seconds(end: Dict[str, Any]) -> Optional[float]:
 
 
 def render(devices: Sequence[Dict[str, Any]], waiting: Dict[int, int], counters: Counters,
-           runs: Sequence[Dict[str, Any]] = ()) -> str:
+           runs: Sequence[Dict[str, Any]] = (), leftovers: Optional[Dict[Tuple[str, str], int]] = None) -> str:
     """The metrics file's text. DEVICES: dicts with uuid, gpu, name, user ("" if free; a sharer's
     if shared), shares (shared runs on it), drained, memory_used_bytes (None if unknown). RUNS:
-    memwatch's rows (pid, uid, program, device, used_mib, limit_mib). Pure."""
+    memwatch's rows (pid, uid, program, device, used_mib, limit_mib). LEFTOVERS: (device, user)
+    -> leftover processes. Pure."""
     out: List[str] = []
 
     def family(name: str, kind: str, text: str, samples: List[Tuple[str, Any]]) -> None:
@@ -101,6 +102,8 @@ def render(devices: Sequence[Dict[str, Any]], waiting: Dict[int, int], counters:
            "([health]; `cudawrap health` says why)", [(_labels(**dev(d)), int(d.get("healthy", True))) for d in devices])
     family("cudawrap_lease_idle_seconds", "gauge", "how long the lease on the device has shown 0 % utilisation and "
            "unchanged memory (0: busy)", [(_labels(**dev(d)), d["idle_s"]) for d in devices if "idle_s" in d])
+    family("cudawrap_leftover_processes", "gauge", "processes on the device left over from a user's ended run "
+           "(`cudawrap health` names them)", [(_labels(device=d, user=u), n) for (d, u), n in sorted((leftovers or {}).items())])
     family("cudawrap_device_memory_used_bytes", "gauge", "device memory in use, as NVML reports it",
            [(_labels(**dev(d)), d["memory_used_bytes"]) for d in devices if d["memory_used_bytes"] is not None])
     family("cudawrap_run_memory_bytes", "gauge", "device memory a run's processes use on the device, summed",
@@ -276,13 +279,23 @@ class MonitorHook:
                 if inventory is None:
                     inventory = _inventory()
                 write_textfile(path, render(device_rows(self.layout, inventory), obs.waiting, self.counters,
-                                            _run_rows(self.layout)))
+                                            _run_rows(self.layout), leftover_counts(self.layout)))
             except OSError as exc:
                 error = error or f"cannot write the metrics file {path}: {exc.strerror or exc}"
             except Unsafe as exc:
                 error = error or f"not writing the metrics file {path}: its directory is not root's alone: {exc.why}"
         self._say(error)
         return obs
+
+
+def leftover_counts(layout: Layout) -> Dict[Tuple[str, str], int]:
+    """(device, user) -> leftover processes, as the monitor's health step last saw them."""
+    from .health import leftover_list
+
+    out: Dict[Tuple[str, str], int] = {}
+    for left in leftover_list(str(layout.root)):
+        out[(left.uuid, left.user)] = out.get((left.uuid, left.user), 0) + 1
+    return out
 
 
 def _run_rows(layout: Layout) -> List[Dict[str, Any]]:

@@ -96,7 +96,7 @@ def leases(records: Iterable[Dict[str, Any]], open_ids: Iterable[str], now: floa
     for record in records:
         if record["event"] == "grant":
             grants.setdefault(record["id"], record)
-        elif record["id"] not in ended:
+        elif record["event"] == "end" and record["id"] not in ended:
             lease = _lease(record, None)
             if lease is None:
                 problems.append(f"end record {record['id']!r} lacks a field: skipped")
@@ -120,6 +120,36 @@ def leases(records: Iterable[Dict[str, Any]], open_ids: Iterable[str], now: floa
     return out
 
 
+@dataclass(frozen=True)
+class Idle:
+    """A spell in which a held device was flagged idle ([health] idle_after_min): the ledger's
+    ``idle`` notes, and the spells going on now as the monitor last sampled them."""
+
+    user: str
+    program: str
+    device: str
+    start: float
+    end: float
+
+
+def idle_spells(records: Iterable[Dict[str, Any]]) -> List[Idle]:
+    out = []
+    for r in records:
+        if r["event"] == "idle" and isinstance(r.get("start"), (int, float)) and isinstance(r.get("end"), (int, float)):
+            out.append(Idle(str(r.get("user", "?")), str(r.get("program", "?")), r["device"], float(r["start"]),
+                            max(float(r["end"]), float(r["start"]))))
+    return out
+
+
+def idle_now(root: str, user: Optional[str]) -> List[Idle]:
+    """The spells flagged idle now (the monitor's last sample), USER's only unless None."""
+    from .health import idle_leases
+
+    quiet, after_s, sampled = idle_leases(root)
+    return [Idle(x.user, "?", uuid, x.quiet_since, sampled) for uuid, x in quiet.items()
+            if x.idle_s(sampled) >= after_s > 0 and (user is None or x.user == user)]
+
+
 def _days(start: float, end: float) -> Iterable[Tuple[str, float, float]]:
     """(local day, from, to) pieces of [START, END)."""
     t = start
@@ -138,9 +168,26 @@ def p95(values: Sequence[float]) -> Optional[float]:
     return ordered[max(math.ceil(0.95 * len(ordered)) - 1, 0)]
 
 
-def summarize(items: Iterable[Lease], by: str, since: float, until: float) -> List[Dict[str, Any]]:
+def _idle_seconds(spells: Iterable[Idle], by: str, since: float, until: float) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    for x in spells:
+        lo, hi = max(x.start, since), min(x.end, until)
+        if by == "day":
+            keyed = [(day, b - a) for day, a, b in _days(lo, hi)]
+        else:
+            keyed = [({"user": x.user, "program": x.program, "device": x.device}[by], hi - lo)]
+        for key, value in keyed:
+            if value > 0:
+                out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def summarize(items: Iterable[Lease], by: str, since: float, until: float,
+              idle: Iterable[Idle] = ()) -> List[Dict[str, Any]]:
     """Rows of {BY, device_seconds, device_hours, runs, wait_mean_s, wait_p95_s, uncertainty_s,
-    memory_gib_hours, memory_peak_gib (None where no run's memory was recorded)}."""
+    memory_gib_hours, memory_peak_gib (None where no run's memory was recorded),
+    idle_device_hours (of IDLE's spells)}."""
+    idle_s = _idle_seconds(idle, by, since, until)
     seconds: Dict[str, float] = {}
     mib_s: Dict[str, float] = {}
     peaks: Dict[str, int] = {}
@@ -173,13 +220,15 @@ def summarize(items: Iterable[Lease], by: str, since: float, until: float) -> Li
                     mib_s[key] = mib_s.get(key, 0.0) + lease.memory_mib_s
                     peaks[key] = max(peaks.get(key, 0), lease.memory_peak_mib)
     rows = []
-    for key in sorted(seconds):
+    for key in sorted(set(seconds) | set(idle_s)):
         w = waits.get(key, [])
+        seconds.setdefault(key, 0.0)
         rows.append({by: key, "device_seconds": round(seconds[key], 3), "device_hours": round(seconds[key] / 3600, 4),
                      "runs": runs.get(key, 0), "wait_mean_s": round(sum(w) / len(w), 3) if w else None,
                      "wait_p95_s": round(p95(w), 3) if w else None, "uncertainty_s": round(spread.get(key, 0.0), 3),
                      "memory_gib_hours": round(mib_s[key] / 1024 / 3600, 4) if key in peaks else None,
-                     "memory_peak_gib": round(peaks[key] / 1024, 2) if key in peaks else None})
+                     "memory_peak_gib": round(peaks[key] / 1024, 2) if key in peaks else None,
+                     "idle_device_hours": round(idle_s.get(key, 0.0) / 3600, 4)})
     return rows
 
 
@@ -197,7 +246,17 @@ def _trusted(path: Path, owner: int) -> bool:
 def load(layout: Layout, keep: int, problems: List[str], now: Optional[float] = None,
          uid: Optional[int] = None) -> List[Lease]:
     """The leases the caller may see: all for root (and the install's owner), else UID's own."""
+    return load_all(layout, keep, problems, now, uid)[0]
+
+
+def load_all(layout: Layout, keep: int, problems: List[str], now: Optional[float] = None,
+             uid: Optional[int] = None) -> Tuple[List[Lease], List[Idle]]:
+    """The leases and idle spells the caller may see: all for root (and the install's
+    owner), else UID's own (the spells going on now included)."""
     from ..base.privilege import is_admin
+    from ..users import user_name
+
+    kinds = (*ledger.LEASES, "idle")
 
     now = time.time() if now is None else now
     uid = os.getuid() if uid is None else uid
@@ -210,10 +269,10 @@ def load(layout: Layout, keep: int, problems: List[str], now: Optional[float] = 
             problems.append(f"{obs.error}; usage shows what was recorded before")
         open_ids: Iterable[str] = obs.open if obs is not None else ()
         try:
-            records = list(ledger.read(ledger.rotated(path, keep), problems))
+            records = list(ledger.read(ledger.rotated(path, keep), problems, kinds))
         except OSError as exc:
             raise StateError(f"cannot read the ledger {path}: {exc.strerror}") from None
-        return leases(records, open_ids, now, problems)
+        return leases(records, open_ids, now, problems), idle_spells(records) + idle_now(str(layout.root), None)
     path = ledger.user_view_path(layout, uid)
     files = ledger.rotated(path, keep)
     owner = os.stat(layout.state_dir).st_uid
@@ -225,12 +284,12 @@ def load(layout: Layout, keep: int, problems: List[str], now: Optional[float] = 
         if ledger.private_group(uid) is None:
             raise NotPermitted("your usage is kept in the ledger, which only root may read (you have no private "
                                "group for a copy of your own)", hint="ask an admin: sudo cudawrap usage --by user")
-        return []
+        return [], idle_now(str(layout.root), user_name(uid))
     try:
-        records = list(ledger.read(files, problems))
+        records = list(ledger.read(files, problems, kinds))
     except OSError as exc:
         raise StateError(f"cannot read {path}: {exc.strerror}") from None
-    return leases(records, (), now, problems)
+    return leases(records, (), now, problems), idle_spells(records) + idle_now(str(layout.root), user_name(uid))
 
 
 # --- the chart ----------------------------------------------------------------------------------

@@ -97,5 +97,5 @@ HEALTH_DESCRIPTIONS: Dict[str, str] = {
     "leftover_action": "a leftover process of an ended run on a GPU: report, or kill it after leftover_grace_s",
     "leftover_grace_s": "seconds a leftover process may live before leftover_action = \"kill\" ends it",
     "idle_after_min": "minutes of 0 % utilisation and unchanged memory before a lease is shown IDLE",
-    "idle_action": "an idle lease: report (status, metrics), or notify (an audit line naming its holder) too",
+    "idle_action": "an idle lease: report (status, metrics), or notify (an audit line naming its holder and a line on its terminal) too",
 }
