@@ -27,17 +27,14 @@ class InstallError(Exception):
         self.exit_code = exit_code
 
 
-
 def manifest_file(layout: Layout) -> Path:
     return layout.state_dir / MANIFEST_NAME
-
 
 
 def sha256_of(path: Path) -> str:
     import hashlib
 
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
 
 
 class Manifest:
@@ -92,7 +89,6 @@ class Manifest:
         tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-
 
 
 def missing_dirs(path: Path) -> List[Path]:

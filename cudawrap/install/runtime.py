@@ -19,7 +19,6 @@ def _dir(path: Path, mode: int) -> None:
         os.chmod(path, mode)
 
 
-
 def prepare_runtime(layout: Layout) -> None:
     """The tmpfs part (/run/cudawrap): lease, slot and queue directories and the queue lock."""
     _dir(layout.runtime_dir, 0o755)
@@ -30,7 +29,6 @@ def prepare_runtime(layout: Layout) -> None:
     fd = os.open(layout.queue_lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     os.fchmod(fd, 0o644)
     os.close(fd)
-
 
 
 def prepare(layout: Layout, python: str = sys.executable) -> None:

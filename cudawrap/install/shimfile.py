@@ -26,7 +26,6 @@ def _template() -> str:
     return (where / SHIM_TEMPLATE).read_text(encoding="utf-8")
 
 
-
 def _import_dirs() -> List[str]:
     """sys.path entries the shim needs: where cudawrap and pynvml are importable from."""
     import pynvml
@@ -39,7 +38,6 @@ def _import_dirs() -> List[str]:
     return dirs
 
 
-
 def render_shim(layout: Layout, python: str = sys.executable, link: Optional[str] = None) -> str:
     """The shim prototype, or with LINK the own shim of the program wrapped there."""
     text = _template()
@@ -48,7 +46,6 @@ def render_shim(layout: Layout, python: str = sys.executable, link: Optional[str
                        ("@LINK@", repr(link))):
         text = text.replace(key, value)
     return text
-
 
 
 def shim_version(path: Path) -> str:
@@ -62,7 +59,6 @@ def shim_version(path: Path) -> str:
         if line.startswith(SHIM_STAMP):
             return line[len(SHIM_STAMP):].split(". ", 1)[0].rstrip(".")
     return ""
-
 
 
 def _write_shim(path: Path, text: str) -> bool:
@@ -84,11 +80,9 @@ def _write_shim(path: Path, text: str) -> bool:
     return True
 
 
-
 def install_shim(layout: Layout, python: str = sys.executable) -> bool:
     """Write the shim prototype if it differs; True if it changed."""
     return _write_shim(layout.shim, render_shim(layout, python))
-
 
 
 def shim_python(layout: Layout) -> str:
@@ -100,7 +94,6 @@ def shim_python(layout: Layout) -> str:
         return sys.executable
     words = first[2:].split() if first.startswith("#!") and shim_version(layout.shim) else []
     return words[0] if words else sys.executable
-
 
 
 def install_program_shim(layout: Layout, link: str) -> bool:

@@ -16,15 +16,12 @@ def tmpfiles_file(layout: Layout) -> Path:
     return layout.root / "etc" / "tmpfiles.d" / "cudawrap.conf"
 
 
-
 def unit_file(layout: Layout, name: str = UNIT_NAME) -> Path:
     return layout.root / "etc" / "systemd" / "system" / name
 
 
-
 def unit_wants_link(layout: Layout, name: str = UNIT_NAME) -> Path:
     return layout.root / "etc" / "systemd" / "system" / "multi-user.target.wants" / name
-
 
 
 def render_tmpfiles(layout: Layout) -> str:
@@ -42,12 +39,10 @@ def render_tmpfiles(layout: Layout) -> str:
     )
 
 
-
 def _unit_command(layout: Layout) -> Tuple[str, str]:
     """The install's cudawrap command: its path, and as a unit's Exec line takes it."""
     cudawrap = str(layout.venv_dir / "bin" / "cudawrap")
     return cudawrap, f'"{cudawrap}"' if " " in cudawrap else cudawrap
-
 
 
 def render_unit(layout: Layout) -> str:
@@ -77,7 +72,6 @@ WantedBy=multi-user.target
 """
 
 
-
 def render_monitor_unit(layout: Layout) -> str:
     """The service that keeps the launch snapshot fresh, so launches need not load NVML."""
     cudawrap, command = _unit_command(layout)
@@ -98,7 +92,6 @@ Nice=5
 [Install]
 WantedBy=multi-user.target
 """
-
 
 
 def render_mps_unit(layout: Layout) -> str:

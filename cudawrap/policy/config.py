@@ -29,7 +29,6 @@ class Setting:
     source: str  # "default", "FILE:LINE", "registry", "CUDAWRAP_WAIT", ...
 
 
-
 def no_sharing() -> Dict[str, Any]:
     return {"slots": Setting(1, "default"), "mode": Setting("time-slicing", "default"), "devices": {}}
 
