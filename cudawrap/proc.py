@@ -123,3 +123,15 @@ def namespace() -> Optional[Tuple[int, int]]:
     except OSError:
         return None
     return (st.st_dev, st.st_ino)
+
+
+def busy_ns(pid: int) -> Optional[int]:
+    """Nanoseconds PID has spent on a CPU or runnable and waiting for one (the first two
+    fields of /proc/PID/schedstat): what it did not spend asleep. None where unreadable
+    (no such process, a kernel without schedstat)."""
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            fields = f.read().split()
+        return int(fields[0]) + int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None

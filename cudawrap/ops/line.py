@@ -7,7 +7,7 @@ job). What a queue entry claims is a user's word, so the service believes of it 
 cannot keep devices from others: a count above what that user could ever hold there is
 left out (it could never be served, and would only have devices kept idle for it), and its
 devices are kept for it no sooner than the admin's reserve_after. An entry offered devices
-that does not take them within acquire.GRACE_S is passed over for acquire.STALL_S.
+that does not take them is passed over for turns.STALL_S (sched/turns.py says when).
 """
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .. import locations as loc
-from ..sched.acquirer import GRACE_S, STALL_S, UNKNOWN_HOLDER, Acquirer
+from ..sched.acquirer import UNKNOWN_HOLDER, Acquirer
 from ..devices.model import Inventory
 from ..errors import NvmlUnavailable
 from ..lease.files import LeaseFiles, lease_file_inventory
 from ..sched.schedule import GRANTED, Verdict, Waiter
 from ..sched.queue import Scan, WaitQueue
+from ..sched.turns import STALL_S, Offers
 
 
 def _inventory(root: str) -> "tuple[Inventory, Optional[Callable]]":
@@ -43,7 +44,7 @@ class Line:
         self.root = root
         self.leases = LeaseFiles(loc.under(root, loc.LEASE_DIR), loc.under(root, loc.SHARE_DIR))
         self.queue = WaitQueue(loc.under(root, loc.QUEUE_DIR))
-        self.offered: Dict[str, float] = {}  # queue entry -> when first offered devices
+        self.offered = Offers()  # queue entries offered devices, not yet taking them
         self.entries: List[Waiter] = []  # the queue entries of the last decision
         self.paths: Dict[str, str] = {}
         self.load()
@@ -137,12 +138,9 @@ class Line:
 
     def _pass_over_idle(self, entries: List[Waiter], verdicts: Dict[str, Verdict], now: float) -> None:
         """Queue entries offered devices that they leave untaken lose their turn for a while."""
-        live = {w.key for w in entries}
-        self.offered = {k: t for k, t in self.offered.items() if k in live}
-        for key in live:
-            verdict = verdicts.get(key)
-            if verdict is None or verdict.kind != GRANTED:
-                self.offered.pop(key, None)
-            elif now - self.offered.setdefault(key, now) > GRACE_S:
+        granted = {w.key: w for w in entries if getattr(verdicts.get(w.key), "kind", None) == GRANTED}
+        self.offered.keep(granted)
+        for key, w in granted.items():
+            if not self.offered.offer(key, w.pid, now, own=False) and self.offered.ignored(key, now):
                 self.acquirer.skip_keys[key] = now + STALL_S
-                del self.offered[key]
+                self.offered.drop(key)

@@ -8,9 +8,9 @@ processes decide at once the kernel lets one of them win and the other decides a
 
 This module judges devices, decides and takes; a run that must queue waits for its turn
 in waiting.py, which decides between full looks on looks amended by events (handover.py).
-A run that is given devices but does not take them within GRACE_S (stopped, starved, or a
-fake) is passed over by the others, its user for STALL_S, so nobody can hold others up for
-longer than that.
+A run that is given devices but does not take them (stopped, blocked, or a fake; turns.py
+tells those from a run only slow for want of a CPU) is passed over by the others, its user
+for STALL_S, so nobody can hold others up for longer than that.
 """
 from __future__ import annotations
 
@@ -32,31 +32,19 @@ from ..lease.files import Lease, LeaseFiles, lock_table
 # before takes its devices without one (_uncontended), and the shim pays for every module.
 from .machine import MachineView, _free_mib, _uid_of
 from .queue import Scan, WaitQueue, poke
+from .turns import GRACE_S, STALL_S, Offers
 
 # The first WATCHERS in line watch the machine (see waiting.py).
 WATCHERS = 8
 # In an amended lock table: a lease found held whose holder the look cannot name (pid -1:
 # no process, so it counts for no waiting user).
 UNKNOWN_HOLDER = (-1, True)
-# A run given devices that has not taken them after this long loses its turn for STALL_S.
-GRACE_S = 0.5
 # Tries of a lease before a taker counts it taken (see Acquirer._lock).
 PROBE_TRIES = 4
-STALL_S = 5.0
-# Within one user only arrival order is at stake, so a slow process of the same user (a
-# loaded machine) is given longer before its own later runs pass it.
-OWN_GRACE_S = 3.0
 
 
 class Cancelled(NoDeviceError):
     pass
-
-
-def _stopped(pid: int) -> bool:
-    """Whether PID is stopped (SIGSTOP, a debugger): it cannot take its turn now."""
-    from ..proc import state
-
-    return state(pid) in (b"T", b"t")
 
 
 def _jitter() -> None:
@@ -147,7 +135,7 @@ class Acquirer(MachineView):
         self.share = share
         self.wanted = None if self.mine >= set(self.current) else frozenset(self.mine)
         # What this process has seen of others taking their turns (and the view, passing over).
-        self.offered: Dict[str, float] = {}
+        self.offered = Offers()
         self.top: Set[str] = set()
         self.snapshot = snapshot  # the monitor's: its rewrite may free devices foreign work kept
 
@@ -292,22 +280,19 @@ class Acquirer(MachineView):
         # Only offers of devices this run could use can hold it up.
         granted = {k for k, v in verdicts.items()
                    if v.kind == GRANTED and k != me and any(u in self.mine for u in v.devices)}
-        for key in list(self.offered):
-            if key not in granted:
-                del self.offered[key]
+        self.offered.keep(granted)
         owners = {w.key: w for w in scan.waiters}
         for key in granted:
             w = owners.get(key)
             if w is None:
                 continue
-            first = self.offered.setdefault(key, now)
-            if first == now:
+            if self.offered.offer(key, w.pid, now, w.uid == self.uid):
                 poke(scan.paths[key])
-            elif now - first >= (OWN_GRACE_S if w.uid == self.uid else GRACE_S) or _stopped(w.pid):
+            elif self.offered.ignored(key, now):
                 self.skip_keys[key] = now + STALL_S
                 if w.uid != self.uid:
                     self.skip_users[w.uid] = now + STALL_S
-                del self.offered[key]
+                self.offered.drop(key)
                 changed = True
         top = {k for k, v in verdicts.items() if v.position < WATCHERS and k != me}
         for key in top - self.top:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 from ..base import inotify
 from ..errors import Interrupted, NoDeviceError
 from ..lease.files import Lease
-from .acquirer import GRACE_S, WATCHERS, Acquirer, Cancelled, Decision, _jitter
+from .acquirer import WATCHERS, Acquirer, Cancelled, Decision, _jitter
 from .farwait import FarWait
 from .foreignwake import ForeignWake
 from .handover import after_release, amend, amendments, hand_over, signature
@@ -289,7 +289,7 @@ class Waiting:
         else:
             timeout = FAR_POLL_S * max(1.0, position / 100)
         if acq.offered:
-            timeout = min(timeout, max(0.0, min(acq.offered.values()) + GRACE_S - now))
+            timeout = min(timeout, max(0.0, acq.offered.due(now) - now))
         timeout = min(timeout, max(0.0, self.deadline - now))
         acq.stale.update(d.uuid for d in acq.candidates if d.uuid not in self.free)
         return timeout
@@ -393,8 +393,8 @@ class Waiting:
         if self.verdicts[self.entry.name].kind == GRANTED:
             return LOOK  # our turn, and the race for the locks lost: a full look
         # Another run's turn: it takes its devices and leaves the queue (an event);
-        # should it not within 0.1 s, a full look (which passes it over after
-        # GRACE_S). Poked, though not our turn here: a full look as soon, as the
+        # should it not within 0.1 s, a full look (which passes it over once
+        # it ignores its turn: turns.py). Poked, though not our turn here: a full look as soon, as the
         # poker's look may be newer. Nobody's turn: the look stands, keep waiting.
         self.pending = poke or any(v.kind == GRANTED for k, v in self.verdicts.items() if k != self.entry.name)
         return ""
