@@ -64,9 +64,9 @@ def connect(root: str) -> Optional[Any]:
 class Connection:
     """Messages (and the descriptors that came with them) on one connection."""
 
-    def __init__(self, sock: Any) -> None:
+    def __init__(self, sock: Any, limit: int = wire.MAX_MESSAGE) -> None:
         self.sock = sock
-        self.reader = wire.Reader()
+        self.reader = wire.Reader(limit)
         self.pending: List[Tuple[str, Dict[str, str]]] = []
         self.fds: List[int] = []
 
@@ -162,16 +162,56 @@ def _lock_all(fds: List[int]) -> bool:
 def obtain(root: str, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Optional[Lease]:
     """Devices from the service for one run: the Lease (locks held here), or None when no
     service answers (the caller decides without it). ServiceError for a refusal."""
+    return _attempt(root, fields, on_wait)[0]
+
+
+def _attempt(root: str, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Tuple[Optional[Lease], bool]:
+    """obtain()'s answer, and whether a service answered at all."""
     sock = connect(root)
     if sock is None:
-        return None
+        return None, False
     conn = Connection(sock)
     try:
-        return _exchange(conn, fields, on_wait)
+        return _exchange(conn, fields, on_wait), True
     except ServiceGone:
-        return None  # it went away before granting: the daemonless path decides
+        return None, True  # it went away before granting: the daemonless path decides
     finally:
         conn.close()
+
+
+# Between tries to reach a service that is not answering (a restart takes ~0.5 s).
+RETRY_GAP_S = 0.2
+NOT_RUNNING = "the cudawrap service is not running"
+START_IT = "ask the administrator to start it (systemctl start cudawrap)"
+
+
+def obtain_retrying(root: str, fields: Dict[str, str], on_wait: Callable[[str], None],
+                    retry_s: float) -> Lease:
+    """obtain() where the run cannot decide for itself ([service] enforce): a service that
+    does not answer, or goes away before granting (a restart), is tried again for RETRY_S;
+    ServiceUnavailable (69) after that. The run's place in line is not kept across a
+    restart: it asks again as a newcomer."""
+    import time
+
+    from .errors import ServiceUnavailable
+
+    deadline = time.monotonic() + retry_s
+    told = False
+    while True:
+        began = time.monotonic()
+        lease, answered = _attempt(root, fields, on_wait)
+        if lease is not None:
+            return lease
+        if answered and time.monotonic() - began > 1.0:
+            # It went away while we waited: the retry time counts from now (one that drops
+            # every request at once is not running, and counts as that).
+            deadline = time.monotonic() + retry_s
+        elif time.monotonic() >= deadline:
+            raise ServiceUnavailable(NOT_RUNNING, hint=START_IT)
+        if not told:
+            on_wait(f"{NOT_RUNNING} (or restarting): trying again for up to {retry_s:g} s")
+            told = True
+        time.sleep(RETRY_GAP_S)
 
 
 def _exchange(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Optional[Lease]:
@@ -218,7 +258,7 @@ def question(root: str, verb: str, fields: Dict[str, str]) -> Optional[Dict[str,
     sock = connect(root)
     if sock is None:
         return None
-    conn = Connection(sock)
+    conn = Connection(sock, wire.MAX_ANSWER)
     try:
         conn.send(verb, fields)
         reply_verb, reply = conn.receive()

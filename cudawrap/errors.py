@@ -95,6 +95,12 @@ class MpsUnavailable(CudawrapError):
     exit_code = os.EX_UNAVAILABLE  # 69
 
 
+class ServiceUnavailable(CudawrapError):
+    """Under [service] enforce, the service that alone grants leases does not answer."""
+
+    exit_code = os.EX_UNAVAILABLE  # 69
+
+
 class SetupError(CudawrapError):
     """A directory or file the installation provides is missing or unsafe."""
 

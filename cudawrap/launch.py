@@ -192,8 +192,17 @@ def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
     from .lease.sharing import of_run
 
     sharing, share = of_run(value, count)
-    if job is None and not share and os.path.exists(loc.under(root, loc.SERVICE_SOCKET)):
-        leased = _from_service(root, prog, value, environ, count)
+    # Under [service] enforce a user cannot open the lease files: the service alone grants
+    # (root still may decide for itself, so a stopped service never locks the admin out).
+    enforced = bool(value.get("enforce")) and os.geteuid() != 0
+    if enforced and share:
+        from .errors import ConfigError
+
+        raise ConfigError("a shared run cannot be granted under [service] enforce = true (shares are "
+                          "taken without the service)",
+                          hint="ask the administrator to set enforce = false in [service], or run unshared")
+    if enforced or (job is None and not share and os.path.exists(loc.under(root, loc.SERVICE_SOCKET))):
+        leased = _from_service(root, prog, value, environ, count, job, enforced)
         if leased is not None:
             return _whole_devices(root, leased, environ)
 
@@ -395,18 +404,47 @@ def _whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[b
     return grant
 
 
-def _from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, count: int) -> Optional[Lease]:
+def _from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, count: int, job: Any = None,
+                  enforced: bool = False) -> Optional[Lease]:
     """Devices granted by `cudawrap serve` (README "The cudawrap service"); None when it
-    does not answer, and the run decides for itself as without it."""
+    does not answer, and the run decides for itself as without it. ENFORCED: it cannot;
+    the service is tried again for connect_retry_s (a restart), then ServiceUnavailable."""
     from . import client
 
     def on_wait(text: str) -> None:
         say(prog, text)
 
-    lease = client.obtain(root, client.request_fields(value, environ, count), on_wait)
+    fields = client.request_fields(value, environ, count)
+    if job is not None:
+        devices = _job_devices(job)
+        if devices is not None:
+            fields["visible"] = devices
+    if not enforced:
+        lease = client.obtain(root, fields, on_wait)
+    else:
+        lease = client.obtain_retrying(root, fields, on_wait, float(value.get("connect_retry_s", 10.0)))
     if lease is not None:
         audit.log("grant", program=prog, pid=os.getpid(), devices=",".join(lease.uuids), via="service")
     return lease
+
+
+def _job_devices(job: Any) -> Optional[str]:
+    """The UUIDs of a Slurm job's GPUs, as the service is asked to narrow to them; None
+    where Slurm's variables do not say (CUDA_VISIBLE_DEVICES narrows, as for any run).
+    Slurm numbers GPUs in NVML's (PCI) order: NVML is read to name them."""
+    from .devices import nvml
+
+    inventory = nvml.inventory()
+    visible = job.visible({g.index for g in inventory.gpus})
+    if visible is None:
+        return None
+    wanted: List[str] = []
+    for token in visible.split(","):
+        if not token.strip().isdigit():
+            break  # outside the job: the list ends there, as CUDA ends it
+        wanted.append(token.strip())
+    # A device of no GPU in the job matches nothing: the service then refuses, one line.
+    return ",".join(d.uuid for d in inventory.devices if str(d.gpu_index) in wanted) or "-"
 
 
 def exec_program(path: str, argv: Sequence[str], env: Dict[bytes, bytes], grant: Grant) -> NoReturn:

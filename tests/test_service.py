@@ -217,9 +217,8 @@ def _ledger(inst: MuInstall, event: str) -> list:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == event]
 
 
-def test_a_wrapped_program_started_by_a_wrapped_program_keeps_its_parents_lease(served: Served) -> None:
-    """The child inherits the descriptor the service sent: same device, no second grant."""
-    inst = served.inst
+def run_nested(inst) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
+    """Alice runs the wrapped `outer`, a script that execs the wrapped `inner`; it succeeded."""
     inst.wrap("inner")
     parent = inst.bindir / "CUDAWRAP_outer"
     parent.write_text(f"#!/bin/sh\nexec {inst.bindir}/inner --hold 0\n")
@@ -227,6 +226,13 @@ def test_a_wrapped_program_started_by_a_wrapped_program_keeps_its_parents_lease(
     (inst.bindir / "outer").symlink_to(inst.layout.shim)
     done = inst.run(inst.world.alice, "outer", CUDAWRAP_WAIT="0")
     assert done.returncode == 0, done.stderr.decode()
+    return done
+
+
+def test_a_wrapped_program_started_by_a_wrapped_program_keeps_its_parents_lease(served: Served) -> None:
+    """The child inherits the descriptor the service sent: same device, no second grant."""
+    inst = served.inst
+    done = run_nested(inst)
     import json
 
     hello = json.loads(done.stdout.decode().splitlines()[0])

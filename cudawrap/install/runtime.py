@@ -5,6 +5,7 @@ import os
 import stat
 import sys
 from pathlib import Path
+from typing import Optional
 
 from ..paths import Layout
 from .shimfile import install_shim
@@ -19,13 +20,27 @@ def _dir(path: Path, mode: int) -> None:
         os.chmod(path, mode)
 
 
-def prepare_runtime(layout: Layout) -> None:
-    """The tmpfs part (/run/cudawrap): lease, slot and queue directories and the queue lock."""
+def enforced(layout: Layout) -> bool:
+    """Whether the config says only the service takes leases ([service] enforce)."""
+    from ..policy.effective import effective
+
+    return bool(effective(str(layout.root), None, {})["enforce"][0])
+
+
+def prepare_runtime(layout: Layout, enforce: Optional[bool] = None) -> None:
+    """The tmpfs part (/run/cudawrap): lease, slot and queue directories and the queue lock.
+
+    ENFORCE (None: as the config says): the lease, slot and queue directories are root's
+    alone, so no user can open a lease file to flock it, nor queue a claim: only the
+    service (root) opens them, and hands a run the descriptors it granted. Otherwise users
+    open the lease files and queue themselves (the daemonless path)."""
+    if enforce is None:
+        enforce = enforced(layout)
     _dir(layout.runtime_dir, 0o755)
-    _dir(layout.lease_dir, 0o755)
-    _dir(layout.share_dir, 0o755)
+    _dir(layout.lease_dir, 0o700 if enforce else 0o755)
+    _dir(layout.share_dir, 0o700 if enforce else 0o755)
     # Sticky and world-writable like /tmp: everyone may queue, nobody may unqueue others.
-    _dir(layout.queue_dir, 0o1777)
+    _dir(layout.queue_dir, 0o1700 if enforce else 0o1777)
     fd = os.open(layout.queue_lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     os.fchmod(fd, 0o644)
     os.close(fd)
@@ -35,6 +50,6 @@ def prepare(layout: Layout, python: str = sys.executable) -> None:
     """Every directory of an install root, the runtime area and the shim."""
     _dir(layout.etc_dir, 0o755)
     _dir(layout.state_dir, 0o755)
-    prepare_runtime(layout)
+    prepare_runtime(layout, enforced(layout) if layout.config_file.exists() else False)
     install_shim(layout, python)
     _dir(layout.shim_dir, 0o755)

@@ -351,9 +351,19 @@ def _locked_file(fd: int, path: str, exclusive: bool) -> bool:
     try:
         mine = os.fstat(fd)
         current = os.stat(path, follow_symlinks=False)
+        same = (mine.st_ino, mine.st_dev) == (current.st_ino, current.st_dev)
+    except PermissionError:
+        # [service] enforce: the directory is root's, and only the service opens its files,
+        # so a descriptor the kernel names by that path (not replaced since: no " (deleted)")
+        # was granted by it.
+        try:
+            same = os.readlink(f"/proc/self/fd/{fd}") == os.path.realpath(os.path.dirname(path)) + "/" + \
+                os.path.basename(path)
+        except OSError:
+            return False
     except OSError:
         return False
-    return (mine.st_ino, mine.st_dev) == (current.st_ino, current.st_dev) and lock_kind(fd) is exclusive
+    return same and lock_kind(fd) is exclusive
 
 
 def _slot_of(fd: int, share_dir: str, uuid: str) -> bool:

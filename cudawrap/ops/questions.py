@@ -73,3 +73,32 @@ def cancellable(pids_text: str, waiting: Dict[int, Any], asker: int) -> List[Any
                                f"{either(client.peer.uid, 0)} may cancel it")
         chosen.append(client)
     return chosen
+
+
+def whole(root: str, waiting: List[Dict[str, Any]], asker: int, private: bool, held: Sequence[Any]) -> str:
+    """The whole of `cudawrap status` as root reads it, for ASKER, who cannot read the lease
+    files ([service] enforce): this line, the holders the service granted named, others'
+    hidden where PRIVATE. (NVML is read here, in the service's loop: a status costs the
+    grants behind it a few milliseconds.)"""
+    from pathlib import Path
+
+    from ..paths import Layout
+    from .eta import annotate
+    from .status import machine_status
+
+    layout = Layout(Path(root))
+    status = machine_status(layout, ask_service=False)
+    named = holders(held, asker, private)
+    me = user_name(asker)
+    for device in status["devices"]:
+        holder = device.get("holder")
+        if device["uuid"] in named and holder is not None:
+            device["holder"] = dict(holder, **named[device["uuid"]])
+        elif private and asker != 0 and holder is not None and holder.get("user") != me:
+            device["holder"] = dict(holder, pid=None, user=HIDDEN, program=HIDDEN, command=HIDDEN)
+    status["waiting"] = waiting
+    annotate(waiting, status["devices"], layout)
+    for device in status["devices"]:
+        device["waiters"] = [w["pid"] for w in waiting
+                             if w.get("candidates") is None or device["uuid"] in (w.get("candidates") or ())]
+    return json.dumps(status, default=str)

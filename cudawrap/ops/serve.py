@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 TICK_S = 1.0
 MIN_GAP_S = 0.002
 HELLO_S = 5.0
+ANSWER_S = 2.0
 IDLE_SYNC_S = 0.05  # the ledger is made durable once nothing happened for this long
 MAX_CONNECTIONS_PER_UID = 1000  # as many runs as one user may have in the queue directory
 BACKLOG = 1024
@@ -60,6 +61,19 @@ class Client:
             return self.sock.send(wire.encode(verb, fields)) > 0
         except OSError:  # full (a client that never reads) or gone: either way, done with it
             return False
+
+    def answer(self, fields: Dict[str, str]) -> None:
+        """Send an answer (it may be far larger than a socket buffer: status with 500
+        waiters) whole, giving a client that does not read ANSWER_S at most."""
+        try:
+            data = wire.encode(wire.ANSWER, fields)
+        except ValueError as exc:
+            data = wire.encode(wire.ERROR, {"text": str(exc), "code": str(os.EX_SOFTWARE)})
+        try:
+            self.sock.settimeout(ANSWER_S)
+            self.sock.sendall(data)
+        except OSError:
+            pass
 
 
 class Service:
@@ -346,10 +360,13 @@ class Service:
                 reply = questions.answer(waiting, questions.holders(list(self.grants.held.values()), asker,
                                                                    self.private_status))
                 reply["service_pids"] = ",".join(f"{c.peer.pid}:{c.peer.uid}" for c in self._waiting())
+                if fields.get("whole") == "1":
+                    reply["status"] = questions.whole(self.root, waiting, asker, self.private_status,
+                                                      list(self.grants.held.values()))
         except CudawrapError as exc:
             self._fail(client, exc.exit_code, exc.message, exc.hint or "")
             return
-        client.send(wire.ANSWER, reply)
+        client.answer(reply)
         self._drop(client)
 
     # -- the machine ------------------------------------------------------------------------
@@ -429,6 +446,12 @@ def serve(root: str) -> None:
 
     raise_file_limit()
     config = load_config(Path(root) / loc.CONFIG_FILE)  # a broken config: one line, 78, before listening
+    from ..install.runtime import prepare_runtime
+    from ..paths import Layout
+
+    # [service] enforce: the lease, slot and queue directories become root's before the
+    # first grant (and users' again when it is turned off); `cudawrap sync` does the same.
+    prepare_runtime(Layout(Path(root)), bool(config["enforce"]))
     service = Service(root, config["max_connections_per_uid"], config["private_status"])
     _say(f"listening on {service.path}")
     service.run()

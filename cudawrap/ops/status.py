@@ -281,9 +281,13 @@ def _gpus(inventory: Any) -> List[Dict[str, Any]]:
     return out
 
 
-def machine_status(layout: Layout) -> Dict[str, Any]:
+def machine_status(layout: Layout, ask_service: bool = True) -> Dict[str, Any]:
+    """Every device, its holder and state, and everyone waiting. ASK_SERVICE: the service's
+    line and holders complete it (False: the service itself asks)."""
     from ..devices import nvml
 
+    if ask_service and not os.access(layout.lease_dir, os.X_OK) and layout.lease_dir.exists():
+        return _through_service_whole(layout)  # [service] enforce: only root reads the leases
     leases = _leases(layout)  # read before NVML, as the rows always were
     nvml_error: Optional[str] = None
     try:
@@ -296,9 +300,10 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
     _add_health(str(layout.root), devices)
     _run_memory(layout, devices)
     waiting = _waiting(layout, inventory)
-    from .view import through_service
+    if ask_service:
+        from .view import through_service
 
-    waiting = through_service(layout, devices, waiting)  # the service's line, where one runs
+        waiting = through_service(layout, devices, waiting)  # the service's line, where one runs
     from .eta import annotate
 
     annotate(waiting, devices, layout)  # when each may start (README "Why am I waiting")
@@ -309,6 +314,20 @@ def machine_status(layout: Layout) -> Dict[str, Any]:
             "nvml_error": nvml_error,
             "lost": list(inventory.lost) if inventory else [],
             "gpus": _gpus(inventory) if inventory else []}
+
+
+def _through_service_whole(layout: Layout) -> Dict[str, Any]:
+    """The whole status as the service (root) reads it, for a caller who cannot."""
+    import json
+
+    from .. import client, wire
+    from ..errors import ServiceUnavailable
+
+    reply = client.question(str(layout.root), wire.STATUS, {"whole": "1"})
+    if reply is None or "status" not in reply:
+        raise ServiceUnavailable(f"{client.NOT_RUNNING}, and only it may read the leases ([service] enforce)",
+                                 hint=client.START_IT)
+    return json.loads(reply["status"])
 
 
 def _leases(layout: Layout) -> Tuple[Any, ...]:

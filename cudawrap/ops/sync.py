@@ -195,10 +195,11 @@ def _sync_files(directory: str, make: Iterable[str], removable: Callable[[str], 
     O_NOFOLLOW. A file still locked (a running job's) stays until a later sync; one removed
     is unlinked while we hold its lock, so nobody can win it on the dead inode.
     """
+    # The directory's mode is prepare_runtime's: users' (0755), or root's alone under
+    # [service] enforce; it is not touched here.
     os.makedirs(directory, mode=0o755, exist_ok=True)
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        os.fchmod(dfd, 0o755)
         created: List[str] = []
         removed: List[str] = []
         for name in sorted(make):

@@ -47,7 +47,8 @@ DEVICE_KEYS: Dict[str, Callable[[Any], Any]] = {
 OPS_SECTIONS: Dict[str, Dict[str, Callable[[Any], Any]]] = {
     "metrics": {"textfile": path_or_empty},
     "ledger": {"max_mib": mib, "keep": non_negative_int},
-    "service": {"private_status": boolean, "max_connections_per_uid": connections},
+    "service": {"private_status": boolean, "max_connections_per_uid": connections, "enforce": boolean,
+                "connect_retry_s": seconds(zero_ok=True)},
     "health": health_keys(choice),
 }
 
@@ -74,6 +75,8 @@ DEFAULTS: Dict[str, Any] = {
     "keep": 4,
     "private_status": False,
     "max_connections_per_uid": 1000,
+    "enforce": False,
+    "connect_retry_s": 10.0,
     **HEALTH_DEFAULTS,
 }
 
@@ -103,6 +106,10 @@ DESCRIPTIONS: Dict[str, str] = {
                       "without their names, pids and programs (root sees all)",
     "max_connections_per_uid": "with `cudawrap serve`: the most connections one user may keep open to it, "
                                "so runs waiting at once (root is not limited)",
+    "enforce": "only `cudawrap serve` may take a lease: lease, slot and queue directories root-only "
+               "(applied by `cudawrap sync` and the service); users' runs need the service",
+    "connect_retry_s": "with enforce: how long a run tries to reach the service (a restart) before it "
+                       "exits 69",
     **HEALTH_DESCRIPTIONS,
 }
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
     from .schedule import Verdict, Waiter
+    from .turns import Offers
 
 from ..devices.model import Device
 from ..errors import NoDeviceError
@@ -32,7 +33,6 @@ from ..lease.files import Lease, LeaseFiles, lock_table
 # before takes its devices without one (_uncontended), and the shim pays for every module.
 from .machine import MachineView, _free_mib, _uid_of
 from .queue import Scan, WaitQueue, poke
-from .turns import GRACE_S, STALL_S, Offers
 
 # The first WATCHERS in line watch the machine (see waiting.py).
 WATCHERS = 8
@@ -135,7 +135,7 @@ class Acquirer(MachineView):
         self.share = share
         self.wanted = None if self.mine >= set(self.current) else frozenset(self.mine)
         # What this process has seen of others taking their turns (and the view, passing over).
-        self.offered = Offers()
+        self.offered: Optional[Offers] = None  # made at the first decision (turns.py is off a lone launch's path)
         self.top: Set[str] = set()
         self.snapshot = snapshot  # the monitor's: its rewrite may free devices foreign work kept
 
@@ -280,6 +280,10 @@ class Acquirer(MachineView):
         # Only offers of devices this run could use can hold it up.
         granted = {k for k, v in verdicts.items()
                    if v.kind == GRANTED and k != me and any(u in self.mine for u in v.devices)}
+        from .turns import STALL_S, Offers
+
+        if self.offered is None:
+            self.offered = Offers()
         self.offered.keep(granted)
         owners = {w.key: w for w in scan.waiters}
         for key in granted:
@@ -335,6 +339,8 @@ class Acquirer(MachineView):
         if wait_s <= 0 and any(probe.can_use(u) and self._fits(u) for u in offered):
             # A device it could use is free but offered to a run ahead: wait long enough to
             # see that run take it, or be passed over for not taking it.
+            from .turns import GRACE_S
+
             wait_s = 2 * GRACE_S
             deadline = self.clock() + wait_s
         elif wait_s <= 0:
