@@ -103,6 +103,7 @@ class MachineView:
         self.foreign = foreign
         self.busy_memory_mib = busy_memory_mib
         self.refresh = refresh
+        self.warmed = False  # the source made ready for a hand-over (warm())
         self.limit_of = limit_of or (lambda uid: 0)
         # (shortest reserve_after, largest max_gpus) of the admin's config: what every
         # waiter's claims are held to (schedule.Bounds); read at the first decision.
@@ -167,6 +168,18 @@ class MachineView:
     def mps_daemon(self, uuid: str) -> Optional[int]:
         """The pid of the MPS control daemon cudawrap runs for UUID, or None."""
         return mps_daemon(self.root, uuid, self.leases.owner) if self.root is not None else None
+
+    def warm(self) -> None:
+        """Before our turn can come: re-read one of our devices now, so that the source is
+        ready (NVML initialised: ~10 ms on an H200, plus the handle) and the hand-over's
+        re-read of a freed device costs one query. The reading is kept, as any re-read's."""
+        if self.refresh is None or self.warmed:
+            return
+        self.warmed = True
+        for device in self.candidates:
+            if device.uuid not in self.lost:
+                self._recheck(device.uuid, self.clock())
+                return
 
     def _recheck(self, uuid: str, now: float) -> bool:
         """Re-read DEVICE from NVML if its data may be stale; True if it is now free."""

@@ -265,6 +265,8 @@ class Waiting:
             self.own, self.world = None, []
             self.removed = set()
         self.watcher = watcher = position < WATCHERS
+        if watcher:
+            self.acq.warm()  # a hand-over may come next: its NVML start-up is paid now, not then
         if watcher and self.own is not None and not self.world:
             self.world = self._watch_world(self.own)
             return True  # something may have changed before the watch existed
