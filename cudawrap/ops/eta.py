@@ -45,7 +45,7 @@ def expected_ends(layout: Any, runs: Medians) -> Dict[str, Optional[float]]:
     """Device UUID -> when its lease holder is expected to end (its start + its program's
     median), None where the program has no finished run; as root sees /proc."""
     from ..lease.holders import holdings
-    from .status import process_info
+    from .procinfo import process_info
 
     out: Dict[str, Optional[float]] = {}
     for uuid, holding in holdings(str(layout.lease_dir)).items():

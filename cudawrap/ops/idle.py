@@ -128,7 +128,7 @@ class IdleWatch:
 
 
 def _program(pid: int, uuid: str) -> str:
-    from .status import wrapped_name
+    from .procinfo import wrapped_name
 
     return wrapped_name(pid, [uuid]) or "?"
 

@@ -194,7 +194,7 @@ def proc(pid: int, devices: Sequence[str] = ()) -> Optional[Proc]:
     """PID as /proc shows it, or None if it is gone; its program by its wrapped name where it
     holds one of DEVICES as a wrapped program's run."""
     from ..proc import real_uid
-    from .status import printable, wrapped_name
+    from .procinfo import printable, wrapped_name
 
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
