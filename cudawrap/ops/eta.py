@@ -99,15 +99,10 @@ class RunLengths:
         self._ends: Any = None
 
     def cycle(self) -> None:
-        import os
-
         from . import ledger
+        from .signature import file_signature
 
-        try:
-            st = os.stat(ledger.ledger_path(self.layout))
-            signature: Any = (st.st_ino, st.st_size, st.st_mtime_ns)
-        except OSError:
-            signature = None
+        signature = file_signature(ledger.ledger_path(self.layout))
         if signature != self._signature:
             self._runs = _from_ledger(self.layout)
         ends = expected_ends(self.layout, self._runs)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..paths import Layout
+from .terminal import tell
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +350,7 @@ class Watch:
     # -- settings
     def _settings(self) -> Dict[str, Any]:
         from ..policy.config import load_config
-        from .metrics import file_signature
+        from .signature import file_signature
 
         path = self.layout.config_file
         signature = file_signature(path)
@@ -466,25 +467,6 @@ def _signal(run: Run, procs: Sequence[int], signum: int) -> None:
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
-
-
-def tell(pid: int, uid: int, text: str) -> None:
-    """TEXT on the run's terminal where it has one of its own: its stderr, if that is a tty the
-    run's user owns (never a file or pipe: that is the run's output, not ours to write)."""
-    import stat
-
-    try:
-        fd = os.open(f"/proc/{pid}/fd/2", os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISCHR(st.st_mode) and os.isatty(fd) and st.st_uid == uid:
-            os.write(fd, (text + "\n").encode(errors="replace"))
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def read_snapshot(layout: Layout, max_age: float = 10.0) -> Optional[Dict[str, Any]]:

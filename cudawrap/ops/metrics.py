@@ -21,6 +21,7 @@ from ..paths import Layout
 from ..proc import real_uid
 from ..base.safepath import Unsafe
 from ..users import user_name
+from .signature import file_signature
 
 log = logging.getLogger(__name__)
 
@@ -215,15 +216,6 @@ def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
                      **({"idle_s": round(quiet[uuid].idle_s(sampled))} if uuid in quiet and pid == quiet[uuid].pid else {}),
                      "memory_used_bytes": None if used is None else used << 20})
     return rows
-
-
-def file_signature(path: Any) -> Any:
-    """What tells a changed file from the one read before (None: none there)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class MonitorHook:
