@@ -193,7 +193,7 @@ def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
     held = holdings(str(layout.lease_dir))
     drains = drained(str(layout.root))
     sick = health_drained(str(layout.root))
-    from .health import idle_leases
+    from .healthstate import idle_leases
 
     quiet, _, sampled = idle_leases(str(layout.root))
     if inventory is not None:
@@ -282,7 +282,7 @@ class MonitorHook:
 
 def leftover_counts(layout: Layout) -> Dict[Tuple[str, str], int]:
     """(device, user) -> leftover processes, as the monitor's health step last saw them."""
-    from .health import leftover_list
+    from .healthstate import leftover_list
 
     out: Dict[Tuple[str, str], int] = {}
     for left in leftover_list(str(layout.root)):

@@ -312,7 +312,7 @@ def _add_drains(root: str, devices: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def _add_health(root: str, devices: List[Dict[str, Any]]) -> None:
     """Each device's leftover processes of ended runs, and its lease if idle (the monitor's look)."""
-    from .health import idle_leases, leftovers
+    from .healthstate import idle_leases, leftovers
 
     left = leftovers(root)  # processes of ended runs still on a device (the monitor's look)
     quiet, idle_after_s, sampled = idle_leases(root)
