@@ -292,7 +292,7 @@ def leftover_counts(layout: Layout) -> Dict[Tuple[str, str], int]:
 
 def _run_rows(layout: Layout) -> List[Dict[str, Any]]:
     """memwatch's last rows (a cycle old at most, from the monitor)."""
-    from .memwatch import read_snapshot
+    from .memsnapshot import read_snapshot
 
     snapshot = read_snapshot(layout)
     return list(snapshot["runs"]) if snapshot else []

@@ -327,7 +327,7 @@ def _add_health(root: str, devices: List[Dict[str, Any]]) -> None:
 def _run_memory(layout: Layout, devices: List[Dict[str, Any]]) -> None:
     """Each named holder's "memory" on its device (used and limit, MiB) from the monitor's last
     memory snapshot, where it is recent (memwatch)."""
-    from .memwatch import read_snapshot
+    from .memsnapshot import read_snapshot
 
     snapshot = read_snapshot(layout)
     if snapshot is None:
