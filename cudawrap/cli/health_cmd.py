@@ -19,7 +19,7 @@ class HealthCommand(Command):
     as_json = cli.Flag(["--json"], help="machine-readable output")
 
     def main(self) -> int:
-        from ..ops.health import render, report
+        from ..ops.healthreport import render, report
 
         data = report(str(default_layout().root), time.time())
         if self.as_json:

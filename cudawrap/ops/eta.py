@@ -45,7 +45,7 @@ def expected_ends(layout: Any, runs: Medians) -> Dict[str, Optional[float]]:
     """Device UUID -> when its lease holder is expected to end (its start + its program's
     median), None where the program has no finished run; as root sees /proc."""
     from ..lease.holders import holdings
-    from .status import process_info
+    from .procinfo import process_info
 
     out: Dict[str, Optional[float]] = {}
     for uuid, holding in holdings(str(layout.lease_dir)).items():
@@ -99,15 +99,10 @@ class RunLengths:
         self._ends: Any = None
 
     def cycle(self) -> None:
-        import os
-
         from . import ledger
+        from .signature import file_signature
 
-        try:
-            st = os.stat(ledger.ledger_path(self.layout))
-            signature: Any = (st.st_ino, st.st_size, st.st_mtime_ns)
-        except OSError:
-            signature = None
+        signature = file_signature(ledger.ledger_path(self.layout))
         if signature != self._signature:
             self._runs = _from_ledger(self.layout)
         ends = expected_ends(self.layout, self._runs)

@@ -111,7 +111,7 @@ class IdleWatch:
         return self.leases
 
     def _tell(self, uuid: str, lease: Lease, now: float) -> None:
-        from .memwatch import tell
+        from .terminal import tell
 
         uid = self.who.get(lease.pid, (None, ""))[0]
         if uid is not None:
@@ -128,7 +128,7 @@ class IdleWatch:
 
 
 def _program(pid: int, uuid: str) -> str:
-    from .status import wrapped_name
+    from .procinfo import wrapped_name
 
     return wrapped_name(pid, [uuid]) or "?"
 

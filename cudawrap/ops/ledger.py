@@ -194,7 +194,7 @@ def proc(pid: int, devices: Sequence[str] = ()) -> Optional[Proc]:
     """PID as /proc shows it, or None if it is gone; its program by its wrapped name where it
     holds one of DEVICES as a wrapped program's run."""
     from ..proc import real_uid
-    from .status import printable, wrapped_name
+    from .procinfo import printable, wrapped_name
 
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
@@ -295,109 +295,166 @@ def private_group(uid: int) -> Optional[int]:
     return gr.gr_gid if gr.gr_name == pw.pw_name and not set(gr.gr_mem) - {pw.pw_name} else None
 
 
+@dataclass
+class _Look:
+    """What one look at the leases goes by: who looks, when, this boot, and since when a lease
+    first seen now may have been granted (the last look, or the boot if later)."""
+
+    layout: Layout
+    seen_by: str
+    now: float
+    boot: str
+    since: float
+    _share_cost: Optional[Callable[[str], float]] = None
+
+    def share_cost(self) -> Callable[[str], float]:
+        """What a share of a device counts as: the config read once a look, and only for shares."""
+        if self._share_cost is None:
+            self._share_cost = _share_costs(self.layout)
+        return self._share_cost
+
+
 def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = (64 << 20, 4)) -> Observation:
     """Compare the leases held now with the last look; record grants and ends (root only).
 
     LIMITS: (max bytes of a ledger file, rotated files kept).
     """
-    from .cancel import waiters
-
     obs = Observation()
     state_path = layout.state_dir / STATE
     with Locked(layout):
         state = _load_state(state_path)
         now = time.time()
         boot = boot_id()
-        booted = boot_time()
-        looked: Optional[float] = state["looked"]
-        opened: Dict[str, Dict[str, Any]] = state["open"]
-        waiting: Dict[str, Dict[str, Any]] = state["waiting"]
-        if state["boot"] != boot:
-            # Restarted since the last look: whatever was held then ended before this boot.
-            for record in opened.values():
-                obs.ends.append(_end(record, record["seen"], max(record["seen"], booted), now,
-                                     "ended (the machine restarted)", seen_by))
-            opened, waiting, looked = {}, {}, None
-        since = max(looked if looked is not None else booted, booted)
-
-        by_pid: Dict[int, List[str]] = {}
-        shared: Set[int] = set()
-        for uuid, holding in holdings(str(layout.lease_dir)).items():
-            for pid in holding.pids if not holding.exclusive else [holding.pid]:  # each sharer, or the holder
-                by_pid.setdefault(pid, []).append(uuid)  # type: ignore[arg-type]
-                if not holding.exclusive:
-                    shared.add(pid)  # type: ignore[arg-type]
-        current: Dict[str, Dict[str, Any]] = {}
-        share_cost: Optional[Callable[[str], float]] = None
-        for pid, devices in by_pid.items():
-            devices.sort()
-            p = proc(pid, devices)
-            known = next((i for i, r in opened.items() if r["pid"] == pid and r["devices"] == devices
-                          and (p is None or r["ticks"] == p.ticks)), None)
-            if known is not None:
-                current[known] = dict(opened[known], seen=now)
-                continue
-            if p is None:
-                continue  # gone between the two looks at /proc: seen at the next look, if still held
-            lid = _lease_id(boot, pid, p.ticks, devices)
-            lo = max(since, p.started)
-            start = _estimate(lo, now, p.started)
-            seen_wait = waiting.pop(str(pid), None)
-            record: Dict[str, Any] = {
-                "v": RECORD_VERSION, "event": "grant", "id": lid, "uid": p.uid, "user": user_name(p.uid),
-                "pid": pid, "ticks": p.ticks, "program": p.program, "exe": p.exe, "devices": devices,
-                "start": round(start, 3), "start_lo": round(lo, 3), "start_hi": round(now, 3),
-                "seen_by": seen_by, "seen": now}
-            if pid in shared:
-                # A share of its device(s): it counts as what its user's limit counts it.
-                record["shared"] = True
-                if share_cost is None:
-                    share_cost = _share_costs(layout)  # the config read once a look, and only for shares
-                record["devices_held"] = round(sum(share_cost(u) for u in devices), 4)
-            # The wait: from the run's start (the shim starts the run) to its grant, as sure as the grant.
-            record["wait_s"] = round(max(start - p.started, 0.0), 3)
-            if seen_wait is not None and seen_wait.get("enqueued") is not None:
-                # From the queue entry's name: the run's own claim, kept apart as a hint.
-                record["wait_hint_s"] = round(max(start - seen_wait["enqueued"], 0.0), 3)
-            current[lid] = record
-            obs.grants.append(record)
-        for lid, record in opened.items():
-            if lid not in current:
-                p = proc(record["pid"])
-                how = ("released while its process still runs" if p is not None and p.ticks == record["ticks"]
-                       else "ended")
-                obs.ends.append(_end(record, record["seen"], now, now, how, seen_by))
-
-        # Waiting runs: the kernel's record of who holds each queue entry's lock.
-        mono, wall = time.monotonic(), time.time()
-        now_waiting: Dict[str, Dict[str, Any]] = {}
-        for w in waiters(str(layout.root)):
-            obs.waiting[w.uid] = obs.waiting.get(w.uid, 0) + 1
-            old = waiting.get(str(w.pid))
-            if old is None:
-                p = proc(w.pid)
-                lo = max(since, p.started) if p is not None else since
-                key = w.key[:20]
-                enqueued = wall - (mono - int(key) / 1e9) if key.isdigit() else None
-                old = {"lo": lo, "hi": now, "uid": w.uid, "enqueued": enqueued}
-            now_waiting[str(w.pid)] = old
-        obs.abandoned = sum(1 for pid in waiting if pid not in now_waiting)
-
+        opened, waiting, since = _since_last_look(state, obs, boot, boot_time(), now, seen_by)
+        look = _Look(layout, seen_by, now, boot, since)
+        current = _leases(look, opened, waiting, obs)
+        now_waiting = _waits(look, waiting, obs)
         obs.open = current
-        try:
-            append(ledger_path(layout), obs.grants + obs.ends, *limits)
-        except OSError as exc:
-            obs.error = f"cannot write the ledger {ledger_path(layout)}: {exc.strerror or exc}"
-            obs.grants, obs.ends = [], []
+        if not _append_records(layout, obs, limits):
             return obs  # the state is left as it was: the next look records all of it
-        for record in obs.ends:
-            _append_user_view(layout, record, limits)
         state.update(boot=boot, looked=now, open=current, waiting=now_waiting)
         try:
             _save_state(state_path, state)
         except OSError as exc:
             obs.error = f"cannot write {state_path}: {exc.strerror}"
     return obs
+
+
+def _since_last_look(state: Dict[str, Any], obs: Observation, boot: str, booted: float, now: float,
+                     seen_by: str) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Dict[str, Any]], float]:
+    """The leases open and the runs waiting at the last look, and since when this look is sure
+    of nothing: the last look, or the boot if later. After a restart nothing is open (each
+    lease then open is an end in OBS) or waiting."""
+    looked: Optional[float] = state["looked"]
+    opened: Dict[str, Dict[str, Any]] = state["open"]
+    waiting: Dict[str, Dict[str, Any]] = state["waiting"]
+    if state["boot"] != boot:
+        # Restarted since the last look: whatever was held then ended before this boot.
+        for record in opened.values():
+            obs.ends.append(_end(record, record["seen"], max(record["seen"], booted), now,
+                                 "ended (the machine restarted)", seen_by))
+        opened, waiting, looked = {}, {}, None
+    return opened, waiting, max(looked if looked is not None else booted, booted)
+
+
+def _held_by_pid(layout: Layout) -> Tuple[Dict[int, List[str]], Set[int]]:
+    """pid -> the devices it holds a lease on (each sharer, or the holder), and the sharers."""
+    by_pid: Dict[int, List[str]] = {}
+    shared: Set[int] = set()
+    for uuid, holding in holdings(str(layout.lease_dir)).items():
+        for pid in holding.pids if not holding.exclusive else [holding.pid]:  # each sharer, or the holder
+            by_pid.setdefault(pid, []).append(uuid)  # type: ignore[arg-type]
+            if not holding.exclusive:
+                shared.add(pid)  # type: ignore[arg-type]
+    return by_pid, shared
+
+
+def _leases(look: _Look, opened: Dict[str, Dict[str, Any]], waiting: Dict[str, Dict[str, Any]],
+            obs: Observation) -> Dict[str, Dict[str, Any]]:
+    """The leases held now by id: OPENED's still held, and the new ones, each a grant in OBS
+    (its wait taken out of WAITING); each of OPENED no longer held is an end in OBS."""
+    by_pid, shared = _held_by_pid(look.layout)
+    current: Dict[str, Dict[str, Any]] = {}
+    for pid, devices in by_pid.items():
+        devices.sort()
+        p = proc(pid, devices)
+        known = next((i for i, r in opened.items() if r["pid"] == pid and r["devices"] == devices
+                      and (p is None or r["ticks"] == p.ticks)), None)
+        if known is not None:
+            current[known] = dict(opened[known], seen=look.now)
+            continue
+        if p is None:
+            continue  # gone between the two looks at /proc: seen at the next look, if still held
+        record = _grant(look, p, devices, pid in shared, waiting.pop(str(pid), None))
+        current[record["id"]] = record
+        obs.grants.append(record)
+    for lid, record in opened.items():
+        if lid not in current:
+            p = proc(record["pid"])
+            how = ("released while its process still runs" if p is not None and p.ticks == record["ticks"]
+                   else "ended")
+            obs.ends.append(_end(record, record["seen"], look.now, look.now, how, look.seen_by))
+    return current
+
+
+def _grant(look: _Look, p: Proc, devices: List[str], shared: bool,
+           seen_wait: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The grant record of P's lease of DEVICES, first seen by this look (SEEN_WAIT: its wait
+    as the last look saw it, if it did)."""
+    lo = max(look.since, p.started)
+    start = _estimate(lo, look.now, p.started)
+    record: Dict[str, Any] = {
+        "v": RECORD_VERSION, "event": "grant", "id": _lease_id(look.boot, p.pid, p.ticks, devices), "uid": p.uid,
+        "user": user_name(p.uid), "pid": p.pid, "ticks": p.ticks, "program": p.program, "exe": p.exe,
+        "devices": devices, "start": round(start, 3), "start_lo": round(lo, 3), "start_hi": round(look.now, 3),
+        "seen_by": look.seen_by, "seen": look.now}
+    if shared:
+        # A share of its device(s): it counts as what its user's limit counts it.
+        record["shared"] = True
+        share_cost = look.share_cost()
+        record["devices_held"] = round(sum(share_cost(u) for u in devices), 4)
+    # The wait: from the run's start (the shim starts the run) to its grant, as sure as the grant.
+    record["wait_s"] = round(max(start - p.started, 0.0), 3)
+    if seen_wait is not None and seen_wait.get("enqueued") is not None:
+        # From the queue entry's name: the run's own claim, kept apart as a hint.
+        record["wait_hint_s"] = round(max(start - seen_wait["enqueued"], 0.0), 3)
+    return record
+
+
+def _waits(look: _Look, waiting: Dict[str, Dict[str, Any]], obs: Observation) -> Dict[str, Dict[str, Any]]:
+    """The runs waiting now (pid -> when it began, as sure as the looks are, and its claim),
+    from the kernel's record of who holds each queue entry's lock; OBS counts them by user,
+    and the waits of WAITING that ended without a grant."""
+    from .cancel import waiters
+
+    mono, wall = time.monotonic(), time.time()
+    now_waiting: Dict[str, Dict[str, Any]] = {}
+    for w in waiters(str(look.layout.root)):
+        obs.waiting[w.uid] = obs.waiting.get(w.uid, 0) + 1
+        old = waiting.get(str(w.pid))
+        if old is None:
+            p = proc(w.pid)
+            lo = max(look.since, p.started) if p is not None else look.since
+            key = w.key[:20]
+            enqueued = wall - (mono - int(key) / 1e9) if key.isdigit() else None
+            old = {"lo": lo, "hi": look.now, "uid": w.uid, "enqueued": enqueued}
+        now_waiting[str(w.pid)] = old
+    obs.abandoned = sum(1 for pid in waiting if pid not in now_waiting)
+    return now_waiting
+
+
+def _append_records(layout: Layout, obs: Observation, limits: Tuple[int, int]) -> bool:
+    """OBS's grants and ends into the ledger, and each end into its user's view; False where
+    the ledger cannot take them (why in OBS.error, and OBS keeps none of them)."""
+    try:
+        append(ledger_path(layout), obs.grants + obs.ends, *limits)
+    except OSError as exc:
+        obs.error = f"cannot write the ledger {ledger_path(layout)}: {exc.strerror or exc}"
+        obs.grants, obs.ends = [], []
+        return False
+    for record in obs.ends:
+        _append_user_view(layout, record, limits)
+    return True
 
 
 def _end(grant: Dict[str, Any], lo: float, hi: float, now: float, how: str, seen_by: str) -> Dict[str, Any]:

@@ -79,7 +79,8 @@ def find(layout: Any, inventory: Any, known: Mapping[int, Leftover], now: float)
     which keep their first sighting)."""
     from ..lease.holders import holdings
     from ..proc import real_uid
-    from .status import _foreign, wrapped_name
+    from .lessees import foreign_pids
+    from .procinfo import wrapped_name
     from ..users import user_name
 
     held = holdings(str(layout.lease_dir))
@@ -89,7 +90,7 @@ def find(layout: Any, inventory: Any, known: Mapping[int, Leftover], now: float)
         if not d.pids:
             continue
         lessees = set(held[d.uuid].pids) if d.uuid in held else set()
-        for pid in _foreign(str(layout.lease_dir), d.uuid, d.pids):
+        for pid in foreign_pids(str(layout.lease_dir), d.uuid, d.pids):
             program = wrapped_name(pid, [d.uuid])
             st = _stat(pid)
             if program is None or st is None or _descends_from(pid, lessees):

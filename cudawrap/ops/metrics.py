@@ -21,6 +21,7 @@ from ..paths import Layout
 from ..proc import real_uid
 from ..base.safepath import Unsafe
 from ..users import user_name
+from .signature import file_signature
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
     held = holdings(str(layout.lease_dir))
     drains = drained(str(layout.root))
     sick = health_drained(str(layout.root))
-    from .health import idle_leases
+    from .healthstate import idle_leases
 
     quiet, _, sampled = idle_leases(str(layout.root))
     if inventory is not None:
@@ -215,15 +216,6 @@ def device_rows(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
                      **({"idle_s": round(quiet[uuid].idle_s(sampled))} if uuid in quiet and pid == quiet[uuid].pid else {}),
                      "memory_used_bytes": None if used is None else used << 20})
     return rows
-
-
-def file_signature(path: Any) -> Any:
-    """What tells a changed file from the one read before (None: none there)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class MonitorHook:
@@ -290,7 +282,7 @@ class MonitorHook:
 
 def leftover_counts(layout: Layout) -> Dict[Tuple[str, str], int]:
     """(device, user) -> leftover processes, as the monitor's health step last saw them."""
-    from .health import leftover_list
+    from .healthstate import leftover_list
 
     out: Dict[Tuple[str, str], int] = {}
     for left in leftover_list(str(layout.root)):
@@ -300,7 +292,7 @@ def leftover_counts(layout: Layout) -> Dict[Tuple[str, str], int]:
 
 def _run_rows(layout: Layout) -> List[Dict[str, Any]]:
     """memwatch's last rows (a cycle old at most, from the monitor)."""
-    from .memwatch import read_snapshot
+    from .memsnapshot import read_snapshot
 
     snapshot = read_snapshot(layout)
     return list(snapshot["runs"]) if snapshot else []

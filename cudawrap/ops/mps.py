@@ -268,7 +268,7 @@ def _text(data: Any) -> str:
 
 def status(layout: Layout) -> Dict[str, Any]:
     """Mode, and per device its slots and daemon: pid, servers with their user and clients."""
-    from .status import process_info
+    from .procinfo import process_info
 
     share, where = sharing_of(layout)
     out: Dict[str, Any] = {"root": str(layout.root), "mode": share.mode, "mode_source": where,
@@ -328,7 +328,7 @@ COLUMNS = [
 
 def render(report: Dict[str, Any]) -> List[str]:
     """`cudawrap mps status` as text: the mode, then a line per device."""
-    from .status import table
+    from .statustable import table
 
     rows = report["devices"]
     running = sum(1 for r in rows if r["running"])

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import NotPermitted, UsageError
 from ..sched.schedule import Verdict, Waiter
-from .status import printable
+from .procinfo import printable
 from ..users import either, user_name
 
 HIDDEN = "?"

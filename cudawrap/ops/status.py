@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import NvmlUnavailable
-from ..lease.holders import Holding, fd_holders, holdings, slots_apart
+from ..lease.holders import Holding, holdings, slots_apart
 from ..lease.files import lock_table
-from ..locations import REAL_PREFIX
 from ..paths import Layout
-from ..proc import real_uid
 from ..users import user_name
 from ..sched.queue import WaitQueue
+from .lessees import foreign_pids
+from .procinfo import printable, process_info, program_name  # noqa: F401 - re-exported
 from .statustable import Column, holder_text, memory_text, render, table  # noqa: F401 - re-exported
 
 
@@ -37,88 +37,6 @@ def parse_watch(seconds: Any, count: Optional[str]) -> Tuple[float, Optional[int
     if not (text.isascii() and text.isdigit()) or not 1 <= int(text[:9]) <= 10**6:
         raise ValueError(f"--count {printable(count, 40)!r} is not a number of refreshes (1 or more)")
     return period, int(count)
-
-
-def printable(text: str, limit: int = 200) -> str:
-    """TEXT cut to LIMIT with control characters replaced: command lines and queue entries are
-    written by users, and must not send escape sequences to an admin's terminal."""
-    from ..text import printable as escape
-
-    return escape(text, limit)
-
-
-def _boot_time() -> float:
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("btime "):
-                    return float(line.split()[1])
-    except OSError:
-        pass
-    return 0.0
-
-
-# Programs that run another named on their command line: the program is that one.
-INTERPRETERS = ("python", "perl", "ruby", "node", "bash", "sh", "dash", "zsh", "Rscript", "julia", "env")
-
-
-def program_name(argv: Sequence[str]) -> str:
-    """What a person calls the program of ARGV: the script an interpreter runs (train.py for
-    `python3 -u train.py`), under its wrapped name (recon for CUDAWRAP_recon)."""
-    args = [a for a in argv if a]
-    name = os.path.basename(args[0]) if args else "?"
-    base = name.rstrip("0123456789.")
-    if base in INTERPRETERS or (base.startswith("python") and base[6:].rstrip("dmu") == ""):
-        for arg in args[1:]:
-            if not arg.startswith("-") and "=" not in arg:
-                name = os.path.basename(arg)
-                break
-    return name[len(REAL_PREFIX):] if name.startswith(REAL_PREFIX) and len(name) > len(REAL_PREFIX) else name
-
-
-def wrapped_name(pid: int, uuids: Iterable[str] = ()) -> Optional[str]:
-    """The wrapped name PID runs under, from the environment its shim gave it (which survives
-    the program's own execs), if that environment also has the lease of one of UUIDS (any
-    lease when none is given): a command of `cudawrap run` started from a wrapped program
-    keeps that program's variables but has a lease of its own. None when there is none, or
-    PID's environment cannot be read (another user's process)."""
-    from ..lease.files import LEASE_ENV, PROGRAM_ENV
-
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            block = f.read(1 << 20)
-    except OSError:
-        return None
-    env = dict(item.split(b"=", 1) for item in block.split(b"\0") if b"=" in item)
-    name = env.get(PROGRAM_ENV.encode(), b"").decode("utf-8", "replace")
-    marker = env.get(LEASE_ENV.encode(), b"").decode("utf-8", "replace")
-    leased = {part.split(":")[1] for part in marker.split(",") if part.count(":") >= 1}
-    wanted = set(uuids)
-    if not name or not leased or (wanted and not wanted & leased):
-        return None
-    return os.path.basename(name) or None
-
-
-def process_info(pid: int, uuids: Iterable[str] = ()) -> Dict[str, Any]:
-    """User, command line and start time of PID from /proc (what `ps` would say); its program
-    by the wrapped name its shim ran it as, when it holds the lease of one of UUIDS."""
-    info: Dict[str, Any] = {"pid": pid, "user": "?", "command": "?", "program": "?", "since": "?"}
-    try:
-        uid = real_uid(pid)
-        if uid is None:
-            return info
-        info["user"] = user_name(uid)
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read(4096).decode("utf-8", "replace").split("\0")
-        info["command"] = printable(" ".join(argv).strip(), 4096)
-        info["program"] = printable(wrapped_name(pid, uuids) or program_name(argv), 200)
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        started = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-        info["since"] = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started))
-    except (OSError, IndexError, ValueError):
-        pass
-    return info
 
 
 def _int(text: Optional[str]) -> int:
@@ -205,17 +123,6 @@ def _shares(held: Dict[str, Holding], uuid: str, slots: int,
     return {"used": len(pids) + len(apart), "slots": slots,
             "holders": [_named(pid, [uuid], lease=True) for pid in pids]
             + [_named(pid, [uuid], lease=False) for pid in apart]}
-
-
-def _foreign(lease_dir: str, uuid: str, pids: Iterable[int]) -> List[int]:
-    """PIDS on the device that do not hold its lease (children of the lessee hold it too)."""
-    pids = list(pids)
-    try:
-        st = os.stat(os.path.join(lease_dir, uuid), follow_symlinks=False)
-    except OSError:
-        return pids
-    lessees = fd_holders([(st.st_dev, st.st_ino)], pids).get((st.st_dev, st.st_ino), [])
-    return [p for p in pids if p not in lessees]
 
 
 def _mps_without_share(root: str, lease_dir: str, uuid: str, pids: Optional[Sequence[int]],
@@ -362,7 +269,7 @@ def _devices(layout: Layout, inventory: Any, leases: Tuple[Any, ...]) -> List[Di
             shares = _shares(held, d.uuid, sharing.slots_for(d.uuid, d.parent_uuid), apart.get(d.uuid, ()))
             # With the holder unknown its processes cannot be told from others': unknown too.
             unknown = d.pids is None or (holder is not None and holder["pid"] is None)
-            foreign = None if unknown else _foreign(lease_dir, d.uuid, d.pids)
+            foreign = None if unknown else foreign_pids(lease_dir, d.uuid, d.pids)
             readings, memory = _readings(d.uuid)
             devices.append({
                 "uuid": d.uuid, "name": d.name, "gpu_index": d.gpu_index, "parent": d.parent_uuid,
@@ -405,7 +312,7 @@ def _add_drains(root: str, devices: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def _add_health(root: str, devices: List[Dict[str, Any]]) -> None:
     """Each device's leftover processes of ended runs, and its lease if idle (the monitor's look)."""
-    from .health import idle_leases, leftovers
+    from .healthstate import idle_leases, leftovers
 
     left = leftovers(root)  # processes of ended runs still on a device (the monitor's look)
     quiet, idle_after_s, sampled = idle_leases(root)
@@ -420,7 +327,7 @@ def _add_health(root: str, devices: List[Dict[str, Any]]) -> None:
 def _run_memory(layout: Layout, devices: List[Dict[str, Any]]) -> None:
     """Each named holder's "memory" on its device (used and limit, MiB) from the monitor's last
     memory snapshot, where it is recent (memwatch)."""
-    from .memwatch import read_snapshot
+    from .memsnapshot import read_snapshot
 
     snapshot = read_snapshot(layout)
     if snapshot is None:

@@ -156,10 +156,10 @@ def _sync(layout: Layout) -> SyncReport:
 
 
 def limit_warnings(layout: Layout, inventory: Inventory) -> List[str]:
-    """memwatch.limit_problems for the install at LAYOUT (sync and doctor report them)."""
+    """memconf.limit_problems for the install at LAYOUT (sync and doctor report them)."""
     from ..policy.config import load_config
     from ..errors import CudawrapError
-    from .memwatch import limit_problems
+    from .memconf import limit_problems
 
     try:
         return limit_problems(load_config(layout.config_file), inventory.devices)

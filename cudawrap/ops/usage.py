@@ -143,7 +143,7 @@ def idle_spells(records: Iterable[Dict[str, Any]]) -> List[Idle]:
 
 def idle_now(root: str, user: Optional[str]) -> List[Idle]:
     """The spells flagged idle now (the monitor's last sample), USER's only unless None."""
-    from .health import idle_leases
+    from .healthstate import idle_leases
 
     quiet, after_s, sampled = idle_leases(root)
     return [Idle(x.user, "?", uuid, x.quiet_since, sampled) for uuid, x in quiet.items()
