@@ -298,12 +298,18 @@ class Acquirer(MachineView):
                     self.skip_users[w.uid] = now + STALL_S
                 self.offered.drop(key)
                 changed = True
+        self.poke_new_watchers(verdicts, scan, me)
+        return changed
+
+    def poke_new_watchers(self, verdicts: Dict[str, Verdict], scan: Scan, me: str) -> None:
+        """Wake those VERDICTS put among the first WATCHERS since our last decision: they
+        sleep until poked (waiting.py), and a line turning over fast (a batch of releases)
+        must not run out of watchers, leaving freed devices idle until someone looks."""
         top = {k for k, v in verdicts.items() if v.position < WATCHERS and k != me}
         for key in top - self.top:
             if key in scan.paths:
                 poke(scan.paths[key])
         self.top = top
-        return changed
 
     def _observe(self, cause: str, key: str, verdicts: Dict[str, Verdict], free: List[str],
                  released: Iterable[str] = ()) -> None:
