@@ -203,3 +203,23 @@ def test_the_machine_view_decides_for_the_queue_without_a_run_of_its_own(runtime
     holder.close()
     assert view.decide(queue.scan(), None, queued=True)[0][entry.name].kind == GRANTED
     queue.leave(entry)
+
+
+def test_a_probe_seen_in_the_lock_table_holds_no_device_for_anyone(runtime: Layout) -> None:
+    """A shared lock on the lease of a device of one slot is a watcher's probe (microseconds):
+    the device is free and counts for nobody's turn (read as a share, it gave its prober's
+    user a device, and the next turn to someone else)."""
+    from cudawrap.sched.queue import Scan
+    from cudawrap.sched.schedule import Waiter
+
+    other = "GPU-00000000-aaaa-bbbb-cccc-000000000002"
+    sync_lease_files(str(runtime.lease_dir), [UUID, other])
+    devices = [Device(u, "H100", u, i, None, 80000, 0, ()) for i, u in enumerate((UUID, other))]
+    leases = LeaseFiles(str(runtime.lease_dir))
+    acquirer = Acquirer(leases, WaitQueue(str(runtime.queue_dir)), devices, devices, 1)
+    probe = {leases.ident(other): [(os.getpid(), False)]}
+    free, held, _busy, _shares = acquirer.machine(probe)
+    assert other in free and held == {}
+    me = Waiter("1.me", os.getuid(), os.getpid(), 1, None)
+    verdicts, free = acquirer.decide(Scan([], probe, {}), me, queued=False)
+    assert verdicts["1.me"].kind == "granted" and set(free) == {UUID, other}
