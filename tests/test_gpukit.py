@@ -38,7 +38,7 @@ import kit  # noqa: E402  (tests/gpu is no package: the kit is a script run on G
 # What must pass on the simulated machine. `torch` needs PyTorch in python3 (it may skip),
 # and `stall` is the 1-second stall of issue 31 item 1, which the kit reports either way.
 CORE = ("lease", "burst", "kill9", "foreign", "foreign-monitor", "accounts", "drain", "slots", "mps",
-        "overhead", "overhead-monitor")
+        "overhead", "overhead-monitor", "overhead-service")
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the kit runs as root (it creates accounts)")
 
 

@@ -42,7 +42,7 @@ CLAIMS_ENV = "CUDAWRAP_DEVICE_CLAIMS"
 EXIT_BUSY = 75  # a wrapped run that got no device
 WAIT = "60"  # CUDAWRAP_WAIT of every wrapped run: no check can hang on a lost turn
 ALL_CHECKS = ("lease", "burst", "kill9", "foreign", "foreign-monitor", "accounts", "drain", "slots", "mps",
-              "torch", "overhead", "overhead-monitor", "stall")
+              "torch", "overhead", "overhead-monitor", "overhead-service", "stall")
 STALL_LIMIT_S = 0.25  # issue 31: slowest launch after a foreign exit, over the normal launch
 HOLD_S = 60.0  # the holder's hold in kill9: the waiter starting long before that was freed by the kill
 CHECK_LIMIT_S = {"torch": 240.0}  # each check's time limit; others get DEFAULT_LIMIT_S
@@ -392,6 +392,32 @@ class Kit:
             return None
         return pid if Path(f"/proc/{pid}").exists() else None
 
+    def service_pid(self) -> Optional[int]:
+        try:
+            pid = int((self.root / "run/cudawrap/service.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        return pid if Path(f"/proc/{pid}").exists() else None
+
+    def service_start(self) -> None:
+        self.cli("serve", "--daemon")
+        deadline = time.monotonic() + 15
+        while self.service_pid() is None or not (self.root / "run/cudawrap/cudawrap.sock").exists():
+            if time.monotonic() > deadline:
+                raise CheckFailed("cudawrap serve --daemon: no live pid file and socket after 15 s")
+            time.sleep(0.02)
+
+    def service_stop(self) -> None:
+        pid = self.service_pid()
+        if pid is None:
+            return
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+
     def monitor_start(self) -> None:
         self.cli("monitor", "--daemon")
         deadline = time.monotonic() + 15
@@ -679,6 +705,15 @@ class Kit:
             return self.overhead()
         finally:
             self.monitor_stop()
+
+    def check_overhead_service(self) -> Tuple[str, Dict[str, Any]]:
+        """The launch granted by `cudawrap serve` (issue 30: the shim loads no NVML then)."""
+        self.monitor_stop()
+        self.service_start()
+        try:
+            return self.overhead()
+        finally:
+            self.service_stop()
 
     def check_stall(self) -> Tuple[str, Dict[str, Any]]:
         self.monitor_start()
