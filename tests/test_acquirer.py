@@ -223,3 +223,34 @@ def test_a_probe_seen_in_the_lock_table_holds_no_device_for_anyone(runtime: Layo
     me = Waiter("1.me", os.getuid(), os.getpid(), 1, None)
     verdicts, free = acquirer.decide(Scan([], probe, {}), me, queued=False)
     assert verdicts["1.me"].kind == "granted" and set(free) == {UUID, other}
+
+
+def test_a_run_behind_the_watchers_moves_up_without_a_poke(runtime: Layout) -> None:
+    """The runs ahead leave and the device frees, and nobody pokes the run behind the
+    watchers (as when leavers at once each poke the same few): it counts those ahead once a
+    second (waiting.NEAR_CHECK_S) and takes the device, instead of sleeping IDLE_S (30 s)."""
+    import time
+
+    from cudawrap.sched.waiting import WATCHERS
+
+    queue = WaitQueue(str(runtime.queue_dir))
+    ahead = [queue.enqueue(1, "spread", None, 300.0, b"pid=1\n") for _ in range(WATCHERS + 2)]
+    device = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
+    holder = LeaseFiles(str(runtime.lease_dir))
+    assert holder.try_lock(UUID)
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], 1)
+    said = []
+    got = []
+    thread = threading.Thread(target=lambda: got.append(acquirer.acquire(8.0, b"pid=2\n", said.append)))
+    thread.start()
+    while not said:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    for entry in ahead:  # they leave without a word to those behind them
+        queue.leave(entry)
+    holder.close()
+    began = time.monotonic()
+    thread.join(timeout=10)
+    assert got and got[0].uuids == [UUID], said
+    assert time.monotonic() - began < 3.0
+    got[0].release()

@@ -30,6 +30,8 @@ from .queue import Entry, Scan
 from .schedule import GRANTED
 
 IDLE_S = 30.0
+# A run behind the watchers counts those ahead of it this often, in case no poke came.
+NEAR_CHECK_S = 1.0
 # Only the first NEAR in line keep an inotify instance (to be poked): Linux allows a user 128
 # (fs.inotify.max_user_instances), and a batch of 500 runs must not use them all up, leaving
 # the runs at the head to poll. Those further back (or without an instance) sleep until runs
@@ -151,6 +153,9 @@ class Waiting:
         self._check(now)
         if self._far_asleep(now):
             return
+        if self._near_asleep(now):
+            self._listen(min(NEAR_CHECK_S, max(0.0, self.deadline - now)), again=True)
+            return
         if self._decide(now):
             return
         if self._rewatch():
@@ -201,6 +206,23 @@ class Waiting:
                           moved)
             return True
         return False
+
+    def _near_asleep(self, now: float) -> bool:
+        """Behind the watchers, with an inotify instance (so woken by pokes): whether at
+        least WATCHERS of the runs ahead of us at our last look are still queued (one
+        listing, no look). Pokes move a run into the watching places at once; this is the
+        net under them, every NEAR_CHECK_S: a line turning over fast (its leavers each
+        poke the same few) once left freed devices idle for the IDLE_S a near run waits."""
+        if not (self.own is not None and not self.watcher and self.position >= WATCHERS and not self.poked
+                and now - self.last_decision < IDLE_S and now < self.reserve_at and self.verdicts):
+            return False
+        if self.before is None:
+            self.before = {k for k, v in self.verdicts.items() if v.position < self.placed}
+        try:
+            listed = os.listdir(self.acq.queue.dir)
+        except OSError:
+            return False
+        return len(self.before.intersection(listed)) >= WATCHERS
 
     def _decide(self, now: float) -> bool:
         """A full look and a decision on it; True to look again at once (or our lease taken)."""
@@ -287,7 +309,7 @@ class Waiting:
         elif self.watcher:
             timeout = POLL_S
         elif self.own is not None:
-            timeout = IDLE_S
+            timeout = NEAR_CHECK_S  # then a count of those ahead (_near_asleep), not a look
         else:
             timeout = FAR_POLL_S * max(1.0, position / 100)
         if acq.offered:
@@ -296,12 +318,13 @@ class Waiting:
         acq.stale.update(d.uuid for d in acq.candidates if d.uuid not in self.free)
         return timeout
 
-    def _listen(self, timeout: float) -> None:
+    def _listen(self, timeout: float, again: bool = False) -> None:
         """Wait up to TIMEOUT for events on what we watch, deciding on our look amended by
         them where they allow it (sets self.lease when our turn came); back for a full look."""
         assert self.own is not None
-        self.looked_at = self.clock()
-        self.until = self.looked_at + timeout
+        if not again:  # (AGAIN: listening on after a check that was no look)
+            self.looked_at = self.clock()
+        self.until = self.clock() + timeout
         self.released: Set[str] = set()  # lease files closed since this look
         self.departed: Set[str] = set()  # queue entries removed since
         self.decided_on = signature(self.scan)  # what the verdicts were last decided on
