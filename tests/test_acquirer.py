@@ -254,3 +254,47 @@ def test_a_run_behind_the_watchers_moves_up_without_a_poke(runtime: Layout) -> N
     assert got and got[0].uuids == [UUID], said
     assert time.monotonic() - began < 3.0
     got[0].release()
+
+
+def test_a_far_run_that_moved_near_and_is_poked_before_its_next_look_keeps_waiting(runtime: Layout) -> None:
+    """Far back at arrival, then near (runs ahead left) and poked again and again while it
+    counts those ahead: it waits on and takes the device once the line is through. (The
+    500-waiter bench had 12 runs die with AttributeError: a poke read the time of a look
+    the run had not yet listened after; Waiting now sets it at arrival.)"""
+    import time
+
+    from cudawrap.sched.queue import poke
+    from cudawrap.sched.waiting import NEAR, WATCHERS
+
+    queue = WaitQueue(str(runtime.queue_dir))
+    ahead = [queue.enqueue(1, "spread", None, 300.0, b"pid=1\n") for _ in range(NEAR + 5)]
+    device = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
+    holder = LeaseFiles(str(runtime.lease_dir))
+    assert holder.try_lock(UUID)
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], 1)
+    said, got, failed = [], [], []
+
+    def wait() -> None:
+        try:
+            got.append(acquirer.acquire(15.0, b"pid=2\n", said.append))
+        except Exception as exc:  # noqa: BLE001 - the assertion below names it
+            failed.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    while not said:
+        time.sleep(0.01)
+    names = {e.name for e in ahead}
+    (mine,) = [n for n in os.listdir(runtime.queue_dir) if n not in names]
+    for entry in ahead[:NEAR - WATCHERS]:  # it moves near, still behind the watchers
+        queue.leave(entry)
+    for _ in range(30):  # pokes while it settles near (at most twice a second are looked at)
+        poke(str(runtime.queue_dir / mine))
+        time.sleep(0.1)
+    for entry in ahead[NEAR - WATCHERS:]:
+        queue.leave(entry)
+    holder.close()
+    thread.join(timeout=15)
+    assert not failed, failed
+    assert got and got[0].uuids == [UUID], said
+    got[0].release()

@@ -100,6 +100,7 @@ class Waiting:
         # batch would otherwise pay it twice).
         self.position = self.placed = first.position
         self.last_decision = self.clock() if self.position >= NEAR else 0.0
+        self.looked_at = self.clock()  # the newcomer's look (each full look sets it anew)
         self.before: Optional[Set[str]] = ahead  # the runs ahead of us at our last look
         self.far: Optional[FarWait] = None  # far back: woken when runs leave the queue
         self.poked = False  # woken while not watching by a poke: we moved up, or were given devices

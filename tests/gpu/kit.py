@@ -385,19 +385,31 @@ class Kit:
             self.config_saved = None
             self.cli("sync", check=False)
 
-    def monitor_pid(self) -> Optional[int]:
+    def daemon_pid(self, name: str) -> Optional[int]:
+        """The live pid in run/cudawrap/NAME.pid (the monitor's, the service's), or None."""
         try:
-            pid = int((self.root / "run/cudawrap/monitor.pid").read_text().split()[0])
+            pid = int((self.root / f"run/cudawrap/{name}.pid").read_text().split()[0])
         except (OSError, ValueError, IndexError):
             return None
         return pid if Path(f"/proc/{pid}").exists() else None
 
+    @staticmethod
+    def stop_daemon(pid: Optional[int]) -> None:
+        """SIGTERM, then SIGKILL after 10 s."""
+        if pid is None:
+            return
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+
+    def monitor_pid(self) -> Optional[int]:
+        return self.daemon_pid("monitor")
+
     def service_pid(self) -> Optional[int]:
-        try:
-            pid = int((self.root / "run/cudawrap/service.pid").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            return None
-        return pid if Path(f"/proc/{pid}").exists() else None
+        return self.daemon_pid("service")
 
     def service_start(self) -> None:
         self.cli("serve", "--daemon")
@@ -408,15 +420,7 @@ class Kit:
             time.sleep(0.02)
 
     def service_stop(self) -> None:
-        pid = self.service_pid()
-        if pid is None:
-            return
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if Path(f"/proc/{pid}").exists():
-            os.kill(pid, signal.SIGKILL)
+        self.stop_daemon(self.service_pid())
 
     def monitor_start(self) -> None:
         self.cli("monitor", "--daemon")
@@ -428,15 +432,7 @@ class Kit:
         time.sleep(0.3)  # its first snapshot
 
     def monitor_stop(self) -> None:
-        pid = self.monitor_pid()
-        if pid is None:
-            return
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if Path(f"/proc/{pid}").exists():
-            os.kill(pid, signal.SIGKILL)
+        self.stop_daemon(self.monitor_pid())
 
     def add_user(self, tag: str) -> Tuple[str, int, int]:
         name = f"cwkit{secrets.token_hex(3)}{tag}"
