@@ -225,6 +225,17 @@ def test_a_probe_seen_in_the_lock_table_holds_no_device_for_anyone(runtime: Layo
     assert verdicts["1.me"].kind == "granted" and set(free) == {UUID, other}
 
 
+def _behind(runtime: Layout, n: int):  # type: ignore[no-untyped-def]
+    """N runs queued, the one device held: (the queue, their entries, the holder, an
+    acquirer for a run that will wait behind them)."""
+    queue = WaitQueue(str(runtime.queue_dir))
+    ahead = [queue.enqueue(1, "spread", None, 300.0, b"pid=1\n") for _ in range(n)]
+    device = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
+    holder = LeaseFiles(str(runtime.lease_dir))
+    assert holder.try_lock(UUID)
+    return queue, ahead, holder, Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], 1)
+
+
 def test_a_run_behind_the_watchers_moves_up_without_a_poke(runtime: Layout) -> None:
     """The runs ahead leave and the device frees, and nobody pokes the run behind the
     watchers (as when leavers at once each poke the same few): it counts those ahead once a
@@ -233,12 +244,7 @@ def test_a_run_behind_the_watchers_moves_up_without_a_poke(runtime: Layout) -> N
 
     from cudawrap.sched.waiting import WATCHERS
 
-    queue = WaitQueue(str(runtime.queue_dir))
-    ahead = [queue.enqueue(1, "spread", None, 300.0, b"pid=1\n") for _ in range(WATCHERS + 2)]
-    device = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
-    holder = LeaseFiles(str(runtime.lease_dir))
-    assert holder.try_lock(UUID)
-    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], 1)
+    queue, ahead, holder, acquirer = _behind(runtime, WATCHERS + 2)
     said = []
     got = []
     thread = threading.Thread(target=lambda: got.append(acquirer.acquire(8.0, b"pid=2\n", said.append)))
@@ -266,12 +272,7 @@ def test_a_far_run_that_moved_near_and_is_poked_before_its_next_look_keeps_waiti
     from cudawrap.sched.queue import poke
     from cudawrap.sched.waiting import NEAR, WATCHERS
 
-    queue = WaitQueue(str(runtime.queue_dir))
-    ahead = [queue.enqueue(1, "spread", None, 300.0, b"pid=1\n") for _ in range(NEAR + 5)]
-    device = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
-    holder = LeaseFiles(str(runtime.lease_dir))
-    assert holder.try_lock(UUID)
-    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], 1)
+    queue, ahead, holder, acquirer = _behind(runtime, NEAR + 5)
     said, got, failed = [], [], []
 
     def wait() -> None:

@@ -83,11 +83,9 @@ def whole(root: str, waiting: List[Dict[str, Any]], asker: int, private: bool, h
     from pathlib import Path
 
     from ..paths import Layout
-    from .eta import annotate
     from .status import machine_status
 
-    layout = Layout(Path(root))
-    status = machine_status(layout, ask_service=False)
+    status = machine_status(Layout(Path(root)), ask_service=False, line=waiting)
     named = holders(held, asker, private)
     me = user_name(asker)
     for device in status["devices"]:
@@ -96,9 +94,4 @@ def whole(root: str, waiting: List[Dict[str, Any]], asker: int, private: bool, h
             device["holder"] = dict(holder, **named[device["uuid"]])
         elif private and asker != 0 and holder is not None and holder.get("user") != me:
             device["holder"] = dict(holder, pid=None, user=HIDDEN, program=HIDDEN, command=HIDDEN)
-    status["waiting"] = waiting
-    annotate(waiting, status["devices"], layout)
-    for device in status["devices"]:
-        device["waiters"] = [w["pid"] for w in waiting
-                             if w.get("candidates") is None or device["uuid"] in (w.get("candidates") or ())]
     return json.dumps(status, default=str)

@@ -188,9 +188,11 @@ def _gpus(inventory: Any) -> List[Dict[str, Any]]:
     return out
 
 
-def machine_status(layout: Layout, ask_service: bool = True) -> Dict[str, Any]:
+def machine_status(layout: Layout, ask_service: bool = True,
+                   line: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
     """Every device, its holder and state, and everyone waiting. ASK_SERVICE: the service's
-    line and holders complete it (False: the service itself asks)."""
+    line and holders complete it (False: the service itself asks, and gives its own LINE,
+    which then stands for the queue's)."""
     from ..devices import nvml
 
     if ask_service and not os.access(layout.lease_dir, os.X_OK) and layout.lease_dir.exists():
@@ -206,7 +208,7 @@ def machine_status(layout: Layout, ask_service: bool = True) -> Dict[str, Any]:
     drains = _add_drains(str(layout.root), devices)
     _add_health(str(layout.root), devices)
     _run_memory(layout, devices)
-    waiting = _waiting(layout, inventory)
+    waiting = _waiting(layout, inventory) if line is None else line
     if ask_service:
         from .view import through_service
 

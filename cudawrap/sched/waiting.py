@@ -192,14 +192,10 @@ class Waiting:
             self.far = FarWait(self.acq.queue.dir)
         moved = self.far.moved()
         if moved:
-            if self.before is None:
-                self.before = {k for k, v in self.verdicts.items() if v.position < self.placed}
-            try:
-                listed = os.listdir(self.acq.queue.dir)
-            except OSError:
-                listed = []  # (all gone: decide)
-            # Junk can only add names, never remove those we counted.
-            self.position = position = max(0, self.placed - len(self.before.difference(listed)))
+            departed = self._departed()
+            if departed is None:
+                departed = len(self.before or ())  # (all gone: decide)
+            self.position = position = max(0, self.placed - departed)
         if not moved or position >= NEAR:
             self.far.wait(FAR_POLL_S * max(1.0, position / 100),
                           min(self.last_decision + IDLE_S * max(1.0, position / NEAR), self.reserve_at,
@@ -217,13 +213,20 @@ class Waiting:
         if not (self.own is not None and not self.watcher and self.position >= WATCHERS and not self.poked
                 and now - self.last_decision < IDLE_S and now < self.reserve_at and self.verdicts):
             return False
+        departed = self._departed()
+        return departed is not None and len(self.before or ()) - departed >= WATCHERS
+
+    def _departed(self) -> Optional[int]:
+        """How many of the runs ahead of us at our last look have left the queue (one
+        listing); None where it cannot be listed. Junk can only add names, never remove
+        those we counted."""
         if self.before is None:
             self.before = {k for k, v in self.verdicts.items() if v.position < self.placed}
         try:
             listed = os.listdir(self.acq.queue.dir)
         except OSError:
-            return False
-        return len(self.before.intersection(listed)) >= WATCHERS
+            return None
+        return len(self.before.difference(listed))
 
     def _decide(self, now: float) -> bool:
         """A full look and a decision on it; True to look again at once (or our lease taken)."""
