@@ -49,7 +49,7 @@ def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None, *,
     root = root or str(default_layout().root)
     settings = policy.effective(root, None)
     if wait_s is not None:
-        settings["wait"] = (wait_s, "acquire(wait=…)")
+        settings.set("wait", wait_s, "acquire(wait=…)")
     asks = {"model": model, "min_memory_mib": min_memory_mib,
             "min_free_memory_mib": min_free_memory_mib, "max_utilization": max_utilization}
     for key, raw in asks.items():

@@ -13,6 +13,8 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
+    from .policy.effective import Settings
+
 from .base import audit
 from . import locations as loc
 from .errors import (CannotExecute, CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound,
@@ -165,12 +167,12 @@ def _narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
     return lease.part(kept) if kept else None
 
 
-def obtain(root: str, prog: str, settings: Dict[str, Any], environ: Any,
+def obtain(root: str, prog: str, settings: Settings, environ: Any,
            count: Optional[int] = None, layout: bool = True) -> Grant:
-    """Lease devices for one run under SETTINGS (key -> (value, source)).
+    """Lease devices for one run under SETTINGS.
 
     LAYOUT: whether sync's device layout may stand in for an enumeration (no monitor)."""
-    value = {k: v for k, (v, _src) in settings.items()}
+    value = settings.values()
     count = value["gpus"] if count is None else count
     lease_dir = loc.under(root, loc.LEASE_DIR)
     preset = environ.get(CVD)
@@ -264,10 +266,10 @@ class _Run:
     """One run's lease being taken: its candidates on the machine its source reads, the
     acquirer and its wait, the grant."""
 
-    def __init__(self, root: str, prog: str, settings: Dict[str, Any], environ: Any, count: int,
+    def __init__(self, root: str, prog: str, settings: Settings, environ: Any, count: int,
                  sharing: Any, share: bool) -> None:
         self.root, self.prog, self.settings, self.environ = root, prog, settings, environ
-        self.value = {k: v for k, (v, _src) in settings.items()}
+        self.value = settings.values()
         self.count, self.sharing, self.share = count, sharing, share
         self.waited = False
 
@@ -321,6 +323,7 @@ class _Run:
     def lease(self, source: Any, inventory: Any, unread: bool, candidates: List[Any], checked_at: float) -> Grant:
         """Wait for and take CANDIDATES' devices; the grant."""
         from .sched.candidates import limits_of, synced
+        from .sched.run import acquire
 
         root, value, count = self.root, self.value, self.count
         limits = limits_of(value, count, os.geteuid())
@@ -331,9 +334,9 @@ class _Run:
         info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={self.prog}\n".encode()
         start = time.monotonic()
         try:
-            lease = acquirer.acquire(value["wait"], info, self.on_wait)
+            lease = acquire(acquirer, value["wait"], info, self.on_wait)
         except NoDeviceError as exc:
-            from .sched.acquirer import Cancelled
+            from .sched.decision import Cancelled
 
             if unread and acquirer.lost_on_arrival and not isinstance(exc, Cancelled):
                 # A device of the layout is gone (a MIG instance destroyed since the last sync):
@@ -385,7 +388,7 @@ class _Run:
     def grant(self, lease: Lease, acquirer: Any) -> Grant:
         """LEASE's grant: a shared run's memory limit, MPS variables and frameworks' defaults."""
         extra, defaults = self.sharing.run_env(self.root, lease.shared, acquirer.current, acquirer.slots,
-                                               self.settings.get("memory_limit_mib", (None,))[0])
+                                               self.settings.memory_limit_mib)
         grant = _whole_devices(self.root, lease, self.environ, extra)
         if defaults is not None:
             grant.defaults = defaults

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cudawrap.sched.run import acquire
 from cudawrap.sched.acquirer import Acquirer
 from cudawrap.devices.model import Device
 from cudawrap.errors import NoDeviceError
@@ -46,7 +47,7 @@ def test_a_waiter_rereads_what_aged_while_it_slept(runtime: Layout) -> None:
     leave.start()
     # Well under FOREIGN_RECHECK_S: only an immediate re-read once the line moved grants it
     # (a read before that is the watcher's warm-up: Acquirer.warm).
-    lease = acquirer.acquire(0.5, b"pid=2\n")
+    lease = acquire(acquirer, 0.5, b"pid=2\n")
     leave.join()
     assert lease.uuids == [UUID] and reads[-1] == (UUID, True) and len(reads) <= 2, reads
     lease.release()
@@ -61,7 +62,7 @@ def test_taking_several_is_all_or_nothing(runtime: Layout) -> None:
     assert holder.try_lock(other)
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, devices, devices, 2)
     with pytest.raises(NoDeviceError, match="1 usable device free, 1 more needed"):
-        acquirer.acquire(0, b"pid=2\n")
+        acquire(acquirer, 0, b"pid=2\n")
     # The free one was not kept: someone else can take it now.
     assert LeaseFiles(str(runtime.lease_dir)).try_lock(UUID)
     holder.close()
@@ -110,7 +111,7 @@ def test_a_stale_snapshot_listing_the_job_that_held_the_lease_does_not_keep_it_b
                         refresh=lambda device: snapshot)
     ends = threading.Timer(0.3, job.stdin.close)
     ends.start()
-    lease = acquirer.acquire(5.0, b"pid=2\n")
+    lease = acquire(acquirer, 5.0, b"pid=2\n")
     ends.join()
     job.wait()
     assert lease.uuids == [UUID]
@@ -119,13 +120,13 @@ def test_a_stale_snapshot_listing_the_job_that_held_the_lease_does_not_keep_it_b
     other = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [snapshot], [snapshot], 1,
                      refresh=lambda device: snapshot)
     with pytest.raises(NoDeviceError):
-        other.acquire(0.3, b"pid=3\n")
+        acquire(other, 0.3, b"pid=3\n")
 
 
 def test_an_observer_sees_each_decision_and_a_waiter_decides_again_when_the_line_moves(runtime: Layout) -> None:
     """The observer is handed the arrival's decision (queued behind another run) and the
     waiter's next one, made once the run ahead left: the test waits on decisions, not time."""
-    from cudawrap.sched.acquirer import Decision
+    from cudawrap.sched.decision import Decision
     from cudawrap.sched.schedule import GRANTED
 
     queue = WaitQueue(str(runtime.queue_dir))
@@ -140,7 +141,7 @@ def test_an_observer_sees_each_decision_and_a_waiter_decides_again_when_the_line
 
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], 1,
                         refresh=lambda d: d, observe=observe)
-    lease = acquirer.acquire(60.0, b"pid=2\n")
+    lease = acquire(acquirer, 60.0, b"pid=2\n")
     assert lease.uuids == [UUID]
     assert seen[0][0] == Decision.ARRIVAL and seen[0][1] != GRANTED
     assert seen[-1] == (Decision.LOOK, GRANTED)
@@ -149,7 +150,7 @@ def test_an_observer_sees_each_decision_and_a_waiter_decides_again_when_the_line
 
 def test_the_wait_is_timed_by_the_injected_clock(runtime: Layout) -> None:
     """A clock that jumps an hour once the run has queued ends a minute's wait at once."""
-    from cudawrap.sched.acquirer import Decision
+    from cudawrap.sched.decision import Decision
 
     holder = LeaseFiles(str(runtime.lease_dir))
     assert holder.try_lock(UUID)
@@ -163,7 +164,7 @@ def test_the_wait_is_timed_by_the_injected_clock(runtime: Layout) -> None:
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), [device], [device],
                         1, refresh=lambda d: d, clock=lambda: 1000.0 + offset[0], observe=observe)
     with pytest.raises(NoDeviceError, match="no device within 60 s"):
-        acquirer.acquire(60.0, b"pid=2\n")
+        acquire(acquirer, 60.0, b"pid=2\n")
     assert os.listdir(runtime.queue_dir) == []  # it left the line
     holder.close()
 
@@ -171,7 +172,7 @@ def test_the_wait_is_timed_by_the_injected_clock(runtime: Layout) -> None:
 def test_the_debug_trace_is_an_observer_of_the_decisions_made_while_waiting(
         runtime: Layout, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> None:
     """CUDAWRAP_DEBUG adds the trace to a run's observers: each look while waiting, on stderr."""
-    from cudawrap.sched.acquirer import Decision, trace
+    from cudawrap.sched.decision import Decision, trace
     from cudawrap.sched.schedule import GRANTED, Verdict
 
     monkeypatch.setenv("CUDAWRAP_DEBUG", "1")
@@ -247,7 +248,7 @@ def test_a_run_behind_the_watchers_moves_up_without_a_poke(runtime: Layout) -> N
     queue, ahead, holder, acquirer = _behind(runtime, WATCHERS + 2)
     said = []
     got = []
-    thread = threading.Thread(target=lambda: got.append(acquirer.acquire(8.0, b"pid=2\n", said.append)))
+    thread = threading.Thread(target=lambda: got.append(acquire(acquirer, 8.0, b"pid=2\n", said.append)))
     thread.start()
     while not said:
         time.sleep(0.01)
@@ -277,7 +278,7 @@ def test_a_far_run_that_moved_near_and_is_poked_before_its_next_look_keeps_waiti
 
     def wait() -> None:
         try:
-            got.append(acquirer.acquire(15.0, b"pid=2\n", said.append))
+            got.append(acquire(acquirer, 15.0, b"pid=2\n", said.append))
         except Exception as exc:  # noqa: BLE001 - the assertion below names it
             failed.append(exc)
 

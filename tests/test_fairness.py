@@ -277,7 +277,7 @@ def test_an_api_caller_claiming_no_reserve_after_jumps_nobody(mu) -> None:  # ty
             "from cudawrap.policy.effective import effective\n"
             "root = os.environ['CUDAWRAP_ROOT']\n"
             "settings = effective(root, None)\n"
-            "settings['reserve_after'] = (0.0, 'mine')\n"
+            "settings.set('reserve_after', 0.0, 'mine')\n"
             "launch.obtain(root, 'jumper', settings, os.environ, count=4)\n")
     jumper = inst.py_start(alice, code, *inst.world.path)
     waiting_line(jumper)

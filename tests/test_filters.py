@@ -158,7 +158,11 @@ def test_model_matching_ignores_case_and_spacing():
 def admin_settings(**values):
     merged = {k: (v, "default") for k, v in DEFAULTS.items()}
     merged.update({k: (v, "config.toml:3") for k, v in values.items()})
-    return merged
+    return policy.Settings(merged)
+
+
+def pair(settings, key):
+    return settings.value(key), settings.source(key)
 
 
 @pytest.mark.parametrize("key, admin, user, expected, source", [
@@ -173,14 +177,14 @@ def admin_settings(**values):
 def test_a_user_may_narrow_the_admins_filters_never_widen_them(key, admin, user, expected, source):
     settings = admin_settings(**{key: admin})
     policy.narrow(settings, key, user, "--model")
-    assert settings[key] == (expected, source)
+    assert pair(settings, key) == (expected, source)
     assert narrowed(key, admin, POLICY_KEYS[key](user if key == "model" else int(user))) == expected
 
 
 def test_count_within_max_gpus_or_refused_with_75():
     settings = admin_settings(max_gpus=2)
     policy.narrow(settings, "gpus", "2", "environment (CUDAWRAP_GPUS)")
-    assert settings["gpus"] == (2, "environment (CUDAWRAP_GPUS)")
+    assert pair(settings, "gpus") == (2, "environment (CUDAWRAP_GPUS)")
     with pytest.raises(NoDeviceError) as refused:
         policy.narrow(settings, "gpus", "3", "environment (CUDAWRAP_GPUS)")
     assert refused.value.exit_code == 75
@@ -206,16 +210,16 @@ def test_bad_environment_values_are_usage_errors(tmp_path, name, raw, text):
 def test_environment_asks_are_applied_and_an_empty_one_ignored(tmp_path):
     got = policy.effective(str(tmp_path), None, {"CUDAWRAP_MODEL": "a6000", "CUDAWRAP_GPUS": "",
                                                  "CUDAWRAP_MAX_UTILIZATION": "30"})
-    assert got["model"] == ("a6000", "environment (CUDAWRAP_MODEL)")
-    assert got["max_utilization"] == (30, "environment (CUDAWRAP_MAX_UTILIZATION)")
-    assert got["gpus"] == (1, "default")
+    assert pair(got, "model") == ("a6000", "environment (CUDAWRAP_MODEL)")
+    assert pair(got, "max_utilization") == (30, "environment (CUDAWRAP_MAX_UTILIZATION)")
+    assert pair(got, "gpus") == (1, "default")
 
 
 def test_a_program_count_above_its_max_gpus_is_a_config_error(tmp_path):
     config = tmp_path / "etc" / "cudawrap" / "config.toml"
     config.parent.mkdir(parents=True)
     config.write_text('[policy]\nmax_gpus = 2\n\n[programs."train"]\ngpus = 4\n')
-    assert policy.effective(str(tmp_path), "/opt/other")["max_gpus"][0] == 2
+    assert policy.effective(str(tmp_path), "/opt/other").value("max_gpus") == 2
     with pytest.raises(ConfigError) as bad:
         policy.effective(str(tmp_path), "/opt/train")
     assert str(bad.value) == f"{config}:5: gpus = 4 is above max_gpus = 2 ({config}:2)"

@@ -10,6 +10,7 @@ from typing import Callable, Dict, List
 
 import pytest
 
+from cudawrap.sched.run import acquire
 from cudawrap.devices import nvml, snapshot
 from cudawrap.sched.acquirer import Acquirer
 from cudawrap.devices.model import Device
@@ -57,7 +58,7 @@ class Waiter:
 
     def _run(self) -> None:
         try:
-            self.outcome["lease"] = self.acquirer.acquire(60, b"pid=0\n")
+            self.outcome["lease"] = acquire(self.acquirer, 60, b"pid=0\n")
         except Exception as exc:  # the test says what went wrong
             self.outcome["error"] = exc
 

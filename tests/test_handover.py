@@ -19,7 +19,9 @@ from typing import List
 
 import pytest
 
-from cudawrap.sched import acquirer as acquire, queue as waitqueue
+from cudawrap.sched.run import acquire
+from cudawrap.sched.decision import UNKNOWN_HOLDER, WATCHERS
+from cudawrap.sched import queue as waitqueue
 from cudawrap.base import inotify
 from cudawrap.sched.acquirer import Acquirer
 from cudawrap.sched.handover import after_release, amend, amendments, hand_over
@@ -85,7 +87,7 @@ def waiter(runtime: Layout, out: list) -> threading.Thread:
                         devices(), 1, refresh=lambda d: d)
 
     def run() -> None:
-        lease = acquirer.acquire(10.0, b"pid=1\n")
+        lease = acquire(acquirer, 10.0, b"pid=1\n")
         out.append((time.monotonic(), lease))
 
     thread = threading.Thread(target=run)
@@ -242,7 +244,7 @@ def test_a_lease_freed_while_another_watcher_probes_it_counts_free(runtime: Layo
     end(other)
     # Taken since by a real taker (an exclusive lock): held, by someone the look cannot name.
     taker = hold(f"{runtime.lease_dir}/{UUIDS[0]}")
-    assert amend(acquirer, look, {UUIDS[0]}, set(), {}).table[idents[0]] == [ACQUIRE.UNKNOWN_HOLDER]
+    assert amend(acquirer, look, {UUIDS[0]}, set(), {}).table[idents[0]] == [UNKNOWN_HOLDER]
     end(taker)
     end(b1)
 
@@ -467,7 +469,7 @@ def test_pokes_that_cannot_be_true_make_a_waiter_behind_the_watchers_look_no_mor
     and the line unchanged, 300 pokes make no look; once the runs ahead leave, one does."""
     holders = [hold(f"{runtime.lease_dir}/{u}") for u in UUIDS]
     ahead = []
-    for i in range(ACQUIRE.WATCHERS):  # this process's own entries: alive, and first in line
+    for i in range(WATCHERS):  # this process's own entries: alive, and first in line
         path = f"{runtime.queue_dir}/{time.time_ns():020d}.{os.getpid()}.1sa.300.wait"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)

@@ -71,7 +71,7 @@ def health_config(inst: Any, text: str) -> None:
 
 def ledger_notes(inst: Any) -> list:
     """The ledger's health transitions, in order."""
-    from cudawrap.ops.ledger import ledger_path, read
+    from cudawrap.ops.ledgerfile import ledger_path, read
 
     problems: list = []
     found = list(read([ledger_path(inst.layout)], problems, ("health-drain", "health-resume")))

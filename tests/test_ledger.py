@@ -3,7 +3,8 @@ import json
 import re
 from pathlib import Path
 
-from cudawrap.ops.ledger import Observation, append, read, rotated
+from cudawrap.ops.ledger import Observation
+from cudawrap.ops.ledgerfile import append, read, rotated
 from cudawrap.ops.metrics import Counters, render
 
 
@@ -97,7 +98,7 @@ def test_a_note_without_its_device_or_time_and_an_unknown_kind_are_unreadable(tm
 def test_notes_wait_for_a_writable_ledger_and_are_written_once(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from cudawrap.ops.ledger import Notes
+    from cudawrap.ops.ledgerfile import Notes
 
     layout = SimpleNamespace(state_dir=tmp_path)
     (tmp_path / "ledger").mkdir()  # not a file: the append fails

@@ -20,7 +20,7 @@ def cycle(hook: MonitorHealth, inst) -> None:  # type: ignore[no-untyped-def]
 
 
 def notes(inst, *kinds: str) -> list:  # type: ignore[no-untyped-def]
-    from cudawrap.ops.ledger import ledger_path, read
+    from cudawrap.ops.ledgerfile import ledger_path, read
 
     problems: list = []
     found = list(read([ledger_path(inst.layout)], problems, kinds))

@@ -240,7 +240,7 @@ def test_a_child_that_escaped_its_parent_counts_while_it_holds_the_lease(mu: Any
 def test_a_share_over_its_limit_is_warned_then_ended_and_the_other_is_untouched(
         mu: Any, caplog: pytest.LogCaptureFixture) -> None:
     """Two shares of 20 GiB on a 40 GiB device; alice's grows to 25 GiB."""
-    from cudawrap.ops import ledger
+    from cudawrap.ops import ledger, ledgerfile
 
     inst = one_device(mu, '[sharing]\nslots = 2\nmemory_action = "terminate"\ngrace_s = 0.3\nkill_after_s = 5\n')
     d0 = inst.machine.leaf_uuids()[0]
@@ -270,7 +270,7 @@ def test_a_share_over_its_limit_is_warned_then_ended_and_the_other_is_untouched(
     ended = [r.getMessage() for r in caplog.records if "ended:" in r.getMessage()]
     assert ended == [f"recon (pid {grower.pid}, {alice.name}) ended: 25.0 GiB on a 20 GiB share"]
     ledger.observe(inst.layout)
-    records = [json.loads(line) for line in ledger.ledger_path(inst.layout).read_text().splitlines()]
+    records = [json.loads(line) for line in ledgerfile.ledger_path(inst.layout).read_text().splitlines()]
     end = next(r for r in records if r["event"] == "end" and r["pid"] == grower.pid)
     assert end["how"] == ended[0] and end["memory_peak_mib"] == 25600
     assert not any(r["event"] == "end" and r["pid"] == theirs.pid for r in records)
@@ -376,7 +376,7 @@ def test_the_monitor_loop_ends_a_share_over_its_limit_and_reports_its_memory(mu:
     and its metrics file carries each run's memory."""
     import threading
 
-    from cudawrap.ops import ledger, monitor
+    from cudawrap.ops import ledger, ledgerfile, monitor
 
     prom = Path(tempfile.mkdtemp(prefix="prom-", dir="/tmp")) / "cudawrap.prom"
     inst = one_device(mu, '[sharing]\nslots = 2\nmemory_action = "terminate"\ngrace_s = 0.2\n'
@@ -398,7 +398,7 @@ def test_the_monitor_loop_ends_a_share_over_its_limit_and_reports_its_memory(mu:
     assert f'cudawrap_run_memory_bytes{{device="{inst.machine.leaf_uuids()[0]}",user="{inst.world.bob.name}",' \
         f'program="recon",pid="{calm.pid}"}} {(1000 + CONTEXT) << 20}' in prom.read_text()
     ledger.observe(inst.layout)
-    records = [json.loads(line) for line in ledger.ledger_path(inst.layout).read_text().splitlines()]
+    records = [json.loads(line) for line in ledgerfile.ledger_path(inst.layout).read_text().splitlines()]
     end = next(r for r in records if r["event"] == "end" and r["pid"] == grower.pid)
     assert end["how"] == f"recon (pid {grower.pid}, {inst.world.alice.name}) ended: 29.8 GiB on a 20 GiB share"
     shutil.rmtree(prom.parent)

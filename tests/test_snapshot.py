@@ -227,7 +227,7 @@ def test_monitor_rebuilds_a_stale_policy_cache(installed):
     assert not policy.cache_is_current(root)
     refresh_once(inst.layout)
     assert policy.cache_is_current(root)
-    assert policy.effective(root, None)["wait"][0] == 5.0
+    assert policy.effective(root, None).wait == 5.0
 
 
 @root_only

@@ -10,7 +10,7 @@ import pytest
 
 from corefix import ready_line, wait_for
 from cudawrap.ops.eta import estimate, medians, shown
-from cudawrap.ops.ledger import ledger_path
+from cudawrap.ops.ledgerfile import ledger_path
 from cudawrap.ops.monitor import refresh_once
 
 

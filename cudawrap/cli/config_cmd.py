@@ -87,16 +87,17 @@ class ConfigCommand(Command):
                 raise UsageError("--program: empty name", hint="give a wrapped program's name or path")
             link, note = resolve_program(layout, self.program)
         settings = policy.effective(os.fspath(layout.root), link)
-        limits = settings.pop("limits", (NO_LIMITS, ""))[0]
-        sharing = settings.pop("sharing", ({}, ""))[0]
-        share_rows = _sharing_rows(sharing)
-        keys = [k for k in DEFAULTS if k in settings] + sorted(k for k in settings if k not in DEFAULTS)
+        limits = settings.limits or NO_LIMITS
+        share_rows = _sharing_rows(settings.sharing)
+        tables = ("limits", "sharing")  # shown as tables of their own below
+        keys = [k for k in DEFAULTS if k in settings and k not in tables] + sorted(
+            k for k in settings.keys() if k not in DEFAULTS and k not in tables)
         limit_rows = _limit_rows(limits)
         if self.as_json:
             out: Dict[str, Any] = {
                 "config_file": os.fspath(layout.config_file),
                 "program": link,
-                "settings": {k: {"value": _jsonable(settings[k][0]), "source": settings[k][1]}
+                "settings": {k: {"value": _jsonable(settings.value(k)), "source": settings.source(k)}
                              for k in keys},
                 "limits": [{"applies_to": who, "max_devices": n, "source": src}
                            for who, n, src in limit_rows],
@@ -111,7 +112,7 @@ class ConfigCommand(Command):
         print(f"# {title} (config file: {layout.config_file}{'' if exists else ', absent: all defaults'})")
         rows: List[Tuple[str, str, str]] = [("SETTING", "VALUE", "SOURCE")]
         for key in keys:
-            value, source = settings[key]
+            value, source = settings.value(key), settings.source(key)
             rows.append((key, display(key, value), source_text(source)))
         rows.append(("", "", ""))
         rows.append(("LIMIT", "MAX DEVICES", "SOURCE"))
@@ -124,7 +125,7 @@ class ConfigCommand(Command):
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         for key, note in NOTES.items():
-            if key in settings and settings[key][0] != DEFAULTS[key]:
+            if key in settings and settings.value(key) != DEFAULTS[key]:
                 print(f"# note: {key}: {note}")
         if any(n for _who, n, _src in limit_rows):
             print(f"# note: limits: {LIMITS_NOTE}")

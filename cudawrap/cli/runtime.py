@@ -204,7 +204,7 @@ class RunCommand(FilterSwitches, Command):
                 raise UsageError(f"--gpus {_shown(self.gpus)}: {exc}") from None
         if self.wait is not None:
             try:
-                settings["wait"] = (parse_wait(self.wait), "--wait")
+                settings.set("wait", parse_wait(self.wait), "--wait")
             except ValueError as exc:
                 raise UsageError(f"--wait {_shown(self.wait)}: {exc}") from None
         for key, raw in self.filter_asks().items():

@@ -24,7 +24,7 @@ def enforced(layout: Layout) -> bool:
     """Whether the config says only the service takes leases ([service] enforce)."""
     from ..policy.effective import effective
 
-    return bool(effective(str(layout.root), None, {})["enforce"][0])
+    return bool(effective(str(layout.root), None, {}).value("enforce"))
 
 
 def prepare_runtime(layout: Layout, enforce: Optional[bool] = None) -> None:

@@ -82,7 +82,7 @@ def settings(root: str) -> Mapping[str, Any]:
     """
     from ..policy.effective import effective
 
-    return effective(root, None, environ={})["sharing"][0]
+    return effective(root, None, environ={}).sharing
 
 
 def configured(root: str) -> Sharing:

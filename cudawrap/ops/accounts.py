@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import ledger
+from . import ledger, ledgerfile
 from ..paths import Layout
 from ..users import user_name
 
@@ -67,18 +67,18 @@ def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, 
     boot = ledger.boot_id()
     lid = ledger._lease_id(boot, pid, p.ticks, sorted(devices))
     record: Dict[str, Any] = {
-        "v": ledger.RECORD_VERSION, "event": "grant", "id": lid, "uid": uid, "user": user_name(uid),
+        "v": ledgerfile.RECORD_VERSION, "event": "grant", "id": lid, "uid": uid, "user": user_name(uid),
         "pid": pid, "ticks": p.ticks, "program": program.rsplit("/", 1)[-1] or p.program, "exe": p.exe,
         "devices": sorted(devices), "start": round(now, 3), "start_lo": round(now, 3), "start_hi": round(now, 3),
         "seen_by": "service", "seen": now, "wait_s": round(max(now - asked, 0.0), 3)}
     limits = _limits(layout)
-    path = layout.state_dir / ledger.STATE
-    with ledger.Locked(layout):
+    path = layout.state_dir / ledgerfile.STATE
+    with ledgerfile.Locked(layout):
         state = ledger._load_state(path)
         if state["boot"] not in ("", boot):
             return lid  # a look after the restart records it (and ends what the old boot held)
-        ledger.append(ledger.ledger_path(layout), [record], *limits, durable=False)
-        _unsynced.add(ledger.ledger_path(layout))
+        ledgerfile.append(ledgerfile.ledger_path(layout), [record], *limits, durable=False)
+        _unsynced.add(ledgerfile.ledger_path(layout))
         state["boot"] = boot
         state["open"][lid] = record
         ledger._save_state(path, state)
@@ -89,23 +89,23 @@ def end(layout: Layout, lid: str, how: str = "ended") -> None:
     """Record the end of lease LID now, unless a look recorded it already."""
     now = time.time()
     limits = _limits(layout)
-    path = layout.state_dir / ledger.STATE
-    with ledger.Locked(layout):
+    path = layout.state_dir / ledgerfile.STATE
+    with ledgerfile.Locked(layout):
         state = ledger._load_state(path)
         record = state["open"].pop(lid, None)
         if record is None:
             return
         done = ledger._end(record, now, now, now, how, "service")
-        ledger.append(ledger.ledger_path(layout), [done], *limits, durable=False)
-        _unsynced.add(ledger.ledger_path(layout))
+        ledgerfile.append(ledgerfile.ledger_path(layout), [done], *limits, durable=False)
+        _unsynced.add(ledgerfile.ledger_path(layout))
         ledger._save_state(path, state)
     ledger._append_user_view(layout, done, limits)
 
 
 def still_open(layout: Layout) -> List[Dict[str, Any]]:
     """The grants a service recorded that no end has closed yet (for a restarted service)."""
-    path = layout.state_dir / ledger.STATE
-    with ledger.Locked(layout):
+    path = layout.state_dir / ledgerfile.STATE
+    with ledgerfile.Locked(layout):
         state = ledger._load_state(path)
     if state["boot"] != ledger.boot_id():
         return []

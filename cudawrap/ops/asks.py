@@ -65,7 +65,7 @@ def read(root: str, inventory: Inventory, fields: Dict[str, str], link: Optional
         raise UsageError(f"count={fields.get('count', '')[:40]!r}: not a number of devices")
     count = int(count)
     policy.check_count(settings, count)
-    value = {k: v for k, (v, _src) in settings.items()}
+    value = settings.values()
     wait = min(float(value["wait"]), _number(fields, "wait", "inf"))
     allow = narrow.allow_list(value)
     preset = fields.get("visible")

@@ -60,10 +60,10 @@ def expected_ends(layout: Any, runs: Medians) -> Dict[str, Optional[float]]:
 
 
 def _from_ledger(layout: Any) -> Dict[str, Tuple[float, int]]:
-    from . import ledger
+    from . import ledgerfile
 
     problems: List[str] = []
-    return medians(ledger.read(ledger.rotated(ledger.ledger_path(layout), 2), problems))
+    return medians(ledgerfile.read(ledgerfile.rotated(ledgerfile.ledger_path(layout), 2), problems))
 
 
 Ends = Mapping[str, Optional[float]]  # device UUID -> when its holder is expected to end
@@ -99,10 +99,10 @@ class RunLengths:
         self._ends: Any = None
 
     def cycle(self) -> None:
-        from . import ledger
+        from . import ledgerfile
         from .signature import file_signature
 
-        signature = file_signature(ledger.ledger_path(self.layout))
+        signature = file_signature(ledgerfile.ledger_path(self.layout))
         if signature != self._signature:
             self._runs = _from_ledger(self.layout)
         ends = expected_ends(self.layout, self._runs)

@@ -35,7 +35,7 @@ class HealthKeeper:
     def __init__(self, root: str, watch: Optional[Watch] = None, notes: Any = None) -> None:
         self.root = root
         self.watch = watch if watch is not None else Watch()
-        self.notes = notes  # ledger.Notes: each transition goes into the ledger too
+        self.notes = notes  # ledgerfile.Notes: each transition goes into the ledger too
         self.by_index: Dict[int, str] = {}
         self.leftovers: Sequence[Any] = ()  # this cycle's leftover processes (leftovers.py), saved with the rest
         self.idle: Dict[str, Any] = {}  # this cycle's held devices and how long each has been quiet (idle.py)
@@ -97,7 +97,7 @@ class MonitorHealth:
     keeper fed the snapshot the monitor has just written."""
 
     def __init__(self, layout: Any) -> None:
-        from .ledger import Notes
+        from .ledgerfile import Notes
 
         self.layout = layout
         self.notes = Notes(layout)  # transitions, leftovers and idle spells, for the ledger

@@ -73,7 +73,7 @@ class IdleWatch:
 
     def __init__(self, notes: object = None, leases: Optional[Mapping[str, Lease]] = None,
                  sampled: float = 0.0) -> None:
-        self.notes = notes  # ledger.Notes
+        self.notes = notes  # ledgerfile.Notes
         self.leases: Dict[str, Lease] = dict(leases or {})  # the monitor's last, across a restart
         self.sampled = sampled  # when the leases were last sampled
         self.who: Dict[int, Tuple[int, str]] = {}  # holder pid -> (uid, program), for the notes

@@ -109,10 +109,10 @@ def find(layout: Any, inventory: Any, known: Mapping[int, Leftover], now: float)
 
 
 def _ledger(layout: Any) -> Iterable[Mapping[str, Any]]:
-    from . import ledger
+    from . import ledgerfile
 
     problems: List[str] = []
-    return list(ledger.read(ledger.rotated(ledger.ledger_path(layout), 1), problems))
+    return list(ledgerfile.read(ledgerfile.rotated(ledgerfile.ledger_path(layout), 1), problems))
 
 
 def end(leftover: Leftover) -> bool:
@@ -139,7 +139,7 @@ class LeftoverWatch:
 
     def __init__(self, layout: Any, notes: Any = None) -> None:
         self.layout = layout
-        self.notes = notes  # ledger.Notes: each leftover seen and ended goes into the ledger
+        self.notes = notes  # ledgerfile.Notes: each leftover seen and ended goes into the ledger
         self.known: Dict[int, Leftover] = {}
 
     def cycle(self, inventory: Any, action: str, grace_s: float, now: float) -> Dict[int, Leftover]:

@@ -15,7 +15,8 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .. import locations as loc
-from ..sched.acquirer import UNKNOWN_HOLDER, Acquirer
+from ..sched.acquirer import Acquirer
+from ..sched.decision import UNKNOWN_HOLDER
 from ..devices.model import Inventory
 from ..errors import NvmlUnavailable
 from ..lease.files import LeaseFiles, lease_file_inventory
@@ -56,7 +57,7 @@ class Line:
 
         self.inventory, refresh = _inventory(self.root)
         self.present = frozenset(self.leases.names())
-        value = {k: v for k, (v, _src) in policy.effective(self.root, None, {}).items()}
+        value = policy.effective(self.root, None, {}).values()
         self.reserve_after = float(value.get("reserve_after", 300.0))
         limits = value.get("limits") or {}
         self.limit_of = None

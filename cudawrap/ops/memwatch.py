@@ -141,14 +141,14 @@ class Watch:
     def _ledger(self, rows: Sequence[Mapping[str, Any]], now: float) -> None:
         """Peak memory, MiB-seconds and why a run was ended, on its open ledger record: the
         end record carries them (`cudawrap usage`)."""
-        from . import ledger
+        from . import ledger, ledgerfile
 
         by_pid: Dict[int, int] = {}
         for row in rows:
             by_pid[row["pid"]] = by_pid.get(row["pid"], 0) + row["used_mib"]
         try:
-            with ledger.Locked(self.layout):
-                path = self.layout.state_dir / ledger.STATE
+            with ledgerfile.Locked(self.layout):
+                path = self.layout.state_dir / ledgerfile.STATE
                 state = ledger._load_state(path)
                 changed = False
                 for record in state["open"].values():

@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
-from . import ledger
+from . import ledger, ledgerfile
 from ..sched.drains import covering, drained, health_drained
 from ..lease.holders import holdings
 from ..paths import Layout
@@ -229,7 +229,7 @@ class MonitorHook:
         self._signature: Any = None
         problems: List[str] = []
         self._reload()
-        for record in ledger.read(ledger.rotated(ledger.ledger_path(layout), self.settings["keep"]), problems):
+        for record in ledgerfile.read(ledgerfile.rotated(ledgerfile.ledger_path(layout), self.settings["keep"]), problems):
             if record["event"] == "end":
                 self.counters.add_end(record)
         for problem in problems[:10]:

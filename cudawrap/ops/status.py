@@ -71,11 +71,11 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
             from ..lease.sharing import Sharing
 
             settings = effective(str(layout.root), None)
-            limits = settings.get("limits", (None, ""))[0]
+            limits = settings.limits
             view = MachineView(LeaseFiles(str(layout.lease_dir), str(layout.share_dir)), inventory.devices,
                                inventory.devices,
                                limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
-                               sharing=Sharing(settings["sharing"][0]), root=str(layout.root),
+                               sharing=Sharing(settings.sharing), root=str(layout.root),
                                admin=lambda: queue_bounds(str(layout.root)))
             verdicts = view.decide(scan, None, queued=True)[0]
         except CudawrapError:

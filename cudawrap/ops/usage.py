@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from . import ledger
+from . import ledger, ledgerfile
 from ..errors import NotPermitted, StateError, UsageError
 from ..paths import Layout
 
@@ -256,12 +256,12 @@ def load_all(layout: Layout, keep: int, problems: List[str], now: Optional[float
     from ..base.privilege import is_admin
     from ..users import user_name
 
-    kinds = (*ledger.LEASES, "idle")
+    kinds = (*ledgerfile.LEASES, "idle")
 
     now = time.time() if now is None else now
     uid = os.getuid() if uid is None else uid
     if is_admin(layout):
-        path = ledger.ledger_path(layout)
+        path = ledgerfile.ledger_path(layout)
         if os.path.exists(path) and not os.access(path, os.R_OK):
             raise StateError(f"cannot read the ledger {path}: permission denied")
         obs = ledger.look(layout, "cudawrap usage")  # record what changed since the last look
@@ -269,24 +269,24 @@ def load_all(layout: Layout, keep: int, problems: List[str], now: Optional[float
             problems.append(f"{obs.error}; usage shows what was recorded before")
         open_ids: Iterable[str] = obs.open if obs is not None else ()
         try:
-            records = list(ledger.read(ledger.rotated(path, keep), problems, kinds))
+            records = list(ledgerfile.read(ledgerfile.rotated(path, keep), problems, kinds))
         except OSError as exc:
             raise StateError(f"cannot read the ledger {path}: {exc.strerror}") from None
         return leases(records, open_ids, now, problems), idle_spells(records) + idle_now(str(layout.root), None)
-    path = ledger.user_view_path(layout, uid)
-    files = ledger.rotated(path, keep)
+    path = ledgerfile.user_view_path(layout, uid)
+    files = ledgerfile.rotated(path, keep)
     owner = os.stat(layout.state_dir).st_uid
     for f in files:
         if not _trusted(f, owner):
             raise StateError(f"{f} was not written by cudawrap (wrong owner or mode): not read",
                              hint="an admin checks it; `sudo cudawrap usage` reads the ledger itself")
     if not any(f.exists() for f in files):
-        if ledger.private_group(uid) is None:
+        if ledgerfile.private_group(uid) is None:
             raise NotPermitted("your usage is kept in the ledger, which only root may read (you have no private "
                                "group for a copy of your own)", hint="ask an admin: sudo cudawrap usage --by user")
         return [], idle_now(str(layout.root), user_name(uid))
     try:
-        records = list(ledger.read(files, problems, kinds))
+        records = list(ledgerfile.read(files, problems, kinds))
     except OSError as exc:
         raise StateError(f"cannot read {path}: {exc.strerror}") from None
     return leases(records, (), now, problems), idle_spells(records) + idle_now(str(layout.root), user_name(uid))

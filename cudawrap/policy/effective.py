@@ -19,7 +19,7 @@ import os
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Any, Dict, Optional, Tuple
+    from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from .. import locations as loc
 from ..base import rootfile
@@ -27,6 +27,64 @@ from ..errors import ConfigError, NoDeviceError, UsageError
 
 CACHE_VERSION = 4  # 2: the filter keys (model, min_memory_mib, ...) and max_gpus; 3: [limits], reserve_after;
 # 4: [sharing] and share
+
+
+class Settings:
+    """The settings of one run: each key's value, and where it was set (a config line, the
+    registry, an environment variable: what `cudawrap config` shows and a refusal names).
+
+    The facts a launch goes by are attributes; any key is value(KEY) and source(KEY). A
+    user's asks change it only through narrow(), ask() and ask_share() below."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self, pairs: Mapping[str, Tuple[Any, str]]) -> None:
+        self._set: Dict[str, Tuple[Any, str]] = {k: (v, src) for k, (v, src) in pairs.items()}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._set
+
+    def value(self, key: str, default: Any = None) -> Any:
+        return self._set[key][0] if key in self._set else default
+
+    def source(self, key: str, default: str = "default") -> str:
+        return self._set[key][1] if key in self._set else default
+
+    def set(self, key: str, value: Any, source: str) -> None:
+        self._set[key] = (value, source)
+
+    def values(self) -> Dict[str, Any]:
+        """Key -> value, for the code that decides (it has no use for sources)."""
+        return {k: v for k, (v, _src) in self._set.items()}
+
+    def keys(self) -> Iterator[str]:
+        return iter(self._set)
+
+    @property
+    def gpus(self) -> int:
+        return self._set["gpus"][0]
+
+    @property
+    def wait(self) -> float:
+        return self._set["wait"][0]
+
+    @property
+    def share(self) -> bool:
+        return bool(self.value("share", False))
+
+    @property
+    def limits(self) -> Any:
+        """[limits] as the launch cache holds it (policy.limits reads it)."""
+        return self.value("limits")
+
+    @property
+    def sharing(self) -> Dict[str, Any]:
+        """[sharing] as the launch cache holds it (lease.sharing reads it)."""
+        return self._set["sharing"][0]
+
+    @property
+    def memory_limit_mib(self) -> Optional[int]:
+        return self.value("memory_limit_mib")
 
 
 def _signature(path: str) -> Optional[Tuple[int, int, int, int]]:
@@ -150,16 +208,16 @@ def _parse_ask(key: str, raw: Any) -> Any:
     return POLICY_KEYS[key](raw)
 
 
-def check_count(settings: Dict[str, Tuple[Any, str]], count: int) -> None:
+def check_count(settings: Settings, count: int) -> None:
     """Refuse (75) a run asking for more devices than its program's max_gpus allows."""
-    ceiling, source = settings.get("max_gpus", (count, ""))
+    ceiling, source = settings.value("max_gpus", count), settings.source("max_gpus", "")
     if count > ceiling:
         raise NoDeviceError(f"{count} devices asked for, but a run of this program may have at most "
                             f"{ceiling} (max_gpus, {source})",
                             hint="ask for fewer devices, or ask an admin to raise max_gpus")
 
 
-def narrow(settings: Dict[str, Tuple[Any, str]], key: str, raw: Any, source: str) -> None:
+def narrow(settings: Settings, key: str, raw: Any, source: str) -> None:
     """Apply a user's ask RAW for KEY, made by SOURCE, to SETTINGS; ValueError if malformed.
 
     The count replaces the program's (within max_gpus); a filter becomes the stricter of
@@ -168,17 +226,17 @@ def narrow(settings: Dict[str, Tuple[Any, str]], key: str, raw: Any, source: str
     value = _parse_ask(key, raw)
     if key == "gpus":
         check_count(settings, value)
-        settings[key] = (value, source)
+        settings.set(key, value, source)
         return
-    admin, admin_source = settings.get(key, (UNFILTERED[key], "default"))
+    admin, admin_source = settings.value(key, UNFILTERED[key]), settings.source(key)
     combined = narrowed(key, admin, value)
     if combined == admin and admin != UNFILTERED[key]:
         return  # the admin's is already as strict
     both = admin != UNFILTERED[key] and combined != value
-    settings[key] = (combined, f"{admin_source} and {source}" if both else source)
+    settings.set(key, combined, f"{admin_source} and {source}" if both else source)
 
 
-def ask(settings: Dict[str, Tuple[Any, str]], key: str, raw: Any, source: str, shown: str) -> None:
+def ask(settings: Settings, key: str, raw: Any, source: str, shown: str) -> None:
     """narrow(), with a malformed RAW refused as a usage error (64) that names SHOWN."""
     try:
         narrow(settings, key, raw, source)
@@ -187,7 +245,7 @@ def ask(settings: Dict[str, Tuple[Any, str]], key: str, raw: Any, source: str, s
                          hint="`cudawrap config` lists the settings and what they take") from None
 
 
-def ask_share(settings: Dict[str, Tuple[Any, str]], raw: Any, source: str, shown: str) -> None:
+def ask_share(settings: Settings, raw: Any, source: str, shown: str) -> None:
     """A user's ask to share a device for one run (1/true) or not (0/false).
 
     Sharing only narrows what a run takes, so anyone may ask for it; asking for a whole
@@ -197,17 +255,18 @@ def ask_share(settings: Dict[str, Tuple[Any, str]], raw: Any, source: str, shown
     if text not in ("1", "0", "true", "false", "yes", "no"):
         raise UsageError(f"{shown}: not 1 or 0", hint="CUDAWRAP_SHARE=1 shares a device for this run")
     wanted = text in ("1", "true", "yes")
-    current, where = settings.get("share", (False, "default"))
+    current, where = settings.share, settings.source("share")
     if current and not wanted:
         raise UsageError(f"{shown}: this program shares its device ({where}); a run may not take it whole",
                          hint="ask an admin, or unset CUDAWRAP_SHARE")
     if wanted and not current:
-        settings["share"] = (True, source)
+        settings.set("share", True, source)
 
 
-def _check_ceiling(merged: Dict[str, Tuple[Any, str]]) -> None:
-    if "max_gpus" in merged and merged["gpus"][0] > merged["max_gpus"][0]:
-        (gpus, where), (ceiling, ceiling_where) = merged["gpus"], merged["max_gpus"]
+def _check_ceiling(merged: Settings) -> None:
+    if "max_gpus" in merged and merged.gpus > merged.value("max_gpus"):
+        gpus, where = merged.gpus, merged.source("gpus")
+        ceiling, ceiling_where = merged.value("max_gpus"), merged.source("max_gpus")
         raise ConfigError(f"{where}: gpus = {gpus} is above max_gpus = {ceiling} ({ceiling_where})",
                           hint="a program's own count must be within its max_gpus")
 
@@ -226,8 +285,8 @@ def queue_bounds(root: str) -> Tuple[float, int]:
     return min(floors), max(ceilings)
 
 
-def effective(root: str, link: Optional[str], environ: Any = None) -> Dict[str, Tuple[Any, str]]:
-    """key -> (value, source) for a run of LINK (a wrapped program's path, or None)."""
+def effective(root: str, link: Optional[str], environ: Any = None) -> Settings:
+    """The settings of a run of LINK (a wrapped program's path, or None)."""
     data = _read_cache(root) or _compile(root)
     merged: Dict[str, Tuple[Any, str]] = dict(data["settings"])
     merged["limits"] = (data["limits"], "[limits]")
@@ -237,22 +296,23 @@ def effective(root: str, link: Optional[str], environ: Any = None) -> Dict[str, 
         for key in (name, link):
             merged.update(data["programs"].get(key, {}))
         merged.update(data["links"].get(link, {}))
+    settings = Settings(merged)
     env = os.environ if environ is None else environ
     raw = env.get("CUDAWRAP_WAIT")
     if raw is not None and raw != "":
         from .config import parse_wait
 
         try:
-            merged["wait"] = (parse_wait(raw), "CUDAWRAP_WAIT")
+            settings.set("wait", parse_wait(raw), "CUDAWRAP_WAIT")
         except ValueError as exc:
             raise UsageError(f"CUDAWRAP_WAIT={raw[:40]!r}: {exc}",
                              hint="use a number of seconds (0 = do not wait) or 'forever'") from None
-    _check_ceiling(merged)
+    _check_ceiling(settings)
     raw = env.get("CUDAWRAP_SHARE")
     if raw is not None and raw != "":
-        ask_share(merged, raw, "environment (CUDAWRAP_SHARE)", f"CUDAWRAP_SHARE={raw[:40]!r}")
+        ask_share(settings, raw, "environment (CUDAWRAP_SHARE)", f"CUDAWRAP_SHARE={raw[:40]!r}")
     for key, name in RUN_ENV:
         raw = env.get(name)
         if raw is not None and raw != "":
-            ask(merged, key, raw, f"environment ({name})", f"{name}={raw[:40]!r}")
-    return merged
+            ask(settings, key, raw, f"environment ({name})", f"{name}={raw[:40]!r}")
+    return settings

@@ -20,7 +20,9 @@ import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+    from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+
+    from .queue import Entry
 
     from .schedule import Verdict, Waiter
     from .turns import Offers
@@ -33,60 +35,10 @@ from ..lease.files import Lease, LeaseFiles, lock_table
 # before takes its devices without one (_uncontended), and the shim pays for every module.
 from .machine import MachineView, _free_mib, _uid_of
 from .queue import Scan, WaitQueue, poke
+from .decision import WATCHERS, Decision, jitter, trace
 
-# The first WATCHERS in line watch the machine (see waiting.py).
-WATCHERS = 8
-# In an amended lock table: a lease found held whose holder the look cannot name (pid -1:
-# no process, so it counts for no waiting user).
-UNKNOWN_HOLDER = (-1, True)
 # Tries of a lease before a taker counts it taken (see Acquirer._lock).
 PROBE_TRIES = 4
-
-
-class Cancelled(NoDeviceError):
-    pass
-
-
-def _jitter() -> None:
-    """A lost race for a lock: pause a random moment before deciding again, so that two
-    runs that backed off together (two users' shares under MPS) do not collide again."""
-    import random  # only after a lost race
-
-    time.sleep(random.uniform(0, 0.02))
-
-
-class Decision:
-    """One decision as an observer sees it: what led to it (CAUSE: ARRIVAL, a run deciding
-    before it queues; LOOK, a full look while waiting; RELEASE, a look amended by the leases
-    RELEASED since), the VERDICTS for every waiter, the FREE devices, KEY the deciding run's
-    entry (ARRIVAL: a key sorting after every real one) and SKIPPED the entries it passes over."""
-
-    ARRIVAL, LOOK, RELEASE = "arrival", "look", "release"
-    __slots__ = ("cause", "key", "verdicts", "free", "skipped", "released")
-
-    def __init__(self, cause: str, key: str, verdicts: Dict[str, Verdict], free: List[str],
-                 skipped: Iterable[str], released: Iterable[str] = ()) -> None:
-        self.cause = cause
-        self.key = key
-        self.verdicts = verdicts
-        self.free = free
-        self.skipped = sorted(skipped)
-        self.released = sorted(released)
-
-
-def trace(d: Decision) -> None:
-    """CUDAWRAP_DEBUG's observer: each decision while waiting on stderr (the arrival's
-    verdict is what the run reports as it queues)."""
-    if d.cause == Decision.RELEASE:
-        verdict = d.verdicts[d.key]
-        os.write(2, f"cudawrap[{os.getpid()}]: released {d.released} at {time.time():.3f}: {verdict.kind} "
-                    f"{','.join(verdict.devices)} (free={d.free})\n".encode())
-    elif d.cause == Decision.LOOK:
-        os.write(2, (f"cudawrap[{os.getpid()}]: decision at {time.time():.3f}: free={d.free} skipped="
-                     f"{d.skipped} " + "; ".join(
-                         f"{k.split('.')[1]}:{v.kind}:{','.join(v.devices)}"
-                         for k, v in sorted(d.verdicts.items(), key=lambda kv: kv[1].position))
-                     + "\n").encode())
 
 
 class Acquirer(MachineView):
@@ -319,9 +271,9 @@ class Acquirer(MachineView):
                 observe(decision)
 
     # -- taking ------------------------------------------------------------------------
-    def acquire(self, wait_s: float, info: bytes,
-                on_wait: Optional[Callable[[str], None]] = None) -> Lease:
-        """Devices within WAIT_S seconds (inf: as long as it takes), in fair turns."""
+    def arrive(self, wait_s: float, info: bytes) -> Union[Lease, Queued]:
+        """Devices now if this run's turn is now; else its place in the queue, to wait in
+        (waiting.py, which run.acquire imports only then) until WAIT_S seconds from now."""
         start = self.clock()
         deadline = start + wait_s
         lease = self._uncontended()
@@ -340,7 +292,7 @@ class Acquirer(MachineView):
             lease = self._take(verdict.devices)
             if lease is not None:
                 return lease
-            _jitter()
+            jitter()
         offered = {u for k, v in verdicts.items() if k != probe.key and v.kind == GRANTED for u in v.devices}
         if wait_s <= 0 and any(probe.can_use(u) and self._fits(u) for u in offered):
             # A device it could use is free but offered to a run ahead: wait long enough to
@@ -361,9 +313,23 @@ class Acquirer(MachineView):
         # Those at the head now were there before us: they need no poke from us later.
         self.top = {k for k, v in verdicts.items() if v.position < WATCHERS and k != probe.key}
         ahead = {k for k, v in verdicts.items() if v.position < verdict.position and k != probe.key}
-        from .waiting import Waiting  # only a run that must queue waits
+        return Queued(entry, deadline, wait_s, verdict, ahead)
 
-        return Waiting(self, entry, deadline, wait_s, on_wait, verdict, ahead).run()
+
+class Queued:
+    """A run's place in the queue as it arrived: its ENTRY, when its wait ends (DEADLINE on
+    the acquirer's clock, after WAIT_S seconds), the VERDICT that queued it and the runs
+    AHEAD of it then."""
+
+    __slots__ = ("entry", "deadline", "wait_s", "verdict", "ahead")
+
+    def __init__(self, entry: Entry, deadline: float, wait_s: float, verdict: Verdict, ahead: Set[str]) -> None:
+        self.entry = entry
+        self.deadline = deadline
+        self.wait_s = wait_s
+        self.verdict = verdict
+        self.ahead = ahead
+
 
 def describe_wait(text: str) -> str:
     return f"waiting for a device: {text} (pid {os.getpid()})"

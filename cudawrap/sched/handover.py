@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from ..lease.files import Lease
     from .schedule import Verdict, Waiter
 
-from .acquirer import UNKNOWN_HOLDER, WATCHERS, Acquirer, Decision
+from .acquirer import Acquirer
+from .decision import UNKNOWN_HOLDER, WATCHERS, Decision
 from .queue import Scan, poke
 
 

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 from ..base import inotify
 from ..errors import Interrupted, NoDeviceError
 from ..lease.files import Lease
-from .acquirer import WATCHERS, Acquirer, Cancelled, Decision, _jitter
+from .acquirer import Acquirer
+from .decision import WATCHERS, Cancelled, Decision, jitter
+from .budget import Budget
 from .farwait import FarWait
 from .foreignwake import ForeignWake
 from .handover import after_release, amend, amendments, hand_over, signature
@@ -114,9 +116,9 @@ class Waiting:
         self.watcher = False
         self.lease: Optional[Lease] = None  # taken: the wait is over
         # For events that change nothing:
-        self.batches, self.pokes = _Budget(*IDLE_BATCHES, self.clock), _Budget(*IDLE_POKES, self.clock)
-        self.looks = _Budget(*POKED_LOOKS, self.clock)  # for pokes that may be true, behind the watchers
-        self.refresh = _Budget(*REFRESH_LOOKS, self.clock)  # for looks outdated by a newcomer or a lease file opened
+        self.batches, self.pokes = Budget(*IDLE_BATCHES, self.clock), Budget(*IDLE_POKES, self.clock)
+        self.looks = Budget(*POKED_LOOKS, self.clock)  # for pokes that may be true, behind the watchers
+        self.refresh = Budget(*REFRESH_LOOKS, self.clock)  # for looks outdated by a newcomer or a lease file opened
 
     def run(self) -> Lease:
         """Wait until our turn comes and our devices are taken; leave the queue in any case."""
@@ -264,7 +266,7 @@ class Waiting:
             if self.lease is not None:
                 hand_over(acq, self.verdicts, scan, entry.name)
                 return True
-            _jitter()
+            jitter()
             return True
         if acq.usable() < acq.count:
             if any(d.uuid in acq.unavailable for d in acq.candidates):
@@ -471,33 +473,3 @@ class Waiting:
                 own.add(acq.queue.dir, inotify.IN_CREATE | inotify.IN_DELETE
                         | inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO)]
 
-
-class _Budget:
-    """A leaky bucket: BURST at once, then RATE a second (by CLOCK)."""
-
-    def __init__(self, rate: float, burst: int, clock: Callable[[], float]) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.tokens = float(burst)
-        self.clock = clock
-        self.at = clock()
-
-    def _refill(self) -> None:
-        now = self.clock()
-        self.tokens = min(float(self.burst), self.tokens + (now - self.at) * self.rate)
-        self.at = now
-
-    def pause(self) -> None:
-        """Sleep until there is one to spend."""
-        self._refill()
-        if self.tokens < 1:
-            time.sleep((1 - self.tokens) / self.rate)
-
-    def spend(self) -> None:
-        self._refill()
-        self.tokens -= 1
-
-    def ready_at(self) -> float:
-        """When there is one to spend (by the clock)."""
-        self._refill()
-        return self.at + max(0.0, 1 - self.tokens) / self.rate

@@ -1,0 +1,25 @@
+"""A run's way to its devices: taken at once when its turn is now (acquirer.py), else
+waited for in the queue (waiting.py, imported only then: a launch nobody waits before
+never loads the waiting machinery)."""
+from __future__ import annotations
+
+TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
+if TYPE_CHECKING:
+    from typing import Callable, Optional
+
+    from ..lease.files import Lease
+
+from .acquirer import Acquirer, Queued
+
+
+def acquire(acquirer: Acquirer, wait_s: float, info: bytes,
+            on_wait: Optional[Callable[[str], None]] = None) -> Lease:
+    """ACQUIRER's devices within WAIT_S seconds (inf: as long as it takes), in fair turns.
+    INFO is written into its queue entry; ON_WAIT is told why it waits."""
+    arrived = acquirer.arrive(wait_s, info)
+    if not isinstance(arrived, Queued):
+        return arrived
+    from .waiting import Waiting
+
+    return Waiting(acquirer, arrived.entry, arrived.deadline, arrived.wait_s, on_wait, arrived.verdict,
+                   arrived.ahead).run()
