@@ -30,10 +30,16 @@ INVENTORY_CACHE = RUNTIME_DIR + "/inventory.cache"
 # `cudawrap monitor --daemon` (installs without systemd): its flock-held pid file and log.
 MONITOR_PID = RUNTIME_DIR + "/monitor.pid"
 MONITOR_LOG = RUNTIME_DIR + "/monitor.log"
+# Held by whichever monitor loop runs (the service's, the cudawrap-monitor unit's, --daemon):
+# one at a time, the next takes over when it stops.
+MONITOR_LOCK = RUNTIME_DIR + "/monitor.lock"
 # `cudawrap serve`: the service's socket (every user connects), pid file and log (--daemon).
 SERVICE_SOCKET = RUNTIME_DIR + "/cudawrap.sock"
 SERVICE_PID = RUNTIME_DIR + "/service.pid"
 SERVICE_LOG = RUNTIME_DIR + "/service.log"
+# Held by the live service: while it is, the ledger's grants of seen_by "service" are its own
+# to end (a look by the monitor or a root command leaves them open).
+SERVICE_LOCK = RUNTIME_DIR + "/service.lock"
 LIB_DIR = "opt/cudawrap"
 # The shim prototype: install.sh bakes the interpreter into it, and links made by cudawrap
 # before each program had its own shim still lead to it.

@@ -439,5 +439,52 @@ def test_a_launch_through_the_service_loads_no_nvml(served: Served) -> None:
     assert run.returncode == 0, run.stderr.decode()
     served.proc.terminate()
     served.proc.wait(timeout=10)
+    # Its monitor's last snapshot would stand in for NVML until it is stale: as without one.
+    (inst.layout.runtime_dir / "usage.snapshot").unlink()
     alone = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0", LD_LIBRARY_PATH=None)
     assert alone.returncode == 69, alone.stderr.decode()
+
+
+def _monitor_pid(inst: MuInstall, timeout: float = 10.0) -> int:
+    """The pid the monitor lock names once a loop holds it."""
+    lock = inst.layout.runtime_dir / "monitor.lock"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = lock.read_text().strip() if lock.exists() else ""
+        if text.isdigit() and os.path.exists(f"/proc/{text}"):
+            return int(text)
+        time.sleep(0.05)
+    raise AssertionError(f"no monitor holds {lock}")
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_the_service_keeps_the_snapshot_fresh_with_no_monitor_unit(served: Served) -> None:
+    inst = served.inst
+    child = _monitor_pid(inst)
+    assert _parent_of(child) == served.proc.pid  # the service's own loop, not a unit's
+    snap = inst.layout.runtime_dir / "usage.snapshot"
+    wait_for(snap.exists)
+    first = snap.stat().st_mtime_ns
+    wait_for(lambda: snap.stat().st_mtime_ns != first)  # rewritten, cycle after cycle
+    # A wrapped run still goes through the service, with the monitor's snapshot beside it.
+    run = inst.start(inst.world.alice, "recon", "--hold", "60")
+    ready_line(run)
+    assert f"pid {run.pid} (recon)" in served.granted()
+    run.kill()
+
+
+def test_a_monitor_started_beside_the_service_waits_and_takes_over(served: Served) -> None:
+    inst = served.inst
+    child = _monitor_pid(inst)
+    second = inst.start(None, inst.world.python, "-I", "-c",
+                        CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main"), "monitor")
+    line = second.stderr.readline().decode()
+    assert f"another monitor runs (pid {child})" in line, line
+    os.kill(served.proc.pid, signal.SIGKILL)  # the service's loop dies with it (PR_SET_PDEATHSIG)
+    wait_for(lambda: not os.path.exists(f"/proc/{child}") or _parent_of(child) != served.proc.pid)
+    assert _monitor_pid(inst) == second.pid  # the waiting one holds the lock now
+    second.terminate()
+    second.wait(timeout=10)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 
 class AlreadyRunning(Exception):
@@ -44,6 +44,23 @@ def running(pid_file: str) -> Optional[int]:
         return None
     finally:
         os.close(fd)
+
+
+def one_at_a_time(lock_file: str, on_busy: Callable[[Optional[int]], None]) -> int:
+    """Hold LOCK_FILE for the rest of this process's life, waiting for it if another holds
+    it (ON_BUSY is told that one's pid first); the descriptor, to keep open.
+
+    Root's alone, as the pid file (see detach): a user's lock would stop the loop it guards."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        on_busy(_pid_in(fd))
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the kernel hands it over when the other one ends
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def stop(pid_file: str, wait_s: float = 10.0) -> Optional[int]:

@@ -1,8 +1,10 @@
 """`cudawrap monitor`: keep the shim's usage snapshot fresh, and lease files in step.
 
-Optional: launches are correct without it, only slower (each asks NVML itself). Run by
-root as the cudawrap-monitor service. When a device appears (MIG reconfigured) it gets a
-lease file at once, as `cudawrap sync` would.
+Optional: launches are correct without it, only slower (each asks NVML itself). The
+service (`cudawrap serve`) runs this loop in a child of its own; installs without the
+service run it as the cudawrap-monitor unit or `--daemon`. One loop runs at a time (the
+lock MONITOR_LOCK): a second waits, and takes over when the first stops. When a device
+appears (MIG reconfigured) it gets a lease file at once, as `cudawrap sync` would.
 """
 from __future__ import annotations
 
@@ -70,6 +72,26 @@ def watch_memory(watch: object) -> None:
 
 def run(layout: Layout, period: float = snapshot.PERIOD_S,
         should_stop: Callable[[], bool] = lambda: False) -> None:
+    from .. import locations as loc
+    from ..base.daemon import one_at_a_time
+
+    lock_file = loc.under(str(layout.root), loc.MONITOR_LOCK)
+    try:
+        lock = one_at_a_time(lock_file, _another)
+    except OSError as exc:
+        raise CannotWrite.from_os_error(exc, lock_file) from None
+    try:
+        _loop(layout, period, should_stop)
+    finally:
+        os.close(lock)
+
+
+def _another(pid: Optional[int]) -> None:
+    # Two loops would each sample the ledger and rewrite the snapshot: the second waits.
+    log.warning("another monitor runs (pid %s): this one takes over when it stops", pid or "?")
+
+
+def _loop(layout: Layout, period: float, should_stop: Callable[[], bool]) -> None:
     from ..base.audit import notice_if_unreachable
     from .memwatch import Watch
     from .health import MonitorHealth

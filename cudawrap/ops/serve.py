@@ -452,6 +452,72 @@ def serve(root: str) -> None:
     # [service] enforce: the lease, slot and queue directories become root's before the
     # first grant (and users' again when it is turned off); `cudawrap sync` does the same.
     prepare_runtime(Layout(Path(root)), bool(config["enforce"]))
-    service = Service(root, config["max_connections_per_uid"], config["private_status"])
-    _say(f"listening on {service.path}")
-    service.run()
+    lock = _hold_service_lock(root)
+    monitor = start_monitor(Layout(Path(root)), lock)  # before NVML is opened here: a fork must not share it
+    try:
+        service = Service(root, config["max_connections_per_uid"], config["private_status"])
+        _say(f"listening on {service.path}")
+        service.run()
+    finally:
+        stop_monitor(monitor)
+        os.close(lock)
+
+
+def _hold_service_lock(root: str) -> int:
+    """The service's lock (root's alone), held for its life: see ledger.service_running."""
+    import fcntl
+
+    path = loc.under(root, loc.SERVICE_LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SetupError(f"a service already holds {path}",
+                         hint="stop it first (systemctl stop cudawrap, or kill the pid in its pid file)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def start_monitor(layout: object, lock: int) -> int:
+    """The monitor's loop (ops/monitor.py: the snapshot, the ledger's look at foreign work,
+    health, memory, metrics) in a child of the service: it shares nothing with the grant
+    path (no lock, no interpreter), dies with the service (PR_SET_PDEATHSIG: also when the
+    service is killed with -9), and waits its turn while a cudawrap-monitor unit runs one.
+    It lets go of the service's LOCK: that says the service lives, not its monitor."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        os.close(lock)
+        _die_with(os.getppid())
+        from .monitor import run
+
+        run(layout)  # type: ignore[arg-type]
+    except BaseException:  # noqa: BLE001 - whatever ends it, never return into the parent's code
+        logging.getLogger(__name__).exception("the monitor's loop ended")
+        code = 1
+    os._exit(code)
+
+
+def _die_with(parent: int) -> None:
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before the prctl took effect
+        os._exit(0)
+
+
+def stop_monitor(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
