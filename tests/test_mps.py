@@ -24,7 +24,7 @@ import pytest
 
 from corefix import Installed, ready_line, wait_for
 from cudawrap.install import installation
-from cudawrap.install.installation import MPS_UNIT, MONITOR_UNIT, UNIT_NAME, render_mps_unit, unit_file, unit_wants_link
+from cudawrap.install.installation import MPS_UNIT, MONITOR_UNIT, SERVICE_UNIT, UNIT_NAME, render_mps_unit, unit_file, unit_wants_link
 from cudawrap.paths import Layout
 from fakemachine import FAKECUDA, shutdown_nvml
 from test_multiuser import status
@@ -290,7 +290,8 @@ def test_install_enables_the_mps_unit_only_in_mps_mode(tmp_path: Path, monkeypat
 
     said = install()
     assert unit_file(layout, MPS_UNIT).read_text() == render_mps_unit(layout)
-    assert ["enable", UNIT_NAME] in calls and ["enable", "--now", MONITOR_UNIT] in calls
+    assert ["enable", UNIT_NAME] in calls and ["enable", "--now", SERVICE_UNIT] in calls
+    assert not any(MONITOR_UNIT in call for call in calls)  # the service runs the monitor's loop
     assert not any(MPS_UNIT in call for call in calls)
     assert f'==> {MPS_UNIT} not enabled: [sharing] mode is not "mps" (once it is: ' \
            f"`systemctl enable --now {MPS_UNIT}`)" in said

@@ -337,7 +337,7 @@ def test_private_status_hides_other_users_and_bounds_come_from_the_config(mu) ->
         served.proc.wait(timeout=10)
 
 
-def test_the_service_unit_is_written_not_enabled_and_restarts_on_failure(tmp_path: Path, monkeypatch) -> None:
+def test_under_systemd_install_enables_the_service_with_enforce_on(tmp_path: Path, monkeypatch) -> None:
     import sys
 
     from cudawrap.install import installation
@@ -355,10 +355,27 @@ def test_the_service_unit_is_written_not_enabled_and_restarts_on_failure(tmp_pat
     said: list = []
     monkeypatch.setattr(installation, "systemd_running", lambda _layout: True)
     monkeypatch.setattr(installation, "_systemctl", lambda *args: calls.append(list(args)))
+    # An earlier install's monitor unit, enabled: the service runs its loop now.
+    wants = installation.unit_wants_link(layout, installation.MONITOR_UNIT)
+    wants.parent.mkdir(parents=True)
+    wants.symlink_to(unit_file(layout, installation.MONITOR_UNIT))
     installation.install(layout, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: ())
     assert unit_file(layout, SERVICE_UNIT).read_text() == render_service_unit(layout)
-    assert not any(SERVICE_UNIT in call for call in calls)
-    assert any(line.startswith(f"==> {SERVICE_UNIT} not enabled") for line in said), said
+    assert ["enable", "--now", SERVICE_UNIT] in calls and ["restart", SERVICE_UNIT] in calls
+    assert ["disable", "--now", installation.MONITOR_UNIT] in calls
+    assert f"==> disabled {installation.MONITOR_UNIT}: {SERVICE_UNIT} runs the monitor's loop" in said
+    from cudawrap.policy.config import load_config
+
+    config = load_config(layout.config_file)
+    assert config["enforce"] is True and config.settings["enforce"].source.startswith(f"{layout.config_file}:")
+    assert load_config(layout.config_file).settings["gpus"].source == "default"  # the rest as shipped
+    # Without systemd (a container), the same install leaves enforce off and names the service.
+    layout2 = Layout(tmp_path / "root2")
+    layout2.venv_dir.mkdir(parents=True)
+    monkeypatch.setattr(installation, "systemd_running", lambda _layout: False)
+    said.clear()
+    installation.install(layout2, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: ())
+    assert load_config(layout2.config_file)["enforce"] is False
 
 
 def test_serve_daemon_writes_a_pid_file_and_uninstall_stops_it(mu) -> None:

@@ -247,14 +247,14 @@ class _Doctor:
             return
         how = ("each reads NVML for the devices it tries" if invcache.read(root) is not None else
                "each enumerates every device through NVML: no device layout cache, run 'cudawrap sync'")
-        pid = running(loc.under(root, loc.MONITOR_PID))
+        pid = running(loc.under(root, loc.MONITOR_LOCK)) or running(loc.under(root, loc.MONITOR_PID))
         if pid:
             self.add(LEVEL_WARNING, "monitor", f"pid {pid} runs but writes no fresh snapshot (see "
                                                f"{loc.under(root, loc.MONITOR_LOG)}): launches pay NVML ({how})")
             return
-        self.add(LEVEL_NOTE, "monitor", f"not running: launches pay NVML themselves ({how}); start it with "
-                                        "'systemctl enable --now cudawrap-monitor', or without systemd "
-                                        "'cudawrap monitor --daemon'")
+        self.add(LEVEL_NOTE, "monitor", f"not running: launches pay NVML themselves ({how}); the service runs "
+                                        "it ('systemctl enable --now cudawrap', or without systemd "
+                                        "'cudawrap serve --daemon'), or alone: 'cudawrap monitor --daemon'")
 
     def _devices(self) -> Optional[Inventory]:
         try:

@@ -167,7 +167,7 @@ def write_build(layout: Layout, build: str) -> None:
 
 def _install(layout: Layout, python: str, source: Optional[Path], manifest: Manifest,
              say: Callable[[str], None], man_pages: Mapping[Path, str], refresh: Refresh) -> None:
-    from ..policy.defaults import render_config
+    from ..policy.defaults import ENFORCED, render_config
     from ..paths import ROOT_MARKER
 
     (layout.venv_dir / ROOT_MARKER).write_text(f"{layout.root}\n", encoding="utf-8")
@@ -185,6 +185,12 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
     config = layout.config_file
     if os.path.lexists(config):
         say(f"==> kept the configuration {config}")
+    elif systemd_running(layout):
+        # The service runs here (enabled below), so only it need take leases: README "Two modes".
+        _write_text(config, render_config(ENFORCED))
+        manifest.replace(CONFFILE, config, sha256=sha256_of(config))
+        say(f"==> wrote the default configuration {config} (every setting commented out but "
+            f"[service] enforce = true: only the service grants leases)")
     else:
         _write_text(config, render_config())
         manifest.replace(CONFFILE, config, sha256=sha256_of(config))
@@ -231,7 +237,8 @@ def _enable_units(layout: Layout, manifest: Manifest, say: Callable[[str], None]
     mps = mps_mode(layout)
     if systemd_running(layout):
         enable = [(UNIT_NAME, "`cudawrap sync` runs at every boot"),
-                  (MONITOR_UNIT, "`cudawrap monitor` keeps launches off NVML")]
+                  (SERVICE_UNIT, "`cudawrap serve` grants leases and runs the monitor's loop")]
+        _retire_monitor_unit(layout, manifest, say)
         if mps:
             enable.append((MPS_UNIT, "an MPS control daemon runs for each shared device"))
         elif unit_wants_link(layout, MPS_UNIT).is_symlink():
@@ -240,14 +247,13 @@ def _enable_units(layout: Layout, manifest: Manifest, say: Callable[[str], None]
         else:
             say(f"==> {MPS_UNIT} not enabled: [sharing] mode is not \"mps\" (once it is: "
                 f"`systemctl enable --now {MPS_UNIT}`)")
-        say(f"==> {SERVICE_UNIT} not enabled (optional, README \"The cudawrap service\"): "
-            f"`systemctl enable --now {SERVICE_UNIT}` starts it")
         for name, started in enable:
             # Not the MPS unit --now: its daemons are for the lease files, which the `cudawrap sync`
-            # after this makes; install.sh starts the unit after that.
-            now = ["--now"] if name == MONITOR_UNIT else []
+            # after this makes; install.sh starts the unit after that. The service starts now and
+            # takes up the lease files as sync makes them.
+            now = ["--now"] if name == SERVICE_UNIT else []
             problem = _systemctl("daemon-reload") or _systemctl("enable", *now, name)
-            if name == MONITOR_UNIT and not problem:
+            if name == SERVICE_UNIT and not problem:
                 problem = _systemctl("restart", name)  # an upgrade must run the new code
             if problem:
                 say(f"install.sh: warning: could not enable {name}: {problem}")
@@ -259,6 +265,8 @@ def _enable_units(layout: Layout, manifest: Manifest, say: Callable[[str], None]
     elif layout.is_system:
         say(f"==> {UNIT_NAME} not enabled: systemd is not running here; run `cudawrap sync` "
             f"after every boot (the runtime directory is on /run)")
+        say(f"==> {SERVICE_UNIT} not enabled: systemd is not running here; `cudawrap serve --daemon` "
+            f"runs the service (README \"The cudawrap service\")")
         say(f"==> {MONITOR_UNIT} not enabled: systemd is not running here; start `cudawrap monitor` "
             f"some other way if launches should skip NVML")
         if mps:
@@ -271,6 +279,20 @@ def _enable_units(layout: Layout, manifest: Manifest, say: Callable[[str], None]
             f"if launches should skip NVML")
         if mps:
             say(f"==> {MPS_UNIT} not enabled (a --prefix install); run `cudawrap mps start` yourself")
+
+
+def _retire_monitor_unit(layout: Layout, manifest: Manifest, say: Callable[[str], None]) -> None:
+    """An earlier install's cudawrap-monitor unit: the service runs the same loop, so it goes
+    (were it kept, it would only wait for the service's loop: one runs at a time)."""
+    link = unit_wants_link(layout, MONITOR_UNIT)
+    if not link.is_symlink():
+        return
+    problem = _systemctl("disable", "--now", MONITOR_UNIT)
+    if problem:
+        say(f"install.sh: warning: could not disable {MONITOR_UNIT}: {problem}")
+        return
+    manifest.entries = [e for e in manifest.entries if e.get("path") != str(link)]
+    say(f"==> disabled {MONITOR_UNIT}: {SERVICE_UNIT} runs the monitor's loop")
 
 
 def _install_wheel(layout: Layout, wheel: Path, manifest: Manifest, say: Callable[[str], None]) -> None:

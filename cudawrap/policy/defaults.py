@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, Iterable, List, Mapping, Tuple
 
 from .config import DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, OPS_SECTIONS, POLICY_KEYS, SHARING_DESCRIPTIONS
 
@@ -104,11 +104,21 @@ def toml_value(value: Any) -> str:
     raise TypeError(f"no TOML form for {value!r}")
 
 
-def _table(name: str, keys: Iterable[str]) -> List[str]:
+# What install.sh sets where systemd runs the service (README "Two modes"), and why.
+ENFORCED: Mapping[str, Tuple[Any, str]] = {
+    "enforce": (True, "set at install, as the cudawrap service runs here under systemd: only it grants leases"),
+}
+
+
+def _table(name: str, keys: Iterable[str], chosen: Mapping[str, Tuple[Any, str]]) -> List[str]:
     lines = [f"[{name}]"]
     for key in keys:
         lines.append(f"# {DESCRIPTIONS[key]}")
-        lines.append(f"#{key} = {toml_value(DEFAULTS[key])}")
+        if key in chosen:
+            value, why = chosen[key]
+            lines += [f"# ({why})", f"{key} = {toml_value(value)}"]
+        else:
+            lines.append(f"#{key} = {toml_value(DEFAULTS[key])}")
     return lines
 
 
@@ -121,11 +131,12 @@ def sections() -> Dict[str, List[str]]:
     }
 
 
-def render_config() -> str:
-    """The full text of the default configuration file."""
+def render_config(chosen: Mapping[str, Tuple[Any, str]] = {}) -> str:  # noqa: B006 - read only
+    """The full text of the default configuration file: every key commented out at its
+    default, but those CHOSEN (key -> (value, why)), set."""
     parts = [HEADER]
     for name, keys in sections().items():
-        parts.append("\n".join(_table(name, keys)) + "\n")
+        parts.append("\n".join(_table(name, keys, chosen)) + "\n")
     parts.append(LIMITS_EXAMPLE)
     parts.append("\n".join(_sharing_table()) + "\n" + "#\n" + SHARING_EXAMPLE)
     parts.append(PROGRAMS_EXAMPLE)
