@@ -7,10 +7,14 @@ real cluster (tests/test_slurm_service.py).
 """
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from cudawrap.errors import DataError
-from cudawrap.ops.slurmjob import JobCgroup, gpus_on_node, gres_gpus, parse_cgroup
+from cudawrap.ops.slurmjob import JobCgroup, gpus_on_node, gres_gpus, job_of, parse_cgroup
 
 # A batch step as slurmfix's cluster (task/cgroup, proctrack/cgroup, CgroupPlugin=cgroup/v1) puts it.
 V1 = """9:name=systemd:/
@@ -93,3 +97,31 @@ def test_a_one_node_job_and_one_not_running() -> None:
     assert gpus_on_node(one, ("another-name",)) == {2}  # its only node: where its cgroup is
     assert gpus_on_node("JobId=3\n   JobState=PENDING Reason=Resources\n   NodeList=\n", ("vm",)) is None
     assert gpus_on_node("JobId=3\n     Nodes=vm CPU_IDs=2 Mem=0 GRES=\n", ("vm",)) == set()
+
+
+V1_DEVICES = Path("/sys/fs/cgroup/devices")
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0 or not (V1_DEVICES / "devices.allow").exists(),
+                    reason="needs root and a cgroup v1 devices hierarchy (as slurmfix's slurm_cgroup)")
+def test_a_job_cgroup_of_someone_elses_is_not_slurms(tmp_path: Path) -> None:
+    """A process in a cgroup named like Slurm's: its job while the job's cgroup is root's (as
+    Slurm makes it), none once it belongs to an ordinary account (who could have made it)."""
+    top = V1_DEVICES / f"slurm_cwtest{os.getpid()}"
+    job = top / "uid_1000" / "job_999"
+    step = job / "step_0"
+    step.mkdir(parents=True)
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        (step / "cgroup.procs").write_text(str(sleeper.pid))
+        found = job_of(sleeper.pid)
+        assert found == JobCgroup("999", "devices", f"/{top.name}/uid_1000/job_999")
+        assert found.directory == str(job)
+        os.chown(job, 1000, 1000)
+        assert job_of(sleeper.pid) is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        for directory in (step, job, job.parent, top):  # a cgroup goes once it has no process
+            directory.rmdir()
