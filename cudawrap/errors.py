@@ -101,6 +101,12 @@ class ServiceUnavailable(CudawrapError):
     exit_code = os.EX_UNAVAILABLE  # 69
 
 
+class SlurmUnavailable(CudawrapError):
+    """The service cannot learn from Slurm which GPUs a client's job has (scontrol failed)."""
+
+    exit_code = os.EX_UNAVAILABLE  # 69
+
+
 class SetupError(CudawrapError):
     """A directory or file the installation provides is missing or unsafe."""
 

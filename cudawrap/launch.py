@@ -436,18 +436,19 @@ def _job_devices(job: Any) -> Optional[str]:
     where Slurm's variables do not say (CUDA_VISIBLE_DEVICES narrows, as for any run).
     Slurm numbers GPUs in NVML's (PCI) order: NVML is read to name them."""
     from .devices import nvml
+    from .devices.slurm import uuids_of
 
     inventory = nvml.inventory()
     visible = job.visible({g.index for g in inventory.gpus})
     if visible is None:
         return None
-    wanted: List[str] = []
+    wanted: List[int] = []
     for token in visible.split(","):
         if not token.strip().isdigit():
             break  # outside the job: the list ends there, as CUDA ends it
-        wanted.append(token.strip())
+        wanted.append(int(token))
     # A device of no GPU in the job matches nothing: the service then refuses, one line.
-    return ",".join(d.uuid for d in inventory.devices if str(d.gpu_index) in wanted) or "-"
+    return ",".join(uuids_of(inventory.devices, wanted)) or "-"
 
 
 def exec_program(path: str, argv: Sequence[str], env: Dict[bytes, bytes], grant: Grant) -> NoReturn:

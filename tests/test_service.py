@@ -25,12 +25,13 @@ pytestmark = [pytest.mark.root, root_only]
 class Served:
     """An install with its service running (as root) and a wrapped stand-in program."""
 
-    def __init__(self, inst: MuInstall) -> None:
+    def __init__(self, inst: MuInstall, **extra: str) -> None:
+        """EXTRA: the service's environment beyond the install's (PATH, SLURM_CONF)."""
         self.inst = inst
         self.link = inst.wrap("recon")
         self.sock = inst.layout.runtime_dir / "cudawrap.sock"
         code = CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main")
-        self.proc = inst.start(None, inst.world.python, "-I", "-c", code, "serve")
+        self.proc = inst.start(None, inst.world.python, "-I", "-c", code, "serve", **extra)
         line = self.proc.stdout.readline().decode()
         assert "listening on" in line, line + self.proc.stderr.read().decode()
 

@@ -15,13 +15,15 @@ still lists the node-wide indices, cudawrap translates the job's indices through
 GPUs numbered from 0, the indices are used as they are.
 
 A user can set these variables by hand; that gives nothing a ``CUDA_VISIBLE_DEVICES`` of
-their choosing would not, and touches no one else's leases.
+their choosing would not, and touches no one else's leases. The service does not believe
+them: it reads the job from the client's cgroup and its GPUs from Slurm (ops/slurmjob.py),
+and what the client says only narrows those.
 """
 from __future__ import annotations
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Collection, List, Mapping, Optional
+    from typing import Any, Collection, Iterable, List, Mapping, Optional
 
 CVD = "CUDA_VISIBLE_DEVICES"
 
@@ -76,6 +78,12 @@ class SlurmJob:
         tokens = (",".join(local) if self.cvd is None else self.cvd).split(",")
         # An index outside the job becomes "-", which ends the list as CUDA ends it at an invalid entry.
         return ",".join(t if _index(t) is None else to_nvml.get(_index(t), "-") for t in tokens)
+
+
+def uuids_of(devices: Iterable[Any], indices: Collection[int]) -> List[str]:
+    """The UUIDs of DEVICES (an inventory's, MIG instances included) on the GPUs of Slurm's
+    node-wide INDICES, which are NVML's (gres.conf order, above)."""
+    return [d.uuid for d in devices if d.gpu_index in indices]
 
 
 def within_job(environ: Mapping[str, str]) -> Optional[SlurmJob]:

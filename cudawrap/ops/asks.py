@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, Optional
+from typing import Any, Dict, FrozenSet, List, Optional
 
 from ..devices.model import Inventory
-from ..errors import SetupError, UsageError
+from ..errors import NoDeviceError, SetupError, UsageError
 from ..sched.schedule import Waiter
+from .slurmjob import JobGpus
 
 MAX_COUNT = 999  # as the queue's names allow
 
@@ -49,10 +50,11 @@ def _number(fields: Dict[str, str], key: str, default: str) -> float:
 
 
 def read(root: str, inventory: Inventory, fields: Dict[str, str], link: Optional[str], uid: int,
-         present: FrozenSet[str]) -> Ask:
+         present: FrozenSet[str], job: Optional[JobGpus] = None) -> Ask:
     """The Ask of FIELDS from UID running LINK (None: not a wrapped program); CudawrapError
     (with the exit status the client passes on) when it can never be met or is malformed.
-    PRESENT: the devices that have lease files."""
+    PRESENT: the devices that have lease files. JOB: the GPUs of the Slurm job the client
+    runs in, as Slurm says (None outside one)."""
     from ..sched import candidates as narrow
     from ..policy import effective as policy
 
@@ -72,6 +74,8 @@ def read(root: str, inventory: Inventory, fields: Dict[str, str], link: Optional
     if preset is not None and not preset.strip():
         raise UsageError("CUDA_VISIBLE_DEVICES is empty: this run asks for no device")
     candidates = narrow.usable(inventory, value, allow, preset, count, fields.get("order"))
+    if job is not None:
+        candidates = _in_job(inventory, candidates, job, count, preset is not None)
     narrow.limits_of(value, count, uid)
     usable = frozenset(d.uuid for d in candidates if d.uuid in present)
     if len(usable) < count:
@@ -82,6 +86,25 @@ def read(root: str, inventory: Inventory, fields: Dict[str, str], link: Optional
     return Ask(count, wait, None if usable >= everything else usable, value["placement"],
                float(value.get("reserve_after", 300.0)), int(value.get("min_free_memory_mib", 0)),
                int(value.get("max_utilization", 100)), link or "")
+
+
+def _in_job(inventory: Inventory, candidates: List[Any], job: JobGpus, count: int, narrowed: bool) -> List[Any]:
+    """CANDIDATES on JOB's GPUs: what the client says (CUDA_VISIBLE_DEVICES, Slurm's variables
+    as it read them) narrows Slurm's word, never widens it."""
+    from ..devices.slurm import uuids_of
+
+    mine = set(uuids_of(inventory.devices, job.indices))
+    kept = [d for d in candidates if d.uuid in mine]
+    if len(kept) >= count:
+        return kept
+    hint = f"a run in a Slurm job gets only its job's GPUs (`scontrol show job -d {job.job_id}` lists them)"
+    if not mine:
+        raise NoDeviceError(f"Slurm job {job.job_id} has no GPU on this machine",
+                            hint="submit with --gres=gpu:N")
+    why = ", narrowed by CUDA_VISIBLE_DEVICES" if narrowed else ""
+    raise NoDeviceError(f"{count} device{'s' if count > 1 else ''} asked for, but only {len(kept)} can be used "
+                        f"here (Slurm job {job.job_id} has {len(mine)} device{'s' if len(mine) > 1 else ''} on "
+                        f"this machine{why})", hint=hint)
 
 
 def arrival_key(pid: int) -> "tuple[str, float]":

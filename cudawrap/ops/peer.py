@@ -31,6 +31,16 @@ class Peer:
     gid: int
     pidfd: int  # -1: none (a kernel without pidfds)
 
+    def alive(self) -> bool:
+        """Whether the process is still running (assumed so without a pidfd)."""
+        if self.pidfd < 0:
+            return True
+        import select
+
+        poll = select.poll()
+        poll.register(self.pidfd, select.POLLIN)  # readable once the process has exited
+        return not poll.poll(0)
+
     def close(self) -> None:
         if self.pidfd >= 0:
             os.close(self.pidfd)

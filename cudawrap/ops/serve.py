@@ -4,7 +4,8 @@ One thread, one poll loop: a connection costs a descriptor and a few hundred byt
 client nothing (it blocks on its socket). A decision is made when something it depends on
 changed (a request, a grant taken or void, a client gone, a lease file closed, the queue
 directory changed) and at least every TICK_S while anyone waits (NVML has no events), never
-more often than MIN_GAP_S. Whatever a client sends, the worst it gets is one error line and
+more often than MIN_GAP_S; asking Slurm for a client's job's GPUs (it may block) runs on worker
+threads (slurmjob.Lookups). Whatever a client sends, the worst it gets is one error line and
 a closed connection; a user may keep at most max_connections connections open, and one that
 does not send its request within HELLO_S is closed.
 """
@@ -16,7 +17,7 @@ import selectors
 import signal
 import socket
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .. import locations as loc
 from .. import wire
@@ -24,9 +25,10 @@ from .cancel import CANCELLED_EXIT
 from ..errors import CudawrapError, SetupError
 from ..sched.schedule import GRANTED, Verdict, Waiter
 from ..users import user_name
-from . import asks, peer
+from . import asks, peer, slurmjob
 from .grants import Grants, Held
 from .line import Line
+from .slurmjob import JobCgroup, JobGpus
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +54,16 @@ class Client:
         self.reader = wire.Reader()
         self.hello_by = time.monotonic() + HELLO_S
         self.ask: Optional[asks.Ask] = None
+        self.resolving: Optional[Tuple[JobCgroup, Dict[str, str]]] = None  # its Slurm job's GPUs being asked
+        self.arrival = ("", 0.0)
         self.waiter: Optional[Waiter] = None
         self.wait_until = float("inf")
         self.told = ""
+
+    @property
+    def fresh(self) -> bool:
+        """Connected, and has asked nothing yet."""
+        return self.ask is None and self.resolving is None
 
     def send(self, verb: str, fields: Dict[str, str]) -> bool:
         try:
@@ -94,6 +103,8 @@ class Service:
         self.last_decision = 0.0
         self.listener = self._listen()
         self.watch = self._watch()
+        self.jobs = slurmjob.Lookups()  # Slurm is asked off the loop: it may block
+        self.selector.register(self.jobs.fileno(), selectors.EVENT_READ, "slurm")
         self._adopt()
 
     # -- setting up -------------------------------------------------------------------------
@@ -190,7 +201,7 @@ class Service:
 
     def _timeout(self) -> float:
         now = time.monotonic()
-        times = [c.hello_by for c in self.clients.values() if c.ask is None]
+        times = [c.hello_by for c in self.clients.values() if c.fresh]
         times += [p.deadline for p in self.grants.pending.values()]
         if self._waiting():
             times.append(now + TICK_S)
@@ -210,12 +221,14 @@ class Service:
                 self._accept()
             elif key.data == "watch":
                 self._events()
+            elif key.data == "slurm":
+                self._resolved()
             elif isinstance(key.data, Held):
                 self._exited(key.data)
             else:
                 self._readable(key.data)
         now = time.monotonic()
-        for client in [c for c in self.clients.values() if c.ask is None and c.hello_by <= now]:
+        for client in [c for c in self.clients.values() if c.fresh and c.hello_by <= now]:
             self._drop(client)  # connected and never asked: its slot goes to others
         for key in self.grants.expired(now):
             self.grants.void(key)
@@ -292,9 +305,9 @@ class Service:
             self._handle(client, verb, fields)
 
     def _handle(self, client: Client, verb: str, fields: Dict[str, str]) -> None:
-        if verb == wire.REQUEST and client.ask is None:
+        if verb == wire.REQUEST and client.fresh:
             self._request(client, fields)
-        elif verb in (wire.STATUS, wire.CANCEL) and client.ask is None:
+        elif verb in (wire.STATUS, wire.CANCEL) and client.fresh:
             self._question(client, verb, fields)
         elif verb == wire.HELD and client.waiter is not None:
             self._held(client)
@@ -305,15 +318,45 @@ class Service:
             self._fail(client, os.EX_PROTOCOL, f"the cudawrap service: a {verb} message out of turn")
 
     def _request(self, client: Client, fields: Dict[str, str]) -> None:
+        client.arrival = asks.arrival_key(client.peer.pid)  # its place in line: when it asked
+        try:
+            job = slurmjob.job_of(client.peer.pid)
+        except CudawrapError as exc:
+            self._fail(client, exc.exit_code, exc.message, exc.hint or "")
+            return
+        if not client.peer.alive():
+            self._drop(client)  # its pid may be another's now: what /proc said is not the client's
+            return
+        known = self.jobs.get(job) if job is not None else None
+        if job is not None and known is None:
+            client.resolving = (job, fields)  # Slurm answers on a worker; others are served meanwhile
+            return
+        self._ask(client, fields, known)
+
+    def _resolved(self) -> None:
+        """Slurm answered for some jobs: their waiting requests go on, or fail with its error."""
+        for job_id, outcome in self.jobs.ready():
+            _say(str(outcome))  # "Slurm job 12: GPUs 0,1 here", or why Slurm could not say
+            for client in [c for c in self.clients.values()
+                           if c.resolving is not None and c.resolving[0].job_id == job_id]:
+                assert client.resolving is not None
+                fields, client.resolving = client.resolving[1], None
+                if isinstance(outcome, CudawrapError):
+                    self._fail(client, outcome.exit_code, outcome.message, outcome.hint or "")
+                else:
+                    self._ask(client, fields, outcome)
+
+    def _ask(self, client: Client, fields: Dict[str, str], job: Optional[JobGpus]) -> None:
+        """Read CLIENT's request (JOB: its Slurm job's GPUs, Slurm's word) and put it in line."""
         if self.line.changed():
             self.line.load()
         try:
             link = peer.program(client.peer.pid, self.root)
-            ask = asks.read(self.root, self.line.inventory, fields, link, client.peer.uid, self.line.present)
+            ask = asks.read(self.root, self.line.inventory, fields, link, client.peer.uid, self.line.present, job)
         except CudawrapError as exc:
             self._fail(client, exc.exit_code, exc.message, exc.hint or "")
             return
-        key, arrival = asks.arrival_key(client.peer.pid)
+        key, arrival = client.arrival
         client.ask = ask
         client.waiter = ask.waiter(key, client.peer.uid, client.peer.pid, arrival)
         client.wait_until = time.monotonic() + ask.wait
