@@ -356,8 +356,9 @@ class _Run:
 
     def _acquirer(self, leases: LeaseFiles, source: Any, inventory: Any, unread: bool, candidates: List[Any],
                   checked_at: float, limits: Dict[str, Any]) -> Any:
-        from .policy.effective import UNFILTERED, queue_bounds
+        from .policy.effective import queue_bounds
         from .sched.acquirer import Acquirer
+        from .sched.request import Request
         from .sched.candidates import drained_now
         from .sched.queue import WaitQueue
 
@@ -368,13 +369,10 @@ class _Run:
 
             limit_of = lambda uid: limit_for(uid, limits)  # noqa: E731 - one call, bound here
         return Acquirer(
-            leases, WaitQueue(loc.under(root, loc.QUEUE_DIR)), candidates, inventory.devices, self.count,
-            placement=value["placement"], foreign=value["foreign"],
+            leases, WaitQueue(loc.under(root, loc.QUEUE_DIR)), candidates, inventory.devices,
+            Request.of(value, self.count, self.share), foreign=value["foreign"],
             busy_memory_mib=value["busy_memory_mib"], refresh=source.refresh, checked_at=checked_at,
-            reserve_after=value.get("reserve_after", 300.0), limit_of=limit_of,
-            min_free_mib=value.get("min_free_memory_mib", UNFILTERED["min_free_memory_mib"]),
-            max_util=value.get("max_utilization", UNFILTERED["max_utilization"]),
-            drained=drained_now(root, inventory), share=self.share, sharing=self.sharing,
+            limit_of=limit_of, drained=drained_now(root, inventory), sharing=self.sharing,
             unread=[d.uuid for d in candidates] if unread else (), root=root,
             snapshot=source.snapshot, admin=lambda: queue_bounds(root))
 

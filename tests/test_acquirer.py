@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from cudawrap.sched.request import Request
+from schedfix import make_waiter
 from cudawrap.sched.run import acquire
 from cudawrap.sched.acquirer import Acquirer
 from cudawrap.devices.model import Device
@@ -31,7 +33,7 @@ def runtime(tmp_path: Path) -> Layout:
 def test_a_waiter_rereads_what_aged_while_it_slept(runtime: Layout) -> None:
     """The job seen on the device when the waiter queued has ended by its turn: no stale wait."""
     queue = WaitQueue(str(runtime.queue_dir))
-    ahead = queue.enqueue(1, "spread", None, 300.0, b"pid=1\n")  # someone queued before us
+    ahead = queue.enqueue(Request(1), b"pid=1\n")  # someone queued before us
     seen_busy = Device(UUID, "H100", UUID, 0, None, 80000, 4000, (4242,))
     now_free = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
     reads = []
@@ -41,7 +43,7 @@ def test_a_waiter_rereads_what_aged_while_it_slept(runtime: Layout) -> None:
         reads.append((device.uuid, bool(left)))
         return now_free
 
-    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [seen_busy], [seen_busy], 1,
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [seen_busy], [seen_busy], Request(1),
                         refresh=refresh)
     leave = threading.Timer(0.1, lambda: (left.append(1), queue.leave(ahead)))
     leave.start()
@@ -60,7 +62,7 @@ def test_taking_several_is_all_or_nothing(runtime: Layout) -> None:
     queue = WaitQueue(str(runtime.queue_dir))
     holder = LeaseFiles(str(runtime.lease_dir))
     assert holder.try_lock(other)
-    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, devices, devices, 2)
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, devices, devices, Request(2))
     with pytest.raises(NoDeviceError, match="1 usable device free, 1 more needed"):
         acquire(acquirer, 0, b"pid=2\n")
     # The free one was not kept: someone else can take it now.
@@ -74,14 +76,14 @@ def test_a_stale_lock_table_never_removes_a_live_entry(runtime: Layout, monkeypa
     import cudawrap.sched.queue as waitqueue
 
     queue = WaitQueue(str(runtime.queue_dir))
-    entry = queue.enqueue(1, "spread", None, 300.0, b"pid=1\n")
+    entry = queue.enqueue(Request(1), b"pid=1\n")
     monkeypatch.setattr(waitqueue, "lock_table", lambda: {})
     assert WaitQueue(str(runtime.queue_dir)).scan().waiters == []  # unseen this time...
     assert os.path.exists(entry.path)  # ...but not removed
     monkeypatch.undo()
     assert [w.key for w in WaitQueue(str(runtime.queue_dir)).scan().waiters] == [entry.name]
     queue.leave(entry)
-    dead = queue.enqueue(1, "spread", None, 300.0, b"pid=1\n")
+    dead = queue.enqueue(Request(1), b"pid=1\n")
     os.close(dead.fd)  # its owner died: no lock, the next scan removes it
     assert WaitQueue(str(runtime.queue_dir)).scan().waiters == [] and not os.path.exists(dead.path)
 
@@ -91,7 +93,7 @@ def test_each_user_may_have_a_bounded_number_of_waiting_runs(runtime: Layout) ->
 
     queue = WaitQueue(str(runtime.queue_dir))
     with pytest.raises(NoDeviceError, match=f"you already have {MAX_ENTRIES_PER_USER} runs waiting"):
-        queue.enqueue(1, "spread", None, 300.0, b"", mine=MAX_ENTRIES_PER_USER)
+        queue.enqueue(Request(1), b"", mine=MAX_ENTRIES_PER_USER)
     assert os.listdir(runtime.queue_dir) == []
 
 
@@ -107,7 +109,7 @@ def test_a_stale_snapshot_listing_the_job_that_held_the_lease_does_not_keep_it_b
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     job.stdout.readline()
     snapshot = Device(UUID, "H100", UUID, 0, None, 80000, 4000, (job.pid,))
-    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [snapshot], [snapshot], 1,
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [snapshot], [snapshot], Request(1),
                         refresh=lambda device: snapshot)
     ends = threading.Timer(0.3, job.stdin.close)
     ends.start()
@@ -117,7 +119,7 @@ def test_a_stale_snapshot_listing_the_job_that_held_the_lease_does_not_keep_it_b
     assert lease.uuids == [UUID]
     lease.release()
     # The same snapshot to a run that never saw that pid hold the lease: busy.
-    other = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [snapshot], [snapshot], 1,
+    other = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [snapshot], [snapshot], Request(1),
                      refresh=lambda device: snapshot)
     with pytest.raises(NoDeviceError):
         acquire(other, 0.3, b"pid=3\n")
@@ -130,7 +132,7 @@ def test_an_observer_sees_each_decision_and_a_waiter_decides_again_when_the_line
     from cudawrap.sched.schedule import GRANTED
 
     queue = WaitQueue(str(runtime.queue_dir))
-    ahead = queue.enqueue(1, "spread", None, 300.0, b"pid=1\n")
+    ahead = queue.enqueue(Request(1), b"pid=1\n")
     device = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
     seen: list = []
 
@@ -139,7 +141,7 @@ def test_an_observer_sees_each_decision_and_a_waiter_decides_again_when_the_line
         if decision.cause == Decision.ARRIVAL:
             queue.leave(ahead)  # the line moves only once the newcomer has decided to queue
 
-    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], 1,
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], Request(1),
                         refresh=lambda d: d, observe=observe)
     lease = acquire(acquirer, 60.0, b"pid=2\n")
     assert lease.uuids == [UUID]
@@ -162,7 +164,7 @@ def test_the_wait_is_timed_by_the_injected_clock(runtime: Layout) -> None:
             offset[0] = 3600.0
 
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), [device], [device],
-                        1, refresh=lambda d: d, clock=lambda: 1000.0 + offset[0], observe=observe)
+                        Request(1), refresh=lambda d: d, clock=lambda: 1000.0 + offset[0], observe=observe)
     with pytest.raises(NoDeviceError, match="no device within 60 s"):
         acquire(acquirer, 60.0, b"pid=2\n")
     assert os.listdir(runtime.queue_dir) == []  # it left the line
@@ -176,7 +178,7 @@ def test_the_debug_trace_is_an_observer_of_the_decisions_made_while_waiting(
     from cudawrap.sched.schedule import GRANTED, Verdict
 
     monkeypatch.setenv("CUDAWRAP_DEBUG", "1")
-    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), [], [], 1)
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), [], [], Request(1))
     assert acquirer.observers == [trace]
     trace(Decision(Decision.LOOK, "1.a", {"1.a": Verdict(GRANTED, 0, "", (UUID,))}, [UUID], ["1.b"]))
     trace(Decision(Decision.ARRIVAL, "~", {"~": Verdict(GRANTED, 0, "", (UUID,))}, [UUID], []))
@@ -194,10 +196,10 @@ def test_the_machine_view_decides_for_the_queue_without_a_run_of_its_own(runtime
     assert holder.try_lock(UUID)
     device = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
     queue = WaitQueue(str(runtime.queue_dir))
-    entry = queue.enqueue(1, "spread", None, 300.0, b"pid=1\n")
+    entry = queue.enqueue(Request(1), b"pid=1\n")
     scan = queue.scan()
     view = MachineView(LeaseFiles(str(runtime.lease_dir)), [device], [device])
-    mine = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], 1)
+    mine = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], Request(1))
     theirs, free = view.decide(scan, None, queued=True)
     assert free == [] and theirs[entry.name].kind != GRANTED
     assert theirs[entry.name].text == mine.decide(scan, None, queued=True)[0][entry.name].text
@@ -211,17 +213,15 @@ def test_a_probe_seen_in_the_lock_table_holds_no_device_for_anyone(runtime: Layo
     the device is free and counts for nobody's turn (read as a share, it gave its prober's
     user a device, and the next turn to someone else)."""
     from cudawrap.sched.queue import Scan
-    from cudawrap.sched.schedule import Waiter
-
     other = "GPU-00000000-aaaa-bbbb-cccc-000000000002"
     sync_lease_files(str(runtime.lease_dir), [UUID, other])
     devices = [Device(u, "H100", u, i, None, 80000, 0, ()) for i, u in enumerate((UUID, other))]
     leases = LeaseFiles(str(runtime.lease_dir))
-    acquirer = Acquirer(leases, WaitQueue(str(runtime.queue_dir)), devices, devices, 1)
+    acquirer = Acquirer(leases, WaitQueue(str(runtime.queue_dir)), devices, devices, Request(1))
     probe = {leases.ident(other): [(os.getpid(), False)]}
     free, held, _busy, _shares = acquirer.machine(probe)
     assert other in free and held == {}
-    me = Waiter("1.me", os.getuid(), os.getpid(), 1, None)
+    me = make_waiter("1.me", os.getuid(), os.getpid(), 1, None)
     verdicts, free = acquirer.decide(Scan([], probe, {}), me, queued=False)
     assert verdicts["1.me"].kind == "granted" and set(free) == {UUID, other}
 
@@ -230,11 +230,11 @@ def _behind(runtime: Layout, n: int):  # type: ignore[no-untyped-def]
     """N runs queued, the one device held: (the queue, their entries, the holder, an
     acquirer for a run that will wait behind them)."""
     queue = WaitQueue(str(runtime.queue_dir))
-    ahead = [queue.enqueue(1, "spread", None, 300.0, b"pid=1\n") for _ in range(n)]
+    ahead = [queue.enqueue(Request(1), b"pid=1\n") for _ in range(n)]
     device = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
     holder = LeaseFiles(str(runtime.lease_dir))
     assert holder.try_lock(UUID)
-    return queue, ahead, holder, Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], 1)
+    return queue, ahead, holder, Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], Request(1))
 
 
 def test_a_run_behind_the_watchers_moves_up_without_a_poke(runtime: Layout) -> None:

@@ -14,6 +14,7 @@ from typing import Tuple
 
 from corefix import ready_line, wait_for
 
+from cudawrap.sched.request import Request
 from cudawrap.sched.waiting import NEAR
 from cudawrap.sched.farwait import FarWait
 from cudawrap.sched.queue import WaitQueue
@@ -163,9 +164,9 @@ def test_farwait_is_signalled_by_removals_and_writes_not_arrivals(tmp_path):  # 
     far = FarWait(str(queue))
     try:
         assert far.notified and not far.moved()
-        entry = q.enqueue(1, "spread", None, 300.0, b"")  # linked into place unnamed: no removal
+        entry = q.enqueue(Request(1), b"")  # linked into place unnamed: no removal
         assert not far.moved()
-        other = q.enqueue(1, "spread", None, 300.0, b"")
+        other = q.enqueue(Request(1), b"")
         with open(other.path, "a") as f:  # what `cudawrap cancel` does
             f.write("cancel=root\n")
         assert far.moved() and not far.moved()

@@ -10,6 +10,7 @@ from typing import Callable, Dict, List
 
 import pytest
 
+from cudawrap.sched.request import Request
 from cudawrap.sched.run import acquire
 from cudawrap.devices import nvml, snapshot
 from cudawrap.sched.acquirer import Acquirer
@@ -50,7 +51,7 @@ class Waiter:
             self.reads.append(d.uuid)
             return refresh(d)
 
-        self.acquirer = Acquirer(LeaseFiles(str(inst.layout.lease_dir)), self.queue, [device], [device], 1,
+        self.acquirer = Acquirer(LeaseFiles(str(inst.layout.lease_dir)), self.queue, [device], [device], Request(1),
                                  refresh=counted, snapshot=watched or None)
         self.thread = threading.Thread(target=self._run)
         self.thread.start()

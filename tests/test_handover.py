@@ -19,6 +19,8 @@ from typing import List
 
 import pytest
 
+from cudawrap.sched.request import Request
+from schedfix import make_waiter
 from cudawrap.sched.run import acquire
 from cudawrap.sched.decision import UNKNOWN_HOLDER, WATCHERS
 from cudawrap.sched import queue as waitqueue
@@ -84,7 +86,7 @@ def devices() -> List[Device]:
 
 def waiter(runtime: Layout, out: list) -> threading.Thread:
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), devices(),
-                        devices(), 1, refresh=lambda d: d)
+                        devices(), Request(1), refresh=lambda d: d)
 
     def run() -> None:
         lease = acquire(acquirer, 10.0, b"pid=1\n")
@@ -155,17 +157,15 @@ def test_devices_taken_since_the_look_are_counted_for_the_runs_that_left_and_sti
     a1 and b1 left the queue, each having taken a device; a1's job has ended since (its
     device is free again) and b1's holds the other. The device b1 holds is b1's, not the
     dead a1's (which would count one device for a1's user and none for b1's)."""
-    from cudawrap.sched.schedule import Waiter
-
     dead = subprocess.Popen(["true"])
     dead.wait()
     b1 = hold(f"{runtime.lease_dir}/{UUIDS[1]}")
     files = LeaseFiles(str(runtime.lease_dir))
     idents = [files.ident(u) for u in UUIDS]
-    acquirer = Acquirer(files, WaitQueue(str(runtime.queue_dir)), devices(), devices(), 1, refresh=lambda d: d)
+    acquirer = Acquirer(files, WaitQueue(str(runtime.queue_dir)), devices(), devices(), Request(1), refresh=lambda d: d)
 
-    def waiter(key: str, pid: int) -> Waiter:
-        return Waiter(key, os.geteuid(), pid, 1, None, "spread", 300.0, time.time(), "?", 0, 100, False)
+    def waiter(key: str, pid: int):  # type: ignore[no-untyped-def]
+        return make_waiter(key, os.geteuid(), pid, 1, None, "spread", 300.0, time.time(), "?", 0, 100, False)
 
     me = waiter("a3", os.getpid())
     # The last look: both devices held by jobs that have ended since (dead pids).
@@ -217,14 +217,12 @@ def test_probes_of_a_lease_do_not_meet_and_a_holder_is_seen(runtime: Layout) -> 
 
 def amend_case(runtime: Layout, slots: int = 1):  # type: ignore[no-untyped-def]
     """An acquirer, its lease files' idents, and a helper making Waiters."""
-    from cudawrap.sched.schedule import Waiter
-
     files = LeaseFiles(str(runtime.lease_dir))
-    acquirer = Acquirer(files, WaitQueue(str(runtime.queue_dir)), devices(), devices(), 1, refresh=lambda d: d)
+    acquirer = Acquirer(files, WaitQueue(str(runtime.queue_dir)), devices(), devices(), Request(1), refresh=lambda d: d)
     acquirer.slots = {u: slots for u in UUIDS}
 
-    def waiter(key: str, pid: int) -> Waiter:
-        return Waiter(key, os.geteuid(), pid, 1, None, "spread", 300.0, time.time(), "?", 0, 100, False)
+    def waiter(key: str, pid: int):  # type: ignore[no-untyped-def]
+        return make_waiter(key, os.geteuid(), pid, 1, None, "spread", 300.0, time.time(), "?", 0, 100, False)
 
     return acquirer, [files.ident(u) for u in UUIDS], waiter
 
@@ -426,7 +424,7 @@ def test_a_run_leaving_wakes_everyone_it_moves_into_the_watching_places(
     poked: list = []
     monkeypatch.setattr(module, "poke", poked.append)
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), devices(),
-                        devices(), 1, refresh=lambda d: d)
+                        devices(), Request(1), refresh=lambda d: d)
     hand_over(acquirer, verdicts, look, "w00")
     assert sorted(poked) == [f"/queue/w{i:02d}" for i in range(module.WATCHERS, module.WATCHERS + 7)]
     # Alone in its turn, it wakes the next in line only.

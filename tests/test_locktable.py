@@ -14,6 +14,7 @@ from typing import List
 
 import pytest
 
+from cudawrap.sched.request import Request
 from cudawrap.sched import queue as waitqueue
 from cudawrap.install.installation import prepare_runtime
 from cudawrap.lease.files import _lock_fields, _read_locks, lock_table
@@ -78,9 +79,9 @@ def test_a_waiter_missing_from_the_lock_table_still_sees_itself_at_its_place(
     layout = Layout(tmp_path)
     prepare_runtime(layout)
     queue = WaitQueue(str(layout.queue_dir))
-    first = queue.enqueue(1, "spread", None, 300.0, b"pid=1\n")
+    first = queue.enqueue(Request(1), b"pid=1\n")
     time.sleep(0.002)
-    second = WaitQueue(str(layout.queue_dir)).enqueue(1, "spread", None, 300.0, b"pid=1\n")
+    second = WaitQueue(str(layout.queue_dir)).enqueue(Request(1), b"pid=1\n")
     monkeypatch.setattr(waitqueue, "lock_table", lambda: {})
     try:
         assert [w.key for w in queue.scan(mine=first.name).waiters] == [first.name]

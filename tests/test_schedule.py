@@ -8,6 +8,7 @@ from typing import Dict, List, Optional
 
 from hypothesis import given, settings, strategies as st
 
+from schedfix import make_waiter
 from cudawrap.sched.schedule import BUSY, GRANTED, LIMIT, RESERVED, RESERVING, Bounds, Waiter, decide, order
 
 DEVICES = [f"GPU-{i}" for i in range(6)]
@@ -60,7 +61,7 @@ def situations(draw):  # type: ignore[no-untyped-def]
     for i in range(n):
         narrowed = draw(st.booleans())
         candidates = frozenset(draw(st.lists(st.sampled_from(DEVICES), min_size=1, unique=True))) if narrowed else None
-        waiters.append(Waiter(
+        waiters.append(make_waiter(
             key=f"{i:04d}", uid=draw(st.integers(0, 3)), pid=1000 + i, count=draw(st.integers(1, 3)),
             candidates=candidates, reserve_after=draw(st.sampled_from([5.0, 50.0, float("inf")])),
             arrival=float(draw(st.integers(0, 60)))))
@@ -87,7 +88,7 @@ def test_grants_equal_the_reference_model(case) -> None:  # type: ignore[no-unty
 def test_every_verdict_is_true_and_nothing_is_given_twice(case, parent_of, placement) -> None:  # type: ignore[no-untyped-def]
     waiters, free, held, limits = case
     for w in waiters:
-        w.placement = placement
+        w.request = w.request.replace(placement=placement)
     parents = {d: f"GPU-parent-{parent_of[i]}" for i, d in enumerate(DEVICES)}
     busy = {d for d in DEVICES if d not in free}
     verdicts = decide(waiters, free, held, limits, 60.0, parents, busy)
@@ -124,8 +125,8 @@ def test_every_verdict_is_true_and_nothing_is_given_twice(case, parent_of, place
 
 def test_users_take_turns_whatever_the_arrival_order() -> None:
     # alice queued five runs before bob's one; both hold one device; one device frees.
-    waiters = [Waiter(f"a{i}", 1, i, 1, None, arrival=i) for i in range(5)]
-    waiters.append(Waiter("b0", 2, 9, 1, None, arrival=10))
+    waiters = [make_waiter(f"a{i}", 1, i, 1, None, arrival=i) for i in range(5)]
+    waiters.append(make_waiter("b0", 2, 9, 1, None, arrival=10))
     verdicts = decide(waiters, ["GPU-0"], {1: 1, 2: 0}, {}, now=20)
     assert verdicts["b0"].kind == GRANTED
     # Then the turns alternate from the fewest held: bob, alice, alice...
@@ -133,16 +134,16 @@ def test_users_take_turns_whatever_the_arrival_order() -> None:
 
 
 def test_a_large_run_does_not_idle_a_device_a_small_one_can_use() -> None:
-    big = Waiter("0", 1, 1, 4, None, arrival=0)
-    small = Waiter("1", 2, 2, 1, None, arrival=1)
+    big = make_waiter("0", 1, 1, 4, None, arrival=0)
+    small = make_waiter("1", 2, 2, 1, None, arrival=1)
     verdicts = decide([big, small], ["GPU-0"], {}, {}, now=2)
     assert verdicts["1"].kind == GRANTED and verdicts["0"].kind == BUSY
     assert "1 usable device free, 3 more needed" in verdicts["0"].text
 
 
 def test_after_reserve_after_free_devices_are_kept_for_the_large_run() -> None:
-    big = Waiter("0", 1, 1, 4, None, arrival=0, reserve_after=300)
-    small = Waiter("1", 2, 2, 1, None, arrival=400)
+    big = make_waiter("0", 1, 1, 4, None, arrival=0, reserve_after=300)
+    small = make_waiter("1", 2, 2, 1, None, arrival=400)
     verdicts = decide([big, small], ["GPU-0", "GPU-1"], {}, {}, now=401)
     assert verdicts["0"].kind == RESERVING and verdicts["1"].kind == RESERVED
     assert "2 free devices kept for this run, waiting for 2 more" in verdicts["0"].text
@@ -150,8 +151,8 @@ def test_after_reserve_after_free_devices_are_kept_for_the_large_run() -> None:
 
 
 def test_a_user_at_the_limit_waits_and_says_so_and_others_pass() -> None:
-    alice = Waiter("0", 1, 1, 1, None, arrival=0)
-    bob = Waiter("1", 2, 2, 1, None, arrival=1)
+    alice = make_waiter("0", 1, 1, 1, None, arrival=0)
+    bob = make_waiter("1", 2, 2, 1, None, arrival=1)
     verdicts = decide([alice, bob], ["GPU-0"], {1: 2}, {1: 2}, now=2)
     assert verdicts["0"].kind == LIMIT and verdicts["1"].kind == GRANTED
     assert verdicts["0"].text == "you hold 2 devices, your limit is 2; waiting for one of yours to end"
@@ -160,8 +161,8 @@ def test_a_user_at_the_limit_waits_and_says_so_and_others_pass() -> None:
 def test_an_entry_claiming_no_reserve_after_waits_the_admins_shortest() -> None:
     """Queue jumping: an entry claiming reserve_after 0 (written by hand, or by the API with
     its own settings) is reserved for only after the config's shortest reserve_after."""
-    forged = Waiter("0", 1, 1, 4, None, arrival=0, reserve_after=0)
-    other = Waiter("1", 2, 2, 1, None, arrival=100)
+    forged = make_waiter("0", 1, 1, 4, None, arrival=0, reserve_after=0)
+    other = make_waiter("1", 2, 2, 1, None, arrival=100)
     devices = frozenset(DEVICES[:4])
     verdicts = decide([forged, other], ["GPU-0", "GPU-1"], {}, {}, now=10, bounds=Bounds(300, 64, devices))
     assert verdicts["1"].kind == GRANTED and verdicts["0"].kind == BUSY
@@ -171,7 +172,7 @@ def test_an_entry_claiming_no_reserve_after_waits_the_admins_shortest() -> None:
     assert verdicts["0"].kind == RESERVING and verdicts["1"].kind == RESERVED
     assert verdicts["0"].text.startswith("waited over 300 s:")
     # A longer claim stands (an admin's per-program value).
-    patient = Waiter("0", 1, 1, 4, None, arrival=0, reserve_after=600)
+    patient = make_waiter("0", 1, 1, 4, None, arrival=0, reserve_after=600)
     assert decide([patient, other], ["GPU-0"], {}, {}, now=301, bounds=Bounds(300, 64, devices))["1"].kind == GRANTED
 
 
@@ -179,17 +180,17 @@ def test_a_count_that_can_never_be_met_reserves_nothing() -> None:
     """999 devices (or more than any run may ask for, or than exist among those it may
     use) keep nothing idle, however long the run has waited."""
     devices = frozenset(DEVICES[:4])
-    impossible = [Waiter("0", 1, 1, 999, None, arrival=0, reserve_after=0),
-                  Waiter("0", 1, 1, 4, None, arrival=0, reserve_after=0),  # above max_gpus 3
-                  Waiter("0", 1, 1, 3, frozenset(["GPU-0", "GPU-1", "GPU-9"]), arrival=0, reserve_after=0)]
+    impossible = [make_waiter("0", 1, 1, 999, None, arrival=0, reserve_after=0),
+                  make_waiter("0", 1, 1, 4, None, arrival=0, reserve_after=0),  # above max_gpus 3
+                  make_waiter("0", 1, 1, 3, frozenset(["GPU-0", "GPU-1", "GPU-9"]), arrival=0, reserve_after=0)]
     for w in impossible:
-        other = Waiter("1", 2, 2, 1, None, arrival=999)
+        other = make_waiter("1", 2, 2, 1, None, arrival=999)
         verdicts = decide([w, other], ["GPU-0", "GPU-1"], {}, {}, now=1000, bounds=Bounds(300, 3, devices))
         assert verdicts["1"].kind == GRANTED and verdicts["0"].kind == BUSY, w
         assert "position" in verdicts["0"].text
     # The same run within the bounds has devices kept for it.
-    possible = Waiter("0", 1, 1, 3, None, arrival=0, reserve_after=0)
-    verdicts = decide([possible, Waiter("1", 2, 2, 1, None, arrival=999)], ["GPU-0", "GPU-1"], {}, {},
+    possible = make_waiter("0", 1, 1, 3, None, arrival=0, reserve_after=0)
+    verdicts = decide([possible, make_waiter("1", 2, 2, 1, None, arrival=999)], ["GPU-0", "GPU-1"], {}, {},
                       now=1000, bounds=Bounds(300, 3, devices))
     assert verdicts["0"].kind == RESERVING and verdicts["1"].kind == RESERVED
 
@@ -202,7 +203,7 @@ def _stream(reserve_after: float) -> Optional[float]:
     rnd = random.Random(7)
     # The machine starts full, its devices freeing at different moments.
     running: Dict[str, tuple] = {f"r{i}": (1 + i % 2, (d,), 1.3 * (i + 1)) for i, d in enumerate(DEVICES[:4])}
-    waiting = [Waiter("big", 9, 9, 4, None, arrival=0.0, reserve_after=reserve_after)]
+    waiting = [make_waiter("big", 9, 9, 4, None, arrival=0.0, reserve_after=reserve_after)]
     next_key = 0
     for step in range(2000):
         now = step * 0.05
@@ -211,7 +212,7 @@ def _stream(reserve_after: float) -> Optional[float]:
                 del running[key]
         while len([w for w in waiting if w.uid != 9]) < 6:
             next_key += 1
-            waiting.append(Waiter(f"s{next_key:05d}", rnd.choice([1, 2]), next_key, 1, None, arrival=now))
+            waiting.append(make_waiter(f"s{next_key:05d}", rnd.choice([1, 2]), next_key, 1, None, arrival=now))
         busy = {d for (_u, devs, _e) in running.values() for d in devs}
         free = [d for d in DEVICES[:4] if d not in busy]
         held: Dict[int, int] = defaultdict(int)

@@ -8,17 +8,18 @@ from typing import Dict, List
 
 from hypothesis import given, settings, strategies as st
 
+from schedfix import make_waiter
 from cudawrap.sched.schedule import BUSY, GRANTED, LIMIT, RESERVED, RESERVING, Shares, Waiter, decide
 
 DEVICES = [f"GPU-{i}" for i in range(5)]
 
 
 def share(key: str, uid: int, count: int = 1, **kw) -> Waiter:  # type: ignore[no-untyped-def]
-    return Waiter(key, uid, 100 + int(key), count, None, share=True, **kw)
+    return make_waiter(key, uid, 100 + int(key), count, None, share=True, **kw)
 
 
 def whole(key: str, uid: int, count: int = 1, **kw) -> Waiter:  # type: ignore[no-untyped-def]
-    return Waiter(key, uid, 100 + int(key), count, None, **kw)
+    return make_waiter(key, uid, 100 + int(key), count, None, **kw)
 
 
 def test_shared_runs_fill_the_fullest_device_first() -> None:
@@ -89,7 +90,7 @@ def machines(draw):  # type: ignore[no-untyped-def]
     for i in range(draw(st.integers(0, 8))):
         narrowed = draw(st.booleans())
         candidates = frozenset(draw(st.lists(st.sampled_from(DEVICES), min_size=1, unique=True))) if narrowed else None
-        waiters.append(Waiter(f"{i:04d}", draw(st.integers(0, 2)), 1000 + i, draw(st.integers(1, 2)), candidates,
+        waiters.append(make_waiter(f"{i:04d}", draw(st.integers(0, 2)), 1000 + i, draw(st.integers(1, 2)), candidates,
                               reserve_after=draw(st.sampled_from([5.0, float("inf")])),
                               arrival=float(draw(st.integers(0, 60))), share=draw(st.booleans())))
     limits = {uid: draw(st.integers(0, 3)) for uid in range(3)}

@@ -13,6 +13,7 @@ from typing import Any, Dict, FrozenSet, List, Optional
 
 from ..devices.model import Inventory
 from ..errors import NoDeviceError, SetupError, UsageError
+from ..sched.request import Request
 from ..sched.schedule import Waiter
 from .slurmjob import JobGpus
 
@@ -34,8 +35,8 @@ class Ask:
 
     def waiter(self, key: str, uid: int, pid: int, arrival: float) -> Waiter:
         name = self.program.rsplit("/", 1)[-1] if self.program else "(not a wrapped program)"
-        return Waiter(key, uid, pid, self.count, self.candidates, self.placement, self.reserve_after,
-                      arrival, name, self.min_free_mib, self.max_util)
+        return Waiter(key, uid, pid, Request(self.count, self.candidates, self.placement, self.reserve_after,
+                                             self.min_free_mib, self.max_util), arrival, name)
 
 
 def _number(fields: Dict[str, str], key: str, default: str) -> float:

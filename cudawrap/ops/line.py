@@ -20,6 +20,7 @@ from ..sched.decision import UNKNOWN_HOLDER
 from ..devices.model import Inventory
 from ..errors import NvmlUnavailable
 from ..lease.files import LeaseFiles, lease_file_inventory
+from ..sched.request import Request
 from ..sched.schedule import GRANTED, Verdict, Waiter
 from ..sched.queue import Scan, WaitQueue
 from ..sched.turns import STALL_S, Offers
@@ -67,8 +68,8 @@ class Line:
             self.limit_of = lambda uid: limit_for(uid, limits)
         devices = [d for d in self.inventory.devices if d.uuid in self.present]
         self.acquirer = Acquirer(
-            self.leases, self.queue, devices, self.inventory.devices, 1, foreign=value["foreign"],
-            busy_memory_mib=value["busy_memory_mib"], refresh=refresh, reserve_after=self.reserve_after,
+            self.leases, self.queue, devices, self.inventory.devices, Request(1, reserve_after=self.reserve_after),
+            foreign=value["foreign"], busy_memory_mib=value["busy_memory_mib"], refresh=refresh,
             limit_of=self.limit_of, drained=self._drained, sharing=Sharing(value.get("sharing")))
 
     def _drained(self) -> "set[str]":
@@ -91,7 +92,8 @@ class Line:
         limit = self.limit_of(w.uid) if self.limit_of is not None else 0
         if w.count > ceiling or (limit and w.count > limit):
             return None
-        w.reserve_after = max(w.reserve_after, self.reserve_after)
+        if w.reserve_after < self.reserve_after:
+            w.request = w.request.replace(reserve_after=self.reserve_after)
         return w
 
     def decide(self, mine: Sequence[Waiter], claimed: Dict[str, int]) -> Dict[str, Verdict]:

@@ -36,6 +36,7 @@ from ..lease.files import Lease, LeaseFiles, lock_table
 from .machine import MachineView, _free_mib, _uid_of
 from .queue import Scan, WaitQueue, poke
 from .decision import WATCHERS, Decision, jitter, trace
+from .request import Request
 
 # Tries of a lease before a taker counts it taken (see Acquirer._lock).
 PROBE_TRIES = 4
@@ -53,18 +54,13 @@ class Acquirer(MachineView):
         queue: WaitQueue,
         candidates: Sequence[Device],
         all_devices: Sequence[Device],
-        count: int,
-        placement: str = "spread",
+        request: Request,
         foreign: str = "avoid",
         busy_memory_mib: int = 1024,
         refresh: Optional[Callable[[Device], Optional[Device]]] = None,
         checked_at: Optional[float] = None,
-        reserve_after: float = 300.0,
         limit_of: Optional[Callable[[int], int]] = None,
-        min_free_mib: int = 0,
-        max_util: int = 100,
         drained: Optional[Callable[[], Set[str]]] = None,
-        share: bool = False,
         sharing: Optional[Sharing] = None,
         unread: Sequence[str] = (),
         root: Optional[str] = None,
@@ -79,13 +75,8 @@ class Acquirer(MachineView):
         # on stderr for an admin asking "why".
         self.observers = [o for o in (observe, trace if os.environ.get("CUDAWRAP_DEBUG") else None) if o is not None]
         self.queue = queue
-        self.count = count
-        self.placement = placement
-        self.reserve_after = reserve_after
-        self.min_free_mib = min_free_mib
-        self.max_util = max_util
-        self.share = share
-        self.wanted = None if self.mine >= set(self.current) else frozenset(self.mine)
+        # What we ask, with the devices we may use (None: any of the machine's).
+        self.request = request.replace(candidates=None if self.mine >= set(self.current) else frozenset(self.mine))
         # What this process has seen of others taking their turns (and the view, passing over).
         self.offered: Optional[Offers] = None  # made at the first decision (turns.py is off a lone launch's path)
         self.top: Set[str] = set()
@@ -108,19 +99,19 @@ class Acquirer(MachineView):
         one (NVML read now for a device not read yet), so such a launch reads one device,
         not all 56 of a DGX.
         """
-        if self.share or self._limit(self.uid) or not self.queue.idle():
+        if self.request.share or self._limit(self.uid) or not self.queue.idle():
             return None
         if self.drained is not None:
             self.unavailable = set(self.drained())
         now = self.clock()
         pool = [d.uuid for d in self.candidates
                 if d.uuid not in self.unavailable and d.uuid not in self.lost and self._fits(d.uuid)]
-        if len(pool) < self.count:
+        if len(pool) < self.request.count:
             return None
         busy = {u for u, d in self.current.items()
                 if u not in self.stale and (d.pids or (d.pids is None and self.occupied(d)))}
         unread = any(u in self.stale for u in pool)  # no monitor: NVML has not been asked yet
-        if unread and self.placement != "random" and 1 < len({self.parents[u] for u in pool}) < len(pool):
+        if unread and self.request.placement != "random" and 1 < len({self.parents[u] for u in pool}) < len(pool):
             # Let go at once: a run deciding meanwhile must not see every free device taken.
             held = [uuid for uuid in pool if not self.leases.free_now(uuid)]
             busy.update(held)
@@ -128,11 +119,11 @@ class Acquirer(MachineView):
         from .placement import place  # not schedule: the rest of it is for runs that wait
 
         locked: List[str] = []
-        while len(locked) < self.count and pool:
+        while len(locked) < self.request.count and pool:
             # One device at a time, each counted busy for the next, as place() does for a
             # whole request: the first choice usually stands, and ordering all 56 devices
             # of a DGX first would cost ~2 ms.
-            uuid = place(pool, 1, self.placement, self.parents, busy, seed=str(os.getpid()))[0]
+            uuid = place(pool, 1, self.request.placement, self.parents, busy, seed=str(os.getpid()))[0]
             pool.remove(uuid)
             busy.add(uuid)
             if not self.leases.try_lock(uuid):
@@ -141,7 +132,7 @@ class Acquirer(MachineView):
                 locked.append(uuid)
             else:
                 self.leases.unlock(uuid)  # a process cudawrap did not start is on it
-        if len(locked) == self.count:
+        if len(locked) == self.request.count:
             return self.leases.take(locked)
         for uuid in locked:
             self.leases.unlock(uuid)
@@ -157,7 +148,7 @@ class Acquirer(MachineView):
         """
         now = self.clock()
         locked: List[str] = []
-        shared = [u for u in uuids if self.share and self.slots.get(u, 1) > 1]
+        shared = [u for u in uuids if self.request.share and self.slots.get(u, 1) > 1]
         for uuid in uuids:
             if not (self.leases.try_share(uuid, self.slots[uuid]) if uuid in shared
                     else self._lock(uuid)):
@@ -211,14 +202,13 @@ class Acquirer(MachineView):
     def _fits(self, uuid: str) -> bool:
         d = self.current[uuid]
         free_mib = _free_mib(d)
-        return ((self.min_free_mib <= 0 or (free_mib is not None and free_mib >= self.min_free_mib))
-                and (d.utilization is None or d.utilization <= self.max_util))
+        return ((self.request.min_free_mib <= 0 or (free_mib is not None and free_mib >= self.request.min_free_mib))
+                and (d.utilization is None or d.utilization <= self.request.max_util))
 
     def _me(self, key: str) -> Waiter:
         from .schedule import Waiter
 
-        return Waiter(key, self.uid, os.getpid(), self.count, self.wanted, self.placement,
-                      self.reserve_after, time.time(), "?", self.min_free_mib, self.max_util, self.share)
+        return Waiter(key, self.uid, os.getpid(), self.request, time.time())
 
     def _watch_others(self, verdicts: Dict[str, Verdict], scan: Scan, me: str) -> bool:
         """Note who was given devices and has not taken them; poke those to wake.
@@ -306,10 +296,7 @@ class Acquirer(MachineView):
                                 hint="set CUDAWRAP_WAIT=SECONDS to wait")
         mine = sum(1 for w in scan.waiters if w.uid == self.uid)
         self.queued = True
-        entry = self.queue.enqueue(self.count, self.placement,
-                                   None if self.wanted is None else sorted(self.wanted),
-                                   self.reserve_after, info, mine, self.min_free_mib, self.max_util,
-                                   self.share)
+        entry = self.queue.enqueue(self.request, info, mine)
         # Those at the head now were there before us: they need no poke from us later.
         self.top = {k for k, v in verdicts.items() if v.position < WATCHERS and k != probe.key}
         ahead = {k for k, v in verdicts.items() if v.position < verdict.position and k != probe.key}

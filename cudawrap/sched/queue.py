@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 from ..errors import NoDeviceError, SetupError
 from ..lease.files import SYNC_HINT, first_pids, lock_table
+from .request import Request
 
 SUFFIX = ".wait"
 # A user may have this many runs waiting at once: bounds what one user adds to every scan.
@@ -45,16 +46,19 @@ _PLACEMENTS = {v: k for k, v in _PLACEMENT_CODES.items()}
 _MAX_INFO = 64 << 10
 
 
-def entry_name(key_ns: int, pid: int, count: int, placement: str, narrowed: bool,
-               reserve_after: float, share: bool = False) -> str:
-    reserve = "inf" if reserve_after == float("inf") else str(int(reserve_after))
-    return (f"{key_ns:020d}.{pid}.{count}{_PLACEMENT_CODES.get(placement, 's')}"
-            f"{'n' if narrowed else 'a'}{'h' if share else ''}.{reserve}{SUFFIX}")
+def entry_name(key_ns: int, pid: int, request: Request) -> str:
+    """The name of PID's entry for REQUEST: what every reader needs of it; the devices it may
+    use and its memory and load filters are in the file ("n": narrowed, read them there)."""
+    narrowed = request.candidates is not None or request.dynamic
+    reserve = "inf" if request.reserve_after == float("inf") else str(int(request.reserve_after))
+    return (f"{key_ns:020d}.{pid}.{request.count}{_PLACEMENT_CODES.get(request.placement, 's')}"
+            f"{'n' if narrowed else 'a'}{'h' if request.share else ''}.{reserve}{SUFFIX}")
 
 
-def parse_name(name: str) -> Optional[Tuple[int, int, int, str, bool, float, bool]]:
-    """(key ns, pid, count, placement, narrowed, reserve_after, shared) from an entry NAME,
-    or None. A shared run's request ends in "h" (a share of each device, not the devices).
+def parse_name(name: str) -> Optional[Tuple[int, int, Request, bool]]:
+    """(key ns, pid, request, narrowed) from an entry NAME, or None; a narrowed entry's
+    request is completed from its file. A shared run's request ends in "h" (a share of each
+    device, not the devices).
 
     ASCII digits only: anyone can create names here, and int() accepts "²" and "1_000".
     """
@@ -80,7 +84,7 @@ def parse_name(name: str) -> Optional[Tuple[int, int, int, str, bool, float, boo
     count = int(digits)
     if count < 1:
         return None
-    return int(key), int(pid), count, _PLACEMENTS[req[-2]], req[-1] == "n", reserve_s, share
+    return int(key), int(pid), Request(count, None, _PLACEMENTS[req[-2]], reserve_s, share=share), req[-1] == "n"
 
 
 def _digits(text: str) -> bool:
@@ -164,12 +168,12 @@ class WaitQueue:
         # really gone. (Read before, a newcomer would look dead and be removed.)
         table = lock_table()
         locks = first_pids(table)
-        found: List[Tuple[int, str, int, int, int, int, str, bool, float, bool]] = []
+        found: List[Tuple[int, str, int, int, int, Request, bool]] = []
         for item in items:
             parsed = parse_name(item.name)
             if parsed is None:
                 continue
-            _key_ns, pid, count, placement, narrowed, reserve_s, share = parsed
+            _key_ns, pid, request, narrowed = parsed
             holder = pid if item.name == mine else locks.get((self.dev, item.inode()))
             if holder != pid:
                 if holder is None and clean:
@@ -183,18 +187,16 @@ class WaitQueue:
                 continue
             # Arrived when it was linked into place (its ctime, set by the kernel only), not
             # when its name says: the name is the user's word.
-            found.append((st.st_ctime_ns, item.name, st.st_ino, st.st_uid, pid, count, placement,
-                          narrowed, reserve_s, share))
-        found.sort()
+            found.append((st.st_ctime_ns, item.name, st.st_ino, st.st_uid, pid, request, narrowed))
+        found.sort(key=lambda f: f[:2])  # (arrival, name): unique
         per_user: Dict[int, int] = {}
-        for arrival_ns, name, ino, uid, pid, count, placement, narrowed, reserve_s, share in found:
+        for arrival_ns, name, ino, uid, pid, request, narrowed in found:
             # A user's oldest MAX_ENTRIES_PER_USER count, in every decision: the bound holds
             # whoever made the entries (enqueue checks it only for runs that queue honestly).
             per_user[uid] = per_user.get(uid, 0) + 1
             if bounded and per_user[uid] > MAX_ENTRIES_PER_USER:
                 continue
             path = self.dir + "/" + name
-            asks: Optional[Tuple[Optional[FrozenSet[str]], int, int]] = (None, 0, 100)
             if narrowed:
                 ident = (name, ino)
                 if ident not in self._asks:
@@ -204,8 +206,8 @@ class WaitQueue:
                 asks = self._asks[ident]
                 if asks is None:
                     continue
-            waiters.append(Waiter(name, uid, pid, count, asks[0], placement,
-                                  reserve_s, arrival_ns / 1e9, "?", asks[1], asks[2], share))
+                request = request.replace(candidates=asks[0], min_free_mib=asks[1], max_util=asks[2])
+            waiters.append(Waiter(name, uid, pid, request, arrival_ns / 1e9))
             paths[name] = path
         return Scan(waiters, table, paths)
 
@@ -274,20 +276,18 @@ class WaitQueue:
             os.close(fd)
 
     # -- joining and leaving -----------------------------------------------------------------
-    def enqueue(self, count: int, placement: str, candidates: Optional[Iterable[str]],
-                reserve_after: float, info: bytes, mine: int = 0, min_free_mib: int = 0,
-                max_util: int = 100, share: bool = False) -> Entry:
-        """Join the queue. MINE: this user's live entries already (for the per-user bound)."""
+    def enqueue(self, request: Request, info: bytes, mine: int = 0) -> Entry:
+        """Join the queue with REQUEST (INFO: more lines for its file). MINE: this user's live
+        entries already (for the per-user bound)."""
         if mine >= MAX_ENTRIES_PER_USER:
             raise NoDeviceError(f"you already have {mine} runs waiting, the most one user may have",
                                 hint="wait for some of them to start, or cancel some (`cudawrap cancel PID`)")
         pid = os.getpid()
         body = info
-        if candidates is not None:
-            body += ("candidates=" + ",".join(candidates) + "\n").encode()
-        dynamic = min_free_mib > 0 or max_util < 100
-        if dynamic:
-            body += f"min_free_mib={min_free_mib}\nmax_util={max_util}\n".encode()
+        if request.candidates is not None:
+            body += ("candidates=" + ",".join(sorted(request.candidates)) + "\n").encode()
+        if request.dynamic:
+            body += f"min_free_mib={request.min_free_mib}\nmax_util={request.max_util}\n".encode()
         # Created 0600 and locked before anyone else may open it: a reader that took a
         # shared lock first would otherwise stall us (and be blamed on us). Unnamed
         # (O_TMPFILE) until linked into place, so that joining removes no temporary name:
@@ -318,8 +318,7 @@ class WaitQueue:
             os.write(fd, body)
             os.fchmod(fd, 0o644)  # now others may read what we ask for
             while True:
-                name = entry_name(key_ns, pid, count, placement, candidates is not None or dynamic,
-                                  reserve_after, share)
+                name = entry_name(key_ns, pid, request)
                 try:
                     os.link(source, self.dir + "/" + name, **link)  # link, unlike rename, never replaces
                     break

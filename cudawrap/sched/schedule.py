@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from typing import AbstractSet, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .placement import place
+from .request import Request
 
 # Why a run is not granted (the kinds; `Verdict.text` is the sentence shown to people).
 GRANTED = "granted"
@@ -47,28 +48,49 @@ EPSILON = 1e-9  # shares add up in floating point: 4 x 0.25 must not exceed a li
 
 
 class Waiter:
-    """One waiting run as the queue shows it."""
+    """One waiting run as the queue shows it: who (KEY, sorting in arrival order; UID, PID),
+    since when (ARRIVAL, the clock of `now`), under which wrapped name (PROGRAM), and its
+    REQUEST (sched/request.py), whose fields read as the waiter's own (w.count, ...)."""
 
-    __slots__ = ("key", "uid", "pid", "count", "candidates", "placement", "reserve_after",
-                 "arrival", "program", "min_free_mib", "max_util", "share")
+    __slots__ = ("key", "uid", "pid", "request", "arrival", "program")
 
-    def __init__(self, key: str, uid: int, pid: int, count: int,
-                 candidates: Optional[FrozenSet[str]], placement: str = "spread",
-                 reserve_after: float = 300.0, arrival: float = 0.0, program: str = "?",
-                 min_free_mib: int = 0, max_util: int = 100, share: bool = False) -> None:
+    def __init__(self, key: str, uid: int, pid: int, request: Request, arrival: float = 0.0,
+                 program: str = "?") -> None:
         self.key = key  # sorts in arrival order; unique
         self.uid = uid
         self.pid = pid
-        self.count = count
-        self.candidates = candidates  # None: any device
-        self.placement = placement
-        self.reserve_after = reserve_after
+        self.request = request
         self.arrival = arrival  # seconds, the clock of `now`
         self.program = program
-        # Filters on what changes as jobs come and go (README "Choosing devices").
-        self.min_free_mib = min_free_mib
-        self.max_util = max_util
-        self.share = share  # a slot on each of COUNT devices, not the devices whole
+
+    @property
+    def count(self) -> int:
+        return self.request.count
+
+    @property
+    def candidates(self) -> Optional[FrozenSet[str]]:
+        return self.request.candidates  # None: any device
+
+    @property
+    def placement(self) -> str:
+        return self.request.placement
+
+    @property
+    def reserve_after(self) -> float:
+        return self.request.reserve_after
+
+    # Filters on what changes as jobs come and go (README "Choosing devices").
+    @property
+    def min_free_mib(self) -> int:
+        return self.request.min_free_mib
+
+    @property
+    def max_util(self) -> int:
+        return self.request.max_util
+
+    @property
+    def share(self) -> bool:
+        return self.request.share  # a slot on each of COUNT devices, not the devices whole
 
     def can_use(self, uuid: str, fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]] = None) -> bool:
         """Whether this run may be given UUID; FIT: uuid -> (free MiB, utilisation %), each

@@ -107,7 +107,7 @@ class Waiting:
         self.far: Optional[FarWait] = None  # far back: woken when runs leave the queue
         self.poked = False  # woken while not watching by a poke: we moved up, or were given devices
         # Once devices are reserved for us (policy reserve_after) we move up: look then.
-        self.reserve_at = self.clock() + acq.reserve_after
+        self.reserve_at = self.clock() + acq.request.reserve_after
         self.told = ""  # the kind of wait last reported
         self.verdicts: Dict[str, Verdict] = {}
         self.free: List[str] = []
@@ -255,7 +255,7 @@ class Waiting:
             self.verdicts, self.free = acq.decide(scan, me, queued=False)
         else:
             # What we ask for, we know first-hand; the entry says the same to others.
-            me.candidates, me.min_free_mib, me.max_util = acq.wanted, acq.min_free_mib, acq.max_util
+            me.request = acq.request
             self.verdicts, self.free = acq.decide(scan, me, queued=True)
         self.me = me
         verdict = self.verdicts[entry.name]
@@ -268,7 +268,7 @@ class Waiting:
                 return True
             jitter()
             return True
-        if acq.usable() < acq.count:
+        if acq.usable() < acq.request.count:
             if any(d.uuid in acq.unavailable for d in acq.candidates):
                 raise NoDeviceError("the devices this run may use were drained by an admin while it waited",
                                     hint="`cudawrap status` says why and since when")
@@ -453,7 +453,7 @@ class Waiting:
         vacant = [d.uuid for d in acq.candidates if d.uuid not in acq.lost and acq._vacant(d.uuid)]
         if any(u not in free for u in vacant):
             return MOVED_UP
-        if vacant or acq.share or self.clock() - looked_at >= POKE_IDLE_S:
+        if vacant or acq.request.share or self.clock() - looked_at >= POKE_IDLE_S:
             return FREE
         return None
 

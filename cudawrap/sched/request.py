@@ -1,0 +1,64 @@
+"""What a run asks for, as one value from its settings to its queue entry and back.
+
+The launch makes it from the run's Settings (and the devices the filters left), the
+acquirer decides on it, the queue entry is named after it and read back into it, and the
+service makes the same from what a client asks: never taken apart into arguments on the
+way. Imported on the shim's path: no typing, no dataclasses.
+"""
+from __future__ import annotations
+
+TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
+if TYPE_CHECKING:
+    from typing import Any, FrozenSet, Optional
+
+
+class Request:
+    """COUNT devices (a slot on each if SHARE) among CANDIDATES (None: any), preferred by
+    PLACEMENT, kept for this run once it has waited RESERVE_AFTER s, each with at least
+    MIN_FREE_MIB free and at most MAX_UTIL % busy (the filters on what changes as jobs come
+    and go; the others narrowed CANDIDATES already). Immutable: replace() makes another."""
+
+    __slots__ = ("count", "candidates", "placement", "reserve_after", "min_free_mib", "max_util", "share")
+
+    def __init__(self, count: int = 1, candidates: Optional[FrozenSet[str]] = None, placement: str = "spread",
+                 reserve_after: float = 300.0, min_free_mib: int = 0, max_util: int = 100,
+                 share: bool = False) -> None:
+        put = object.__setattr__
+        put(self, "count", count)
+        put(self, "candidates", None if candidates is None else frozenset(candidates))
+        put(self, "placement", placement)
+        put(self, "reserve_after", reserve_after)
+        put(self, "min_free_mib", min_free_mib)
+        put(self, "max_util", max_util)
+        put(self, "share", share)
+
+    @classmethod
+    def of(cls, values: Any, count: int, share: bool) -> Request:
+        """The request of a run under VALUES (key -> value: Settings.values()) for COUNT devices."""
+        return cls(count, None, values.get("placement", "spread"), float(values.get("reserve_after", 300.0)),
+                   values.get("min_free_memory_mib", 0), values.get("max_utilization", 100), share)
+
+    def replace(self, **changes: Any) -> Request:
+        fields = {k: getattr(self, k) for k in self.__slots__}
+        fields.update(changes)
+        return Request(**fields)
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether a device that passes now may fail later, or the reverse (memory, load)."""
+        return self.min_free_mib > 0 or self.max_util < 100
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("a Request cannot be changed; make a new one with replace()")
+
+    def _key(self) -> tuple:
+        return tuple(getattr(self, k) for k in self.__slots__)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Request) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return "Request(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
