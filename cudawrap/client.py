@@ -1,8 +1,9 @@
 """The service's client: ask `cudawrap serve` for devices and take the locks it hands over.
 
 Used by the launch (the shim, `cudawrap run`, the Python API) when the service's socket
-answers. The service decides, opens the lease files read-only and passes the descriptors
-(SCM_RIGHTS); the lock is taken here, on the descriptor received, so that the kernel's
+answers. The service decides, opens the lease files read-only (and a share's slot file)
+and passes the descriptors (SCM_RIGHTS); the lock is taken here, on the descriptor
+received, shared or exclusive as the grant says (wire.py), so that the kernel's
 lock table names this process and the lease lives exactly as long as this process and
 the children it hands the descriptors to (kill -9 frees the device at once).
 
@@ -29,6 +30,18 @@ from .lease.files import Lease
 ASK_PREFIX = "CUDAWRAP_"
 FILTER_ASKS = ("model", "min_memory_mib", "min_free_memory_mib", "max_utilization")
 _FD_BYTES = 4  # an int in SCM_RIGHTS
+
+
+class Granted:
+    """What the service granted: the lease (its locks held here) and the variables the run
+    gets with it (a share's: MPS's, its memory's; the same as a run deciding for itself)."""
+
+    __slots__ = ("lease", "extra", "defaults")
+
+    def __init__(self, lease: Lease, extra: Dict[bytes, bytes], defaults: Optional[Dict[bytes, bytes]]) -> None:
+        self.lease = lease
+        self.extra = extra
+        self.defaults = defaults
 
 
 class ServiceGone(Exception):
@@ -129,6 +142,8 @@ def request_fields(value: Dict[str, Any], environ: Any, count: int) -> Dict[str,
     Everything here can only narrow what the service's own reading of the policy gives
     (the service decides the program, its settings and limits from the kernel's word)."""
     fields = {"count": str(count), "wait": "inf" if value["wait"] == float("inf") else repr(float(value["wait"]))}
+    if value.get("share"):
+        fields["share"] = "1"
     for name, key in (("CUDA_VISIBLE_DEVICES", "visible"), ("CUDA_DEVICE_ORDER", "order")):
         raw = environ.get(name)
         if raw is not None:
@@ -149,23 +164,44 @@ def _error(fields: Dict[str, str]) -> ServiceError:
                         fields.get("hint") or None, exit_code)
 
 
-def _lock_all(fds: List[int]) -> bool:
-    """Take the exclusive lock on each descriptor without blocking; all or none."""
-    for fd in fds:
+def _described(reply: Dict[str, str]) -> Optional[List[Tuple[str, str, bool]]]:
+    """(uuid, lease or slot, exclusive) of each descriptor of a GRANT, in the order they
+    came (wire.py); None for a grant that names none, or names them wrongly."""
+    devices = [u for u in reply.get("devices", "").split(",") if u]
+    if "fds" not in reply:  # a service that grants whole devices only
+        return [(u, wire.LEASE, True) for u in devices] or None
+    out = []
+    for item in reply["fds"].split(","):
+        what, _, rest = item.partition(":")
+        uuid, _, kind = rest.rpartition(":")
+        if what not in (wire.LEASE, wire.SLOT) or uuid not in devices or kind not in (wire.EXCLUSIVE, wire.SHARED):
+            return None
+        out.append((uuid, what, kind == wire.EXCLUSIVE))
+    return out or None
+
+
+def _lock_all(fds: List[int], described: List[Tuple[str, str, bool]]) -> Optional[Lease]:
+    """Take each descriptor's lock without blocking, as a run deciding for itself takes it
+    (a share: the lease file's shared lock, then its slot's exclusive one); the Lease, or
+    None (nothing held) if one is taken."""
+    leases: Dict[str, int] = {}
+    slots: Dict[str, int] = {}
+    for fd, (uuid, what, exclusive) in zip(fds, described):
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except OSError:
-            return False
-    return True
+            return None
+        (leases if what == wire.LEASE else slots)[uuid] = fd
+    return Lease(leases, slots)
 
 
-def obtain(root: str, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Optional[Lease]:
-    """Devices from the service for one run: the Lease (locks held here), or None when no
-    service answers (the caller decides without it). ServiceError for a refusal."""
+def obtain(root: str, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Optional[Granted]:
+    """Devices from the service for one run: what it Granted (the locks held here), or None
+    when no service answers (the caller decides without it). ServiceError for a refusal."""
     return _attempt(root, fields, on_wait)[0]
 
 
-def _attempt(root: str, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Tuple[Optional[Lease], bool]:
+def _attempt(root: str, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Tuple[Optional[Granted], bool]:
     """obtain()'s answer, and whether a service answered at all."""
     sock = connect(root)
     if sock is None:
@@ -186,7 +222,7 @@ START_IT = "ask the administrator to start it (systemctl start cudawrap)"
 
 
 def obtain_retrying(root: str, fields: Dict[str, str], on_wait: Callable[[str], None],
-                    retry_s: float) -> Lease:
+                    retry_s: float) -> Granted:
     """obtain() where the run cannot decide for itself ([service] enforce): a service that
     does not answer, or goes away before granting (a restart), is tried again for RETRY_S;
     ServiceUnavailable (69) after that. The run's place in line is not kept across a
@@ -199,9 +235,9 @@ def obtain_retrying(root: str, fields: Dict[str, str], on_wait: Callable[[str], 
     told = False
     while True:
         began = time.monotonic()
-        lease, answered = _attempt(root, fields, on_wait)
-        if lease is not None:
-            return lease
+        granted, answered = _attempt(root, fields, on_wait)
+        if granted is not None:
+            return granted
         if answered and time.monotonic() - began > 1.0:
             # It went away while we waited: the retry time counts from now (one that drops
             # every request at once is not running, and counts as that).
@@ -214,8 +250,8 @@ def obtain_retrying(root: str, fields: Dict[str, str], on_wait: Callable[[str], 
         time.sleep(RETRY_GAP_S)
 
 
-def _exchange(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Optional[Lease]:
-    held: List[Lease] = []
+def _exchange(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Optional[Granted]:
+    held: List[Granted] = []
     try:
         return _converse(conn, fields, on_wait, held)
     except ServiceGone:
@@ -225,29 +261,32 @@ def _exchange(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str],
 
 
 def _converse(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str], None],
-              held: List[Lease]) -> Lease:
+              held: List[Granted]) -> Granted:
     conn.send(wire.REQUEST, fields)
     while True:
         verb, reply = conn.receive()
         if verb == wire.WAIT:
             on_wait(reply.get("text", ""))
         elif verb == wire.ERROR:
-            for lease in held:
-                lease.release()
+            for granted in held:
+                granted.lease.release()
             held.clear()
             raise _error(reply)
         elif verb == wire.GRANT:
-            devices = [u for u in reply.get("devices", "").split(",") if u]
-            fds = conn.take_fds(len(devices))
-            if not devices or fds is None:
+            devices = reply.get("devices", "")
+            described = _described(reply)
+            fds = conn.take_fds(len(described)) if described is not None else None
+            if fds is None:
                 raise ServiceGone()
-            if _lock_all(fds):
-                held.append(Lease(dict(zip(devices, fds))))
-                conn.send(wire.HELD, {"devices": ",".join(devices)})
+            lease = _lock_all(fds, described)
+            if lease is not None:
+                defaults = wire.unpairs(reply["defaults"]) if "defaults" in reply else None
+                held.append(Granted(lease, wire.unpairs(reply.get("env", "")), defaults))
+                conn.send(wire.HELD, {"devices": devices})
             else:  # taken past the service (a daemonless run): it decides again
                 for fd in fds:
                     _close(fd)
-                conn.send(wire.LOST, {"devices": ",".join(devices)})
+                conn.send(wire.LOST, {"devices": devices})
         elif verb == wire.DONE and held:
             return held[0]
 

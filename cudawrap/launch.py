@@ -194,19 +194,14 @@ def obtain(root: str, prog: str, settings: Settings, environ: Any,
     from .lease.sharing import of_run
 
     sharing, share = of_run(value, count)
-    # Under [service] enforce a user cannot open the lease files: the service alone grants
-    # (root still may decide for itself, so a stopped service never locks the admin out).
+    # Under [service] enforce a user cannot open the lease files: the service alone grants,
+    # shares too (root still may decide for itself, so a stopped service never locks the
+    # admin out). Without it, shared runs decide for themselves.
     enforced = bool(value.get("enforce")) and os.geteuid() != 0
-    if enforced and share:
-        from .errors import ConfigError
-
-        raise ConfigError("a shared run cannot be granted under [service] enforce = true (shares are "
-                          "taken without the service)",
-                          hint="ask the administrator to set enforce = false in [service], or run unshared")
     if enforced or (job is None and not share and os.path.exists(loc.under(root, loc.SERVICE_SOCKET))):
-        leased = _from_service(root, prog, value, environ, count, job, enforced)
-        if leased is not None:
-            return _whole_devices(root, leased, environ)
+        served = _from_service(root, prog, value, environ, count, job, enforced)
+        if served is not None:
+            return served
 
     return _Run(root, prog, settings, environ, count, sharing, share).take(job, preset, layout)
 
@@ -387,15 +382,16 @@ class _Run:
         """LEASE's grant: a shared run's memory limit, MPS variables and frameworks' defaults."""
         extra, defaults = self.sharing.run_env(self.root, lease.shared, acquirer.current, acquirer.slots,
                                                self.settings.memory_limit_mib)
-        grant = _whole_devices(self.root, lease, self.environ, extra)
-        if defaults is not None:
-            grant.defaults = defaults
-        return grant
+        return _whole_devices(self.root, lease, self.environ, extra, defaults)
 
 
-def _whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[bytes, bytes]] = None) -> Grant:
-    """The Grant of LEASE, with a shared run's MPS variables dropped for whole devices."""
+def _whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[bytes, bytes]] = None,
+                   defaults: Optional[Dict[bytes, bytes]] = None) -> Grant:
+    """The Grant of LEASE with a share's variables (EXTRA, and DEFAULTS where the caller has
+    none; sharing.run_env), and a shared run's MPS variables dropped for whole devices."""
     grant = Grant(lease, ",".join(lease.uuids), extra)
+    if defaults is not None:
+        grant.defaults = defaults
     mps_dir = loc.under(root, loc.MPS_DIR) + "/"
     if not lease.shared and environ.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(mps_dir):
         # A whole device bypasses MPS: a client of a device's daemon (a shared run's
@@ -406,10 +402,10 @@ def _whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[b
 
 
 def _from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, count: int, job: Any = None,
-                  enforced: bool = False) -> Optional[Lease]:
-    """Devices granted by `cudawrap serve` (README "The cudawrap service"); None when it
-    does not answer, and the run decides for itself as without it. ENFORCED: it cannot;
-    the service is tried again for connect_retry_s (a restart), then ServiceUnavailable."""
+                  enforced: bool = False) -> Optional[Grant]:
+    """Devices (or shares) granted by `cudawrap serve` (README "The cudawrap service"); None
+    when it does not answer, and the run decides for itself as without it. ENFORCED: it
+    cannot; the service is tried again for connect_retry_s (a restart), then ServiceUnavailable."""
     from . import client
 
     def on_wait(text: str) -> None:
@@ -421,12 +417,15 @@ def _from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, cou
         if devices is not None:
             fields["visible"] = devices
     if not enforced:
-        lease = client.obtain(root, fields, on_wait)
+        granted = client.obtain(root, fields, on_wait)
     else:
-        lease = client.obtain_retrying(root, fields, on_wait, float(value.get("connect_retry_s", 10.0)))
-    if lease is not None:
-        audit.log("grant", program=prog, pid=os.getpid(), devices=",".join(lease.uuids), via="service")
-    return lease
+        granted = client.obtain_retrying(root, fields, on_wait, float(value.get("connect_retry_s", 10.0)))
+    if granted is None:
+        return None
+    lease = granted.lease
+    audit.log("grant", program=prog, pid=os.getpid(), devices=",".join(lease.uuids),
+              **({"shared": ",".join(lease.shared)} if lease.shared else {}), via="service")
+    return _whole_devices(root, lease, environ, granted.extra, granted.defaults)
 
 
 def _job_devices(job: Any) -> Optional[str]:

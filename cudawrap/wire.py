@@ -10,8 +10,11 @@ and a backslash ``\\\\``. A message is at most MAX_MESSAGE bytes. That is all th
 there is, so the shim's side needs neither ``json`` nor ``re`` (the launch pays for every
 module it imports). A leaf: nothing here imports the rest of cudawrap.
 
-Descriptors (the lease files of a grant) travel beside a ``grant`` message as SCM_RIGHTS,
-in the order its ``devices`` field lists them.
+Descriptors travel beside a ``grant`` message as SCM_RIGHTS, one for each entry of its
+``fds`` field, in that order: ``lease:UUID:ex`` (a whole device: the exclusive lock on its
+lease file), or ``lease:UUID:sh`` followed by ``slot:UUID:ex`` (a share: the shared lock on
+the lease file, the exclusive lock on one of its slot files). Its ``env`` and ``defaults``
+(``pairs``) are the variables the run gets, as a run that decides for itself sets them.
 """
 from __future__ import annotations
 
@@ -25,22 +28,43 @@ MAX_MESSAGE = 16 << 10
 # The service's answer to a question (status: every device and waiter, as JSON) may be larger;
 # only clients read it, from the service, so the bound protects no one from anyone.
 MAX_ANSWER = 8 << 20
-# The most descriptors one message carries (lease files of one grant).
+# The most descriptors one message carries (lease and slot files of one grant).
 MAX_FDS = 64
 END = b"\n\n"
 
 # Client -> service.
-REQUEST = "request"  # ask for devices
+REQUEST = "request"  # ask for devices (share=1: a share of each)
 HELD = "held"  # the grant's locks are taken
 LOST = "lost"  # a lock of the grant was taken by someone else first
 STATUS = "status"  # anyone's question: who holds and who waits (answer: json=)
 CANCEL = "cancel"  # pids=: end those waiting runs (their owner's or root's word, by the kernel)
 # Service -> client.
 WAIT = "wait"  # a line to show while waiting (text=)
-GRANT = "grant"  # descriptors attached
+GRANT = "grant"  # descriptors attached (fds= says which is which), env=, defaults=
 DONE = "done"  # the grant counts as held; anything to add to the environment
 ERROR = "error"  # code= (an exit status), text=, hint=; the connection closes after it
 ANSWER = "answer"  # the reply to a question
+
+
+# What a descriptor of a grant is, and the lock its client takes on it (the ``fds`` field).
+LEASE, SLOT = "lease", "slot"
+EXCLUSIVE, SHARED = "ex", "sh"
+
+
+def pairs(variables: Dict[bytes, bytes]) -> str:
+    """VARIABLES as one field's value: ``NAME=VALUE`` lines."""
+    return "\n".join(f"{k.decode('utf-8', 'surrogateescape')}={v.decode('utf-8', 'surrogateescape')}"
+                     for k, v in variables.items())
+
+
+def unpairs(text: str) -> Dict[bytes, bytes]:
+    """The variables of a ``pairs`` value (lines without ``=`` are no variable)."""
+    out: Dict[bytes, bytes] = {}
+    for line in text.split("\n"):
+        name, sep, value = line.partition("=")
+        if sep and name:
+            out[name.encode("utf-8", "surrogateescape")] = value.encode("utf-8", "surrogateescape")
+    return out
 
 
 class WireError(ValueError):

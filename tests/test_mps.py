@@ -516,6 +516,22 @@ def mu_mps(mu_world: World, monkeypatch: pytest.MonkeyPatch) -> Iterator[MuInsta
     shutdown_nvml()
 
 
+def share_beside_a_stranger(inst: MuInstall, uuid: str) -> tuple:
+    """Alice holds a share of UUID whose program has not reached CUDA (yet), and carol an MPS
+    client of UUID's daemon without a share: (alice's run, carol's, carol's ready line), once
+    NVML shows carol's client on the device."""
+    idle = inst.dir / "idle"
+    idle.write_text("#!/bin/sh\necho ready\nexec sleep 600\n")
+    inst.wrap("idle", idle)
+    share = inst.start(inst.world.alice, "idle", CUDAWRAP_SHARE="1")
+    assert share.stdout.readline() == b"ready\n", share.stderr.read()
+    stranger = inst.start(inst.world.carol, str(inst.bindir / "CUDAWRAP_recon"), "--hold", "600",
+                          CUDA_MPS_PIPE_DIRECTORY=str(inst.layout.mps_dir / uuid))
+    hello = ready_line(stranger)
+    wait_for(lambda: hello["pid"] in inst.machine.compute_pids().get(uuid, []))
+    return share, stranger, hello
+
+
 @pytest.mark.root
 @root_only
 def test_an_mps_client_without_a_share_is_shown_and_keeps_new_shares_off(mu_mps: MuInstall, tmp_path: Path) -> None:
@@ -534,17 +550,8 @@ def test_an_mps_client_without_a_share_is_shown_and_keeps_new_shares_off(mu_mps:
     r = inst.run(carol, "sh", "-c", f"echo 1 > {pipe}/{PID_FILE}")  # naming another parent
     assert r.returncode != 0 and b"Permission denied" in r.stderr, r.stderr
     inst.wrap("recon")
-    idle = inst.dir / "idle"  # a shared run whose program has not reached CUDA (yet)
-    idle.write_text("#!/bin/sh\necho ready\nexec sleep 600\n")
-    inst.wrap("idle", idle)
-    share = inst.start(alice, "idle", CUDAWRAP_SHARE="1")
-    assert share.stdout.readline() == b"ready\n", share.stderr.read()
-
-    stranger = inst.start(carol, str(inst.bindir / "CUDAWRAP_recon"), "--hold", "600",
-                          CUDA_MPS_PIPE_DIRECTORY=str(pipe))
-    hello = ready_line(stranger)
+    _share, stranger, hello = share_beside_a_stranger(inst, d0)
     assert os.stat(f"/proc/{hello['mps_server']}").st_uid == carol.uid
-    wait_for(lambda: hello["pid"] in inst.machine.compute_pids().get(d0, []))
 
     for viewer in (None, alice):
         seen = status(inst, viewer)

@@ -243,24 +243,30 @@ def test_a_wrapped_program_started_by_a_wrapped_program_keeps_its_parents_lease(
     assert len(grants) == 1 and grants[0]["program"] == "outer", grants
 
 
-def test_a_lease_passed_to_a_child_ends_when_the_child_lets_go(served: Served) -> None:
-    """The run exits at once, its background child keeps the descriptor for a while: the
-    service records the end only after the child is done, and offers the device meanwhile
-    to nobody."""
-    inst = served.inst
+def run_spawner(inst: MuInstall, **env: str) -> dict:
+    """Alice runs the wrapped `spawner`, which exits at once, its background child keeping
+    the descriptors for a second: the ledger's one end, recorded only after the child was done."""
     script = inst.bindir / "CUDAWRAP_spawner"
     done_file = inst.dir / "child-done"
     script.write_text(f"#!/bin/sh\n(sleep 1; date +%s.%N > {done_file}; chmod 644 {done_file}) >/dev/null 2>&1 &\nexit 0\n")
     script.chmod(0o755)
     (inst.bindir / "spawner").symlink_to(inst.layout.shim)
     inst.dir.chmod(0o777)
-    first = inst.run(inst.world.alice, "spawner", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES="0")
+    first = inst.run(inst.world.alice, "spawner", CUDAWRAP_WAIT="0", **env)
     assert first.returncode == 0, first.stderr.decode()
     assert not done_file.exists()
     wait_for(lambda: done_file.exists() and done_file.read_text().strip() != "")
     wait_for(lambda: len(_ledger(inst, "end")) == 1)
     end = _ledger(inst, "end")[0]
     assert end["end"] >= float(done_file.read_text()) - 0.005, end
+    return end
+
+
+def test_a_lease_passed_to_a_child_ends_when_the_child_lets_go(served: Served) -> None:
+    """The run exits at once, its background child keeps the descriptor for a while: the
+    service records the end only after the child is done, and offers the device meanwhile
+    to nobody."""
+    run_spawner(served.inst, CUDA_VISIBLE_DEVICES="0")
 
 
 def _status(inst: MuInstall, user) -> dict:

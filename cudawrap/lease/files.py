@@ -100,6 +100,7 @@ class LeaseFiles:
         self.owner = check_dir(lease_dir, "lease directory", SYNC_HINT).st_uid
         self._fds: Dict[str, int] = {}
         self._slots: Dict[str, int] = {}  # uuid -> locked slot file of a share being taken
+        self._probes: Dict[str, int] = {}  # slot file -> a descriptor kept for slot_free
 
     def path(self, uuid: str) -> str:
         return self.dir + "/" + uuid
@@ -171,18 +172,51 @@ class LeaseFiles:
         if self.share_dir is None or not self.try_lock(uuid, fcntl.LOCK_SH):
             return False
         for slot in range(1, slots + 1):
-            path = f"{self.share_dir}/{uuid}.{slot}"
-            try:
-                fd = os.open(path, OPEN_FLAGS)
-            except OSError:
+            fd = self.open_slot(uuid, slot)
+            if fd is None:
                 continue  # not made (yet): fewer slots than configured until root syncs
-            st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == self.owner and _flock_current(fd, path, fcntl.LOCK_EX):
+            if _flock_current(fd, self.slot_path(uuid, slot), fcntl.LOCK_EX):
                 self._slots[uuid] = fd
                 return True
             os.close(fd)
         self.unlock(uuid)
         return False
+
+    def slot_path(self, uuid: str, slot: int) -> str:
+        return f"{self.share_dir}/{uuid}.{slot}"
+
+    def open_slot(self, uuid: str, slot: int) -> Optional[int]:
+        """A new descriptor on UUID's slot file SLOT, or None where there is none (root's, a
+        regular file; fewer slot files than configured until root syncs)."""
+        if self.share_dir is None or "/" in uuid:
+            return None
+        try:
+            fd = os.open(self.slot_path(uuid, slot), OPEN_FLAGS)
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == self.owner:
+            return fd
+        os.close(fd)
+        return None
+
+    def slot_free(self, uuid: str, slot: int) -> bool:
+        """Whether nobody holds UUID's slot SLOT: its lock tried and let go at once, through a
+        descriptor kept open (closing one would wake whoever watches the slot files)."""
+        path = self.slot_path(uuid, slot)
+        fd = self._probes.get(path)
+        if fd is not None and not _same_file(fd, path):
+            os.close(self._probes.pop(path))  # replaced by sync
+            fd = None
+        if fd is None:
+            fd = self.open_slot(uuid, slot)
+            if fd is None:
+                return False
+            self._probes[path] = fd
+        if not _flock_current(fd, path, fcntl.LOCK_EX):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
 
     def unlock(self, uuid: str) -> None:
         slot = self._slots.pop(uuid, None)
@@ -199,7 +233,7 @@ class LeaseFiles:
             return out
         for slot in range(1, slots + 1):
             try:
-                st = os.stat(f"{self.share_dir}/{uuid}.{slot}", follow_symlinks=False)
+                st = os.stat(self.slot_path(uuid, slot), follow_symlinks=False)
             except OSError:
                 continue
             if stat.S_ISREG(st.st_mode) and st.st_uid == self.owner:
@@ -219,10 +253,11 @@ class LeaseFiles:
         return Lease(chosen, slots)
 
     def close(self) -> None:
-        for fd in list(self._slots.values()) + list(self._fds.values()):
+        for fd in list(self._slots.values()) + list(self._fds.values()) + list(self._probes.values()):
             os.close(fd)
         self._fds.clear()
         self._slots.clear()
+        self._probes.clear()
 
 
 def _flock_current(fd: int, path: str, how: int) -> bool:

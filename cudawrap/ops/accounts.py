@@ -57,9 +57,11 @@ def _limits(layout: Layout) -> Tuple[int, int]:
         return 64 << 20, 4
 
 
-def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, asked: float) -> Optional[str]:
+def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, asked: float,
+          shared: Optional[float] = None) -> Optional[str]:
     """Record the grant of DEVICES to PID (asked at ASKED, time.time()); its lease id, or
-    None when PID is gone already (nothing is sent to it then)."""
+    None when PID is gone already (nothing is sent to it then). SHARED: a grant of shares,
+    and what it counts as, in devices (as a look records a share: ledger._grant)."""
     p = ledger.proc(pid)
     if p is None:
         return None
@@ -71,6 +73,9 @@ def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, 
         "pid": pid, "ticks": p.ticks, "program": program.rsplit("/", 1)[-1] or p.program, "exe": p.exe,
         "devices": sorted(devices), "start": round(now, 3), "start_lo": round(now, 3), "start_hi": round(now, 3),
         "seen_by": "service", "seen": now, "wait_s": round(max(now - asked, 0.0), 3)}
+    if shared is not None:
+        record["shared"] = True
+        record["devices_held"] = round(shared, 4)
     limits = _limits(layout)
     path = layout.state_dir / ledgerfile.STATE
     with ledgerfile.Locked(layout):

@@ -1,18 +1,20 @@
 """A client's request, read under the policy as the service reads it (never the client's).
 
 The program comes from peer.program (the kernel's word), its settings from the config the
-service reads; what the client says (its count, wait, CUDA_VISIBLE_DEVICES, filter asks)
+service reads; what the client says (its count, wait, share, CUDA_VISIBLE_DEVICES, filter asks)
 only narrows them, through the same rules the daemonless launch applies to the
 environment (policy.narrow, sched.candidates.usable).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, List, Optional
 
+from .. import wire
 from ..devices.model import Inventory
 from ..errors import NoDeviceError, SetupError, UsageError
+from ..lease.sharing import Sharing, of_run
 from ..sched.request import Request
 from ..sched.schedule import Waiter
 from .slurmjob import JobGpus
@@ -22,21 +24,31 @@ MAX_COUNT = 999  # as the queue's names allow
 
 @dataclass
 class Ask:
-    """One client's request, checked: what its waiter asks, and how long it may wait."""
+    """One client's request, checked: what its waiter asks (REQUEST), how long it may wait."""
 
-    count: int
+    request: Request
     wait: float
-    candidates: Optional[FrozenSet[str]]  # None: any device
-    placement: str
-    reserve_after: float
-    min_free_mib: int
-    max_util: int
     program: str  # the link of a wrapped program, "" for the API and `cudawrap run`
+    sharing: Sharing = field(default_factory=Sharing)  # the policy's [sharing]
+    memory_limit_mib: Optional[int] = None  # the program's, for its shares
+
+    @property
+    def share(self) -> bool:
+        return self.request.share  # a share of each device that has slots (README "Sharing a GPU")
 
     def waiter(self, key: str, uid: int, pid: int, arrival: float) -> Waiter:
         name = self.program.rsplit("/", 1)[-1] if self.program else "(not a wrapped program)"
-        return Waiter(key, uid, pid, Request(self.count, self.candidates, self.placement, self.reserve_after,
-                                             self.min_free_mib, self.max_util), arrival, name)
+        return Waiter(key, uid, pid, self.request, arrival, name)
+
+    def variables(self, root: str, shared: List[str], current: Dict[str, Any], slots: Dict[str, int]
+                  ) -> Dict[str, str]:
+        """The GRANT fields that give a run sharing SHARED what a run deciding for itself
+        sets (sharing.run_env: MPS's variables, the memory limit, the frameworks' defaults)."""
+        extra, defaults = self.sharing.run_env(root, shared, current, slots, self.memory_limit_mib)
+        fields = {"env": wire.pairs(extra)} if extra else {}
+        if defaults is not None:
+            fields["defaults"] = wire.pairs(defaults)
+        return fields
 
 
 def _number(fields: Dict[str, str], key: str, default: str) -> float:
@@ -60,6 +72,8 @@ def read(root: str, inventory: Inventory, fields: Dict[str, str], link: Optional
     from ..policy import effective as policy
 
     settings = policy.effective(root, link, {})
+    if "share" in fields:  # a share takes less than the device: anyone may ask (ask_share)
+        policy.ask_share(settings, fields["share"], "the run's environment", f"share={fields['share'][:40]!r}")
     for key in ("model", "min_memory_mib", "min_free_memory_mib", "max_utilization"):
         if key in fields:
             policy.ask(settings, key, fields[key], "the run's environment", f"{key}={fields[key][:40]!r}")
@@ -69,6 +83,7 @@ def read(root: str, inventory: Inventory, fields: Dict[str, str], link: Optional
     count = int(count)
     policy.check_count(settings, count)
     value = settings.values()
+    sharing, share = of_run(value, count)
     wait = min(float(value["wait"]), _number(fields, "wait", "inf"))
     allow = narrow.allow_list(value)
     preset = fields.get("visible")
@@ -84,9 +99,8 @@ def read(root: str, inventory: Inventory, fields: Dict[str, str], link: Optional
 
         raise SetupError(f"{len(candidates) - len(usable)} of the usable devices have no lease file", hint=SYNC_HINT)
     everything = frozenset(d.uuid for d in inventory.devices)
-    return Ask(count, wait, None if usable >= everything else usable, value["placement"],
-               float(value.get("reserve_after", 300.0)), int(value.get("min_free_memory_mib", 0)),
-               int(value.get("max_utilization", 100)), link or "")
+    request = Request.of(value, count, share).replace(candidates=None if usable >= everything else usable)
+    return Ask(request, wait, link or "", sharing, value.get("memory_limit_mib"))
 
 
 def _in_job(inventory: Inventory, candidates: List[Any], job: JobGpus, count: int, narrowed: bool) -> List[Any]:

@@ -6,11 +6,16 @@ claimed by it (held, in every decision), for at most DEADLINE_S: then the servic
 its copies and the grant is void (a stopped or slow client holds nothing: an unlocked
 descriptor holds no device; should it lock later, the lock table shows it, as any lock).
 HELD is checked, not believed: the service still has the same open file descriptions,
-and /proc/self/fdinfo lists the locks each of them holds.
+and /proc/self/fdinfo lists the locks each of them holds, and of which kind.
+
+A share (README "Sharing a GPU") is sent as two descriptors, as a run deciding for itself
+holds it: the device's lease file, to be locked shared, and one of its slot files, chosen
+here among those nobody holds, to be locked exclusively.
 
 A held grant is followed by a pidfd of its client (no polling): once the client exits the
-service tries each lease (LOCK_EX|LOCK_NB on its own descriptor): free, the grant ends;
-still held (a child inherited the descriptor), it ends at a later close of that lease file.
+service tries each lease (LOCK_EX|LOCK_NB on its own descriptor; for a share, on its slot
+file, as the device's other sharers hold the lease file): free, the grant ends; still held
+(a child inherited the descriptor), it ends at a later close of that lease or slot file.
 """
 from __future__ import annotations
 
@@ -19,10 +24,10 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .. import wire
-from ..lease.files import LeaseFiles, lock_kind
+from ..lease.files import LeaseFiles, lock_kind, lock_table
 from ..paths import Layout
 from . import accounts
 
@@ -38,6 +43,8 @@ class Pending:
     fds: List[int]  # the service's copies of what was sent
     deadline: float
     lease_id: str = ""  # its ledger record
+    exclusive: List[bool] = field(default_factory=list)  # the lock each of FDS must hold
+    slots: Dict[str, int] = field(default_factory=dict)  # uuid -> the slot file sent, for a share
 
     def close(self) -> None:
         for fd in self.fds:
@@ -56,6 +63,7 @@ class Held:
     lease_id: str = ""
     exited: bool = False
     ended: List[str] = field(default_factory=list)  # devices found released
+    slots: Dict[str, int] = field(default_factory=dict)  # uuid -> its slot, for a share (0: let go already)
 
 
 class Grants:
@@ -65,21 +73,54 @@ class Grants:
         self.pending: Dict[str, Pending] = {}
         self.held: Dict[int, Held] = {}  # pidfd -> grant
 
-    def claimed(self) -> Dict[str, int]:
-        return {u: p.pid for p in self.pending.values() for u in p.devices}
+    def claimed(self) -> Dict[str, List[Tuple[int, bool]]]:
+        """uuid -> (client pid, exclusive) of each grant sent whose lock may not show yet."""
+        out: Dict[str, List[Tuple[int, bool]]] = {}
+        for p in self.pending.values():
+            for u in p.devices:
+                out.setdefault(u, []).append((p.pid, u not in p.slots))
+        return out
+
+    def free_slots(self, shared: List[str], slots: Dict[str, int]) -> Optional[Dict[str, int]]:
+        """uuid -> a slot of it nobody holds nor was sent, for each of SHARED (SLOTS: uuid ->
+        its slots); None if one has none now (taken past the line since the decision)."""
+        sent = {(u, k) for p in self.pending.values() for u, k in p.slots.items()}
+        chosen: Dict[str, int] = {}
+        for uuid in shared:
+            free = next((k for k in range(1, slots[uuid] + 1)
+                         if (uuid, k) not in sent and self.leases.slot_free(uuid, k)), None)
+            if free is None:
+                return None
+            chosen[uuid] = free
+        return chosen
 
     def offer(self, sock: socket.socket, key: str, pid: int, uid: int, devices: List[str], program: str,
-              asked: float) -> bool:
-        """Record the grant, then send DEVICES' lease descriptors to the client PID on SOCK;
-        False if that failed (the record then ends at once)."""
-        lease_id = accounts.grant(self.layout, pid, uid, devices, program, asked)
+              asked: float, slots: Optional[Dict[str, int]] = None, fields: Optional[Dict[str, str]] = None,
+              counts_as: Optional[float] = None) -> bool:
+        """Record the grant, then send DEVICES' descriptors to the client PID on SOCK; False
+        if that failed (the record then ends at once). SLOTS: uuid -> the slot file of each
+        device taken as a share; FIELDS: more of the GRANT (the run's variables); COUNTS_AS:
+        what a grant with shares counts as, in devices."""
+        slots = slots or {}
+        lease_id = accounts.grant(self.layout, pid, uid, devices, program, asked, counts_as if slots else None)
         if lease_id is None:
             return False
         fds: List[int] = []
+        described: List[str] = []
+        exclusive: List[bool] = []
         try:
             for uuid in devices:
                 fds.append(os.open(self.leases.path(uuid), _OPEN))
-            data = wire.encode(wire.GRANT, {"devices": ",".join(devices)})
+                described.append(f"{wire.LEASE}:{uuid}:{wire.SHARED if uuid in slots else wire.EXCLUSIVE}")
+                exclusive.append(uuid not in slots)
+                if uuid in slots:
+                    fd = self.leases.open_slot(uuid, slots[uuid])
+                    if fd is None:
+                        raise OSError(f"slot {slots[uuid]} of {uuid} is gone")
+                    fds.append(fd)
+                    described.append(f"{wire.SLOT}:{uuid}:{wire.EXCLUSIVE}")
+                    exclusive.append(True)
+            data = wire.encode(wire.GRANT, {"devices": ",".join(devices), "fds": ",".join(described), **(fields or {})})
             sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())])
             if sent != len(data):
                 raise OSError("short send")
@@ -88,7 +129,8 @@ class Grants:
                 os.close(fd)
             accounts.end(self.layout, lease_id, "not taken (the client went away)")
             return False
-        self.pending[key] = Pending(key, pid, list(devices), fds, time.monotonic() + DEADLINE_S, lease_id)
+        self.pending[key] = Pending(key, pid, list(devices), fds, time.monotonic() + DEADLINE_S, lease_id,
+                                    exclusive, dict(slots))
         return True
 
     def void(self, key: str) -> None:
@@ -102,7 +144,7 @@ class Grants:
         pending = self.pending.pop(key, None)
         if pending is None:
             return None
-        ok = all(lock_kind(fd) is True for fd in pending.fds)
+        ok = all(lock_kind(fd) is kind for fd, kind in zip(pending.fds, pending.exclusive))
         pending.close()
         if not ok:
             accounts.end(self.layout, pending.lease_id, "not taken")
@@ -116,13 +158,40 @@ class Grants:
 
     def check(self, held: Held) -> bool:
         """Whether every lease of HELD is free now (its client has exited); frees the pidfd then."""
-        held.ended = [u for u in held.devices if u in held.ended or self.leases.free_now(u)]
+        held.ended = [u for u in held.devices if u in held.ended
+                      or (self._slot_let_go(held, u) if u in held.slots else self.leases.free_now(u))]
         if len(held.ended) < len(held.devices):
             return False
         self.held.pop(held.pidfd, None)
         os.close(held.pidfd)
         accounts.end(self.layout, held.lease_id)
         return True
+
+    def _slot_let_go(self, held: Held, uuid: str) -> bool:
+        """Whether HELD's share of UUID is over: its slot is free, or was sent since to
+        another run (so it was free then)."""
+        slot = held.slots[uuid]
+        others = [g.slots for g in list(self.pending.values()) + list(self.held.values()) if g is not held]
+        return slot == 0 or any(s.get(uuid) == slot for s in others) or self.leases.slot_free(uuid, slot)
+
+    def slots_held(self, pid: int, devices: List[str], slots: Dict[str, int]) -> Dict[str, int]:
+        """uuid -> the slot of it whose lock PID took, as the lock table says (0: none now),
+        for each of DEVICES shared in slots (SLOTS: uuid -> its slots): a share a service
+        before this one granted."""
+        table = lock_table()
+        out: Dict[str, int] = {}
+        for uuid in devices:
+            if slots.get(uuid, 1) < 2:
+                continue
+            out[uuid] = 0
+            for k in range(1, slots[uuid] + 1):
+                try:
+                    st = os.stat(self.leases.slot_path(uuid, k), follow_symlinks=False)
+                except OSError:
+                    continue
+                if any(p == pid for p, _ex in table.get((st.st_dev, st.st_ino), ())):
+                    out[uuid] = k
+        return out
 
     def lingering(self) -> List[Held]:
         """Grants whose client exited with a lease still held (by a child it passed it to)."""

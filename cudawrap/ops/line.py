@@ -12,7 +12,7 @@ that does not take them is passed over for turns.STALL_S (sched/turns.py says wh
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import locations as loc
 from ..sched.acquirer import Acquirer
@@ -96,23 +96,34 @@ class Line:
             w.request = w.request.replace(reserve_after=self.reserve_after)
         return w
 
-    def decide(self, mine: Sequence[Waiter], claimed: Dict[str, int]) -> Dict[str, Verdict]:
+    def decide(self, mine: Sequence[Waiter], claimed: Dict[str, List[Tuple[int, bool]]]) -> Dict[str, Verdict]:
         """Verdicts for MINE (the service's waiters) and the believable queue entries.
 
-        CLAIMED: devices sent to a client whose lock may not show yet (uuid -> its pid):
-        held, for this decision."""
+        CLAIMED: devices sent to a client whose lock may not show yet (uuid -> its pid and
+        whether exclusive, or a share, for each): held, for this decision."""
         scan = self._probed() if self._alone(mine) else self.queue.scan()
         now = time.monotonic()
         entries = [w for w in (self._believable(w) for w in scan.waiters) if w is not None]
         table = dict(scan.table)
-        for uuid, pid in claimed.items():
+        for uuid, locks in claimed.items():
             ident = self.leases.ident(uuid)
-            if ident is not None and ident not in table:
-                table[ident] = [(pid, True)]
+            if ident is None:
+                continue
+            seen = table.get(ident)
+            if seen is None:
+                table[ident] = list(locks)
+            else:  # a share already taken shows in the table: counted once
+                table[ident] = seen + [lock for lock in locks if not lock[1] and lock not in seen]
         self.entries, self.paths = entries, scan.paths
         verdicts, _free = self.acquirer.decide(Scan(entries + list(mine), table, scan.paths), None, True)
         self._pass_over_idle(entries, verdicts, now)
         return verdicts
+
+    def joinable(self, uuids: Sequence[str], uid: int) -> bool:
+        """Whether UID may join the sharers of those of UUIDS that had sharers at the last
+        decision: under MPS, NVML read again shows no other user's work there, as a share
+        deciding for itself checks before it stays (its device's data may be older)."""
+        return all(self.acquirer._joinable(u, uid) for u in uuids if u in self.acquirer.joined)
 
     def programs(self) -> Dict[str, str]:
         """Queue entry -> the program its file names (its owner's word, shown as such)."""

@@ -41,12 +41,13 @@ def line(entries: Sequence[Waiter], mine: Sequence[Waiter], verdicts: Dict[str, 
 
 
 def holders(held: Sequence[Any], asker: int, private: bool) -> Dict[str, Dict[str, Any]]:
-    """uuid -> the holder of each lease the service granted and that is not yet released."""
+    """uuid -> the holder of each lease the service granted and that is not yet released.
+    Shares are left out: a shared device has several, which the lock table names (status)."""
     out: Dict[str, Dict[str, Any]] = {}
     for h in held:
         visible = not private or asker in (0, h.uid)
         for uuid in h.devices:
-            if uuid in h.ended:
+            if uuid in h.ended or uuid in h.slots:
                 continue
             out[uuid] = {"pid": h.pid if visible else None, "user": user_name(h.uid) if visible else HIDDEN,
                          "program": (h.program.rsplit("/", 1)[-1] or "(not a wrapped program)") if visible else HIDDEN,

@@ -90,7 +90,7 @@ class Service:
         self.root = root
         self.max_per_uid = max_per_uid
         self.private_status = private_status
-        self.state_wd = -2
+        self.state_wd = self.share_wd = -2
         self.line = Line(root)
         from pathlib import Path
 
@@ -147,6 +147,9 @@ class Service:
         watch.add(self.line.leases.dir, inotify.IN_CLOSE_WRITE | inotify.IN_CLOSE_NOWRITE
                   | inotify.IN_CREATE | inotify.IN_DELETE | inotify.IN_MOVED_TO)
         watch.add(self.line.queue.dir, inotify.IN_CREATE | inotify.IN_DELETE | inotify.IN_MOVED_TO)
+        # A share's end is its slot file's close (its lease file's other sharers hold on).
+        self.share_wd = watch.add(loc.under(self.root, loc.SHARE_DIR),
+                                  inotify.IN_CLOSE_WRITE | inotify.IN_CLOSE_NOWRITE)
         # The admin's drains (state directory): a drain or resume is decided on at once.
         self.state_wd = watch.add(os.path.dirname(loc.under(self.root, loc.DRAINS)),
                                   inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO | inotify.IN_DELETE)
@@ -168,6 +171,8 @@ class Service:
             alive = ledger.proc(pid)
             held = Held(record["uid"], pid, pidfd if pidfd >= 0 else os.open("/dev/null", os.O_RDONLY),
                         list(record["devices"]), record.get("program", ""), record["start"], lease_id=record["id"])
+            if record.get("shared"):
+                held.slots = self.grants.slots_held(pid, held.devices, self.line.acquirer.slots)
             self.grants.follow(held)
             if pidfd >= 0 and alive is not None and alive.ticks == record["ticks"]:
                 self.selector.register(held.pidfd, selectors.EVENT_READ, held)
@@ -372,12 +377,12 @@ class Service:
             return
         if client.peer.pidfd >= 0:
             held = Held(client.peer.uid, client.peer.pid, os.dup(client.peer.pidfd), pending.devices,
-                        client.ask.program, time.time(), lease_id=pending.lease_id)
+                        client.ask.program, time.time(), lease_id=pending.lease_id, slots=pending.slots)
             self.grants.follow(held)
             self.selector.register(held.pidfd, selectors.EVENT_READ, held)
         client.send(wire.DONE, {})
-        _say(f"granted {','.join(pending.devices)} to uid {client.peer.uid} pid {client.peer.pid}"
-             f" ({client.waiter.program})")
+        _say(f"granted {'a share of ' if pending.slots else ''}{','.join(pending.devices)} to uid "
+             f"{client.peer.uid} pid {client.peer.pid} ({client.waiter.program})")
         client.waiter = None  # served: no longer waiting
         self._drop(client)
 
@@ -420,7 +425,8 @@ class Service:
         events = self.watch.events()  # type: ignore[attr-defined]
         drains = os.path.basename(loc.DRAINS)
         events = [e for e in events if e[0] != self.state_wd or e[2] == drains]  # not the ledger's writes
-        closed = {name for _wd, mask, name in events if mask & (inotify.IN_CLOSE_WRITE | inotify.IN_CLOSE_NOWRITE)}
+        closed = {name.rpartition(".")[0] if wd == self.share_wd else name  # a slot file: UUID.K
+                  for wd, mask, name in events if mask & (inotify.IN_CLOSE_WRITE | inotify.IN_CLOSE_NOWRITE)}
         for held in self.grants.lingering():
             if closed & set(held.devices):
                 self.grants.check(held)
@@ -447,8 +453,7 @@ class Service:
             if verdict is None:
                 continue
             if verdict.kind == GRANTED:
-                if not self.grants.offer(client.sock, client.waiter.key, client.peer.pid, client.peer.uid,
-                                         list(verdict.devices), client.ask.program, client.waiter.arrival):
+                if not self._offer(client, list(verdict.devices)):
                     self._drop(client)
                 continue
             if client.ask.wait <= 0 or now >= client.wait_until:
@@ -457,6 +462,29 @@ class Service:
                 client.told = verdict.kind
                 if not client.send(wire.WAIT, {"text": f"waiting for a device: {verdict.text} (pid {client.peer.pid})"}):
                     self._drop(client)
+
+    def _offer(self, client: Client, devices: List[str]) -> bool:
+        """Send CLIENT the grant of DEVICES: of a share of each that has slots, for a shared
+        run (as a run deciding for itself takes them: Acquirer._take). False if the client is
+        gone; a share that cannot be had now (its slots taken past the line since, or under MPS
+        another user's work found there) stays waiting."""
+        assert client.waiter is not None and client.ask is not None
+        ask, slots = client.ask, self.line.acquirer.slots
+        shared = [u for u in devices if ask.share and slots.get(u, 1) > 1]
+        if not self.line.joinable(shared, client.peer.uid):
+            self.dirty = True  # NVML was read again: the next decision sees who is there
+            return True
+        chosen = self.grants.free_slots(shared, slots)
+        if chosen is None:  # taken since the decision, or not made yet (sync makes slot files)
+            if ask.wait <= 0 or time.monotonic() >= client.wait_until:
+                self._fail(client, os.EX_TEMPFAIL, f"no free device: no slot of {','.join(shared)} is free now",
+                           "try again later, or set CUDAWRAP_WAIT=SECONDS")
+            return True
+        sharing = self.line.acquirer.sharing
+        return self.grants.offer(client.sock, client.waiter.key, client.peer.pid, client.peer.uid, devices,
+                                 ask.program, client.waiter.arrival, chosen,
+                                 ask.variables(self.root, shared, self.line.acquirer.current, slots),
+                                 sum(sharing.cost(slots.get(u, 1)) for u in devices))
 
     def _timed_out(self, client: Client, verdict: Verdict) -> None:
         assert client.ask is not None

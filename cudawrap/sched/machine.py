@@ -301,15 +301,15 @@ class MachineView:
             return False
         return bool(mps_strangers(pids, uids, self.mps_daemon(uuid), lambda pid: pid in self.holders and _exited(pid)))
 
-    def _joinable(self, uuid: str) -> bool:
-        """Whether a share of UUID, which has sharers, may be taken: under MPS, NVML read
-        again shows no user there but its sharers and us (see _strangers)."""
+    def _joinable(self, uuid: str, uid: Optional[int] = None) -> bool:
+        """Whether a share of UUID, which has sharers, may be taken (by UID; None: us): under
+        MPS, NVML read again shows no user there but its sharers and the taker (see _strangers)."""
         if self.sharing.mode != MPS:
             return True
         fresh = self.refresh(self.current[uuid]) if self.refresh else None
         if fresh is not None:
             self.current[uuid] = fresh
-        return not self._strangers(uuid, set(self.used.get(uuid, ())) | {self.uid})
+        return not self._strangers(uuid, set(self.used.get(uuid, ())) | {self.uid if uid is None else uid})
 
     def _slots_apart(self, uuid: str, locks: Optional[List[Tuple[int, bool]]],
                      table: Dict[Tuple[int, int], List[Tuple[int, bool]]]) -> List[int]:
