@@ -16,9 +16,10 @@ from .policy import effective as policy
 from .policy.config import parse_gpus, parse_wait
 from .errors import UsageError
 from .lease.files import LEASE_ENV, PROGRAM_ENV
+from .lease.grant import CVD, Grant
 from .paths import default_layout
 
-_held: Optional[launch.Grant] = None
+_held: Optional[Grant] = None
 # The caller's values of the variables acquire() sets, put back by release(): a later
 # acquire() must choose from what the caller allowed, not from the devices given back.
 _saved: Dict[str, Optional[str]] = {}
@@ -60,7 +61,7 @@ def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None, *,
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     grant = launch.obtain(root, prog, settings, os.environ, count=count)
     _saved.clear()
-    _saved.update({name: os.environ.get(name) for name in (LEASE_ENV, PROGRAM_ENV, launch.CVD)})
+    _saved.update({name: os.environ.get(name) for name in (LEASE_ENV, PROGRAM_ENV, CVD)})
     if grant.lease is not None:
         # Inheritable, so a program this process execs (or a child that keeps its fds)
         # keeps the devices leased while it runs on them.
@@ -68,7 +69,7 @@ def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None, *,
         os.environ[LEASE_ENV] = grant.lease.marker()
         os.environ.pop(PROGRAM_ENV, None)  # a wrapped parent's name is not this lease's
     if grant.visible is not None:
-        os.environ[launch.CVD] = grant.visible
+        os.environ[CVD] = grant.visible
     for name in grant.drop:
         _saved.setdefault(name.decode(), os.environ.get(name.decode()))
         os.environ.pop(name.decode(), None)

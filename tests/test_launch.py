@@ -203,9 +203,9 @@ def test_the_shim_imports_only_what_it_needs(installed):
 # cudawrap's modules on a launch, exactly: a new import on the shim's path shows here first.
 LAUNCH_MODULES = {
     "cudawrap", "cudawrap.errors", "cudawrap.launch", "cudawrap.locations", "cudawrap.users",
-    "cudawrap.base", "cudawrap.base.audit", "cudawrap.base.rootfile",
+    "cudawrap.base", "cudawrap.base.audit", "cudawrap.base.program", "cudawrap.base.rootfile",
     "cudawrap.devices", "cudawrap.devices.model", "cudawrap.devices.snapshot",
-    "cudawrap.lease", "cudawrap.lease.files", "cudawrap.lease.sharing",
+    "cudawrap.lease", "cudawrap.lease.files", "cudawrap.lease.grant", "cudawrap.lease.sharing",
     "cudawrap.policy", "cudawrap.policy.effective",
     "cudawrap.sched", "cudawrap.sched.acquirer", "cudawrap.sched.decision", "cudawrap.sched.machine",
     "cudawrap.sched.placement", "cudawrap.sched.request", "cudawrap.sched.run",

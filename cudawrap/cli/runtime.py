@@ -10,6 +10,8 @@ from typing import Optional
 from plumbum import cli
 
 from .. import launch
+from ..base.program import exec_program, original_environ
+from ..lease.grant import CVD, Grant
 from ..policy import effective as policy
 from ..policy.config import parse_gpus, parse_wait
 from ..errors import NvmlUnavailable, ProgramNotFound, UsageError
@@ -221,17 +223,17 @@ class RunCommand(FilterSwitches, Command):
         argv = list(command)
         if self.substitute:
             argv = argv[:1] + _substituted(str(layout.root), argv[1:], grant)
-        launch.exec_program(path, argv, grant.apply(launch.original_environ()), grant)
+        exec_program(path, argv, grant.apply(original_environ()), grant)
         return 0  # not reached: exec_program replaces this process
 
 
-def _substituted(root: str, args: List[str], grant: launch.Grant) -> List[str]:
+def _substituted(root: str, args: List[str], grant: Grant) -> List[str]:
     """ARGS with the placeholders filled in from GRANT (held already: no race)."""
     from ..errors import NvmlUnavailable
     from ..sched.placeholders import substitute
 
     if grant.visible is None or grant.lease is None:
-        if os.environ.get(launch.CVD, None) is not None and not os.environ[launch.CVD].strip():
+        if os.environ.get(CVD, None) is not None and not os.environ[CVD].strip():
             raise UsageError("--substitute: CUDA_VISIBLE_DEVICES is empty, so no device was leased",
                              hint="unset CUDA_VISIBLE_DEVICES, or drop --substitute")
         raise NvmlUnavailable("--substitute: no device was leased (no NVIDIA driver)")
