@@ -109,9 +109,10 @@ def burst_once(sim: Sim, tool: str, n: int, hold: float, program: str = "job") -
 
 
 def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Sequence[str] = (),
-           name: str = "") -> dict:
+           name: str = "", granted_at: Optional[Dict[int, float]] = None) -> dict:
     """PREFIX goes before each command line (e.g. setpriv, to run the jobs as another account:
-    their log directory is then writable by all)."""
+    their log directory is then writable by all). GRANTED_AT: pid -> when it was granted, where
+    a service says so (its runs never enter the queue directory the watcher clocks)."""
     logdir = sim.work / f"burst-{name or tool}-{program}"
     logdir.mkdir(parents=True, exist_ok=True)
     if prefix:
@@ -137,7 +138,7 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Seque
         read_job_log(job, logdir / f"{job.index}.log")
         job.exited = watcher.exited.get(proc.pid)
         job.queue_key = watcher.keys.get(proc.pid)
-        job.granted = watcher.granted(proc.pid)
+        job.granted = watcher.granted(proc.pid) if granted_at is None else granted_at.get(proc.pid)
     ran = [j for j in jobs if j.ran]
     pairs, involved = overlaps(ran)
     ends = [j.end for j in ran if j.end is not None]

@@ -5,7 +5,8 @@ MIG instances, `cudawrap serve` running; once as root and once under `[service] 
 true` with the jobs run by `nobody` (then no run can take a lease but through the service).
 With bench/burst.py's machinery: a pidfd per job clocks its exit (its lease released); the
 grant is clocked from that exit to the next job's start line on the device (hold.c writes it
-right after its exec): p50/p95/max. Makespan (first launch to last end) against
+right after its exec): p50/p95/max, and split at the moment the service's "granted" line
+appears (its decision and messages before it, the shim's lock and exec after). Makespan (first launch to last end) against
 ceil(N/devices) x H; overlaps; failures (a run that did not run is a failure, never a
 time); and how many runs the service's own log says it granted.
 
@@ -20,7 +21,7 @@ second-to-last turnover job (until then no waiter can have been granted: FIFO). 
 waiters are served: failures, and how long the queue took to drain. W is capped by the
 memory free at the time (the first waiters' RSS gives the size of one); the result says so.
 
-    sudo python3 bench/servicescale.py [--quick] [--waiters 1000]
+Run by bench/service.py: `sudo python3 bench/service.py --parts burst,waiters [--quick] [--waiters W]`.
 """
 from __future__ import annotations
 
@@ -33,16 +34,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import IO, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from burst import _burst, wait_all  # noqa: E402
 from scale import _cpu, _rss_kib  # noqa: E402
 from sim import Sim, stop  # noqa: E402
-from stats import Job, dispatch_latencies, median, ms, overlaps, read_job_log, summary_ms  # noqa: E402
+from stats import Job, dispatch_latencies, median, overlaps, read_job_log, summary_ms  # noqa: E402
 from watch import Clock  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -52,13 +54,41 @@ GRANTED = re.compile(r"granted \S+ to uid \d+ pid (\d+)")
 RESERVE_MIB = 3072
 
 
-class Service:
-    """`cudawrap serve` running on a simulated machine, its log in a file."""
+class Tap(threading.Thread):
+    """The service's output, each line stamped when it is written: its "granted ... pid N"
+    line comes right after it sent the grant's last message, so a hand-over splits into the
+    service's part (a release to that line) and the run's (that line to its exec). Root's
+    thread runs SCHED_FIFO, as the exit clock does, so the stamps do not wait for the load."""
 
-    def __init__(self, proc: subprocess.Popen, log: Path) -> None:
+    def __init__(self, stream: IO[bytes], log: Path) -> None:
+        super().__init__(daemon=True)
+        self.stream = stream
+        self.log = log
+        self.granted: Dict[int, float] = {}  # pid -> when the service said it granted it
+        self.start()
+
+    def run(self) -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        except (OSError, AttributeError):
+            pass
+        with open(self.log, "ab") as out:
+            for line in iter(self.stream.readline, b""):
+                now = time.time()
+                found = GRANTED.search(line.decode(errors="replace"))
+                if found:
+                    self.granted.setdefault(int(found.group(1)), now)
+                out.write(b"%.6f " % now + line)
+                out.flush()
+
+
+class Service:
+    """`cudawrap serve` running on a simulated machine, its output stamped into a log."""
+
+    def __init__(self, proc: subprocess.Popen, tap: Tap) -> None:
         self.proc = proc
         self.pid = proc.pid
-        self.log = log
+        self.tap = tap
 
     def monitor_pid(self) -> Optional[int]:
         """The child the service forked for the monitor's loop."""
@@ -69,7 +99,7 @@ class Service:
         return int(children[0]) if children else None
 
     def granted_pids(self) -> Set[int]:
-        return {int(m.group(1)) for m in GRANTED.finditer(self.log.read_text(errors="replace"))}
+        return set(self.tap.granted)
 
     def waiting(self, root: Path) -> Optional[Set[int]]:
         """The pids the service has in line now (its status answer), None if it does not answer."""
@@ -121,18 +151,20 @@ def serving(sim: Sim, enforce: bool = False) -> Iterator[Service]:
         _set_enforce(config, True)
     sock = sim.layout.runtime_dir / "cudawrap.sock"
     log = sim.work / f"serve{'-enforce' if enforce else ''}.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([sim.install.cudawrap, "serve"], env=sim.machine.environ(),
-                                stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sim.install.cudawrap, "serve"], env=sim.machine.environ(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    tap = Tap(proc.stdout, log)
     try:
         deadline = time.monotonic() + 60
         while not _answers(sock):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"cudawrap serve did not start: {log.read_text(errors='replace')[-1000:]}")
             time.sleep(0.05)
-        yield Service(proc, log)
+        yield Service(proc, tap)
     finally:
         stop(proc, 30)
+        tap.join(10)
         if enforce:
             if saved is None:
                 config.unlink()
@@ -154,16 +186,20 @@ def service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
         return {"error": closed}
     with serving(sim, enforce) as service:
         out = _burst(sim, "cudawrap", n, hold, "hold", NOBODY if enforce else (),
-                     name="service-enforce" if enforce else "service")
+                     name="service-enforce" if enforce else "service", granted_at=service.tap.granted)
         granted = service.granted_pids()
     jobs = out["jobs"]
     pids = {j["pid"] for j in jobs if j["pid"] is not None}
     starts = [j["start"] for j in jobs if j["start"] is not None]
     ends = [j["end"] for j in jobs if j["end"] is not None]
-    out.pop("grant", None)  # the queue directory's clock: runs through the service never enter it
-    out.pop("after_startup_storm", None)
+    out.pop("after_startup_storm", None)  # it needs the queue directory, which the service's runs never enter
     out.update({"enforce": enforce, "as": "nobody" if enforce else "root",
-                "granted_by_service": len(pids & granted)})
+                "granted_by_service": len(pids & granted),
+                # The hand-over in two: a release to the service's grant line (its decision, the
+                # grant's messages), and that line to the run's exec (the shim's part).
+                "grant_service_part": out.pop("grant"),
+                "grant_run_part": summary_ms([j["start"] - j["granted"] for j in jobs
+                                              if j["start"] is not None and j["granted"] is not None])})
     if starts and ends:
         # Without the first round's launch (N shims starting at once on few cores).
         span = max(ends) - min(starts)
@@ -249,7 +285,7 @@ def _spawn(sim: Sim, argv: List[str], err: object, clock: Optional[Clock] = None
     return proc
 
 
-def _until(what: str, ok, timeout: float, step: float = 0.05) -> None:
+def _until(what: str, ok: Callable[[], bool], timeout: float, step: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while not ok():
         if time.monotonic() > deadline:
@@ -342,7 +378,7 @@ def many_waiters(sim: Sim, waiters: int, turnover: int, hold: float, quiet: floa
                     proc.kill()
             wait_all(run.all(), time.monotonic() + 30)
             run.clock.stop()
-        granted = service.granted_pids()
+        granted = dict(service.tap.granted)
     out.update(_outcome(sim, run, hold, granted))
     return out
 
@@ -375,7 +411,7 @@ def _spawn_waiters(sim: Sim, service: Service, want: int, stagger: float, hold_w
     return procs, memory
 
 
-def _outcome(sim: Sim, run: Launched, hold: float, granted: Set[int]) -> dict:
+def _outcome(sim: Sim, run: Launched, hold: float, granted: Dict[int, float]) -> dict:
     """From the logs and the exits clocked: who ran, the hand-overs, the turnover's makespan."""
     holders: List[Job] = []
     freed: Dict[str, float] = {}
@@ -392,6 +428,7 @@ def _outcome(sim: Sim, run: Launched, hold: float, granted: Set[int]) -> dict:
         job.rc = proc.returncode
         read_job_log(job, log)
         job.exited = run.clock.exited.get(proc.pid)
+        job.granted = granted.get(proc.pid)
     ran = [j for j, _p in run.turn if j.ran]
     served = _read_shared_log(run.wlog)
     waiters_ok = [served[p.pid] for p in run.wprocs if p.pid in served]
@@ -404,8 +441,9 @@ def _outcome(sim: Sim, run: Launched, hold: float, granted: Set[int]) -> dict:
         "turnover_ok": len(ran), "turnover_failures": len(run.turn) - len(ran),
         "waiters_ok": len(waiters_ok), "waiter_failures": len(run.wprocs) - len(waiters_ok),
         "overlap_pairs": pairs, "jobs_in_overlaps": involved,
-        "granted_by_service": len({j.pid for j in ran + waiters_ok} & granted),
+        "granted_by_service": len({j.pid for j in ran + waiters_ok} & set(granted)),
         "grant_to_exec": summary_ms(dispatch_latencies(ran, freed, at="exec")),
+        "grant_service_part": summary_ms(dispatch_latencies(ran, freed, at="granted")),
         "turnover_makespan_s": round(makespan, 3) if makespan else None, "turnover_ideal_s": ideal,
         "turnover_makespan_ratio": round(makespan / ideal, 3) if makespan else None,
         "drain_s": round(max(w_starts) - min(w_starts), 2) if w_starts else None,
@@ -479,6 +517,8 @@ def show(result: dict) -> None:
         print(f"    ran {r['ok']}/{r['n']}, failures {r['failures']}, overlaps {r['overlap_pairs']}, "
               f"granted by the service {r['granted_by_service']}/{r['ok']}")
         print(f"    grant (release's exit -> waiter's exec): {_lat(r['grant_to_exec'])}")
+        print(f"      of which exit -> the service's grant line {_lat(r['grant_service_part'])}; "
+              f"that line -> exec {_lat(r['grant_run_part'])}")
         if r["makespan_s"] is not None:
             print(f"    makespan {r['makespan_s']:.3f} s vs ideal {r['ideal_makespan_s']:g} s: "
                   f"x{r['makespan_s'] / r['ideal_makespan_s']:.3f}; from the first start "
@@ -502,7 +542,7 @@ def show(result: dict) -> None:
     if w["cpu_turnover"].get("waiter_started_inside"):
         print("    NOTE: a waiter started inside the turnover window (a turnover job failed?)")
     print(f"    turnover: ran {w['turnover_ok']}/{w['turnover_jobs']}, failures {w['turnover_failures']}; "
-          f"grant {_lat(w['grant_to_exec'])}; makespan {w['turnover_makespan_s']} s vs {w['turnover_ideal_s']:g} s "
+          f"grant {_lat(w['grant_to_exec'])} (to the service's grant line {_lat(w['grant_service_part'])}); makespan {w['turnover_makespan_s']} s vs {w['turnover_ideal_s']:g} s "
           f"(x{w['turnover_makespan_ratio']})")
     print(f"    then the waiters: ran {w['waiters_ok']}/{w['waiters']}, failures {w['waiter_failures']}, drained in "
           f"{w['drain_s']} s (service {w['cpu_drain_service']['service']['pct_of_one_core']:.1f} % of a core); "
