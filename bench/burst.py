@@ -12,7 +12,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from sim import MONITORED, Bench, Sim
 from stats import (Job, dispatch_latencies, intervals, kendall_distance, median, ms, overlaps,
@@ -108,9 +108,15 @@ def burst_once(sim: Sim, tool: str, n: int, hold: float, program: str = "job") -
         return _burst(sim, tool, n, hold, program)
 
 
-def _burst(sim: Sim, tool: str, n: int, hold: float, program: str) -> dict:
-    logdir = sim.work / f"burst-{tool}-{program}"
+def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Sequence[str] = (),
+           name: str = "", granted_at: Optional[Dict[int, float]] = None) -> dict:
+    """PREFIX goes before each command line (e.g. setpriv, to run the jobs as another account:
+    their log directory is then writable by all). GRANTED_AT: pid -> when it was granted, where
+    a service says so (its runs never enter the queue directory the watcher clocks)."""
+    logdir = sim.work / f"burst-{name or tool}-{program}"
     logdir.mkdir(parents=True, exist_ok=True)
+    if prefix:
+        logdir.chmod(0o1777)
     env = sim.environ()
     watcher = Clock(sim.layout.queue_dir if tool.startswith("cudawrap") else None)
     jobs = [Job(i, 0.0) for i in range(n)]
@@ -121,7 +127,8 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str) -> dict:
             log = logdir / f"{job.index}.log"
             argv = sim.argv(tool, program, sim.job_args(hold, log) if program == "job" else [f"{hold:g}", str(log)])
             job.spawned = time.time()
-            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=logdir))
+            procs.append(subprocess.Popen(list(prefix) + argv, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                          cwd=logdir))
             watcher.add(procs[-1].pid)
         ideal = math.ceil(n / sim.devices) * hold
         killed = wait_all(procs, time.monotonic() + 3 * ideal + 60)
@@ -131,7 +138,7 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str) -> dict:
         read_job_log(job, logdir / f"{job.index}.log")
         job.exited = watcher.exited.get(proc.pid)
         job.queue_key = watcher.keys.get(proc.pid)
-        job.granted = watcher.granted(proc.pid)
+        job.granted = watcher.granted(proc.pid) if granted_at is None else granted_at.get(proc.pid)
     ran = [j for j in jobs if j.ran]
     pairs, involved = overlaps(ran)
     ends = [j.end for j in ran if j.end is not None]
@@ -160,6 +167,7 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str) -> dict:
         "makespan_ratio": _round(makespan / ideal, 2) if makespan else None,
         "dispatch": summary_ms(lat),
         "grant": summary_ms(grant),
+        "grant_to_exec": summary_ms(dispatch_latencies(ran, at="exec")) if program == "hold" else None,
         "after_startup_storm": steady,
         "order": order_metrics(ran, min(ends) if ends else None),
         "stderr_sample": errors[-3:],

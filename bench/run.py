@@ -34,7 +34,6 @@ if (importlib.util.find_spec("cudawrap") is None or importlib.util.find_spec("py
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -45,6 +44,7 @@ from typing import Any, Callable, Dict, List, Tuple  # noqa: E402
 sys.path.insert(0, str(BENCH))
 
 import report  # noqa: E402
+from about import checkout, machine_info  # noqa: E402
 from sim import Bench, find_peers  # noqa: E402
 
 SECTIONS = ("launch", "burst", "scale", "nvml", "foreign")
@@ -86,28 +86,6 @@ MODES: Dict[str, Dict[str, Any]] = {
 }
 
 
-def machine_info() -> Dict[str, Any]:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    memory = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                memory = round(int(line.split()[1]) / 1024 / 1024, 1)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory, "python": platform.python_version(),
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-            "implementation": platform.python_implementation(), "kernel": platform.release(),
-            "python_executable": sys.executable}
-
-
 class ForeignCpu:
     """CPU the rest of the machine used: all busy CPU time minus this benchmark's own.
 
@@ -138,16 +116,6 @@ class ForeignCpu:
         others = max((now[1] - self.last[1]) - (now[2] - self.last[2]), 0.0)
         self.last = now
         return round(100.0 * others / (wall * (os.cpu_count() or 1)), 1) if wall > 0 else 0.0
-
-
-def checkout() -> Dict[str, Any]:
-    """The commit measured, and whether cudawrap/ had uncommitted changes."""
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(REPO)] + list(args), capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
-
-    changed = [line for line in git("status", "--porcelain", "--", "cudawrap", "shims").splitlines() if line]
-    return {"commit": git("rev-parse", "--short", "HEAD"), "cudawrap_uncommitted_files": len(changed)}
 
 
 def draw(results_path: Path, out_dir: Path, peers_venv: Path) -> List[str]:

@@ -13,24 +13,35 @@ with the interval the program logs itself (its start, its end). The issue's targ
 run counted, each lease within 10 ms of the logged interval. Figures only: nothing here
 asserts a time.
 
-    sudo python3 bench/service.py [--reps 40] [--topologies a100-mig7 dgx-a100-mig56]
+Then bench/servicescale.py's two (see there): a burst of N one-second C jobs through the
+service on 7 MIG instances (grant from a release's exit to the next run's exec, makespan,
+overlaps, failures; again under `[service] enforce = true`), and W waiting runs while 50
+one-second jobs turn over (the CPU of the service, of its monitor loop and of the waiters).
+
+    sudo python3 bench/service.py [--quick] [--reps 40] [--topologies a100-mig7 dgx-a100-mig56]
+                                  [--parts launch,burst,waiters] [--waiters 1000] [--no-enforce]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import socket
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from about import checkout, machine_info  # noqa: E402
 from overhead import BARE, BARE_S, measure  # noqa: E402
+from report import machine_line  # noqa: E402
+from servicescale import run_servicescale, serving  # noqa: E402
+from servicescale import show as show_servicescale  # noqa: E402
 from sim import Bench, Peers, Sim  # noqa: E402
 
 WRAPPED = "wrapped true"
@@ -44,17 +55,6 @@ def _block(sim: Sim, reps: int) -> Dict[str, dict]:
         "direct": [str(sim.true)],
     }
     return measure(cmds, sim.environ(), reps)
-
-
-def _answers(path: Path) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 LEDGER_RUNS = 12
@@ -101,20 +101,9 @@ def ledger_accuracy(sim: Sim, runs: int, hold: float) -> dict:
 def run(bench: Bench, topology: str, reps: int) -> dict:
     sim = bench.sim(topology)
     out = {"devices": sim.devices, "without service": _block(sim, reps)}
-    sock = sim.layout.runtime_dir / "cudawrap.sock"
-    proc = subprocess.Popen([sim.install.cudawrap, "serve"], env=sim.machine.environ(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while not _answers(sock):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"cudawrap serve did not start: {proc.stderr.read().decode()[-1000:]}")
-            time.sleep(0.05)
+    with serving(sim):
         out["with service"] = _block(sim, reps)
         out["ledger"] = ledger_accuracy(sim, LEDGER_RUNS, LEDGER_HOLD_S)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     return out
 
 
@@ -136,18 +125,44 @@ def show(topology: str, result: dict) -> None:
               f"release max {max(led['end_to_release_ms']):.1f} ms); every lease spans its run: {led['inside']}")
 
 
+PARTS = ("launch", "burst", "waiters")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=40)
-    parser.add_argument("--topologies", nargs="+", default=["a100-mig7", "dgx-a100-mig56"])
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run of under a minute")
+    parser.add_argument("--reps", type=int, help="launch rounds (default 40, 3 with --quick)")
+    parser.add_argument("--topologies", nargs="+", help="for the launch (default a100-mig7 dgx-a100-mig56; "
+                                                        "a100-mig7 with --quick)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"a subset of {','.join(PARTS)}")
+    parser.add_argument("--waiters", type=int, help="waiting runs (default 1000, 40 with --quick)")
+    parser.add_argument("--no-enforce", action="store_true", help="leave out the burst under [service] enforce")
     parser.add_argument("--work", type=Path, help="work directory (default: a new temporary one)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if set(parts) - set(PARTS):
+        parser.error(f"unknown part {sorted(set(parts) - set(PARTS))[0]}; choose from {', '.join(PARTS)}")
+    reps = args.reps or (3 if args.quick else 40)
+    topologies = args.topologies or (["a100-mig7"] if args.quick else ["a100-mig7", "dgx-a100-mig56"])
     work = args.work or Path(tempfile.mkdtemp(prefix="cudawrap-bench-service-"))
     bench = Bench(work, Peers(None, None, []))
-    results = {t: run(bench, t, args.reps) for t in args.topologies}
-    for topology, result in results.items():
+    results: dict = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "mode":
+                     "quick" if args.quick else "full", "checkout": checkout(), "machine": machine_info()}
+    if "launch" in parts:
+        results["launch"] = {t: run(bench, t, reps) for t in topologies}
+    if "burst" in parts or "waiters" in parts:
+        results["service"] = run_servicescale(bench.sim, results["mode"], args.waiters, not args.no_enforce,
+                                              burst="burst" in parts, many="waiters" in parts)
+    results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"bench/service.py ({results['mode']}), {results['date']}, commit {results['checkout']['commit']}"
+          + (f" (+{results['checkout']['cudawrap_uncommitted_files']} uncommitted files in cudawrap/)"
+             if results["checkout"]["cudawrap_uncommitted_files"] else ""))
+    print(f"Machine: {machine_line(results['machine'])}")
+    for topology, result in results.get("launch", {}).items():
         show(topology, result)
+    if "service" in results:
+        show_servicescale(results["service"])
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

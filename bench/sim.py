@@ -157,6 +157,16 @@ class Install:
         }
 
 
+def stop(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM, then SIGKILL after GRACE s; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def monitor_nice(layout: Layout) -> int:
     """The Nice= of the monitor's systemd unit as install.sh writes it (0 if it sets none)."""
     from cudawrap.install.installation import render_monitor_unit
@@ -267,12 +277,7 @@ class Sim:
                 time.sleep(0.02)
             yield
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, 10)
             try:
                 snap.unlink()  # later launches must not use a snapshot nobody refreshes
             except FileNotFoundError:

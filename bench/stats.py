@@ -135,8 +135,8 @@ def overlaps(jobs: Sequence[Job]) -> Tuple[int, int]:
 def released(job: Job, at: str) -> Optional[float]:
     """When JOB's device was freed, as seen from AT: for a dispatch (to the next start line)
     its end line; for a grant, its exit where that was clocked (the lease goes with the
-    process, after the stand-in's own teardown), else its end line."""
-    if at == "granted" and job.exited is not None:
+    process, after the stand-in's own teardown), else its end line; for "exec" as for a grant."""
+    if at in ("granted", "exec") and job.exited is not None:
         return job.exited
     return job.end
 
@@ -150,13 +150,15 @@ def dispatch_latencies(jobs: Sequence[Job], freed: Optional[Dict[str, float]] = 
     devices first held by someone else, as in the scale run). AT="granted" measures to
     the moment the job left cudawrap's queue instead of its start line (jobs that never
     queued are left out), from the moment the lease was released (see `released`).
+    AT="exec": from that release to the next job's start line, which a C job (bench/hold.c)
+    writes right after its exec: the grant as the run sees it, whatever decided it.
     """
     out: List[float] = []
     for device, spans in intervals(jobs).items():
         previous_end = freed.get(device) if freed else None
         for job in spans:
             if previous_end is not None and job.spawned < previous_end <= job.start:
-                if at == "start":
+                if at in ("start", "exec"):
                     out.append(job.start - previous_end)
                 elif job.granted is not None:
                     out.append(max(job.granted - previous_end, 0.0))

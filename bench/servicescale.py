@@ -1,0 +1,550 @@
+"""Hand-overs and waiting through `cudawrap serve`: issue 30's grant and waiting-cost targets.
+
+burst: N simultaneous wrapped C jobs (bench/hold.c) holding their device H s each on the 7
+MIG instances, `cudawrap serve` running; once as root and once under `[service] enforce =
+true` with the jobs run by `nobody` (then no run can take a lease but through the service).
+With bench/burst.py's machinery: a pidfd per job clocks its exit (its lease released); the
+grant is clocked from that exit to the next job's start line on the device (hold.c writes it
+right after its exec): p50/p95/max, and split at the moment the service's "granted" line
+appears (its decision and messages before it, the shim's lock and exec after). Makespan (first launch to last end) against
+ceil(N/devices) x H; overlaps; failures (a run that did not run is a failure, never a
+time); and how many runs the service's own log says it granted.
+
+waiters: 7 wrapped hold jobs take every device; T jobs of H s queue behind them (the
+turnover), then W runs (hold 0 s) queue behind those (the waiters), all as root (whom
+`max_connections_per_uid` does not limit). Once the service says all are waiting: a quiet
+window (nothing moves), then the holders are killed and the T jobs turn over on the 7
+devices while the W wait. CPU (utime+stime from /proc/PID/stat, and schedstat) of the
+service, of the monitor loop it forked, and of all waiters together, as % of one core,
+over each window; the turnover window runs from the release to the start of the
+second-to-last turnover job (until then no waiter can have been granted: FIFO). Then the
+waiters are served: failures, and how long the queue took to drain. W is capped by the
+memory free at the time (the first waiters' RSS gives the size of one); the result says so.
+
+Run by bench/service.py: `sudo python3 bench/service.py --parts burst,waiters [--quick] [--waiters W]`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Callable, Dict, Iterator, List, Optional, Set, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from burst import _burst, wait_all  # noqa: E402
+from scale import _cpu, _rss_kib  # noqa: E402
+from sim import Sim, stop  # noqa: E402
+from stats import Job, dispatch_latencies, median, overlaps, read_job_log, summary_ms  # noqa: E402
+from watch import Clock  # noqa: E402
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+GRANTED = re.compile(r"granted \S+ to uid \d+ pid (\d+)")
+# Memory left to everything else on the machine when W is capped by what is free.
+RESERVE_MIB = 3072
+
+
+class Tap(threading.Thread):
+    """The service's output, each line stamped when it is written: its "granted ... pid N"
+    line comes right after it sent the grant's last message, so a hand-over splits into the
+    service's part (a release to that line) and the run's (that line to its exec). Root's
+    thread runs SCHED_FIFO, as the exit clock does, so the stamps do not wait for the load."""
+
+    def __init__(self, stream: IO[bytes], log: Path) -> None:
+        super().__init__(daemon=True)
+        self.stream = stream
+        self.log = log
+        self.granted: Dict[int, float] = {}  # pid -> when the service said it granted it
+        self.start()
+
+    def run(self) -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        except (OSError, AttributeError):
+            pass
+        with open(self.log, "ab") as out:
+            for line in iter(self.stream.readline, b""):
+                now = time.time()
+                found = GRANTED.search(line.decode(errors="replace"))
+                if found:
+                    self.granted.setdefault(int(found.group(1)), now)
+                out.write(b"%.6f " % now + line)
+                out.flush()
+
+
+class Service:
+    """`cudawrap serve` running on a simulated machine, its output stamped into a log."""
+
+    def __init__(self, proc: subprocess.Popen, tap: Tap) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.tap = tap
+
+    def monitor_pid(self) -> Optional[int]:
+        """The child the service forked for the monitor's loop."""
+        try:
+            children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
+        except OSError:
+            return None
+        return int(children[0]) if children else None
+
+    def granted_pids(self) -> Set[int]:
+        return set(self.tap.granted)
+
+    def waiting(self, root: Path) -> Optional[Set[int]]:
+        """The pids the service has in line now (its status answer), None if it does not answer."""
+        from cudawrap import client, wire
+
+        try:
+            reply = client.question(str(root), wire.STATUS, {})
+        except client.ServiceError:
+            return None
+        if reply is None:
+            return None
+        return {int(p.split(":")[0]) for p in reply.get("service_pids", "").split(",") if p}
+
+
+def _answers(path: Path) -> bool:
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _set_enforce(config: Path, on: bool) -> None:
+    """[service] enforce = ON in the install's configuration."""
+    text = config.read_text() if config.exists() else ""
+    line = f"enforce = {'true' if on else 'false'}"
+    if re.search(r"(?m)^enforce\s*=.*$", text):
+        text = re.sub(r"(?m)^enforce\s*=.*$", line, text)
+    elif re.search(r"(?m)^\[service\]\s*$", text):
+        text = re.sub(r"(?m)^\[service\]\s*$", "[service]\n" + line, text, count=1)
+    else:
+        text += f"\n[service]\n{line}\n"
+    config.write_text(text)
+
+
+@contextlib.contextmanager
+def serving(sim: Sim, enforce: bool = False) -> Iterator[Service]:
+    """`cudawrap serve` running (as root, as its unit runs it) until the block ends; with
+    ENFORCE, under `[service] enforce = true` (the configuration is put back after, and the
+    machine re-synced, so what follows runs as before)."""
+    config = sim.layout.config_file
+    saved = config.read_text() if config.exists() else None
+    if enforce:
+        _set_enforce(config, True)
+    sock = sim.layout.runtime_dir / "cudawrap.sock"
+    log = sim.work / f"serve{'-enforce' if enforce else ''}.log"
+    proc = subprocess.Popen([sim.install.cudawrap, "serve"], env=sim.machine.environ(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    tap = Tap(proc.stdout, log)
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(sock):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"cudawrap serve did not start: {log.read_text(errors='replace')[-1000:]}")
+            time.sleep(0.05)
+        yield Service(proc, tap)
+    finally:
+        stop(proc, 30)
+        tap.join(10)
+        if enforce:
+            if saved is None:
+                config.unlink()
+            else:
+                config.write_text(saved)
+            sim.sync()
+
+
+# ---- the burst ------------------------------------------------------------------------------
+
+def service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
+    """N wrapped hold.c jobs at once through the service (by `nobody` under ENFORCE)."""
+    if sim.hold_wrapped is None:
+        return {"error": "no C compiler: bench/hold.c was not built"}
+    if enforce and shutil.which("setpriv") is None:
+        return {"error": "setpriv is missing: the runs under enforce are `nobody`'s"}
+    closed = _open_to_all(sim) if enforce else None
+    if closed:
+        return {"error": closed}
+    with serving(sim, enforce) as service:
+        out = _burst(sim, "cudawrap", n, hold, "hold", NOBODY if enforce else (),
+                     name="service-enforce" if enforce else "service", granted_at=service.tap.granted)
+        granted = service.granted_pids()
+    jobs = out["jobs"]
+    pids = {j["pid"] for j in jobs if j["pid"] is not None}
+    starts = [j["start"] for j in jobs if j["start"] is not None]
+    ends = [j["end"] for j in jobs if j["end"] is not None]
+    out.pop("after_startup_storm", None)  # it needs the queue directory, which the service's runs never enter
+    out.update({"enforce": enforce, "as": "nobody" if enforce else "root",
+                "granted_by_service": len(pids & granted),
+                # The hand-over in two: a release to the service's grant line (its decision, the
+                # grant's messages), and that line to the run's exec (the shim's part).
+                "grant_service_part": out.pop("grant"),
+                "grant_run_part": summary_ms([j["start"] - j["granted"] for j in jobs
+                                              if j["start"] is not None and j["granted"] is not None])})
+    if starts and ends:
+        # Without the first round's launch (N shims starting at once on few cores).
+        span = max(ends) - min(starts)
+        out["makespan_from_first_start_s"] = round(span, 3)
+        out["makespan_from_first_start_ratio"] = round(span / out["ideal_makespan_s"], 3)
+    return out
+
+
+def _open_to_all(sim: Sim) -> Optional[str]:
+    """Let `nobody` reach the install and run the wrapped programs: the benchmark's own
+    directories traversable (a temporary work directory is 0700). Nothing above the work
+    directory is changed: a closed one is reported instead."""
+    top = sim.install.root.parent  # the benchmark's work directory
+    closed = [str(d) for d in top.parents if not d.stat().st_mode & 0o001]
+    if closed:
+        return f"`nobody` cannot reach {top} ({closed[0]} is closed to others): give --work elsewhere"
+    for path in (top, sim.install.root, sim.work, sim.bindir):
+        path.chmod(path.stat().st_mode & 0o7777 | 0o055)
+    return None
+
+
+# ---- many waiters ---------------------------------------------------------------------------
+
+def _mem_available_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def _pss_kib(pid: int) -> Optional[int]:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _cpu_of(pids: List[int]) -> Dict[int, Tuple[Optional[int], Optional[int]]]:
+    return {pid: _cpu(pid) for pid in pids}
+
+
+def _pct(before: Dict[int, Tuple[Optional[int], Optional[int]]],
+         after: Dict[int, Tuple[Optional[int], Optional[int]]], elapsed: float) -> dict:
+    """CPU between two readings, all PIDS together, as % of one core (ticks and schedstat)."""
+    ticks = [after[p][0] - before[p][0] for p in before
+             if p in after and before[p][0] is not None and after[p][0] is not None]
+    nss = [after[p][1] - before[p][1] for p in before
+           if p in after and before[p][1] is not None and after[p][1] is not None]
+    out = {"measured": len(ticks), "pct_of_one_core": round(100.0 * sum(ticks) / CLK_TCK / elapsed, 3)}
+    if nss:
+        out["schedstat_pct_of_one_core"] = round(100.0 * sum(nss) / 1e9 / elapsed, 3)
+        out["schedstat_busiest_pct"] = round(100.0 * max(nss) / 1e9 / elapsed, 3)
+    return out
+
+
+class Window:
+    """CPU of the service, its monitor and the waiters between start() and stop()."""
+
+    def __init__(self, service: Service, waiters: List[int]) -> None:
+        self.groups = {"service": [service.pid], "monitor": [p for p in [service.monitor_pid()] if p],
+                       "waiters": waiters}
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self.before = {k: _cpu_of(v) for k, v in self.groups.items()}
+
+    def stop(self) -> dict:
+        after = {k: _cpu_of(v) for k, v in self.groups.items()}
+        elapsed = time.monotonic() - self.t0
+        out: dict = {"window_s": round(elapsed, 2)}
+        for name, before in self.before.items():
+            out[name] = _pct(before, after[name], elapsed)
+        return out
+
+
+def _spawn(sim: Sim, argv: List[str], err: object, clock: Optional[Clock] = None) -> subprocess.Popen:
+    proc = subprocess.Popen(argv, env=sim.environ(), stdout=subprocess.DEVNULL, stderr=err, cwd=sim.work)
+    if clock is not None:
+        clock.add(proc.pid)
+    return proc
+
+
+def _until(what: str, ok: Callable[[], bool], timeout: float, step: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(step)
+
+
+def _all_waiting(service: Service, sim: Sim, pids: List[int]) -> bool:
+    line = service.waiting(sim.install.root)
+    return line is not None and set(pids) <= line
+
+
+def _started(logs: List[Path]) -> int:
+    return sum(1 for log in logs if log.exists() and log.stat().st_size > 0)
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+class Launched:
+    """What a many-waiters run launched, and when the devices were let go."""
+
+    def __init__(self, logdir: Path, devices: int, turnover: int) -> None:
+        self.clock = Clock()
+        self.holder_logs = [logdir / f"h{i}.log" for i in range(devices)]
+        self.turn_logs = [logdir / f"t{i}.log" for i in range(turnover)]
+        self.wlog = logdir / "waiters.log"
+        self.holders: List[subprocess.Popen] = []
+        self.turn: List[Tuple[Job, subprocess.Popen]] = []
+        self.wprocs: List[subprocess.Popen] = []
+        self.released = 0.0
+
+    def all(self) -> List[subprocess.Popen]:
+        return self.holders + [p for _j, p in self.turn] + self.wprocs
+
+    def waiter_started(self) -> bool:
+        return self.wlog.exists() and self.wlog.stat().st_size > 0
+
+
+def many_waiters(sim: Sim, waiters: int, turnover: int, hold: float, quiet: float, stagger: float) -> dict:
+    """W runs waiting while TURNOVER jobs of HOLD s turn over on the devices: what waiting costs."""
+    if sim.hold_wrapped is None:
+        return {"error": "no C compiler: bench/hold.c was not built"}
+    _raise_fd_limit()
+    logdir = sim.work / "waiters"
+    logdir.mkdir(parents=True, exist_ok=True)
+    hold_w = str(sim.hold_wrapped)
+    run = Launched(logdir, sim.devices, turnover)
+    out: dict = {"devices": sim.devices, "hold_s": hold, "turnover_jobs": turnover}
+    with serving(sim) as service, open(logdir / "stderr.txt", "ab") as err:
+        try:
+            run.holders = [_spawn(sim, [hold_w, "3600", str(log)], err, run.clock) for log in run.holder_logs]
+            _until("the holders to start", lambda: _started(run.holder_logs) == sim.devices, 60)
+            for log in run.turn_logs:
+                job = Job(len(run.turn), time.time())
+                run.turn.append((job, _spawn(sim, [hold_w, f"{hold:g}", str(log)], err, run.clock)))
+            # The turnover must be ahead of every waiter in line.
+            _until("the turnover jobs to queue",
+                   lambda: _all_waiting(service, sim, [p.pid for _j, p in run.turn]), 60 + turnover * 0.2, 0.2)
+            began = time.monotonic()
+            run.wprocs, out["memory"] = _spawn_waiters(sim, service, waiters, stagger, hold_w, run.wlog, err)
+            pids = [p.pid for p in run.wprocs]
+            _until("the waiters to queue", lambda: _all_waiting(service, sim, pids), 120 + len(pids) * 0.1, 0.5)
+            out.update(_memory(pids, time.monotonic() - began))
+            window = Window(service, pids)
+            window.start()
+            time.sleep(quiet)
+            out["cpu_quiet"] = window.stop()
+            # The turnover: the holders go, the T jobs take the devices in turn, the W wait.
+            window.start()
+            run.released = time.time()
+            for proc in run.holders:
+                proc.send_signal(signal.SIGTERM)
+            _until("the turnover", lambda: _started(run.turn_logs) >= turnover - 1 or run.waiter_started(),
+                   60 + 3 * turnover * hold, 0.01)
+            out["cpu_turnover"] = window.stop()
+            out["cpu_turnover"]["waiter_started_inside"] = run.waiter_started()
+            # The drain: every waiter served.
+            drain = Window(service, [])
+            drain.start()
+            out["killed"] = wait_all([p for _j, p in run.turn] + run.wprocs,
+                                     time.monotonic() + 120 + 3 * turnover * hold + len(pids) * 0.2)
+            out["cpu_drain_service"] = drain.stop()
+        finally:
+            for proc in run.all():
+                if proc.poll() is None:
+                    proc.kill()
+            wait_all(run.all(), time.monotonic() + 30)
+            run.clock.stop()
+        granted = dict(service.tap.granted)
+    out.update(_outcome(sim, run, hold, granted))
+    return out
+
+
+def _memory(pids: List[int], queued_after: float) -> dict:
+    rss = [r for r in (_rss_kib(p) for p in pids) if r is not None]
+    pss = [r for r in (_pss_kib(p) for p in pids[:50]) if r is not None]  # smaps_rollup is slow to read
+    return {"waiters": len(pids), "waiters_queued_after_s": round(queued_after, 2),
+            "waiter_rss_median_mib": round((median(rss) or 0) / 1024.0, 1),
+            "waiter_pss_median_mib": round((median(pss) or 0) / 1024.0, 1),
+            "waiters_rss_total_mib": round(sum(rss) / 1024.0, 1)}
+
+
+def _spawn_waiters(sim: Sim, service: Service, want: int, stagger: float, hold_w: str, log: Path,
+                   err: object) -> Tuple[List[subprocess.Popen], dict]:
+    """Up to WANT waiting runs, as many as memory allows: the first few measure one's RSS."""
+    first = min(want, 20)
+    procs = [_spawn(sim, [hold_w, "0", str(log)], err) for _ in range(first)]
+    _until("the first waiters to queue", lambda: _all_waiting(service, sim, [p.pid for p in procs]), 120, 0.2)
+    rss = median([r for r in (_rss_kib(p.pid) for p in procs) if r is not None]) or 0
+    available = _mem_available_mib()
+    fits = first + int((available - RESERVE_MIB) * 1024 // rss) if rss else want
+    count = max(first, min(want, fits))
+    memory = {"asked": want, "launched": count, "rss_kib_each": rss, "mem_available_mib": available,
+              "reserve_mib": RESERVE_MIB, "capped_by_memory": count < want}
+    for _ in range(count - first):
+        procs.append(_spawn(sim, [hold_w, "0", str(log)], err))
+        if stagger:
+            time.sleep(stagger)
+    return procs, memory
+
+
+def _outcome(sim: Sim, run: Launched, hold: float, granted: Dict[int, float]) -> dict:
+    """From the logs and the exits clocked: who ran, the hand-overs, the turnover's makespan."""
+    holders: List[Job] = []
+    freed: Dict[str, float] = {}
+    for i, proc in enumerate(run.holders):
+        job = Job(-1 - i, 0.0)
+        read_job_log(job, run.holder_logs[i])
+        job.exited = run.clock.exited.get(proc.pid)
+        job.end = job.exited  # killed: no end line; its lease went with its exit
+        holders.append(job)
+        for device in job.devices:
+            if job.exited is not None:
+                freed[device] = job.exited
+    for (job, proc), log in zip(run.turn, run.turn_logs):
+        job.rc = proc.returncode
+        read_job_log(job, log)
+        job.exited = run.clock.exited.get(proc.pid)
+        job.granted = granted.get(proc.pid)
+    ran = [j for j, _p in run.turn if j.ran]
+    served = _read_shared_log(run.wlog)
+    waiters_ok = [served[p.pid] for p in run.wprocs if p.pid in served]
+    pairs, involved = overlaps(holders + ran + waiters_ok)
+    ends = [j.end for j in ran if j.end is not None]
+    makespan = max(ends) - run.released if ends else None
+    ideal = math.ceil(len(run.turn) / sim.devices) * hold
+    w_starts = [j.start for j in waiters_ok if j.start is not None]
+    return {
+        "turnover_ok": len(ran), "turnover_failures": len(run.turn) - len(ran),
+        "waiters_ok": len(waiters_ok), "waiter_failures": len(run.wprocs) - len(waiters_ok),
+        "overlap_pairs": pairs, "jobs_in_overlaps": involved,
+        "granted_by_service": len({j.pid for j in ran + waiters_ok} & set(granted)),
+        "grant_to_exec": summary_ms(dispatch_latencies(ran, freed, at="exec")),
+        "grant_service_part": summary_ms(dispatch_latencies(ran, freed, at="granted")),
+        "turnover_makespan_s": round(makespan, 3) if makespan else None, "turnover_ideal_s": ideal,
+        "turnover_makespan_ratio": round(makespan / ideal, 3) if makespan else None,
+        "drain_s": round(max(w_starts) - min(w_starts), 2) if w_starts else None,
+    }
+
+
+def _read_shared_log(path: Path) -> Dict[int, Job]:
+    """pid -> Job from a log many hold.c runs appended to."""
+    import json
+
+    out: Dict[int, Job] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        job = out.setdefault(rec["pid"], Job(rec["pid"], 0.0))
+        job.pid = rec["pid"]
+        if rec["event"] == "start":
+            job.start, job.devices = rec["time"], list(rec["devices"])
+        else:
+            job.end = rec["time"]
+    return out
+
+
+# ---- sizes and output -------------------------------------------------------------------------
+
+SIZES = {
+    "full": {"burst": {"n": 50, "hold": 1.0}, "waiters": {"waiters": 1000, "turnover": 50, "hold": 1.0,
+                                                          "quiet": 3.0, "stagger": 0.005}},
+    "quick": {"burst": {"n": 14, "hold": 0.3}, "waiters": {"waiters": 40, "turnover": 21, "hold": 0.3,
+                                                           "quiet": 1.0, "stagger": 0.005}},
+}
+
+
+def run_servicescale(sim_for: Callable[[str], Sim], mode: str, waiters: Optional[int] = None,
+                     enforce: bool = True, burst: bool = True, many: bool = True) -> dict:
+    """Both measurements, each on a fresh a100-mig7 machine (SIM_FOR(topology) makes one)."""
+    sizes = SIZES[mode]
+    out: dict = {}
+    if burst:
+        b = sizes["burst"]
+        out["burst"] = {"root": service_burst(sim_for("a100-mig7"), b["n"], b["hold"], False)}
+        if enforce:
+            out["burst"]["enforce"] = service_burst(sim_for("a100-mig7"), b["n"], b["hold"], True)
+    if many:
+        w = dict(sizes["waiters"])
+        if waiters is not None:
+            w["waiters"] = waiters
+        out["waiters"] = many_waiters(sim_for("a100-mig7"), w["waiters"], w["turnover"], w["hold"], w["quiet"],
+                                      w["stagger"])
+    return out
+
+
+def _lat(s: dict) -> str:
+    if not s or not s.get("n"):
+        return "no hand-overs measured"
+    return f"p50 {s['median_ms']:.2f} / p95 {s['p95_ms']:.2f} / max {s['max_ms']:.2f} ms (n={s['n']})"
+
+
+def show(result: dict) -> None:
+    for name, r in result.get("burst", {}).items():
+        if "error" in r:
+            print(f"  burst ({name}): {r['error']}")
+            continue
+        print(f"  burst through the service ({'[service] enforce = true' if r['enforce'] else 'enforce off'}, runs as {r['as']}): "
+              f"{r['n']} x {r['hold_s']:g} s hold.c on {r['devices']} devices")
+        print(f"    ran {r['ok']}/{r['n']}, failures {r['failures']}, overlaps {r['overlap_pairs']}, "
+              f"granted by the service {r['granted_by_service']}/{r['ok']}")
+        print(f"    grant (release's exit -> waiter's exec): {_lat(r['grant_to_exec'])}")
+        print(f"      of which exit -> the service's grant line {_lat(r['grant_service_part'])}; "
+              f"that line -> exec {_lat(r['grant_run_part'])}")
+        if r["makespan_s"] is not None:
+            print(f"    makespan {r['makespan_s']:.3f} s vs ideal {r['ideal_makespan_s']:g} s: "
+                  f"x{r['makespan_s'] / r['ideal_makespan_s']:.3f}; from the first start "
+                  f"{r.get('makespan_from_first_start_s')} s: x{r.get('makespan_from_first_start_ratio')}")
+    w = result.get("waiters", {})
+    if "error" in w:
+        print(f"  waiters: {w['error']}")
+        return
+    if not w:
+        return
+    mem = w["memory"]
+    capped = f" (asked {mem['asked']}: capped by memory)" if mem["capped_by_memory"] else ""
+    print(f"  {w['waiters']} waiters{capped} while {w['turnover_jobs']} x {w['hold_s']:g} s jobs turn over on "
+          f"{w['devices']} devices; waiter RSS median {w['waiter_rss_median_mib']} MiB (PSS "
+          f"{w['waiter_pss_median_mib']}), all {w['waiters_rss_total_mib']} MiB; queued in {w['waiters_queued_after_s']} s")
+    for label, key in (("quiet", "cpu_quiet"), ("turnover", "cpu_turnover")):
+        c = w[key]
+        print(f"    {label} window {c['window_s']} s, % of one core (utime+stime / schedstat): "
+              + ", ".join(f"{g} {c[g]['pct_of_one_core']:.3f} / {c[g].get('schedstat_pct_of_one_core', float('nan')):.3f}"
+                          for g in ("service", "monitor", "waiters")))
+    if w["cpu_turnover"].get("waiter_started_inside"):
+        print("    NOTE: a waiter started inside the turnover window (a turnover job failed?)")
+    print(f"    turnover: ran {w['turnover_ok']}/{w['turnover_jobs']}, failures {w['turnover_failures']}; "
+          f"grant {_lat(w['grant_to_exec'])} (to the service's grant line {_lat(w['grant_service_part'])}); makespan {w['turnover_makespan_s']} s vs {w['turnover_ideal_s']:g} s "
+          f"(x{w['turnover_makespan_ratio']})")
+    print(f"    then the waiters: ran {w['waiters_ok']}/{w['waiters']}, failures {w['waiter_failures']}, drained in "
+          f"{w['drain_s']} s (service {w['cpu_drain_service']['service']['pct_of_one_core']:.1f} % of a core); "
+          f"overlaps {w['overlap_pairs']}; granted by the service {w['granted_by_service']}/"
+          f"{w['turnover_ok'] + w['waiters_ok']}")
