@@ -81,6 +81,12 @@ class Grants:
                 out.setdefault(u, []).append((p.pid, u not in p.slots))
         return out
 
+    def holders(self) -> Dict[str, int]:
+        """uuid -> client pid of each whole device granted, taken and not let go, whose client
+        still runs: the lock table would name that pid (the client took the lock)."""
+        return {u: h.pid for h in self.held.values() if not h.exited
+                for u in h.devices if u not in h.slots and u not in h.ended}
+
     def free_slots(self, shared: List[str], slots: Dict[str, int]) -> Optional[Dict[str, int]]:
         """uuid -> a slot of it nobody holds nor was sent, for each of SHARED (SLOTS: uuid ->
         its slots); None if one has none now (taken past the line since the decision)."""

@@ -96,12 +96,17 @@ class Line:
             w.request = w.request.replace(reserve_after=self.reserve_after)
         return w
 
-    def decide(self, mine: Sequence[Waiter], claimed: Dict[str, List[Tuple[int, bool]]]) -> Dict[str, Verdict]:
+    def decide(self, mine: Sequence[Waiter], claimed: Dict[str, List[Tuple[int, bool]]],
+               granted: Optional[Dict[str, int]] = None) -> Dict[str, Verdict]:
         """Verdicts for MINE (the service's waiters) and the believable queue entries.
 
         CLAIMED: devices sent to a client whose lock may not show yet (uuid -> its pid and
-        whether exclusive, or a share, for each): held, for this decision."""
-        scan = self._probed() if self._alone(mine) else self.queue.scan()
+        whether exclusive, or a share, for each): held, for this decision. GRANTED: the
+        devices the service granted and sees held (uuid -> its client's pid)."""
+        if self._alone(mine):
+            scan = self._probed()
+        else:
+            scan = self._known(granted) or self.queue.scan()
         now = time.monotonic()
         entries = [w for w in (self._believable(w) for w in scan.waiters) if w is not None]
         table = dict(scan.table)
@@ -148,6 +153,36 @@ class Line:
             ident = self.leases.ident(uuid)
             if ident is not None and not self.leases.free_now(uuid):
                 table[ident] = [UNKNOWN_HOLDER]
+        return Scan([], table, {})
+
+    def _known(self, granted: Optional[Dict[str, int]]) -> Optional[Scan]:
+        """The lock table as the service knows it, without reading /proc/locks: each held
+        lease is one the service granted (GRANTED names its client), the rest free (trying
+        their locks says so). None where that is not all: a lease held by a run that decided
+        for itself (its holder only the kernel's table names), a shared device in use (its
+        sharers and slots likewise), a run in the queue directory.
+
+        The read it spares costs 10-18 ms whenever nothing read the table a moment before
+        (the kernel waits out an RCU grace period), and a hand-over is that cold read: a
+        turnover of one-second jobs paid it at every grant."""
+        if granted is None or not self.queue.idle():
+            return None
+        table = {}
+        for uuid in self.present:
+            ident = self.leases.ident(uuid)
+            if ident is None:
+                continue
+            slots = self.acquirer.slots.get(uuid, 1)
+            if slots > 1:
+                if not (self.leases.free_now(uuid) and all(self.leases.slot_free(uuid, k)
+                                                           for k in range(1, slots + 1))):
+                    return None
+                continue
+            if self.leases.free_now(uuid):
+                continue
+            if uuid not in granted:
+                return None
+            table[ident] = [(granted[uuid], True)]
         return Scan([], table, {})
 
     def _pass_over_idle(self, entries: List[Waiter], verdicts: Dict[str, Verdict], now: float) -> None:

@@ -445,7 +445,8 @@ class Service:
         waiting = [c for c in self._waiting() if c.waiter is not None and c.waiter.key not in self.grants.pending]
         if not waiting:
             return
-        verdicts = self.line.decide([c.waiter for c in waiting if c.waiter is not None], self.grants.claimed())
+        verdicts = self.line.decide([c.waiter for c in waiting if c.waiter is not None], self.grants.claimed(),
+                                    self.grants.holders())
         now = time.monotonic()
         for client in waiting:
             assert client.waiter is not None and client.ask is not None
