@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from corefix import Installed, ready_line, wait_for
+from support.installed import Installed, ready_line, wait_for
 
 
 def intervals(jobs: List[dict]) -> Dict[str, List[Tuple[float, float, int]]]:

@@ -11,7 +11,7 @@ from typing import Callable, List
 
 import pytest
 
-from adminfix import Admin, install, make_program, needs_root, one_line, run_as, snapshot
+from support.admin import Admin, install, make_program, needs_root, one_line, run_as, snapshot
 from cudawrap.policy import registry
 from cudawrap.errors import NotPermitted
 from cudawrap.paths import Layout

@@ -28,7 +28,7 @@ from cudawrap.admin.inspect_wraps import OK, inspect_entry
 from cudawrap.policy.registry import WRAPPED
 from cudawrap.admin.unwrap import unwrap_programs
 from cudawrap.admin.wrap import TMP_PREFIX, wrap_programs
-from userfix import AdminRoot, Call, inject, needs_strace, snapshot, traced
+from support.users import AdminRoot, Call, inject, needs_strace, snapshot, traced
 
 pytestmark = [needs_strace, pytest.mark.slow]
 

@@ -7,7 +7,7 @@ from typing import List
 
 import pytest
 
-from adminfix import Admin, make_program, needs_root, run_as, snapshot
+from support.admin import Admin, make_program, needs_root, run_as, snapshot
 import cudawrap
 from cudawrap.policy import registry
 from cudawrap.install.installation import shim_version

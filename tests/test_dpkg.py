@@ -11,7 +11,7 @@ from typing import List
 
 import pytest
 
-from adminfix import Admin, one_line, snapshot, strace_cli
+from support.admin import Admin, one_line, snapshot, strace_cli
 from cudawrap.policy import registry
 from cudawrap.admin.divert import Dpkg
 

@@ -13,9 +13,9 @@ from typing import Iterator
 
 import pytest
 
-from corefix import ready_line
+from support.installed import ready_line
 from test_service import Served, _locks_of, run_nested
-from userfix import CLI_CODE, root_only
+from support.users import CLI_CODE, root_only
 
 pytestmark = [pytest.mark.root, root_only]
 

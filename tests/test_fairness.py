@@ -1,6 +1,6 @@
 """Fair turns between real users, limits, reservations and runs that do not take their turn.
 
-Run as root with real accounts (tests/userfix.py), on the simulated machine. Orders are read
+Run as root with real accounts (tests/support/users.py), on the simulated machine. Orders are read
 from the start records the stand-in programs log themselves; no assertion depends on timing.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ import signal
 import time
 from typing import List
 
-from corefix import ready_line
+from support.installed import ready_line
 from test_multiuser import status, waiting_line
-from userfix import root_only
+from support.users import root_only
 
 pytestmark = root_only
 

@@ -12,8 +12,8 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-import fakecuda
-from fakemachine import FAKECUDA, FakeMachine, TOPOLOGIES, pid_alive, read_environ_file
+from support import fakecuda
+from support.machine import FAKECUDA, FakeMachine, TOPOLOGIES, pid_alive, read_environ_file
 
 
 def symbols(topo: fakecuda.Topology) -> Dict[str, str]:

@@ -12,8 +12,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
-import fakecuda
-from fakemachine import FAKECUDA, LIBNAME, FakeMachine, shutdown_nvml
+from support import fakecuda
+from support.machine import FAKECUDA, LIBNAME, FakeMachine, shutdown_nvml
 
 pynvml = pytest.importorskip("pynvml")
 

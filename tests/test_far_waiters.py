@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Tuple
 
-from corefix import ready_line, wait_for
+from support.installed import ready_line, wait_for
 
 from cudawrap.sched.waiting import NEAR
 from cudawrap.sched.farwait import FarWait

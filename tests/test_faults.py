@@ -18,13 +18,13 @@ from typing import List
 
 import pytest
 
-from corefix import Installed, ready_line
+from support.installed import Installed, ready_line
 from cudawrap.policy import registry
 from cudawrap.admin.divert import Dpkg
 from cudawrap.ops.monitor import refresh_once
 from cudawrap.admin.unwrap import unwrap_programs
 from cudawrap.admin.wrap import wrap_programs
-from userfix import AdminRoot, inject, needs_strace, snapshot, traced
+from support.users import AdminRoot, inject, needs_strace, snapshot, traced
 
 NO_DPKG = Dpkg(available=False)
 

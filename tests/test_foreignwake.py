@@ -16,8 +16,8 @@ from cudawrap.devices.model import Device
 from cudawrap.lease.files import Lease, LeaseFiles
 from cudawrap.ops.monitor import refresh_once
 from cudawrap.sched.queue import WaitQueue
-from corefix import ready_line, wait_for
-from fakemachine import FAKECUDA
+from support.installed import ready_line, wait_for
+from support.machine import FAKECUDA
 
 # No process here can have this pid (above the largest pid_max): one NVML names from another
 # pid namespace, which neither the monitor nor a waiter can see or wait for.

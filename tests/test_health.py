@@ -8,9 +8,9 @@ from typing import Any, Dict
 
 import pytest
 
-from corefix import ready_line, wait_for
+from support.installed import ready_line, wait_for
 from test_metrics_file import textfile
-from userfix import CLI_CODE
+from support.users import CLI_CODE
 from cudawrap.policy.config import DEFAULTS
 from cudawrap.sched.drains import drain, drained, health_drained, resume
 from cudawrap.ops.health import DRAINED, HEALTHY, HISTORY, Event, GpuHealth, MonitorHealth, Policy, load, step

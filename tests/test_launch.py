@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from corefix import ready_line
-from fakemachine import read_environ_file
+from support.installed import ready_line
+from support.machine import read_environ_file
 
 ARGV_C = r"""
 #include <stdio.h>

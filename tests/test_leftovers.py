@@ -7,11 +7,11 @@ import json
 import os
 import time
 
-from corefix import ready_line, wait_for
+from support.installed import ready_line, wait_for
 from cudawrap.ops.health import MonitorHealth
 from cudawrap.ops.ledger import observe
 from cudawrap.ops.monitor import refresh_once
-from fakemachine import pid_alive
+from support.machine import pid_alive
 
 
 def cycle(hook: MonitorHealth, inst) -> None:  # type: ignore[no-untyped-def]

@@ -1,7 +1,7 @@
 """Each run's GPU memory and the limit of a shared run (cudawrap/memwatch.py).
 
 The decisions are pure and tested alone; the accounting and the enforcement run against real
-accounts (tests/userfix.py) on the simulated machine, whose NVML reports what each stand-in
+accounts (tests/support/users.py) on the simulated machine, whose NVML reports what each stand-in
 CUDA process registered: its allocation plus its context's cost, growing if told to.
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any, Dict, List
 
 import pytest
 
-import fakecuda
-from corefix import ready_line, wait_for
-from fakemachine import FAKECUDA
-from userfix import root_only
+from support import fakecuda
+from support.installed import ready_line, wait_for
+from support.machine import FAKECUDA
+from support.users import root_only
 
 from cudawrap.ops import memwatch
 from cudawrap.policy.config import parse_config

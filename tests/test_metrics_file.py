@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from userfix import CLI_CODE, MuInstall, root_only
+from support.users import CLI_CODE, MuInstall, root_only
 
 pytestmark = [pytest.mark.root, root_only]
 

@@ -1,9 +1,9 @@
 """`cudawrap mps start|stop|status`, the cudawrap-mps unit, and the stand-in MPS they drive.
 
 The daemons are tests/fakemps/nvidia-cuda-mps-control, put on PATH for the CLI; its clients
-are tests/fakecuda.py with CUDA_MPS_PIPE_DIRECTORY set. Both are real processes: a daemon
+are tests/support/fakecuda.py with CUDA_MPS_PIPE_DIRECTORY set. Both are real processes: a daemon
 per device, clients that connect, wait and die. The two-user rule of MPS is shown with two
-real accounts (tests/userfix.py), run as root only.
+real accounts (tests/support/users.py), run as root only.
 """
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import pytest
 
-from corefix import Installed, ready_line, wait_for
+from support.installed import Installed, ready_line, wait_for
 from cudawrap.install import installation
 from cudawrap.install.installation import MPS_UNIT, MONITOR_UNIT, UNIT_NAME, render_mps_unit, unit_file, unit_wants_link
 from cudawrap.paths import Layout
-from fakemachine import FAKECUDA, shutdown_nvml
+from support.machine import FAKECUDA, shutdown_nvml
 from test_multiuser import status
-from userfix import MuInstall, World, root_only
+from support.users import MuInstall, World, root_only
 
 HERE = Path(__file__).resolve().parent
 FAKEMPS = HERE / "fakemps" / "nvidia-cuda-mps-control"

@@ -1,6 +1,6 @@
 """Real unprivileged users against cudawrap and against each other (run as root; skipped otherwise).
 
-Two throwaway accounts (tests/userfix.py) try what a local user could try on a shared
+Two throwaway accounts (tests/support/users.py) try what a local user could try on a shared
 server: change wraps, the registry, the config or the lease files; take, forge or release
 another user's lease; plant files in the one directory they may write (the queue) for the
 shim, `cudawrap status` or root to trip over. What they can legitimately do to others
@@ -18,8 +18,8 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from corefix import ready_line
-from userfix import MuInstall, User, diff, root_only, snapshot
+from support.installed import ready_line
+from support.users import MuInstall, User, diff, root_only, snapshot
 
 pytestmark = [pytest.mark.root, root_only]
 

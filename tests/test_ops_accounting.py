@@ -16,10 +16,10 @@ from typing import Dict, List
 
 import pytest
 
-from corefix import ready_line, wait_for
+from support.installed import ready_line, wait_for
 from cudawrap.base.audit import channel_problem
 from test_multiuser import probe
-from userfix import CLI_CODE, MuInstall, root_only
+from support.users import CLI_CODE, MuInstall, root_only
 
 pytestmark = [pytest.mark.root, root_only]
 
@@ -209,7 +209,7 @@ def test_a_corrupted_line_is_skipped_with_one_line_and_the_rest_is_counted(mu) -
 
 
 def test_a_full_disk_loses_nothing(mu, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from userfix import inject, needs_strace, traced  # noqa: F401
+    from support.users import inject, needs_strace, traced  # noqa: F401
 
     import shutil
 

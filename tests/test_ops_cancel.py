@@ -6,9 +6,9 @@ import subprocess
 
 import pytest
 
-from corefix import ready_line
+from support.installed import ready_line
 from test_multiuser import one_line, waiting_line
-from userfix import MuInstall, User, root_only
+from support.users import MuInstall, User, root_only
 
 pytestmark = [pytest.mark.root, root_only]
 

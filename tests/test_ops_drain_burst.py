@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from userfix import CLI_CODE, root_only
+from support.users import CLI_CODE, root_only
 
 pytestmark = [pytest.mark.root, root_only]
 

@@ -18,14 +18,14 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import fakecuda
+from support import fakecuda
 from cudawrap.policy import registry
 from cudawrap.policy.config import MAX_GPUS, Config, parse_config, parse_gpus, parse_wait
 from cudawrap.devices.model import Inventory
 from cudawrap.errors import ConfigError, DataError
 from cudawrap.lease.files import inherited_lease
 from cudawrap.sched.selection import parse_visible, read_allow_file
-from userfix import AdminRoot, snapshot
+from support.users import AdminRoot, snapshot
 
 FAST = settings(max_examples=250, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -64,7 +64,7 @@ def _visible_values(topo: fakecuda.Topology) -> st.SearchStrategy[str]:
 
 
 def _oracle(topo: fakecuda.Topology, value: str) -> List[str]:
-    """What the CUDA runtime (as tests/fakecuda.py models it) lets a program see, without the
+    """What the CUDA runtime (as tests/support/fakecuda.py models it) lets a program see, without the
     one-MIG-per-process limit of old drivers (that is the driver's business, not the list's)."""
     # An index of 4300+ digits is out of range like any other (int() refuses to read it).
     value = ",".join("999999999" if t.strip().isascii() and t.strip().isdigit() and len(t.strip()) > 9 else t
@@ -299,7 +299,7 @@ def wait_shim(tmp_path_factory, fakenvml_lib):  # type: ignore[no-untyped-def]
 
     from cudawrap.install.installation import prepare
     from cudawrap.paths import Layout
-    from fakemachine import FAKECUDA, FakeMachine
+    from support.machine import FAKECUDA, FakeMachine
 
     tmp = tmp_path_factory.mktemp("wait-shim")
     fake = FakeMachine(tmp / "machine", fakenvml_lib).without_costs()

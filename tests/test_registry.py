@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from adminfix import REPO
+from support.admin import REPO
 from cudawrap.policy import registry
 from cudawrap.errors import DataError
 from cudawrap.paths import Layout

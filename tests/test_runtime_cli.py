@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from corefix import ready_line
+from support.installed import ready_line
 
 
 def test_status_shows_holder_and_foreign_processes(installed):
@@ -76,7 +76,7 @@ def test_status_lists_waiters_in_order(installed):
 
 def test_run_any_command_on_a_free_device(installed):
     inst = installed("four-gpus")
-    from fakemachine import FAKECUDA
+    from support.machine import FAKECUDA
 
     r = inst.cli("run", "-n", "2", "--", sys.executable, str(FAKECUDA), "--exit", "3")
     assert r.returncode == 3

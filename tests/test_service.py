@@ -1,6 +1,6 @@
 """`cudawrap serve` with real accounts: grants by descriptor, turns, and what attackers can't do.
 
-The service runs as root on a simulated machine (tests/userfix.py); wrapped programs run as
+The service runs as root on a simulated machine (tests/support/users.py); wrapped programs run as
 two throwaway accounts, reach it through the shim, and hold their devices by a lock the
 kernel credits to their own process.
 """
@@ -16,8 +16,8 @@ from typing import Iterator, List
 
 import pytest
 
-from corefix import ready_line, wait_for
-from userfix import CLI_CODE, MuInstall, root_only
+from support.installed import ready_line, wait_for
+from support.users import CLI_CODE, MuInstall, root_only
 
 pytestmark = [pytest.mark.root, root_only]
 

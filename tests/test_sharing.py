@@ -12,7 +12,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from corefix import Installed, ready_line
+from support.installed import Installed, ready_line
 
 SHARE = {"CUDAWRAP_SHARE": "1"}
 

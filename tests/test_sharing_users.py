@@ -1,6 +1,6 @@
 """Sharing between real users: time slicing mixes users on a device, MPS never does.
 
-Run as root with real accounts (tests/userfix.py) on the simulated machine. Who holds which
+Run as root with real accounts (tests/support/users.py) on the simulated machine. Who holds which
 share is read from the kernel's lock table, not from anything the runs say about themselves.
 """
 from __future__ import annotations
@@ -9,10 +9,10 @@ import json
 import os
 from typing import Dict, List
 
-from corefix import ready_line
+from support.installed import ready_line
 from test_multiuser import status, waiting_line
 from test_sharing import share_pids
-from userfix import root_only
+from support.users import root_only
 
 pytestmark = root_only
 

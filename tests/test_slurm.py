@@ -1,4 +1,4 @@
-"""cudawrap inside a real Slurm: a single-node cluster (tests/slurmfix.py) with four simulated GPUs.
+"""cudawrap inside a real Slurm: a single-node cluster (tests/support/slurm.py) with four simulated GPUs.
 
 Slurm decides which GPUs a job has; cudawrap, inside the job, only shares those among the
 job's wrapped runs. Every claim is checked against what Slurm itself says it allocated
@@ -15,8 +15,8 @@ from typing import Dict, List
 
 import pytest
 
-from corefix import Installed
-from slurmfix import Cluster, gres_indices, slurm, slurm_cgroup  # noqa: F401
+from support.installed import Installed
+from support.slurm import Cluster, gres_indices, slurm, slurm_cgroup  # noqa: F401
 from test_acquire import intervals
 
 DONE_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")

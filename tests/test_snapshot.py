@@ -14,9 +14,9 @@ import pytest
 
 from cudawrap.devices import snapshot
 from cudawrap.ops.monitor import refresh_once
-from corefix import ready_line, wait_for
-from fakemachine import FAKECUDA
-from userfix import root_only
+from support.installed import ready_line, wait_for
+from support.machine import FAKECUDA
+from support.users import root_only
 
 
 def run_without_nvml(inst, *args, **extra):

@@ -9,7 +9,7 @@ from typing import List
 
 import pytest
 
-from adminfix import Admin, snapshot, strace_cli
+from support.admin import Admin, snapshot, strace_cli
 from cudawrap.policy import registry
 from cudawrap.admin.divert import Dpkg
 from cudawrap.errors import StateError, UsageError

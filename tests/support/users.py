@@ -30,8 +30,8 @@ import pytest
 import cudawrap
 from cudawrap.install.installation import prepare
 from cudawrap.paths import Layout
-from adminfix import Snapshot, diff, snapshot  # noqa: F401 - one tree snapshot for all tests
-from fakemachine import FAKECUDA, FakeMachine, build_fakenvml, preload, shutdown_nvml
+from .admin import Snapshot, diff, snapshot  # noqa: F401 - one tree snapshot for all tests
+from .machine import FAKECUDA, FakeMachine, build_fakenvml, preload, shutdown_nvml
 
 USER_NAMES = ("cwtest1", "cwtest2", "cwtest3")
 GECOS = "cudawrap test user (removed by the test suite)"

@@ -1,8 +1,8 @@
 """A simulated GPU machine for the test suite.
 
 Every test that needs a GPU gets one from here: the fake ``libnvidia-ml.so.1``
-(``fakenvml/fakenvml.c``, compiled once per session), a topology file saying
-what the machine has (``fakenvml/FORMAT.md``), and a state directory where
+(``tests/fakenvml/fakenvml.c``, compiled once per session), a topology file saying
+what the machine has (``tests/fakenvml/FORMAT.md``), and a state directory where
 the stand-in CUDA program (``fakecuda.py``) registers the devices it holds.
 
 Two ways to use a machine:
@@ -22,10 +22,10 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import pytest
 
-import fakecuda
+from . import fakecuda
 
 HERE = Path(__file__).resolve().parent
-FAKENVML_DIR = HERE / "fakenvml"
+FAKENVML_DIR = HERE.parent / "fakenvml"
 FAKENVML_SRC = FAKENVML_DIR / "fakenvml.c"
 TOPOLOGIES = FAKENVML_DIR / "topologies"
 FAKECUDA = HERE / "fakecuda.py"

@@ -17,7 +17,7 @@ import pytest
 
 from cudawrap.install.installation import prepare
 from cudawrap.paths import Layout
-from fakemachine import FAKECUDA, FakeMachine
+from .machine import FAKECUDA, FakeMachine
 
 
 class Installed:
