@@ -15,7 +15,8 @@ from typing import List
 
 import pytest
 
-from support.users import MuInstall, User, root_only
+from support.procs import root_only
+from support.users import MuInstall, User
 
 pytestmark = [pytest.mark.root, root_only]
 

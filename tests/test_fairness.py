@@ -10,11 +10,11 @@ import os
 import select
 import signal
 import time
-from typing import List
+from typing import Dict, List
 
 from support.installed import ready_line
 from test_multiuser import status, waiting_line
-from support.users import root_only
+from support.procs import root_only, wait_for
 
 pytestmark = root_only
 
@@ -126,13 +126,14 @@ def test_a_large_run_does_not_idle_devices_then_gets_them_reserved(mu) -> None: 
     time.sleep(max(0.0, bob_queued + 6.5 - time.monotonic()))  # bob has now waited longer than reserve_after
     holders[1].kill()
     holders[1].wait()
-    deadline = time.monotonic() + 30
-    while True:
-        why = {w["pid"]: w["reason"] for w in status(inst, None)["waiting"]}
-        if "kept for a run that has waited longer" in why.get(small[1].pid, ""):
-            break
-        assert time.monotonic() < deadline, why
-        time.sleep(0.1)
+    why: Dict[int, str] = {}
+
+    def kept_for_bob() -> bool:
+        why.clear()
+        why.update({w["pid"]: w["reason"] for w in status(inst, None)["waiting"]})
+        return "kept for a run that has waited longer" in why.get(small[1].pid, "")
+
+    wait_for(kept_for_bob, 30, "the device kept for bob's run", lambda: str(why))
     assert "kept for this run, waiting for" in why[large.pid]
     assert small[1].poll() is None
     for p in holders[2:] + small[:1]:
@@ -203,10 +204,7 @@ def test_the_api_waits_from_a_thread_and_leaves_nothing_behind(mu) -> None:  # t
             "        out['error'] = repr(exc)\n"
             "t = threading.Thread(target=work); t.start(); t.join(); print(json.dumps(out))\n")
     waiter = inst.py_start(alice, code, *inst.world.path)
-    deadline = time.monotonic() + 30
-    while not status(inst, None)["waiting"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: status(inst, None)["waiting"], 30)
     holder.kill()
     assert waiter.wait(timeout=30) == 0, waiter.stderr.read()
     assert json.loads(waiter.stdout.read()) == {"got": [inst.machine.leaf_uuids()[0]]}

@@ -16,7 +16,8 @@ from cudawrap.devices.model import Device
 from cudawrap.lease.files import Lease, LeaseFiles
 from cudawrap.ops.monitor import refresh_once
 from cudawrap.sched.queue import WaitQueue
-from support.installed import ready_line, wait_for
+from support.installed import ready_line
+from support.procs import wait_for
 from support.machine import FAKECUDA
 
 # No process here can have this pid (above the largest pid_max): one NVML names from another
@@ -31,8 +32,8 @@ def no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def foreign(inst, uuid: str) -> subprocess.Popen:  # type: ignore[no-untyped-def]
     """An unwrapped CUDA program on UUID, ready (listed by NVML)."""
-    proc = subprocess.Popen([str(FAKECUDA), "--hold", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=inst.machine.environ(CUDA_VISIBLE_DEVICES=uuid))
+    proc = inst.spawned([str(FAKECUDA), "--hold", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        env=inst.machine.environ(CUDA_VISIBLE_DEVICES=uuid))
     ready_line(proc)
     return proc
 

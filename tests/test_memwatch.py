@@ -21,9 +21,9 @@ from typing import Any, Dict, List
 import pytest
 
 from support import fakecuda
-from support.installed import ready_line, wait_for
+from support.installed import ready_line
+from support.procs import root_only, wait_for
 from support.machine import FAKECUDA
-from support.users import root_only
 
 from cudawrap.ops import memwatch
 from cudawrap.policy.config import parse_config
@@ -190,12 +190,6 @@ def test_an_escaped_child_is_no_child_of_the_program(machine: Any) -> None:
 # --- with real accounts ------------------------------------------------------------------------
 
 
-def configure(inst: Any, text: str, *allow: str) -> None:
-    if allow:
-        text += "\n[devices]\nallow = [%s]\n" % ", ".join(f'"{u}"' for u in allow)
-    inst.layout.config_file.write_text(text)
-    inst.layout.config_file.chmod(0o644)
-    inst.sync()
 
 
 def rows(snapshot: Dict[str, Any], pid: int) -> List[Dict[str, Any]]:
@@ -206,7 +200,7 @@ def one_device(mu: Any, config: str = "") -> Any:
     """An install on four-gpus where runs get its first device only, and `recon` wrapped."""
     inst = mu("four-gpus")
     inst.wrap("recon")
-    configure(inst, config, inst.machine.leaf_uuids()[0])
+    inst.configure(config, inst.machine.leaf_uuids()[0])
     return inst
 
 
@@ -416,7 +410,7 @@ def test_the_warning_reaches_the_runs_own_terminal_and_never_its_pipe(mu: Any) -
     at_tty = subprocess.Popen(alice.argv(["recon", "--hold", "600", "--mem", "19000"]),
                               env=inst.environ(CUDAWRAP_SHARE="1"), stdout=subprocess.PIPE, stderr=slave,
                               cwd=inst.dir)
-    inst.procs.append(at_tty)
+    inst.spawned.add(at_tty)
     os.close(slave)
     at_pipe = inst.start(inst.world.bob, "recon", "--hold", "600", "--mem", "19000", CUDAWRAP_SHARE="1")
     ready_line(at_tty), ready_line(at_pipe)

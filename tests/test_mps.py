@@ -22,13 +22,14 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import pytest
 
-from support.installed import Installed, ready_line, wait_for
+from support.installed import Installed, ready_line
+from support.procs import root_only, wait_for
 from cudawrap.install import installation
 from cudawrap.install.installation import MPS_UNIT, MONITOR_UNIT, UNIT_NAME, render_mps_unit, unit_file, unit_wants_link
 from cudawrap.paths import Layout
 from support.machine import FAKECUDA, shutdown_nvml
 from test_multiuser import status
-from support.users import MuInstall, World, root_only
+from support.users import MuInstall, World
 
 HERE = Path(__file__).resolve().parent
 FAKEMPS = HERE / "fakemps" / "nvidia-cuda-mps-control"

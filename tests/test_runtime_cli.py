@@ -118,8 +118,8 @@ def test_python_api_acquires_for_the_life_of_the_process(installed):
     inst.write_config(f'[devices]\nallow = ["{first}"]\n')
     code = ("import cudawrap, os, sys; got = cudawrap.acquire(); "
             "print(got, os.environ['CUDA_VISIBLE_DEVICES']); sys.stdout.flush(); sys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", code], env=inst.environ(), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = inst.spawned([sys.executable, "-c", code], env=inst.environ(), stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     line = proc.stdout.readline().decode()
     assert line.strip() == f"['{first}'] {first}"
     inst.wrap("recon")

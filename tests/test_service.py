@@ -16,8 +16,9 @@ from typing import Iterator, List
 
 import pytest
 
-from support.installed import ready_line, wait_for
-from support.users import CLI_CODE, MuInstall, root_only
+from support.installed import ready_line
+from support.procs import cli_code, root_only, wait_for
+from support.users import MuInstall
 
 pytestmark = [pytest.mark.root, root_only]
 
@@ -29,7 +30,7 @@ class Served:
         self.inst = inst
         self.link = inst.wrap("recon")
         self.sock = inst.layout.runtime_dir / "cudawrap.sock"
-        code = CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main")
+        code = cli_code(inst.path)
         self.proc = inst.start(None, inst.world.python, "-I", "-c", code, "serve")
         line = self.proc.stdout.readline().decode()
         assert "listening on" in line, line + self.proc.stderr.read().decode()
@@ -409,7 +410,7 @@ def test_kill_9_of_the_service_loses_no_run_and_grants_no_device_twice(served: S
     served.proc.wait()
     restarted = Served.__new__(Served)
     restarted.inst, restarted.link, restarted.sock = inst, served.link, served.sock
-    code = CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main")
+    code = cli_code(inst.path)
     restarted.proc = inst.start(None, inst.world.python, "-I", "-c", code, "serve")
     assert b"listening on" in restarted.proc.stdout.readline()
     try:

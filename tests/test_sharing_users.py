@@ -12,17 +12,11 @@ from typing import Dict, List
 from support.installed import ready_line
 from test_multiuser import status, waiting_line
 from test_sharing import share_pids
-from support.users import root_only
+from support.procs import root_only
 
 pytestmark = root_only
 
 
-def configure(inst, text: str, *allow: str) -> None:  # type: ignore[no-untyped-def]
-    if allow:
-        text += "\n[devices]\nallow = [%s]\n" % ", ".join(f'"{u}"' for u in allow)
-    inst.layout.config_file.write_text(text)
-    inst.layout.config_file.chmod(0o644)
-    inst.sync()
 
 
 def wrap_without_mps(inst) -> None:  # type: ignore[no-untyped-def]
@@ -50,7 +44,7 @@ def test_time_slicing_puts_two_users_on_one_device(mu) -> None:  # type: ignore[
     alice, bob = inst.world.alice, inst.world.bob
     inst.wrap("recon")
     d0, d1 = inst.machine.leaf_uuids()[:2]
-    configure(inst, "[sharing]\nslots = 2\n", d0, d1)
+    inst.configure("[sharing]\nslots = 2\n", d0, d1)
     a = inst.start(alice, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
     b = inst.start(bob, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
     assert ready_line(a)["devices"] == ready_line(b)["devices"]  # fill-first, whoever the user
@@ -65,7 +59,7 @@ def test_mps_gives_each_device_to_one_user_at_a_time(mu) -> None:  # type: ignor
     alice, bob = inst.world.alice, inst.world.bob
     wrap_without_mps(inst)
     d0, d1 = inst.machine.leaf_uuids()[:2]
-    configure(inst, '[sharing]\nslots = 4\nmode = "mps"\n', d0, d1)
+    inst.configure('[sharing]\nslots = 4\nmode = "mps"\n', d0, d1)
     a1 = inst.start(alice, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
     a_dev = ready_line(a1)["devices"]
     b1 = inst.start(bob, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
@@ -93,7 +87,7 @@ def test_a_burst_of_two_users_shares_under_mps_never_mixes_them(mu) -> None:  # 
     alice, bob = inst.world.alice, inst.world.bob
     wrap_without_mps(inst)
     d0, d1 = inst.machine.leaf_uuids()[:2]
-    configure(inst, '[sharing]\nslots = 3\nmode = "mps"\n', d0, d1)
+    inst.configure('[sharing]\nslots = 3\nmode = "mps"\n', d0, d1)
     procs, user_of = [], {}
     for i in range(16):
         user = alice if i % 2 else bob
@@ -135,7 +129,7 @@ def test_slots_locked_without_the_lease_are_shares_of_their_holder(mu) -> None: 
     bob, carol = inst.world.bob, inst.world.carol
     inst.wrap("recon")
     d0 = inst.machine.leaf_uuids()[0]
-    configure(inst, "[sharing]\nslots = 2\n\n[limits]\nmax_devices_per_user = 1\n", d0)
+    inst.configure("[sharing]\nslots = 2\n\n[limits]\nmax_devices_per_user = 1\n", d0)
     slots = [str(inst.layout.share_dir / f"{d0}.{k}") for k in (1, 2)]
     squatter = inst.start(carol, inst.world.python, "-I", "-c", HOLD_FILES, *slots)
     assert squatter.stdout.readline() == b"held\n", squatter.stderr.read()
@@ -159,7 +153,7 @@ def test_slots_locked_without_the_lease_are_shares_of_their_holder(mu) -> None: 
 
     # Carol's two shares (1/2 each) fill her limit of 1, with a device she could share free.
     d1 = inst.machine.leaf_uuids()[1]
-    configure(inst, "[sharing]\nslots = 2\n\n[limits]\nmax_devices_per_user = 1\n", d0, d1)
+    inst.configure("[sharing]\nslots = 2\n\n[limits]\nmax_devices_per_user = 1\n", d0, d1)
     done = inst.run(carol, "recon", CUDAWRAP_WAIT="0", CUDAWRAP_SHARE="1")
     assert done.returncode == 75 and b"your limit is 1" in done.stderr, done.stderr
     squatter.kill()

@@ -14,9 +14,9 @@ import pytest
 
 from cudawrap.devices import snapshot
 from cudawrap.ops.monitor import refresh_once
-from support.installed import ready_line, wait_for
+from support.installed import ready_line
+from support.procs import root_only, wait_for
 from support.machine import FAKECUDA
-from support.users import root_only
 
 
 def run_without_nvml(inst, *args, **extra):
@@ -87,8 +87,8 @@ UNSEEN_PID = (1 << 22) + 1
 
 def foreign(inst, uuid: str) -> subprocess.Popen:
     """An unwrapped CUDA program on UUID, ready (listed by NVML)."""
-    proc = subprocess.Popen([str(FAKECUDA), "--hold", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=inst.machine.environ(CUDA_VISIBLE_DEVICES=uuid))
+    proc = inst.spawned([str(FAKECUDA), "--hold", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        env=inst.machine.environ(CUDA_VISIBLE_DEVICES=uuid))
     ready_line(proc)
     return proc
 

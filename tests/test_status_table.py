@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from support.installed import ready_line, wait_for
+from support.installed import ready_line
+from support.procs import wait_for
 from support.machine import FAKECUDA
 from cudawrap.ops.status import program_name, render
 

@@ -171,9 +171,12 @@ class FakeMachine:
         return fakecuda.parse_topology(self.read())
 
     def write(self, text: str) -> None:
-        """Replace the topology atomically: the library never sees half a file."""
+        """Replace the topology atomically: the library never sees half a file.
+
+        Readable by all (mkstemp makes it 0600): programs of other users read it too."""
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".topology-", suffix=".tmp")
         try:
+            os.fchmod(fd, 0o644)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
             os.replace(tmp, self.topology)
