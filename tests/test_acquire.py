@@ -5,36 +5,8 @@ import os
 import signal
 import subprocess
 import time
-from collections import defaultdict
-from typing import Dict, List, Tuple
 
-
-
-def intervals(jobs: List[dict]) -> Dict[str, List[Tuple[float, float, int]]]:
-    """device -> [(start, end, pid)] from the stand-in's log."""
-    start: Dict[int, dict] = {}
-    per_device: Dict[str, List[Tuple[float, float, int]]] = defaultdict(list)
-    for job in jobs:
-        if job["event"] == "start":
-            start[job["pid"]] = job
-        else:
-            begun = start.pop(job["pid"])
-            for device in begun["devices"]:
-                per_device[device].append((begun["time"], job["time"], job["pid"]))
-    assert not start, f"jobs that never ended: {sorted(start)}"
-    return per_device
-
-
-def overlaps(jobs: List[dict]) -> List[tuple]:
-    found = []
-    for device, spans in intervals(jobs).items():
-        spans.sort()
-        for (s1, e1, p1), (s2, e2, p2) in zip(spans, spans[1:]):
-            if s2 < e1:
-                found.append((device, p1, p2))
-    return found
-
-
+from support.installed import intervals, overlaps
 
 
 def test_burst_of_launches_never_shares_a_device(installed):

@@ -15,7 +15,7 @@ import pytest
 from support.installed import Installed, ready_line
 from cudawrap.policy import registry
 from support.machine import FAKECUDA
-from test_acquire import intervals, overlaps
+from support.installed import intervals, overlaps
 
 MIXED = "h100-a100mig-a6000"
 

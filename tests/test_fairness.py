@@ -12,8 +12,7 @@ import signal
 import time
 from typing import Dict, List
 
-from support.installed import ready_line
-from test_multiuser import status, waiting_line
+from support.installed import ready_line, waiting_line
 from support.procs import root_only, wait_for
 
 pytestmark = root_only
@@ -45,7 +44,7 @@ def test_a_second_user_is_served_before_the_first_users_batch(mu) -> None:  # ty
     late = inst.start(bob, "recon", "--hold", "0.3", "--log", str(inst.log))
     # Bob holds nothing and alice two: he is next although he came last.
     assert "position 1 in line" in waiting_line(late)
-    seen = status(inst, bob)["waiting"]
+    seen = inst.status(bob)["waiting"]
     assert [(w["user"], w["position"]) for w in seen] == [(bob.name, 1)] + [(alice.name, n) for n in (2, 3, 4)]
     holders[0].kill()
     assert late.wait(timeout=30) == 0
@@ -130,7 +129,7 @@ def test_a_large_run_does_not_idle_devices_then_gets_them_reserved(mu) -> None: 
 
     def kept_for_bob() -> bool:
         why.clear()
-        why.update({w["pid"]: w["reason"] for w in status(inst, None)["waiting"]})
+        why.update({w["pid"]: w["reason"] for w in inst.status(None)["waiting"]})
         return "kept for a run that has waited longer" in why.get(small[1].pid, "")
 
     wait_for(kept_for_bob, 30, "the device kept for bob's run", lambda: str(why))
@@ -183,7 +182,7 @@ def test_a_stopped_waiter_loses_its_turn_and_gets_it_back(mu) -> None:  # type: 
     os.kill(stopped.pid, signal.SIGCONT)
     assert stopped.wait(timeout=30) == 0
     assert starts(inst.log) == [patient.pid, stopped.pid]
-    assert status(inst, None)["waiting"] == []
+    assert inst.status(None)["waiting"] == []
 
 
 def test_the_api_waits_from_a_thread_and_leaves_nothing_behind(mu) -> None:  # type: ignore[no-untyped-def]
@@ -204,11 +203,11 @@ def test_the_api_waits_from_a_thread_and_leaves_nothing_behind(mu) -> None:  # t
             "        out['error'] = repr(exc)\n"
             "t = threading.Thread(target=work); t.start(); t.join(); print(json.dumps(out))\n")
     waiter = inst.py_start(alice, code, *inst.world.path)
-    wait_for(lambda: status(inst, None)["waiting"], 30)
+    wait_for(lambda: inst.status(None)["waiting"], 30)
     holder.kill()
     assert waiter.wait(timeout=30) == 0, waiter.stderr.read()
     assert json.loads(waiter.stdout.read()) == {"got": [inst.machine.leaf_uuids()[0]]}
-    assert status(inst, None)["waiting"] == []
+    assert inst.status(None)["waiting"] == []
 
 
 # Queue entries made by hand, as an attacker would: N names claiming REQUEST (count,
@@ -246,7 +245,7 @@ def test_a_forged_entry_for_every_device_keeps_none_idle(mu) -> None:  # type: i
     inst.wrap("recon")
     ready_line(inst.start(None, "recon", "--hold", "600"))  # so that no forged count is met
     forged = [forge(inst, alice, "999sa", "0"), forge(inst, alice, "4sa", "0")]
-    seen = {w["count"]: w["reason"] for w in status(inst, None)["waiting"]}
+    seen = {w["count"]: w["reason"] for w in inst.status(None)["waiting"]}
     assert sorted(seen) == [4, 999] and not any("kept for this run" in r for r in seen.values()), seen
     done = inst.run(bob, "recon", CUDAWRAP_WAIT="3")
     assert done.returncode == 0, done.stderr
@@ -299,6 +298,6 @@ def test_entries_beyond_a_users_thousand_count_in_no_decision(mu) -> None:  # ty
     time.sleep(1.2)  # the 1001st has waited longer than reserve_after
     done = inst.run(bob, "recon", CUDAWRAP_WAIT="3")
     assert done.returncode == 0, done.stderr
-    seen = status(inst, None)["waiting"]
+    seen = inst.status(None)["waiting"]
     assert len(seen) == 1000 and {w["count"] for w in seen} == {999}, len(seen)
     forged.kill()

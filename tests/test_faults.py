@@ -18,7 +18,7 @@ from typing import List
 
 import pytest
 
-from support.installed import Installed
+from support.installed import Installed, waiting_line
 from cudawrap.policy import registry
 from cudawrap.admin.divert import Dpkg
 from cudawrap.ops.monitor import refresh_once
@@ -92,11 +92,6 @@ def test_registry_write_fails_and_the_old_registry_stays(admin: Admin, command: 
 
 
 
-def _waiting(proc) -> None:  # type: ignore[no-untyped-def]
-    line = proc.stderr.readline().decode()
-    assert "waiting" in line, line
-
-
 def _starts(inst: Installed) -> List[dict]:
     return [j for j in inst.jobs() if j["event"] == "start"]
 
@@ -109,7 +104,7 @@ def test_a_waiting_shim_is_not_handed_a_gpu_lost_meanwhile(installed, foreign: s
     inst.allow(gpu, extra=f'[policy]\nforeign = "{foreign}"\n')
     holder, _ = inst.hold()
     waiter = inst.start("recon", "--log", str(inst.log), CUDAWRAP_WAIT="20")
-    _waiting(waiter)
+    waiting_line(waiter)
     inst.machine.set_fault("gpu_lost", gpu)
     holder.kill()
     holder.wait()
@@ -238,7 +233,7 @@ def test_a_waiter_is_not_handed_an_instance_removed_meanwhile(installed, tmp_pat
         holder = inst.start("plain")
         assert holder.stdout.readline() == b"ready\n"
     waiter = inst.start("recon", "--log", str(inst.log), CUDAWRAP_WAIT="20")
-    _waiting(waiter)
+    waiting_line(waiter)
     inst.machine.write(inst.machine.read().replace(old, NEW_MIG))
     holder.send_signal(signal.SIGKILL)
     holder.wait()

@@ -28,7 +28,6 @@ from cudawrap.install import installation
 from cudawrap.install.installation import MPS_UNIT, MONITOR_UNIT, UNIT_NAME, render_mps_unit, unit_file, unit_wants_link
 from cudawrap.paths import Layout
 from support.machine import FAKECUDA, shutdown_nvml
-from test_multiuser import status
 from support.users import MuInstall, World
 
 HERE = Path(__file__).resolve().parent
@@ -547,7 +546,7 @@ def test_an_mps_client_without_a_share_is_shown_and_keeps_new_shares_off(mu_mps:
     wait_for(lambda: hello["pid"] in inst.machine.compute_pids().get(d0, []))
 
     for viewer in (None, alice):
-        seen = status(inst, viewer)
+        seen = inst.status(viewer)
         (device,) = [d for d in seen["devices"] if d["uuid"] == d0]
         assert [(p["pid"], p["user"]) for p in device["mps_without_share"]] == [(hello["pid"], carol.name)]
     text = inst.cli(alice, "status").stdout.decode()

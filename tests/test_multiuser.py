@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from support.installed import ready_line
+from support.installed import ready_line, waiting_line
 from support.admin import diff, snapshot
 from support.procs import one_line, root_only, sh_program
 from support.users import MuInstall, User
@@ -93,18 +93,6 @@ def hold_file(inst: MuInstall, user: User, path: Path, content: str = "") -> sub
     proc = inst.py_start(user, HOLD, str(path), "create" if content else "open", content)
     assert proc.stdout.readline() == b"held\n", proc.stderr.read()
     return proc
-
-
-def status(inst: MuInstall, user) -> dict:  # type: ignore[no-untyped-def]
-    done = inst.cli(user, "status", "--json")
-    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
-    return json.loads(done.stdout)
-
-
-def waiting_line(proc: subprocess.Popen) -> str:
-    line = proc.stderr.readline().decode()
-    assert "waiting" in line, line + proc.stderr.read().decode()
-    return line
 
 
 # --- changing what only root may change ---------------------------------------------------------
@@ -231,9 +219,9 @@ def test_a_held_lease_cannot_be_taken_forged_or_released_by_another_user(mu) -> 
     assert inst.snapshot() == before
     # Root sees who holds it; bob sees that it is held, and cannot check by whom (alice's
     # descriptors are closed to him), so no pid is named to him that might be someone else's.
-    seen = {d["uuid"]: d["holder"] for d in status(inst, None)["devices"]}
+    seen = {d["uuid"]: d["holder"] for d in inst.status(None)["devices"]}
     assert seen[device]["pid"] == job.pid and seen[device]["user"] == alice.name
-    seen = {d["uuid"]: d for d in status(inst, bob)["devices"]}
+    seen = {d["uuid"]: d for d in inst.status(bob)["devices"]}
     assert seen[device]["holder"] is not None and seen[device]["holder"]["pid"] is None
     assert seen[device]["foreign_pids"] is None  # alice's job is not shown as someone else's
     job.send_signal(signal.SIGTERM)
@@ -253,12 +241,12 @@ def test_a_lease_held_forever_blocks_only_that_device_and_shows_its_holder(mu) -
         done = inst.run(alice, "recon", CUDAWRAP_WAIT="0")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout.splitlines()[0])["devices"] == [second]
-    seen = {d["uuid"]: d["holder"] for d in status(inst, None)["devices"]}
+    seen = {d["uuid"]: d["holder"] for d in inst.status(None)["devices"]}
     assert seen[first]["pid"] == squatter.pid and seen[first]["user"] == bob.name
     assert seen[second] is None
     table = inst.cli(None, "status").stdout.decode()
     assert f"pid {squatter.pid} {bob.name}" in table
-    seen = {d["uuid"]: d["holder"] for d in status(inst, alice)["devices"]}
+    seen = {d["uuid"]: d["holder"] for d in inst.status(alice)["devices"]}
     assert seen[first]["pid"] is None and seen[second] is None  # held, by someone alice cannot check
     inst.allow(first)
     assert inst.run(alice, "recon", CUDAWRAP_WAIT="0").returncode == 75
@@ -357,7 +345,7 @@ def test_files_planted_in_the_queue_break_nobody(mu) -> None:  # type: ignore[no
     waiter = inst.start(alice, "recon", "--log", str(inst.log), CUDAWRAP_WAIT="30")
     assert "position 1 in line" in waiting_line(waiter)
     for user in (alice, bob, None):
-        seen = status(inst, user)
+        seen = inst.status(user)
         assert [w["user"] for w in seen["waiting"]] == [alice.name], seen["waiting"]
         assert seen["waiting"][0]["pid"] == waiter.pid
     holder.kill()
@@ -380,7 +368,7 @@ def test_a_waiter_with_a_private_umask_keeps_its_place(mu) -> None:  # type: ign
     assert "position 1 in line" in waiting_line(first)
     second = inst.start(bob, "recon", "--log", str(inst.log), CUDAWRAP_WAIT="30")
     assert "position 2 in line" in waiting_line(second)
-    assert [w["user"] for w in status(inst, bob)["waiting"]] == [alice.name, bob.name]
+    assert [w["user"] for w in inst.status(bob)["waiting"]] == [alice.name, bob.name]
     holder.kill()
     assert first.wait(timeout=30) == 0 and second.wait(timeout=30) == 0
     starts = [j["pid"] for j in map(json.loads, inst.log.read_text().splitlines()) if j["event"] == "start"]
@@ -398,7 +386,7 @@ def test_a_fake_queue_head_does_not_delay_others_and_root_sees_who(mu) -> None: 
     fake = inst.py_start(bob, FAKE_WAITER, str(inst.layout.queue_dir),
                          "uid=0\npid=1\ncount=1\nprogram=\x1b]0;pwned\x07evil\n")
     assert fake.stdout.readline() == b"held\n", fake.stderr.read()
-    (waiter,) = status(inst, None)["waiting"]
+    (waiter,) = inst.status(None)["waiting"]
     assert (waiter["user"], waiter["pid"]) == (bob.name, fake.pid)
     assert "\x1b" not in waiter["program"] and "\x07" not in waiter["program"]  # no escapes to root's terminal
     table = inst.cli(None, "status").stdout.decode()

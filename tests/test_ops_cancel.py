@@ -6,8 +6,7 @@ import subprocess
 
 import pytest
 
-from support.installed import ready_line
-from test_multiuser import waiting_line
+from support.installed import ready_line, waiting_line
 from support.procs import one_line, root_only
 from support.users import MuInstall, User
 
@@ -92,18 +91,17 @@ def test_cancelling_a_hand_made_entry_takes_it_out_of_everyones_decisions(mu) ->
     """Entries made and locked by hand never read their cancel line: cancelled, they are
     removed, every one the process holds, so nobody counts them any more."""
     from test_fairness import forge
-    from test_multiuser import status
 
     inst = mu("four-gpus")
     alice = inst.world.alice
     inst.wrap("recon")
     forged = forge(inst, alice, "1sa", "300", n=3)
-    assert [w["pid"] for w in status(inst, None)["waiting"]] == [forged.pid] * 3
+    assert [w["pid"] for w in inst.status(None)["waiting"]] == [forged.pid] * 3
     done = inst.cli(None, "cancel", str(forged.pid))
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode() == f"cancelled pid {forged.pid} ({alice.name})\n"
     assert forged.poll() is None  # still holding its locks, but no longer in the queue
-    assert status(inst, None)["waiting"] == [] and list(inst.layout.queue_dir.iterdir()) == []
+    assert inst.status(None)["waiting"] == [] and list(inst.layout.queue_dir.iterdir()) == []
     done = inst.cli(None, "cancel", str(forged.pid))
     assert done.returncode == 65 and "not in the wait queue" in one_line(done, hint=True)
     forged.kill()

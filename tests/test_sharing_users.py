@@ -9,8 +9,7 @@ import json
 import os
 from typing import Dict, List
 
-from support.installed import ready_line
-from test_multiuser import status, waiting_line
+from support.installed import ready_line, waiting_line
 from test_sharing import share_pids
 from support.procs import root_only
 
@@ -49,7 +48,7 @@ def test_time_slicing_puts_two_users_on_one_device(mu) -> None:  # type: ignore[
     b = inst.start(bob, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
     assert ready_line(a)["devices"] == ready_line(b)["devices"]  # fill-first, whoever the user
     assert list(share_users(inst).values()) == [sorted([alice.uid, bob.uid])]
-    seen = status(inst, bob)
+    seen = inst.status(bob)
     device = next(d for d in seen["devices"] if d["shares"])
     assert device["shares"]["used"] == 2  # bob sees alice's share counted (her pid may be hidden)
 
@@ -134,7 +133,7 @@ def test_slots_locked_without_the_lease_are_shares_of_their_holder(mu) -> None: 
     squatter = inst.start(carol, inst.world.python, "-I", "-c", HOLD_FILES, *slots)
     assert squatter.stdout.readline() == b"held\n", squatter.stderr.read()
 
-    seen = status(inst, None)
+    seen = inst.status(None)
     (device,) = [d for d in seen["devices"] if d["uuid"] == d0]
     assert device["shares"] and device["shares"]["used"] == 2, device
     assert [(h["pid"], h["user"], h["lease"]) for h in device["shares"]["holders"]] == \
@@ -144,7 +143,7 @@ def test_slots_locked_without_the_lease_are_shares_of_their_holder(mu) -> None: 
 
     waiter = inst.start(bob, "recon", "--hold", "0", CUDAWRAP_SHARE="1", CUDAWRAP_WAIT="60")
     assert "every device it may share is full" in waiting_line(waiter)
-    (entry,) = status(inst, bob)["waiting"]
+    (entry,) = inst.status(bob)["waiting"]
     assert entry["pid"] == waiter.pid and "full" in entry["reason"], entry
 
     report = inst.cli(None, "doctor")

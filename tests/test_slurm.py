@@ -17,7 +17,7 @@ import pytest
 from support.installed import Installed
 from support.procs import wait_for
 from support.slurm import Cluster, gres_indices, slurm, slurm_cgroup  # noqa: F401
-from test_acquire import intervals
+from support.installed import intervals
 
 DONE_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
 

@@ -194,7 +194,7 @@ def test_burst_with_the_monitor_running_never_shares_a_device(installed):
     with monitoring(inst):
         procs = [inst.start("recon", "--hold", "0.2", "--log", str(inst.log)) for _ in range(35)]
         assert [p.wait(timeout=120) for p in procs] == [0] * 35
-    from test_acquire import overlaps
+    from support.installed import overlaps
 
     assert overlaps(inst.jobs()) == []
 

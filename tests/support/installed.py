@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -130,6 +131,39 @@ class Installed:
     def close(self) -> None:
         """Kill and reap every process started through this install."""
         self.spawned.close()
+
+
+def waiting_line(proc: subprocess.Popen) -> str:
+    """A run's first stderr line, which says it waits (a queued run's)."""
+    line = proc.stderr.readline().decode()
+    assert "waiting" in line, line + proc.stderr.read().decode()
+    return line
+
+
+def intervals(jobs: List[dict]) -> Dict[str, List[Tuple[float, float, int]]]:
+    """device -> [(start, end, pid)] from the stand-in's log."""
+    start: Dict[int, dict] = {}
+    per_device: Dict[str, List[Tuple[float, float, int]]] = defaultdict(list)
+    for job in jobs:
+        if job["event"] == "start":
+            start[job["pid"]] = job
+        else:
+            begun = start.pop(job["pid"])
+            for device in begun["devices"]:
+                per_device[device].append((begun["time"], job["time"], job["pid"]))
+    assert not start, f"jobs that never ended: {sorted(start)}"
+    return per_device
+
+
+def overlaps(jobs: List[dict]) -> List[tuple]:
+    """(device, pid, pid) of every two runs in the stand-in's log that held one device at once."""
+    found = []
+    for device, spans in intervals(jobs).items():
+        spans.sort()
+        for (s1, e1, p1), (s2, e2, p2) in zip(spans, spans[1:]):
+            if s2 < e1:
+                found.append((device, p1, p2))
+    return found
 
 
 def allow_list(uuids: Sequence[str]) -> str:

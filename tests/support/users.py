@@ -219,6 +219,12 @@ class MuInstall(Installed):
     def py_start(self, user: Optional[User], code: str, *args: str) -> subprocess.Popen:
         return self._start(user, self._py_argv(code, args))
 
+    def status(self, user: Optional[User]) -> dict:
+        """``cudawrap status --json`` as USER, which must succeed."""
+        done = self.cli(user, "status", "--json")
+        assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+        return json.loads(done.stdout)
+
     def snapshot(self) -> Snapshot:
         return snapshot(self.layout.root, self.bindir)
 
