@@ -59,7 +59,7 @@ class Jobs:
         return path.read_text(errors="replace") if path.exists() else "(no output)"
 
     def allocated(self, job_id: str) -> List[str]:
-        """UUIDs of the GPUs Slurm gave the job: its GRES indices are NVML indices (slurmfix's gres.conf)."""
+        """UUIDs of the GPUs Slurm gave the job: its GRES indices are NVML indices (support/slurm.py's gres.conf)."""
         path = self.tmp / f"alloc-{job_id}"
         wait_for(path.exists, 60, f"job {job_id} to start", lambda: self.output(job_id))
         uuids = [g.uuid for g in self.inst.machine.parse().gpus]
