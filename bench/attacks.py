@@ -38,7 +38,7 @@ from typing import Callable, Dict, List
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from fakemachine import FakeMachine, build_fakenvml, preload  # noqa: E402
+from support.machine import FakeMachine, build_fakenvml, preload  # noqa: E402
 
 from cudawrap.install.installation import prepare  # noqa: E402
 from cudawrap.lease.files import lock_table  # noqa: E402

@@ -9,7 +9,7 @@ bin directory per machine with the programs the tools launch, wrapped by the ins
 
 * ``true`` -- a tiny C program (``bench/true.c``) that exits at once: launch overhead and
   the shim's peak RSS (exec keeps the process, so its max RSS is the shim's);
-* ``fakecuda`` -- the stand-in CUDA program (``tests/fakecuda.py``), run directly;
+* ``fakecuda`` -- the stand-in CUDA program (``tests/support/fakecuda.py``), run directly;
 * ``true-w`` and ``job`` -- the same two, wrapped by ``create-cudawrap``;
 * ``nvidia-smi`` and ``getgpu`` -- the stand-ins for the seed's script (``bench/peers``).
 
@@ -36,7 +36,7 @@ PEERS_DIR = BENCH / "peers"
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
-from fakemachine import FAKECUDA, FakeMachine, build_fakenvml, preload  # noqa: E402
+from support.machine import FAKECUDA, FakeMachine, build_fakenvml, preload  # noqa: E402
 
 from cudawrap.paths import Layout  # noqa: E402
 

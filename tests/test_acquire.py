@@ -4,51 +4,9 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import time
-from collections import defaultdict
-from pathlib import Path
-from typing import Dict, List, Tuple
 
-import pytest
-
-from corefix import Installed, ready_line, wait_for
-
-
-def intervals(jobs: List[dict]) -> Dict[str, List[Tuple[float, float, int]]]:
-    """device -> [(start, end, pid)] from the stand-in's log."""
-    start: Dict[int, dict] = {}
-    per_device: Dict[str, List[Tuple[float, float, int]]] = defaultdict(list)
-    for job in jobs:
-        if job["event"] == "start":
-            start[job["pid"]] = job
-        else:
-            begun = start.pop(job["pid"])
-            for device in begun["devices"]:
-                per_device[device].append((begun["time"], job["time"], job["pid"]))
-    assert not start, f"jobs that never ended: {sorted(start)}"
-    return per_device
-
-
-def overlaps(jobs: List[dict]) -> List[tuple]:
-    found = []
-    for device, spans in intervals(jobs).items():
-        spans.sort()
-        for (s1, e1, p1), (s2, e2, p2) in zip(spans, spans[1:]):
-            if s2 < e1:
-                found.append((device, p1, p2))
-    return found
-
-
-def only(inst: Installed, *uuids: str) -> None:
-    """Let cudawrap hand out only UUIDS (an allow-list), to make waiting easy to provoke."""
-    inst.write_config("[devices]\nallow = [%s]\n" % ", ".join(f'"{u}"' for u in uuids))
-
-
-def hold(inst: Installed, seconds: float = 30, **env: str) -> Tuple[subprocess.Popen, dict]:
-    proc = inst.start("recon", "--hold", str(seconds), "--log", str(inst.log), **env)
-    return proc, ready_line(proc)
+from support.installed import intervals, overlaps
 
 
 def test_burst_of_launches_never_shares_a_device(installed):
@@ -78,7 +36,7 @@ def test_partial_availability_takes_nothing(installed):
     inst = installed("four-gpus")
     inst.wrap("recon")
     gpus = inst.machine.leaf_uuids()
-    holders = [hold(inst, CUDA_VISIBLE_DEVICES=u)[0] for u in gpus[:3]]
+    holders = [inst.hold(CUDA_VISIBLE_DEVICES=u)[0] for u in gpus[:3]]
     inst.write_config('[policy]\ngpus = 2\n')
     r = inst.run("recon", CUDAWRAP_WAIT="0")
     assert r.returncode == 75
@@ -96,8 +54,8 @@ def test_waiters_are_served_first_come_first_served(installed):
     inst = installed("a100-mig7")
     inst.wrap("recon")
     first = inst.machine.leaf_uuids()[0]
-    only(inst, first)
-    holder, _ = hold(inst, 30)
+    inst.allow(first)
+    holder, _ = inst.hold(30)
     waiters = []
     for n in range(5):
         proc = inst.start("recon", "--hold", "0.1", "--log", str(inst.log))
@@ -115,8 +73,8 @@ def test_waiters_are_served_first_come_first_served(installed):
 def test_kill_9_releases_the_lease(installed):
     inst = installed("a100-mig7")
     inst.wrap("recon")
-    only(inst, inst.machine.leaf_uuids()[0])
-    holder, _ = hold(inst)
+    inst.allow(inst.machine.leaf_uuids()[0])
+    holder, _ = inst.hold()
     assert inst.run("recon", CUDAWRAP_WAIT="0").returncode == 75
     waiter = inst.start("recon", "--log", str(inst.log), CUDAWRAP_WAIT="20")
     assert b"waiting" in waiter.stderr.readline()
@@ -133,7 +91,7 @@ def test_lease_lives_while_a_child_that_inherited_it_runs(installed, tmp_path):
     prog.chmod(0o755)
     inst.wrap("forker", prog)
     inst.wrap("recon")
-    only(inst, inst.machine.leaf_uuids()[0])
+    inst.allow(inst.machine.leaf_uuids()[0])
     t0 = time.monotonic()
     assert inst.run("forker").returncode == 0
     assert inst.run("recon", CUDAWRAP_WAIT="0").returncode == 75  # the child still holds it
@@ -145,8 +103,8 @@ def test_lease_lives_while_a_child_that_inherited_it_runs(installed, tmp_path):
 def test_wait_limit_ends_with_75_and_one_line(installed):
     inst = installed("a100-mig7")
     inst.wrap("recon")
-    only(inst, inst.machine.leaf_uuids()[0])
-    holder, _ = hold(inst)
+    inst.allow(inst.machine.leaf_uuids()[0])
+    holder, _ = inst.hold()
     t0 = time.monotonic()
     r = inst.run("recon", CUDAWRAP_WAIT="0.5")
     took = time.monotonic() - t0
@@ -166,7 +124,7 @@ def test_per_program_wait_from_config(installed):
     inst.wrap("recon")
     first = inst.machine.leaf_uuids()[0]
     inst.write_config(f'[devices]\nallow = ["{first}"]\n[programs.recon]\nwait = 0\n')
-    holder, _ = hold(inst)
+    holder, _ = inst.hold()
     r = inst.run("recon")
     assert r.returncode == 75
     holder.kill()
@@ -183,8 +141,8 @@ def test_bad_wait_value_is_a_usage_error(installed):
 def test_ctrl_c_while_waiting_exits_130_and_leaves_nothing(installed):
     inst = installed("a100-mig7")
     inst.wrap("recon")
-    only(inst, inst.machine.leaf_uuids()[0])
-    holder, _ = hold(inst)
+    inst.allow(inst.machine.leaf_uuids()[0])
+    holder, _ = inst.hold()
     waiter = inst.start("recon")
     assert b"waiting" in waiter.stderr.readline()
     assert len(os.listdir(inst.layout.queue_dir)) == 1
@@ -197,8 +155,8 @@ def test_ctrl_c_while_waiting_exits_130_and_leaves_nothing(installed):
 def test_sigterm_while_waiting_cleans_up(installed):
     inst = installed("a100-mig7")
     inst.wrap("recon")
-    only(inst, inst.machine.leaf_uuids()[0])
-    holder, _ = hold(inst)
+    inst.allow(inst.machine.leaf_uuids()[0])
+    holder, _ = inst.hold()
     waiter = inst.start("recon")
     assert b"waiting" in waiter.stderr.readline()
     waiter.send_signal(signal.SIGTERM)
@@ -214,7 +172,7 @@ def test_nested_wrapped_program_reuses_the_lease(installed, tmp_path):
     outer.write_text("#!/bin/sh\nrecon\nrecon\n")
     outer.chmod(0o755)
     inst.wrap("pipeline", outer)
-    only(inst, inst.machine.leaf_uuids()[0])  # one device: a second lease would deadlock
+    inst.allow(inst.machine.leaf_uuids()[0])  # one device: a second lease would deadlock
     r = inst.run("pipeline", CUDAWRAP_WAIT="2")
     assert r.returncode == 0, r.stderr
     runs = [json.loads(line) for line in r.stdout.splitlines()]
@@ -235,7 +193,7 @@ def test_nested_run_honours_its_own_visible_devices(installed, tmp_path):
                      'recon\n')
     outer.chmod(0o755)
     inst.wrap("pipeline", outer)
-    only(inst, gpus[0], gpus[1])  # a child leasing anew would find nothing free
+    inst.allow(gpus[0], gpus[1])  # a child leasing anew would find nothing free
     inst.write_config(inst.layout.config_file.read_text() + "[policy]\ngpus = 2\n")
     r = inst.run("pipeline", CUDAWRAP_WAIT="0")
     assert r.returncode == 0, r.stderr
@@ -251,8 +209,8 @@ def test_a_forged_lease_marker_gets_no_free_ride(installed):
     inst = installed("a100-mig7")
     inst.wrap("recon")
     first = inst.machine.leaf_uuids()[0]
-    only(inst, first)
-    holder, _ = hold(inst)
+    inst.allow(first)
+    holder, _ = inst.hold()
     r = inst.run("recon", CUDAWRAP_WAIT="0", CUDAWRAP_LEASE=f"0:{first}")
     assert r.returncode == 75
     holder.kill()
@@ -263,8 +221,8 @@ def test_a_hand_opened_free_lease_file_is_no_inherited_lease(installed):
     inst = installed("four-gpus")
     inst.wrap("recon")
     gpus = inst.machine.leaf_uuids()
-    only(inst, gpus[0])
-    holder, _ = hold(inst)
+    inst.allow(gpus[0])
+    holder, _ = inst.hold()
     forged = inst.layout.lease_dir / gpus[3]  # free, and outside the allow-list
     r = inst.run("sh", "-c", f'exec 7<"{forged}"; CUDAWRAP_LEASE=7:{gpus[3]} exec recon',
                  CUDAWRAP_WAIT="0")
@@ -322,7 +280,7 @@ def test_preset_visible_devices_are_only_narrowed(installed):
     gpus = inst.machine.leaf_uuids()
     r = inst.run("recon", CUDA_VISIBLE_DEVICES="2,3")
     assert json.loads(r.stdout.splitlines()[0])["devices"] in ([gpus[2]], [gpus[3]])
-    holder = hold(inst, CUDA_VISIBLE_DEVICES=gpus[1])[0]
+    holder = inst.hold(CUDA_VISIBLE_DEVICES=gpus[1])[0]
     r = inst.run("recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=gpus[1])
     assert r.returncode == 75  # never widened to a free GPU outside the caller's set
     r = inst.run("recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=f"{gpus[1]},bogus,{gpus[0]}")
@@ -376,7 +334,7 @@ def test_spread_and_pack_placement(installed):
         if line.startswith("mig "):
             fields = dict(f.split("=", 1) for f in line.split()[1:])
             parents[fields["uuid"]] = fields["parent"]
-    procs = [hold(inst)[0] for _ in range(3)]
+    procs = [inst.hold()[0] for _ in range(3)]
     got = [j["devices"][0] for j in inst.jobs()]
     assert len({parents[u] for u in got}) == 3  # spread: three different physical GPUs
     for p in procs:
@@ -384,7 +342,7 @@ def test_spread_and_pack_placement(installed):
         p.wait()
     inst.log.unlink()
     inst.write_config('[policy]\nplacement = "pack"\n')
-    procs = [hold(inst)[0] for _ in range(3)]
+    procs = [inst.hold()[0] for _ in range(3)]
     got = [j["devices"][0] for j in inst.jobs()]
     assert len({parents[u] for u in got}) == 1  # pack: one GPU filled first
     for p in procs:
@@ -416,7 +374,7 @@ def test_unusable_nvml_leases_by_the_lease_files(installed):
     inst.wrap("recon")
     gpus = inst.machine.leaf_uuids()
     inst.machine.set_fault("version_mismatch")
-    procs = [hold(inst, CUDAWRAP_WAIT="0") for _ in range(4)]
+    procs = [inst.hold(CUDAWRAP_WAIT="0") for _ in range(4)]
     for proc, _ in procs:
         line = proc.stderr.readline().decode()
         assert line.startswith("recon: warning: NVML could not start: ") and "lease files" in line, line
@@ -449,7 +407,7 @@ def test_lost_gpu_is_never_handed_out(installed):
     gpus = inst.machine.leaf_uuids()
     inst.machine.set_fault("gpu_lost", gpus[0])
     seen = set()
-    procs = [hold(inst, CUDAWRAP_WAIT="0")[0] for _ in range(3)]
+    procs = [inst.hold(CUDAWRAP_WAIT="0")[0] for _ in range(3)]
     seen = {j["devices"][0] for j in inst.jobs()}
     assert gpus[0] not in seen and len(seen) == 3
     assert inst.run("recon", CUDAWRAP_WAIT="0").returncode == 75
@@ -465,7 +423,7 @@ def test_mig_reconfigured_devices_follow_sync(installed):
     # Replace slot 6 by a new instance with a new UUID, as `nvidia-smi mig -dci/-cci` would.
     new_uuid = "MIG-00000000-1111-2222-3333-444444444444"
     inst.machine.write(text.replace(migs[6], new_uuid))
-    only(inst, migs[6], new_uuid)
+    inst.allow(migs[6], new_uuid)
     r = inst.run("recon", CUDAWRAP_WAIT="0")
     assert r.returncode == os.EX_OSFILE  # the new one has no lease file yet: never guessed at
     assert "cudawrap sync" in r.stderr.decode()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cudawrap.sched.request import Request
-from schedfix import make_waiter
+from support.sched import make_waiter
 from cudawrap.sched.run import acquire
 from cudawrap.sched.acquirer import Acquirer
 from cudawrap.devices.model import Device
@@ -18,6 +18,7 @@ from cudawrap.lease.files import LeaseFiles
 from cudawrap.ops.sync import sync_lease_files
 from cudawrap.paths import Layout
 from cudawrap.sched.queue import WaitQueue
+from support.procs import Spawned, wait_for
 
 UUID = "GPU-00000000-aaaa-bbbb-cccc-000000000001"
 
@@ -97,16 +98,17 @@ def test_each_user_may_have_a_bounded_number_of_waiting_runs(runtime: Layout) ->
     assert os.listdir(runtime.queue_dir) == []
 
 
-def test_a_stale_snapshot_listing_the_job_that_held_the_lease_does_not_keep_it_busy(runtime: Layout) -> None:
+def test_a_stale_snapshot_listing_the_job_that_held_the_lease_does_not_keep_it_busy(runtime: Layout,
+                                                                                     spawned: Spawned) -> None:
     """NVML data read while a job ran (a monitor snapshot) lists its pid after it ended: a
     pid seen holding the lease and now gone is no work. A gone pid never seen holding one
     still counts (in a container NVML names host pids, which look gone)."""
     queue = WaitQueue(str(runtime.queue_dir))
     path = LeaseFiles(str(runtime.lease_dir)).path(UUID)
-    job = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
-                            f"fd = os.open({path!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX)\n"
-                            "print(flush=True); sys.stdin.read()"],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    job = spawned([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                   f"fd = os.open({path!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                   "print(flush=True); sys.stdin.read()"],
+                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     job.stdout.readline()
     snapshot = Device(UUID, "H100", UUID, 0, None, 80000, 4000, (job.pid,))
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [snapshot], [snapshot], Request(1),
@@ -250,8 +252,7 @@ def test_a_run_behind_the_watchers_moves_up_without_a_poke(runtime: Layout) -> N
     got = []
     thread = threading.Thread(target=lambda: got.append(acquire(acquirer, 8.0, b"pid=2\n", said.append)))
     thread.start()
-    while not said:
-        time.sleep(0.01)
+    wait_for(lambda: said)
     time.sleep(0.3)
     for entry in ahead:  # they leave without a word to those behind them
         queue.leave(entry)
@@ -284,8 +285,7 @@ def test_a_far_run_that_moved_near_and_is_poked_before_its_next_look_keeps_waiti
 
     thread = threading.Thread(target=wait)
     thread.start()
-    while not said:
-        time.sleep(0.01)
+    wait_for(lambda: said)
     names = {e.name for e in ahead}
     (mine,) = [n for n in os.listdir(runtime.queue_dir) if n not in names]
     for entry in ahead[:NEAR - WATCHERS]:  # it moves near, still behind the watchers

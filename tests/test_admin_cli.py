@@ -11,7 +11,8 @@ from typing import Callable, List
 
 import pytest
 
-from adminfix import Admin, install, make_program, needs_root, one_line, run_as, snapshot
+from support.admin import Admin, install, make_program, run_as, snapshot
+from support.procs import one_line, root_only
 from cudawrap.policy import registry
 from cudawrap.errors import NotPermitted
 from cudawrap.paths import Layout
@@ -342,7 +343,7 @@ def test_corrupt_registry_stops_every_command_and_is_kept(admin: Admin) -> None:
 # --- who may do what ---------------------------------------------------------------------
 
 
-@needs_root
+@root_only
 @pytest.mark.root
 def test_others_may_list_but_not_change(shared_tmp: Path) -> None:
     admin = Admin(shared_tmp)
@@ -364,7 +365,7 @@ def test_others_may_list_but_not_change(shared_tmp: Path) -> None:
     assert admin.snapshot() == before
 
 
-@needs_root
+@root_only
 @pytest.mark.root
 def test_owner_of_a_prefix_install_may_wrap(shared_tmp: Path) -> None:
     admin = Admin(shared_tmp)
@@ -380,7 +381,7 @@ def test_owner_of_a_prefix_install_may_wrap(shared_tmp: Path) -> None:
     assert code == 0, err
 
 
-@needs_root
+@root_only
 @pytest.mark.root
 def test_a_system_install_needs_root() -> None:
     from cudawrap.base.privilege import require_admin

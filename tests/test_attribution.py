@@ -2,7 +2,7 @@
 
 A user takes a lease and then execs a setuid program (its /proc/PID belongs to root), or
 forks and lets the taker exit (the kernel's lock table names a dead pid). Limits, status
-and metrics must count the lease for that user all the same. Real accounts (tests/userfix.py).
+and metrics must count the lease for that user all the same. Real accounts (tests/support/users.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from typing import List
 
 import pytest
 
-from userfix import MuInstall, User, root_only
+from support.procs import root_only
+from support.users import MuInstall, User
 
 pytestmark = [pytest.mark.root, root_only]
 

@@ -12,10 +12,10 @@ from typing import Dict, List
 
 import pytest
 
-from corefix import Installed, ready_line
+from support.installed import Installed, ready_line
 from cudawrap.policy import registry
-from fakemachine import FAKECUDA
-from test_acquire import intervals, overlaps
+from support.machine import FAKECUDA
+from support.installed import intervals, overlaps
 
 MIXED = "h100-a100mig-a6000"
 

@@ -6,7 +6,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from corefix import Installed, ready_line
+from support.installed import Installed, ready_line
 from cudawrap.lease.claims import CLAIMS_ENV, claims_dir
 from cudawrap.install.installation import prepare
 from cudawrap.paths import Layout

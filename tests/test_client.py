@@ -2,7 +2,7 @@
 install's files while wrapped runs compete for the same devices.
 
 Offline: the wheel is built from this tree (`pip wheel --no-deps`), its dependencies come
-from the session's wheelhouse (tests/installfix.py).
+from the session's wheelhouse (tests/support/installsh.py).
 """
 import json
 import subprocess
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from corefix import ready_line
-from installfix import SOURCE, clean_env
+from support.installed import ready_line
+from support.installsh import SOURCE, clean_env
 
 CLIENT = textwrap.dedent("""\
     import json, os, sys, time

@@ -28,7 +28,8 @@ from cudawrap.admin.inspect_wraps import OK, inspect_entry
 from cudawrap.policy.registry import WRAPPED
 from cudawrap.admin.unwrap import unwrap_programs
 from cudawrap.admin.wrap import TMP_PREFIX, wrap_programs
-from userfix import AdminRoot, Call, inject, needs_strace, snapshot, traced
+from support.admin import Admin, snapshot
+from support.strace import Call, inject, needs_strace, traced
 
 pytestmark = [needs_strace, pytest.mark.slow]
 
@@ -41,12 +42,12 @@ def kill_points(calls: List[Call], *roots: Path) -> List[Call]:
             and (EVERY_CALL or not (c.is_read() or c.syscall in ("fsync", "fdatasync")))]
 
 
-def doctor(admin: AdminRoot, repair: bool = False):  # type: ignore[no-untyped-def]
+def doctor(admin: Admin, repair: bool = False):  # type: ignore[no-untyped-def]
     # PATH="" keeps the search for stray wraps to this install's directories.
     return check(admin.layout, repair=repair, dpkg=NO_DPKG, environ={"PATH": ""})
 
 
-def state(admin: AdminRoot, prog: Path, original: dict) -> str:
+def state(admin: Admin, prog: Path, original: dict) -> str:
     """"unwrapped" (as before, no entry), "wrapped" (entry and disk agree) or "inconsistent"."""
     entry = registry.load(admin.layout).find(str(prog))
     strays = [n for n in os.listdir(admin.bindir) if n.startswith(TMP_PREFIX)]
@@ -59,7 +60,7 @@ def state(admin: AdminRoot, prog: Path, original: dict) -> str:
     return "inconsistent"
 
 
-def sweep(admin: AdminRoot, prog: Path, argv: List[str], before: Callable[[], None]) -> int:
+def sweep(admin: Admin, prog: Path, argv: List[str], before: Callable[[], None]) -> int:
     """Kill ARGV at each of its calls in turn, starting each time from BEFORE's state."""
     assert registry.load(admin.layout).find(str(prog)) is None
     original = snapshot(admin.bindir)  # PROG unwrapped: what "cleanly absent" looks like
@@ -110,11 +111,11 @@ def sweep(admin: AdminRoot, prog: Path, argv: List[str], before: Callable[[], No
     return killed
 
 
-def recover(admin: AdminRoot, prog: Path) -> None:
+def recover(admin: Admin, prog: Path) -> None:
     doctor(admin, repair=True)
 
 
-def ensure_unwrapped(admin: AdminRoot, prog: Path, original: dict) -> Callable[[], None]:
+def ensure_unwrapped(admin: Admin, prog: Path, original: dict) -> Callable[[], None]:
     def before() -> None:
         if registry.load(admin.layout).find(str(prog)) is not None:
             outcome = unwrap_programs(admin.layout, [str(prog)], dpkg=NO_DPKG)
@@ -124,7 +125,7 @@ def ensure_unwrapped(admin: AdminRoot, prog: Path, original: dict) -> Callable[[
     return before
 
 
-def ensure_wrapped(admin: AdminRoot, prog: Path) -> Callable[[], None]:
+def ensure_wrapped(admin: Admin, prog: Path) -> Callable[[], None]:
     def before() -> None:
         entry = registry.load(admin.layout).find(str(prog))
         if entry is None:
@@ -137,14 +138,14 @@ def ensure_wrapped(admin: AdminRoot, prog: Path) -> Callable[[], None]:
 
 
 @pytest.fixture
-def crash_admin(admin_root: AdminRoot) -> AdminRoot:
+def crash_admin(admin: Admin) -> Admin:
     # Another wrapped program, so that the registry holds more than the entry at stake.
-    other = admin_root.program("other")
-    assert not wrap_programs(admin_root.layout, [str(other)], {}, dpkg=NO_DPKG, user="root").failed
-    return admin_root
+    other = admin.program("other")
+    assert not wrap_programs(admin.layout, [str(other)], {}, dpkg=NO_DPKG, user="root").failed
+    return admin
 
 
-def test_kill_9_at_every_step_of_create(crash_admin: AdminRoot) -> None:
+def test_kill_9_at_every_step_of_create(crash_admin: Admin) -> None:
     admin = crash_admin
     prog = admin.program("recon")
     original = snapshot(admin.bindir)
@@ -154,7 +155,7 @@ def test_kill_9_at_every_step_of_create(crash_admin: AdminRoot) -> None:
     assert admin.run(admin.bindir / "other").stdout == "other \n"  # the bystander never noticed
 
 
-def test_kill_9_at_every_step_of_unwrap(crash_admin: AdminRoot) -> None:
+def test_kill_9_at_every_step_of_unwrap(crash_admin: Admin) -> None:
     admin = crash_admin
     prog = admin.program("recon")
     argv = admin.argv("unwrap", str(prog))
@@ -163,7 +164,7 @@ def test_kill_9_at_every_step_of_unwrap(crash_admin: AdminRoot) -> None:
     assert admin.run(admin.bindir / "other").stdout == "other \n"
 
 
-def test_cli_doctor_reports_and_repairs_a_killed_create(crash_admin: AdminRoot) -> None:
+def test_cli_doctor_reports_and_repairs_a_killed_create(crash_admin: Admin) -> None:
     """The same through the commands an admin types: doctor exits non-zero naming the
     program, doctor --repair fixes it, then doctor is clean and list shows it ok."""
     admin = crash_admin

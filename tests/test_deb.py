@@ -16,7 +16,7 @@ from cudawrap import __version__, locations as loc
 from cudawrap.base.daemon import running
 from cudawrap.install.installation import Layout, manifest_file, wheel_dir
 from cudawrap.cli.manpages import PAGES
-from installfix import (
+from support.installsh import (
     SOURCE, STOCK_SUDO_PATH, clean_env, install_sh, process_gone, snapshot, wheel_args,
 )
 from test_install import (  # noqa: F401 - fixtures

@@ -7,7 +7,8 @@ from typing import List
 
 import pytest
 
-from adminfix import Admin, make_program, needs_root, run_as, snapshot
+from support.admin import Admin, make_program, run_as, snapshot
+from support.procs import root_only
 import cudawrap
 from cudawrap.policy import registry
 from cudawrap.install.installation import shim_version
@@ -279,7 +280,7 @@ def test_lease_files_for_every_device(admin: Admin, machine) -> None:
     assert "ok: leases: a lease file for each of 4 device(s)" in doctor(admin, **env).stdout
 
 
-@needs_root
+@root_only
 @pytest.mark.root
 def test_anyone_may_check_only_admins_repair(shared_tmp: Path) -> None:
     admin = Admin(shared_tmp)

@@ -11,7 +11,9 @@ from typing import List
 
 import pytest
 
-from adminfix import Admin, one_line, snapshot, strace_cli
+from support.admin import Admin, snapshot
+from support.procs import one_line
+from support.strace import needs_strace, strace_cli
 from cudawrap.policy import registry
 from cudawrap.admin.divert import Dpkg
 
@@ -225,7 +227,7 @@ def test_owner_lookup(sandbox: Sandbox, debs) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+@needs_strace
 def test_kill_9_while_wrapping_a_packaged_program(sandbox: Sandbox, debs) -> None:
     """SIGKILL at each step, dpkg-divert's own included: the program runs throughout, and
     doctor --repair leaves a wrap whose diversion matches the registry (or neither)."""

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from corefix import ready_line
+from support.installed import ready_line
 from cudawrap.devices.model import Device
 from cudawrap.sched.drains import covering, drained, undrained
 

@@ -13,9 +13,9 @@ from typing import Iterator
 
 import pytest
 
-from corefix import ready_line
+from support.installed import ready_line
 from test_service import Served, _locks_of, run_nested
-from userfix import CLI_CODE, root_only
+from support.procs import cli_code, root_only
 
 pytestmark = [pytest.mark.root, root_only]
 
@@ -90,7 +90,7 @@ def test_a_run_that_finds_the_service_restarting_is_served_once_it_is_back(mu) -
     inst.wrap("recon")
     run = inst.start(inst.world.alice, "recon", CUDAWRAP_WAIT="0")
     assert b"trying again" in run.stderr.readline()
-    code = CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main")
+    code = cli_code(inst.path)
     service = inst.start(None, inst.world.python, "-I", "-c", code, "serve")
     try:
         assert b"listening on" in service.stdout.readline()

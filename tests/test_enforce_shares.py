@@ -14,13 +14,15 @@ from typing import Dict, Iterator, List
 
 import pytest
 
-from corefix import ready_line, wait_for
+from support.installed import ready_line, waiting_line
+from support.procs import cli_code, wait_for
 from test_enforce import ENFORCE
 from test_mps import control_dir, mu_mps, share_beside_a_stranger  # noqa: F401 - a fixture
-from test_multiuser import status, waiting_line
+
 from test_service import Served, _ledger, run_nested, run_spawner
 from test_sharing import share_pids
-from userfix import MuInstall, root_only
+from support.procs import root_only
+from support.users import MuInstall
 
 pytestmark = [pytest.mark.root, root_only]
 
@@ -69,7 +71,7 @@ def test_two_users_share_a_device_through_the_service_and_a_third_waits_for_a_sl
     assert sorted(share_pids(inst.layout.lease_dir)[d0]) == sorted([a.pid, b.pid])
     assert sorted(pid for pids in slot_holders(inst, d0, 2).values() for pid in pids) == sorted([a.pid, b.pid])
     # Status shows them as it shows shares taken without the service, to another user too.
-    (device,) = [d for d in status(inst, carol)["devices"] if d["uuid"] == d0]
+    (device,) = [d for d in inst.status(carol)["devices"] if d["uuid"] == d0]
     assert device["shares"]["used"] == 2, device
     assert sorted((h["user"], h["pid"]) for h in device["shares"]["holders"]) == \
         sorted([(alice.name, a.pid), (bob.name, b.pid)])
@@ -207,10 +209,9 @@ def test_a_restarted_service_follows_a_share_its_predecessor_granted_to_its_end(
     serving.append(Served.__new__(Served))
     again = serving[0]
     again.inst, again.link, again.sock = inst, first.link, first.sock
-    from userfix import CLI_CODE
 
     again.proc = inst.start(None, inst.world.python, "-I", "-c",
-                            CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main"), "serve")
+                            cli_code(inst.path), "serve")
     assert b"listening on" in again.proc.stdout.readline()
     alice = inst.world.alice.uid
     held[alice].kill()

@@ -5,7 +5,7 @@ from typing import List
 
 import pytest
 
-from adminfix import Admin
+from support.admin import Admin
 from cudawrap.base import audit
 from cudawrap.text import printable
 

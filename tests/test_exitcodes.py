@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from cudawrap.cli.manpages import exit_codes
-from installfix import SOURCE, clean_env, install_sh
+from support.installsh import SOURCE, clean_env, install_sh
 
 README = (SOURCE / "README.md").read_text(encoding="utf-8")
 

@@ -1,6 +1,6 @@
 """Fair turns between real users, limits, reservations and runs that do not take their turn.
 
-Run as root with real accounts (tests/userfix.py), on the simulated machine. Orders are read
+Run as root with real accounts (tests/support/users.py), on the simulated machine. Orders are read
 from the start records the stand-in programs log themselves; no assertion depends on timing.
 """
 from __future__ import annotations
@@ -10,11 +10,10 @@ import os
 import select
 import signal
 import time
-from typing import List
+from typing import Dict, List
 
-from corefix import ready_line
-from test_multiuser import status, waiting_line
-from userfix import root_only
+from support.installed import ready_line, waiting_line
+from support.procs import root_only, wait_for
 
 pytestmark = root_only
 
@@ -45,7 +44,7 @@ def test_a_second_user_is_served_before_the_first_users_batch(mu) -> None:  # ty
     late = inst.start(bob, "recon", "--hold", "0.3", "--log", str(inst.log))
     # Bob holds nothing and alice two: he is next although he came last.
     assert "position 1 in line" in waiting_line(late)
-    seen = status(inst, bob)["waiting"]
+    seen = inst.status(bob)["waiting"]
     assert [(w["user"], w["position"]) for w in seen] == [(bob.name, 1)] + [(alice.name, n) for n in (2, 3, 4)]
     holders[0].kill()
     assert late.wait(timeout=30) == 0
@@ -126,13 +125,14 @@ def test_a_large_run_does_not_idle_devices_then_gets_them_reserved(mu) -> None: 
     time.sleep(max(0.0, bob_queued + 6.5 - time.monotonic()))  # bob has now waited longer than reserve_after
     holders[1].kill()
     holders[1].wait()
-    deadline = time.monotonic() + 30
-    while True:
-        why = {w["pid"]: w["reason"] for w in status(inst, None)["waiting"]}
-        if "kept for a run that has waited longer" in why.get(small[1].pid, ""):
-            break
-        assert time.monotonic() < deadline, why
-        time.sleep(0.1)
+    why: Dict[int, str] = {}
+
+    def kept_for_bob() -> bool:
+        why.clear()
+        why.update({w["pid"]: w["reason"] for w in inst.status(None)["waiting"]})
+        return "kept for a run that has waited longer" in why.get(small[1].pid, "")
+
+    wait_for(kept_for_bob, 30, "the device kept for bob's run", lambda: str(why))
     assert "kept for this run, waiting for" in why[large.pid]
     assert small[1].poll() is None
     for p in holders[2:] + small[:1]:
@@ -182,7 +182,7 @@ def test_a_stopped_waiter_loses_its_turn_and_gets_it_back(mu) -> None:  # type: 
     os.kill(stopped.pid, signal.SIGCONT)
     assert stopped.wait(timeout=30) == 0
     assert starts(inst.log) == [patient.pid, stopped.pid]
-    assert status(inst, None)["waiting"] == []
+    assert inst.status(None)["waiting"] == []
 
 
 def test_the_api_waits_from_a_thread_and_leaves_nothing_behind(mu) -> None:  # type: ignore[no-untyped-def]
@@ -203,14 +203,11 @@ def test_the_api_waits_from_a_thread_and_leaves_nothing_behind(mu) -> None:  # t
             "        out['error'] = repr(exc)\n"
             "t = threading.Thread(target=work); t.start(); t.join(); print(json.dumps(out))\n")
     waiter = inst.py_start(alice, code, *inst.world.path)
-    deadline = time.monotonic() + 30
-    while not status(inst, None)["waiting"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: inst.status(None)["waiting"], 30)
     holder.kill()
     assert waiter.wait(timeout=30) == 0, waiter.stderr.read()
     assert json.loads(waiter.stdout.read()) == {"got": [inst.machine.leaf_uuids()[0]]}
-    assert status(inst, None)["waiting"] == []
+    assert inst.status(None)["waiting"] == []
 
 
 # Queue entries made by hand, as an attacker would: N names claiming REQUEST (count,
@@ -248,7 +245,7 @@ def test_a_forged_entry_for_every_device_keeps_none_idle(mu) -> None:  # type: i
     inst.wrap("recon")
     ready_line(inst.start(None, "recon", "--hold", "600"))  # so that no forged count is met
     forged = [forge(inst, alice, "999sa", "0"), forge(inst, alice, "4sa", "0")]
-    seen = {w["count"]: w["reason"] for w in status(inst, None)["waiting"]}
+    seen = {w["count"]: w["reason"] for w in inst.status(None)["waiting"]}
     assert sorted(seen) == [4, 999] and not any("kept for this run" in r for r in seen.values()), seen
     done = inst.run(bob, "recon", CUDAWRAP_WAIT="3")
     assert done.returncode == 0, done.stderr
@@ -301,6 +298,6 @@ def test_entries_beyond_a_users_thousand_count_in_no_decision(mu) -> None:  # ty
     time.sleep(1.2)  # the 1001st has waited longer than reserve_after
     done = inst.run(bob, "recon", CUDAWRAP_WAIT="3")
     assert done.returncode == 0, done.stderr
-    seen = status(inst, None)["waiting"]
+    seen = inst.status(None)["waiting"]
     assert len(seen) == 1000 and {w["count"] for w in seen} == {999}, len(seen)
     forged.kill()

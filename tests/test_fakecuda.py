@@ -12,8 +12,9 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-import fakecuda
-from fakemachine import FAKECUDA, FakeMachine, TOPOLOGIES, pid_alive, read_environ_file
+from support import fakecuda
+from support.machine import FAKECUDA, FakeMachine, TOPOLOGIES, pid_alive, read_environ_file
+from support.procs import Spawned, root_only
 
 
 def symbols(topo: fakecuda.Topology) -> Dict[str, str]:
@@ -221,13 +222,13 @@ def test_sigint_also_cleans_up(machine: Any) -> None:
     assert list(fake.procs_dir.iterdir()) == []
 
 
-def test_concurrent_log_appends_never_interleave(machine: Any, tmp_path: Path) -> None:
+def test_concurrent_log_appends_never_interleave(machine: Any, tmp_path: Path, spawned: Spawned) -> None:
     fake = machine("dgx-a100-mig56")
     # Many devices make long lines, which is where torn writes would show.
     fake.write(fake.read().replace("driver 535.161.08", "driver 570.124.06"))
     log = tmp_path / "log"
     procs = [
-        subprocess.Popen(
+        spawned(
             [sys.executable, str(FAKECUDA), "--log", str(log), "--hold", "0.2"],
             env=fake.environ(CUDA_VISIBLE_DEVICES=None),
             stdout=subprocess.DEVNULL,
@@ -271,7 +272,7 @@ def test_malformed_topology_is_reported(machine: Any) -> None:
     assert done.returncode == 2 and "unknown keyword" in done.stderr
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a program as another user")
+@root_only
 def test_a_stand_in_of_another_user_is_alive_to_everybody(machine: Any, fakenvml_lib: Path, tmp_path: Path) -> None:
     import pwd
 

@@ -12,8 +12,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
-import fakecuda
-from fakemachine import FAKECUDA, LIBNAME, FakeMachine, shutdown_nvml
+from support import fakecuda
+from support.machine import FAKECUDA, LIBNAME, FakeMachine, shutdown_nvml
+from support.procs import wait_for
 
 pynvml = pytest.importorskip("pynvml")
 
@@ -125,14 +126,6 @@ def stand_ins() -> Iterator[Any]:
             proc.stdout.close()
 
 
-def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
 
 # ---- enumeration -----------------------------------------------------------
 
@@ -232,7 +225,7 @@ def test_a_killed_stand_in_disappears_although_its_file_stays(nvml: Any, stand_i
 
     proc.kill()  # no chance to clean up; not reaped yet, so a zombie for a while
 
-    assert wait_until(lambda: processes(gpu) == [])
+    wait_for(lambda: processes(gpu) == [], 5.0)
     assert (fake.procs_dir / str(proc.pid)).exists()
     assert fake.compute_pids()[gpu] == []
     proc.wait()
@@ -758,7 +751,7 @@ def test_a_stand_in_is_listed_once_its_context_exists_and_leaves_the_list_before
         # Registered (and ready) 300 ms after its code began to run.
         assert time.monotonic() - started >= 0.3
         assert [p[0] for p in processes(gpu)] == [ready["pid"]]
-        assert wait_until(lambda: processes(gpu) == [])
+        wait_for(lambda: processes(gpu) == [], 5.0)
         assert proc.poll() is None  # out of NVML's list, not yet exited
         assert proc.wait(timeout=30) == 0
     finally:

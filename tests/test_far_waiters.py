@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Tuple
 
-from corefix import ready_line, wait_for
+from support.installed import ready_line
+from support.procs import wait_for
 
 from cudawrap.sched.request import Request
 from cudawrap.sched.waiting import NEAR

@@ -18,13 +18,15 @@ from typing import List
 
 import pytest
 
-from corefix import Installed, ready_line
+from support.installed import Installed, waiting_line
 from cudawrap.policy import registry
 from cudawrap.admin.divert import Dpkg
 from cudawrap.ops.monitor import refresh_once
 from cudawrap.admin.unwrap import unwrap_programs
 from cudawrap.admin.wrap import wrap_programs
-from userfix import AdminRoot, inject, needs_strace, snapshot, traced
+from support.admin import Admin, snapshot
+from support.strace import inject, needs_strace, traced
+from support.procs import wait_for
 
 NO_DPKG = Dpkg(available=False)
 
@@ -38,7 +40,7 @@ FAULTS = [  # (system call on the registry's temporary file, errno, what the one
 ]
 
 
-def _registry_call(calls, admin: AdminRoot, syscall: str):  # type: ignore[no-untyped-def]
+def _registry_call(calls, admin: Admin, syscall: str):  # type: ignore[no-untyped-def]
     """The command's first SYSCALL on the registry's temporary file (not the .bak copy's)."""
     tmp = f"{admin.layout.registry_file}.tmp"
     for call in calls:
@@ -49,10 +51,9 @@ def _registry_call(calls, admin: AdminRoot, syscall: str):  # type: ignore[no-un
 
 @needs_strace
 @pytest.mark.parametrize("command", ["create", "unwrap"])
-def test_registry_write_fails_and_the_old_registry_stays(admin_root: AdminRoot, command: str) -> None:
+def test_registry_write_fails_and_the_old_registry_stays(admin: Admin, command: str) -> None:
     """Disk full or read-only at the registry's first write: the command fails with one line
     saying why, the registry is byte for byte what it was, and nothing else changed."""
-    admin = admin_root
     other = admin.program("other")
     prog = admin.program("recon")
     assert not wrap_programs(admin.layout, [str(other)], {"gpus": 2}, dpkg=NO_DPKG, user="root").failed
@@ -89,18 +90,6 @@ def test_registry_write_fails_and_the_old_registry_stays(admin_root: AdminRoot, 
 # --- NVML failing mid-run -------------------------------------------------------------------
 
 
-def _only(inst: Installed, *uuids: str, extra: str = "") -> None:
-    inst.write_config("[devices]\nallow = [%s]\n%s" % (", ".join(f'"{u}"' for u in uuids), extra))
-
-
-def _hold(inst: Installed, **env: str):  # type: ignore[no-untyped-def]
-    proc = inst.start("recon", "--hold", "30", "--log", str(inst.log), **env)
-    return proc, ready_line(proc)
-
-
-def _waiting(proc) -> None:  # type: ignore[no-untyped-def]
-    line = proc.stderr.readline().decode()
-    assert "waiting" in line, line
 
 
 def _starts(inst: Installed) -> List[dict]:
@@ -112,10 +101,10 @@ def test_a_waiting_shim_is_not_handed_a_gpu_lost_meanwhile(installed, foreign: s
     inst = installed("four-gpus")
     inst.wrap("recon")
     gpu = inst.machine.leaf_uuids()[0]
-    _only(inst, gpu, extra=f'[policy]\nforeign = "{foreign}"\n')
-    holder, _ = _hold(inst)
+    inst.allow(gpu, extra=f'[policy]\nforeign = "{foreign}"\n')
+    holder, _ = inst.hold()
     waiter = inst.start("recon", "--log", str(inst.log), CUDAWRAP_WAIT="20")
-    _waiting(waiter)
+    waiting_line(waiter)
     inst.machine.set_fault("gpu_lost", gpu)
     holder.kill()
     holder.wait()
@@ -132,7 +121,7 @@ def test_a_waiting_shim_is_not_handed_a_gpu_lost_meanwhile(installed, foreign: s
 def test_driver_unloaded_follows_the_policy_in_one_line(installed) -> None:
     inst = installed("four-gpus")
     inst.wrap("recon")
-    holder, info = _hold(inst)
+    holder, info = inst.hold()
     inst.machine.set_fault("driver_not_loaded")
     r = inst.run("recon")  # no_driver = "run" (the default): one warning, a lease by the lease files
     assert r.returncode == 0
@@ -163,7 +152,7 @@ def test_no_permission_hides_processes_but_nothing_breaks(installed) -> None:
     inst = installed("a100-mig7")
     inst.wrap("recon")
     inst.machine.set_fault("no_permission", "all")
-    holder, info = _hold(inst)
+    holder, info = inst.hold()
     r = inst.cli("status", "--json")
     assert r.returncode == 0, r.stderr
     devices = {d["uuid"]: d for d in json.loads(r.stdout)["devices"]}
@@ -204,16 +193,16 @@ def test_mig_reconfigured_under_a_running_job(installed) -> None:
     inst.wrap("recon")
     migs = inst.machine.leaf_uuids()
     old = migs[6]
-    holder, _ = _hold(inst, CUDA_VISIBLE_DEVICES=old)
+    holder, _ = inst.hold(CUDA_VISIBLE_DEVICES=old)
     inst.machine.write(inst.machine.read().replace(old, NEW_MIG))
     inst.sync()
     assert (inst.layout.lease_dir / old).exists()  # still held: removing it would let a second job in
     assert (inst.layout.lease_dir / NEW_MIG).exists()
-    _only(inst, old, NEW_MIG)
+    inst.allow(old, NEW_MIG)
     for _ in range(2):
         r = inst.run("recon", CUDAWRAP_WAIT="0")
         assert json.loads(r.stdout.splitlines()[0])["devices"] == [NEW_MIG], r.stderr
-    _only(inst, old)
+    inst.allow(old)
     r = inst.run("recon", CUDAWRAP_WAIT="0")
     assert r.returncode == 75 and b"only 0 can be used here" in r.stderr
     holder.kill()
@@ -237,14 +226,14 @@ def test_a_waiter_is_not_handed_an_instance_removed_meanwhile(installed, tmp_pat
         plain.chmod(0o755)
         inst.wrap("plain", plain)
     old = inst.machine.leaf_uuids()[6]
-    _only(inst, old)
+    inst.allow(old)
     if holder_registers:
-        holder, _ = _hold(inst)
+        holder, _ = inst.hold()
     else:
         holder = inst.start("plain")
         assert holder.stdout.readline() == b"ready\n"
     waiter = inst.start("recon", "--log", str(inst.log), CUDAWRAP_WAIT="20")
-    _waiting(waiter)
+    waiting_line(waiter)
     inst.machine.write(inst.machine.read().replace(old, NEW_MIG))
     holder.send_signal(signal.SIGKILL)
     holder.wait()
@@ -316,11 +305,11 @@ def _monitor(inst: Installed, *strace: str):  # type: ignore[no-untyped-def]
 def _until_fresh(inst: Installed, proc) -> None:  # type: ignore[no-untyped-def]
     from cudawrap.devices.snapshot import read_fresh
 
-    deadline = time.monotonic() + 30
-    while read_fresh(str(inst.layout.root), max_age=0.5) is None:
+    def fresh() -> bool:
         assert proc.poll() is None, _stderr_lines(proc)
-        assert time.monotonic() < deadline, "the monitor never wrote a snapshot"
-        time.sleep(0.05)
+        return read_fresh(str(inst.layout.root), max_age=0.5) is not None
+
+    wait_for(fresh, 30, "a snapshot from the monitor")
 
 
 # Said once where there is no syslog (a container, CI): not what these tests are about.

@@ -18,8 +18,9 @@ from cudawrap.devices.model import Device
 from cudawrap.lease.files import Lease, LeaseFiles
 from cudawrap.ops.monitor import refresh_once
 from cudawrap.sched.queue import WaitQueue
-from corefix import ready_line, wait_for
-from fakemachine import FAKECUDA
+from support.installed import ready_line
+from support.procs import wait_for
+from support.machine import FAKECUDA
 
 # No process here can have this pid (above the largest pid_max): one NVML names from another
 # pid namespace, which neither the monitor nor a waiter can see or wait for.
@@ -33,8 +34,8 @@ def no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def foreign(inst, uuid: str) -> subprocess.Popen:  # type: ignore[no-untyped-def]
     """An unwrapped CUDA program on UUID, ready (listed by NVML)."""
-    proc = subprocess.Popen([str(FAKECUDA), "--hold", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=inst.machine.environ(CUDA_VISIBLE_DEVICES=uuid))
+    proc = inst.spawned([str(FAKECUDA), "--hold", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        env=inst.machine.environ(CUDA_VISIBLE_DEVICES=uuid))
     ready_line(proc)
     return proc
 

@@ -23,8 +23,8 @@ from typing import Dict, Iterator, List, Optional
 
 import pytest
 
-import fakecuda
-from fakemachine import FakeMachine, build_fakenvml
+from support import fakecuda
+from support.machine import FakeMachine, build_fakenvml
 
 HERE = Path(__file__).resolve().parent
 KIT = HERE / "gpu" / "kit.py"

@@ -15,12 +15,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List
+from typing import Iterator, List
 
 import pytest
 
 from cudawrap.sched.request import Request
-from schedfix import make_waiter
+from support.sched import make_waiter
 from cudawrap.sched.run import acquire
 from cudawrap.sched.decision import UNKNOWN_HOLDER, WATCHERS
 from cudawrap.sched import queue as waitqueue
@@ -34,6 +34,7 @@ from cudawrap.paths import Layout
 from cudawrap.proc import exiting
 from cudawrap.ops.sync import sync_lease_files
 from cudawrap.sched.queue import WaitQueue
+from support.procs import Spawned, wait_for
 
 UUIDS = [f"GPU-00000000-aaaa-bbbb-cccc-00000000000{i}" for i in (1, 2)]
 HOLD = """
@@ -45,17 +46,24 @@ sys.stdin.read()
 """
 
 
+# The holders, probes and bystanders a test starts: reaped when it ends, passed or failed.
+started = Spawned()
+
+
 @pytest.fixture
-def runtime(tmp_path: Path) -> Layout:
+def runtime(tmp_path: Path) -> Iterator[Layout]:
     layout = Layout(tmp_path)
     prepare_runtime(layout)
     sync_lease_files(str(layout.lease_dir), UUIDS)
-    return layout
+    try:
+        yield layout
+    finally:
+        started.close()
 
 
 def hold(path: str) -> subprocess.Popen:
     """A process holding PATH's lease until its stdin closes."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = started([sys.executable, "-c", HOLD, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout.readline() == b"held\n"
     return proc
 
@@ -98,10 +106,7 @@ def waiter(runtime: Layout, out: list) -> threading.Thread:
 
 
 def queued(runtime: Layout) -> None:
-    deadline = time.monotonic() + 5
-    while not any(n.endswith(".wait") for n in os.listdir(runtime.queue_dir)):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: any(n.endswith(".wait") for n in os.listdir(runtime.queue_dir)), 5)
     time.sleep(0.3)  # its watches are set up and it has looked
 
 
@@ -127,10 +132,10 @@ def test_a_lease_let_go_by_a_process_that_lives_on_is_taken_without_reading_the_
     """The API's Lease.release closes the lease file and the process goes on: the waiter's
     flock finds it free on the close, with no full look."""
     holders = [hold(f"{runtime.lease_dir}/{u}") for u in UUIDS]
-    let_go = subprocess.Popen([sys.executable, "-c", HOLD.replace("sys.stdin.read()", "sys.stdin.readline(); "
-                                                                  "os.close(fd); print('closed', flush=True); "
-                                                                  "sys.stdin.read()"),
-                               f"{runtime.lease_dir}/{UUIDS[1]}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    let_go = started([sys.executable, "-c", HOLD.replace("sys.stdin.read()", "sys.stdin.readline(); "
+                                                         "os.close(fd); print('closed', flush=True); "
+                                                         "sys.stdin.read()"),
+                      f"{runtime.lease_dir}/{UUIDS[1]}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     end(holders.pop())
     assert let_go.stdout.readline() == b"held\n"
     reads = Reads(monkeypatch)
@@ -157,7 +162,7 @@ def test_devices_taken_since_the_look_are_counted_for_the_runs_that_left_and_sti
     a1 and b1 left the queue, each having taken a device; a1's job has ended since (its
     device is free again) and b1's holds the other. The device b1 holds is b1's, not the
     dead a1's (which would count one device for a1's user and none for b1's)."""
-    dead = subprocess.Popen(["true"])
+    dead = started(["true"])
     dead.wait()
     b1 = hold(f"{runtime.lease_dir}/{UUIDS[1]}")
     files = LeaseFiles(str(runtime.lease_dir))
@@ -195,7 +200,7 @@ PROBE = HOLD.replace("fcntl.LOCK_EX", "fcntl.LOCK_SH")  # another watcher's prob
 def probe(path: str) -> subprocess.Popen:
     """A process holding a shared lock on PATH, as a watcher's probe does for microseconds
     (longer when it is preempted meanwhile), until its stdin closes."""
-    proc = subprocess.Popen([sys.executable, "-c", PROBE, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = started([sys.executable, "-c", PROBE, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout.readline() == b"held\n"
     return proc
 
@@ -232,7 +237,7 @@ def test_a_lease_freed_while_another_watcher_probes_it_counts_free(runtime: Layo
     probe holds the lease. Read as a taker, that probe cost the run whose turn it was its
     turn until the next full look (~100 ms in the benchmark burst): it counts free."""
     acquirer, idents, waiter = amend_case(runtime)
-    dead = subprocess.Popen(["true"])
+    dead = started(["true"])
     dead.wait()
     b1 = hold(f"{runtime.lease_dir}/{UUIDS[1]}")
     look = waitqueue.Scan([waiter("a3", os.getpid())],
@@ -254,7 +259,7 @@ def test_a_device_a_run_that_left_may_have_taken_is_probed_as_its_locks_allow(ru
     (a1 took a share: held)."""
     acquirer, idents, waiter = amend_case(runtime, slots)
     b1 = hold(f"{runtime.lease_dir}/{UUIDS[1]}")
-    a1 = subprocess.Popen(["sleep", "30"])
+    a1 = started(["sleep", "30"])
     look = waitqueue.Scan([waiter("a1", a1.pid), waiter("a3", os.getpid())], {idents[1]: [(b1.pid, True)]}, {})
     shared = probe(f"{runtime.lease_dir}/{UUIDS[0]}")
     table = amend(acquirer, look, set(), {"a1"}, {}).table
@@ -303,10 +308,7 @@ def test_events_that_change_nothing_are_not_decided_on(runtime: Layout, monkeypa
     got: list = []
     thread = waiter(runtime, got)
     queued(runtime)
-    deadline = time.monotonic() + 5
-    while decided and time.monotonic() - decided[-1] < 0.3:  # its first looks are over
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: not decided or time.monotonic() - decided[-1] >= 0.3, 5)  # its first looks are over
     before = len(decided)
     for fd in lookers:  # closed, not opened: an open means a full look
         os.close(fd)
@@ -346,8 +348,8 @@ def test_a_lease_whose_taker_left_a_child_with_it_stays_held(runtime: Layout) ->
     path = f"{runtime.lease_dir}/{UUIDS[0]}"
     other = hold(f"{runtime.lease_dir}/{UUIDS[1]}")
     # The parent exits at once (fork() is true there); the child keeps the lock until EOF.
-    child = subprocess.Popen([sys.executable, "-c", HOLD.replace("sys.stdin.read()", "os.fork() or sys.stdin.read()"),
-                              path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    child = started([sys.executable, "-c", HOLD.replace("sys.stdin.read()", "os.fork() or sys.stdin.read()"),
+                     path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert child.stdout.readline() == b"held\n"
     child.wait()
     got: list = []
@@ -371,10 +373,7 @@ def test_exiting_is_true_only_for_processes_on_their_way_out() -> None:
         os.kill(alive.pid, signal.SIGSTOP)
         assert not exiting(alive.pid)  # stopped, not leaving
         os.kill(alive.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while not exiting(alive.pid):  # a zombie until reaped
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(lambda: exiting(alive.pid), 5)  # a zombie until reaped
     finally:
         alive.kill()
         alive.wait()
@@ -475,10 +474,7 @@ def test_pokes_that_cannot_be_true_make_a_waiter_behind_the_watchers_look_no_mor
     reads = Reads(monkeypatch)
     got: list = []
     thread = waiter(runtime, got)
-    deadline = time.monotonic() + 5
-    while len(os.listdir(runtime.queue_dir)) <= len(ahead):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: len(os.listdir(runtime.queue_dir)) > len(ahead), 5)
     time.sleep(0.3)  # it has looked: 9th in line, not a watcher
     (mine,) = set(os.listdir(runtime.queue_dir)) - {os.path.basename(p) for _fd, p in ahead}
     before = len(reads.at)
@@ -491,10 +487,7 @@ def test_pokes_that_cannot_be_true_make_a_waiter_behind_the_watchers_look_no_mor
         os.unlink(path)
         os.close(fd)
     waitqueue.poke(f"{runtime.queue_dir}/{mine}")
-    deadline = time.monotonic() + 5
-    while len(reads.at) == before:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: len(reads.at) != before, 5)
     end(holders[0])  # first in line now, and watching: it takes the device freed
     thread.join(5)
     assert got and got[0][1].uuids == [UUIDS[0]]

@@ -8,9 +8,9 @@ from typing import Any, Dict
 
 import pytest
 
-from corefix import ready_line, wait_for
+from support.installed import ready_line
+from support.procs import cli_code, wait_for
 from test_metrics_file import textfile
-from userfix import CLI_CODE
 from cudawrap.policy.config import DEFAULTS
 from cudawrap.sched.drains import drain, drained, health_drained, resume
 from cudawrap.ops.health import DRAINED, HEALTHY, HISTORY, Event, GpuHealth, MonitorHealth, Policy, load, step
@@ -123,7 +123,7 @@ def test_the_running_monitor_drains_within_its_cycle_and_says_so_in_the_metrics(
     gpus, root = inst.machine.gpu_uuids(), str(inst.layout.root)
     state = inst.layout.runtime_dir / "health.state"
     monitor = inst.start(None, inst.world.python, "-I", "-c",
-                         CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main"),
+                         cli_code(inst.path),
                          "monitor", "--period", "0.1")
     wait_for(state.exists, timeout=30)  # it has registered for the GPUs' events
     inst.machine.inject_event(gpus[3], "xid", 79)

@@ -28,10 +28,10 @@ from cudawrap.install.installation import (
 )
 from cudawrap.cli.installer import render_bash_completion
 from cudawrap.cli.manpages import PAGES, man_path, render as render_man
-from fakemachine import FAKECUDA, LIBNAME, FakeMachine
+from support.machine import FAKECUDA, LIBNAME, FakeMachine
 from cudawrap.base.daemon import running
 from cudawrap import locations as loc
-from installfix import (
+from support.installsh import (
     INSTALL_SH, SOURCE, STOCK_SUDO_PATH, clean_env, install_sh, process_gone, snapshot, source_commit, wheel_args,
 )
 
@@ -40,7 +40,7 @@ IS_ROOT = os.geteuid() == 0
 
 
 def stand_in(path: Path, python: str = sys.executable) -> Path:
-    """tests/fakecuda.py as an installed program with its interpreter baked in."""
+    """tests/support/fakecuda.py as an installed program with its interpreter baked in."""
     body = FAKECUDA.read_bytes().split(b"\n", 1)[1]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(f"#!{python} -IS\n".encode() + body)

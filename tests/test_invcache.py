@@ -8,7 +8,7 @@ import json
 import pytest
 
 from cudawrap.devices import invcache, nvml
-from corefix import ready_line
+from support.installed import ready_line
 
 TOPOLOGIES = ["four-gpus", "a100-mig7", "dgx-a100-mig56", "mixed"]
 

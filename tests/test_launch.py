@@ -4,13 +4,13 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from corefix import ready_line
-from fakemachine import read_environ_file
+from support.installed import ready_line
+from support.machine import read_environ_file
+from support.procs import sh_program
 
 ARGV_C = r"""
 #include <stdio.h>
@@ -22,12 +22,6 @@ int main(int argc, char **argv) {
     return 0;
 }
 """
-
-
-def sh_program(path: Path, body: str) -> Path:
-    path.write_text("#!/bin/sh\n" + textwrap.dedent(body))
-    path.chmod(0o755)
-    return path
 
 
 @pytest.fixture(scope="module")

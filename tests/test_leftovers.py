@@ -7,11 +7,12 @@ import json
 import os
 import time
 
-from corefix import ready_line, wait_for
+from support.installed import ready_line
+from support.procs import wait_for
 from cudawrap.ops.health import MonitorHealth
 from cudawrap.ops.ledger import observe
 from cudawrap.ops.monitor import refresh_once
-from fakemachine import pid_alive
+from support.machine import pid_alive
 
 
 def cycle(hook: MonitorHealth, inst) -> None:  # type: ignore[no-untyped-def]
@@ -137,7 +138,7 @@ def test_idle_notify_writes_on_the_holders_own_terminal_and_never_its_pipe(mu) -
     os.fchown(slave, alice.uid, -1)  # her terminal, as login makes it
     at_tty = subprocess.Popen(alice.argv([str(recon), "--hold", "120"]), env=inst.environ(),
                               stdout=subprocess.PIPE, stderr=slave, cwd=inst.dir)
-    inst.procs.append(at_tty)
+    inst.spawned.add(at_tty)
     os.close(slave)
     at_pipe = inst.start(inst.world.bob, str(recon), "--hold", "120")
     device = ready_line(at_tty)["devices"][0]

@@ -1,7 +1,7 @@
 """Each run's GPU memory and the limit of a shared run (cudawrap/memwatch.py).
 
 The decisions are pure and tested alone; the accounting and the enforcement run against real
-accounts (tests/userfix.py) on the simulated machine, whose NVML reports what each stand-in
+accounts (tests/support/users.py) on the simulated machine, whose NVML reports what each stand-in
 CUDA process registered: its allocation plus its context's cost, growing if told to.
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any, Dict, List
 
 import pytest
 
-import fakecuda
-from corefix import ready_line, wait_for
-from fakemachine import FAKECUDA
-from userfix import root_only
+from support import fakecuda
+from support.installed import ready_line
+from support.procs import root_only, wait_for
+from support.machine import FAKECUDA
 
 from cudawrap.ops import memwatch
 from cudawrap.policy.config import parse_config
@@ -190,12 +190,6 @@ def test_an_escaped_child_is_no_child_of_the_program(machine: Any) -> None:
 # --- with real accounts ------------------------------------------------------------------------
 
 
-def configure(inst: Any, text: str, *allow: str) -> None:
-    if allow:
-        text += "\n[devices]\nallow = [%s]\n" % ", ".join(f'"{u}"' for u in allow)
-    inst.layout.config_file.write_text(text)
-    inst.layout.config_file.chmod(0o644)
-    inst.sync()
 
 
 def rows(snapshot: Dict[str, Any], pid: int) -> List[Dict[str, Any]]:
@@ -206,7 +200,7 @@ def one_device(mu: Any, config: str = "") -> Any:
     """An install on four-gpus where runs get its first device only, and `recon` wrapped."""
     inst = mu("four-gpus")
     inst.wrap("recon")
-    configure(inst, config, inst.machine.leaf_uuids()[0])
+    inst.configure(config, inst.machine.leaf_uuids()[0])
     return inst
 
 
@@ -416,7 +410,7 @@ def test_the_warning_reaches_the_runs_own_terminal_and_never_its_pipe(mu: Any) -
     at_tty = subprocess.Popen(alice.argv(["recon", "--hold", "600", "--mem", "19000"]),
                               env=inst.environ(CUDAWRAP_SHARE="1"), stdout=subprocess.PIPE, stderr=slave,
                               cwd=inst.dir)
-    inst.procs.append(at_tty)
+    inst.spawned.add(at_tty)
     os.close(slave)
     at_pipe = inst.start(inst.world.bob, "recon", "--hold", "600", "--mem", "19000", CUDAWRAP_SHARE="1")
     ready_line(at_tty), ready_line(at_pipe)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from userfix import CLI_CODE, MuInstall, root_only
+from support.procs import cli_code, root_only
+from support.users import MuInstall
 
 pytestmark = [pytest.mark.root, root_only]
 
@@ -62,7 +63,7 @@ def test_a_directory_others_may_write_is_refused_and_doctor_says_so(mu) -> None:
     inst = mu("four-gpus")
     path = textfile(inst, 0o777)
     started = inst.run(None, inst.world.python, "-I", "-c",
-                       CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main"), "monitor", timeout=30)
+                       cli_code(inst.path), "monitor", timeout=30)
     lines = started.stderr.decode().splitlines()
     assert started.returncode == 78, lines
     assert lines[0].startswith(f"cudawrap: [metrics] textfile {path}: its directory is not root's alone: ") and \

@@ -8,7 +8,7 @@ import pytest
 
 from cudawrap import locations as loc
 from cudawrap.base.daemon import running, stop
-from corefix import wait_for
+from support.procs import wait_for
 
 
 @pytest.fixture

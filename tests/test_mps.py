@@ -1,9 +1,9 @@
 """`cudawrap mps start|stop|status`, the cudawrap-mps unit, and the stand-in MPS they drive.
 
 The daemons are tests/fakemps/nvidia-cuda-mps-control, put on PATH for the CLI; its clients
-are tests/fakecuda.py with CUDA_MPS_PIPE_DIRECTORY set. Both are real processes: a daemon
+are tests/support/fakecuda.py with CUDA_MPS_PIPE_DIRECTORY set. Both are real processes: a daemon
 per device, clients that connect, wait and die. The two-user rule of MPS is shown with two
-real accounts (tests/userfix.py), run as root only.
+real accounts (tests/support/users.py), run as root only.
 """
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import pytest
 
-from corefix import Installed, ready_line, wait_for
+from support.installed import Installed, ready_line
+from support.procs import root_only, wait_for
 from cudawrap.install import installation
 from cudawrap.install.installation import MPS_UNIT, MONITOR_UNIT, SERVICE_UNIT, UNIT_NAME, render_mps_unit, unit_file, unit_wants_link
 from cudawrap.paths import Layout
-from fakemachine import FAKECUDA, shutdown_nvml
-from test_multiuser import status
-from userfix import MuInstall, World, root_only
+from support.machine import FAKECUDA, shutdown_nvml
+from support.users import MuInstall, World
 
 HERE = Path(__file__).resolve().parent
 FAKEMPS = HERE / "fakemps" / "nvidia-cuda-mps-control"
@@ -554,7 +554,7 @@ def test_an_mps_client_without_a_share_is_shown_and_keeps_new_shares_off(mu_mps:
     assert os.stat(f"/proc/{hello['mps_server']}").st_uid == carol.uid
 
     for viewer in (None, alice):
-        seen = status(inst, viewer)
+        seen = inst.status(viewer)
         (device,) = [d for d in seen["devices"] if d["uuid"] == d0]
         assert [(p["pid"], p["user"]) for p in device["mps_without_share"]] == [(hello["pid"], carol.name)]
     text = inst.cli(alice, "status").stdout.decode()

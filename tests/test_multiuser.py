@@ -1,6 +1,6 @@
 """Real unprivileged users against cudawrap and against each other (run as root; skipped otherwise).
 
-Two throwaway accounts (tests/userfix.py) try what a local user could try on a shared
+Two throwaway accounts (tests/support/users.py) try what a local user could try on a shared
 server: change wraps, the registry, the config or the lease files; take, forge or release
 another user's lease; plant files in the one directory they may write (the queue) for the
 shim, `cudawrap status` or root to trip over. What they can legitimately do to others
@@ -18,8 +18,10 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from corefix import ready_line
-from userfix import MuInstall, User, diff, root_only, snapshot
+from support.installed import ready_line, waiting_line
+from support.admin import diff, snapshot
+from support.procs import one_line, root_only, sh_program
+from support.users import MuInstall, User
 
 pytestmark = [pytest.mark.root, root_only]
 
@@ -93,46 +95,21 @@ def hold_file(inst: MuInstall, user: User, path: Path, content: str = "") -> sub
     return proc
 
 
-def sh_program(path: Path, text: str) -> Path:
-    path.write_text(text)
-    path.chmod(0o755)
-    return path
-
-
-def one_line(result: subprocess.CompletedProcess) -> str:
-    lines = result.stderr.decode().splitlines()
-    assert len(lines) == 1 or (len(lines) == 2 and "hint: " in lines[1]), lines
-    assert "Traceback" not in result.stderr.decode()
-    return lines[0]
-
-
-def status(inst: MuInstall, user) -> dict:  # type: ignore[no-untyped-def]
-    done = inst.cli(user, "status", "--json")
-    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
-    return json.loads(done.stdout)
-
-
-def waiting_line(proc: subprocess.Popen) -> str:
-    line = proc.stderr.readline().decode()
-    assert "waiting" in line, line + proc.stderr.read().decode()
-    return line
-
-
 # --- changing what only root may change ---------------------------------------------------------
 
 
 def test_users_cannot_wrap_unwrap_or_repair(mu) -> None:  # type: ignore[no-untyped-def]
     inst = mu("four-gpus")
     alice = inst.world.alice
-    recon = sh_program(inst.bindir / "recon", '#!/bin/sh\necho "recon $*"\n')
-    other = sh_program(inst.bindir / "other", '#!/bin/sh\necho "other $*"\n')
+    recon = sh_program(inst.bindir / "recon", 'echo "recon $*"\n')
+    other = sh_program(inst.bindir / "other", 'echo "other $*"\n')
     done = inst.cli(None, "wrap", str(other))
     assert done.returncode == 0, done.stderr
     # Alice's own program in her own directory: still not hers to wrap (the shim is trusted by all).
     home = inst.dir / "home-alice"
     home.mkdir()
     os.chown(home, alice.uid, alice.gid)
-    mine = sh_program(home / "mine", "#!/bin/sh\necho mine\n")
+    mine = sh_program(home / "mine", "echo mine\n")
     os.chown(mine, alice.uid, alice.gid)
     os.unlink(other)  # something for doctor --repair to do, if it were allowed to
     before = {**inst.snapshot(), **snapshot(home)}
@@ -141,9 +118,9 @@ def test_users_cannot_wrap_unwrap_or_repair(mu) -> None:  # type: ignore[no-unty
                  ["monitor", "--once"]):
         done = inst.cli(alice, *args)
         assert done.returncode == 77, (args, done.stderr)
-        assert "only root" in one_line(done), args
+        assert "only root" in one_line(done, hint=True), args
     done = inst.cli(alice, str(recon), prog="create-cudawrap")
-    assert done.returncode == 77 and "only root" in one_line(done)
+    assert done.returncode == 77 and "only root" in one_line(done, hint=True)
     # Looking is allowed, and changes nothing either.
     assert inst.cli(alice, "list").returncode == 0
     assert inst.cli(alice, "doctor").returncode != 0  # the missing link is reported, not repaired
@@ -155,7 +132,7 @@ def test_users_cannot_write_registry_config_leases_or_runtime_files(mu) -> None:
     inst = mu("a100-mig7")
     bob = inst.world.bob
     layout = inst.layout
-    assert inst.cli(None, "wrap", str(sh_program(inst.bindir / "recon", "#!/bin/sh\n"))).returncode == 0
+    assert inst.cli(None, "wrap", str(sh_program(inst.bindir / "recon", ""))).returncode == 0
     leases = sorted(layout.lease_dir.iterdir())
     a, b = str(leases[0]), str(leases[1])
     ops = [
@@ -238,13 +215,13 @@ def test_a_held_lease_cannot_be_taken_forged_or_released_by_another_user(mu) -> 
     for extra, script in forged:
         done = inst.run(bob, "sh", "-c", script, CUDAWRAP_WAIT="0", **extra)
         assert done.returncode == 75, (script, done.stdout, done.stderr)
-        assert one_line(done).startswith("recon: no free device")
+        assert one_line(done, hint=True).startswith("recon: no free device")
     assert inst.snapshot() == before
     # Root sees who holds it; bob sees that it is held, and cannot check by whom (alice's
     # descriptors are closed to him), so no pid is named to him that might be someone else's.
-    seen = {d["uuid"]: d["holder"] for d in status(inst, None)["devices"]}
+    seen = {d["uuid"]: d["holder"] for d in inst.status(None)["devices"]}
     assert seen[device]["pid"] == job.pid and seen[device]["user"] == alice.name
-    seen = {d["uuid"]: d for d in status(inst, bob)["devices"]}
+    seen = {d["uuid"]: d for d in inst.status(bob)["devices"]}
     assert seen[device]["holder"] is not None and seen[device]["holder"]["pid"] is None
     assert seen[device]["foreign_pids"] is None  # alice's job is not shown as someone else's
     job.send_signal(signal.SIGTERM)
@@ -264,12 +241,12 @@ def test_a_lease_held_forever_blocks_only_that_device_and_shows_its_holder(mu) -
         done = inst.run(alice, "recon", CUDAWRAP_WAIT="0")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout.splitlines()[0])["devices"] == [second]
-    seen = {d["uuid"]: d["holder"] for d in status(inst, None)["devices"]}
+    seen = {d["uuid"]: d["holder"] for d in inst.status(None)["devices"]}
     assert seen[first]["pid"] == squatter.pid and seen[first]["user"] == bob.name
     assert seen[second] is None
     table = inst.cli(None, "status").stdout.decode()
     assert f"pid {squatter.pid} {bob.name}" in table
-    seen = {d["uuid"]: d["holder"] for d in status(inst, alice)["devices"]}
+    seen = {d["uuid"]: d["holder"] for d in inst.status(alice)["devices"]}
     assert seen[first]["pid"] is None and seen[second] is None  # held, by someone alice cannot check
     inst.allow(first)
     assert inst.run(alice, "recon", CUDAWRAP_WAIT="0").returncode == 75
@@ -368,7 +345,7 @@ def test_files_planted_in_the_queue_break_nobody(mu) -> None:  # type: ignore[no
     waiter = inst.start(alice, "recon", "--log", str(inst.log), CUDAWRAP_WAIT="30")
     assert "position 1 in line" in waiting_line(waiter)
     for user in (alice, bob, None):
-        seen = status(inst, user)
+        seen = inst.status(user)
         assert [w["user"] for w in seen["waiting"]] == [alice.name], seen["waiting"]
         assert seen["waiting"][0]["pid"] == waiter.pid
     holder.kill()
@@ -391,7 +368,7 @@ def test_a_waiter_with_a_private_umask_keeps_its_place(mu) -> None:  # type: ign
     assert "position 1 in line" in waiting_line(first)
     second = inst.start(bob, "recon", "--log", str(inst.log), CUDAWRAP_WAIT="30")
     assert "position 2 in line" in waiting_line(second)
-    assert [w["user"] for w in status(inst, bob)["waiting"]] == [alice.name, bob.name]
+    assert [w["user"] for w in inst.status(bob)["waiting"]] == [alice.name, bob.name]
     holder.kill()
     assert first.wait(timeout=30) == 0 and second.wait(timeout=30) == 0
     starts = [j["pid"] for j in map(json.loads, inst.log.read_text().splitlines()) if j["event"] == "start"]
@@ -409,7 +386,7 @@ def test_a_fake_queue_head_does_not_delay_others_and_root_sees_who(mu) -> None: 
     fake = inst.py_start(bob, FAKE_WAITER, str(inst.layout.queue_dir),
                          "uid=0\npid=1\ncount=1\nprogram=\x1b]0;pwned\x07evil\n")
     assert fake.stdout.readline() == b"held\n", fake.stderr.read()
-    (waiter,) = status(inst, None)["waiting"]
+    (waiter,) = inst.status(None)["waiting"]
     assert (waiter["user"], waiter["pid"]) == (bob.name, fake.pid)
     assert "\x1b" not in waiter["program"] and "\x07" not in waiter["program"]  # no escapes to root's terminal
     table = inst.cli(None, "status").stdout.decode()
@@ -433,7 +410,7 @@ def test_huge_values_in_ones_own_environment_fail_one_line_and_harm_no_one(mu) -
         done = inst.run(alice, "recon", **extra)
         if done.returncode != 0:
             assert done.returncode in (64, 75), (list(extra), done.returncode, done.stderr[:300])
-            assert len(one_line(done)) < 300
+            assert len(one_line(done, hint=True)) < 300
         other = inst.run(bob, "recon", CUDAWRAP_WAIT="0")
         assert other.returncode == 0 and other.stderr == b"", other.stderr
     assert os.listdir(inst.layout.queue_dir) == []
@@ -466,22 +443,22 @@ def test_root_refuses_to_wrap_in_a_users_directory(mu) -> None:  # type: ignore[
     home = inst.dir / "home-alice"
     home.mkdir()
     os.chown(home, alice.uid, alice.gid)
-    mine = sh_program(home / "mine", "#!/bin/sh\necho mine\n")
+    mine = sh_program(home / "mine", "echo mine\n")
     os.chown(mine, 0, 0)  # even a root-owned program: alice can rename her directory's entries
     before = snapshot(home)
     done = inst.cli(None, str(mine), prog="create-cudawrap")
     assert done.returncode == 65
-    assert one_line(done) == (
+    assert one_line(done, hint=True) == (
         f"create-cudawrap: {mine}: {home} is owned by {alice.name}, not root, so they could swap it for a "
         "symlink that root's commands would follow; put the program where only root can write (such as "
         "/opt/app/bin) and wrap it there")
     assert snapshot(home) == before
     # A program root's directory holds but a user may write is refused the same way.
-    theirs = sh_program(inst.bindir / "theirs", "#!/bin/sh\necho theirs\n")
+    theirs = sh_program(inst.bindir / "theirs", "echo theirs\n")
     for mode, whom in ((0o757, "others"), (0o775, "its group"), (0o777, "its group and others")):
         theirs.chmod(mode)
         done = inst.cli(None, str(theirs), prog="create-cudawrap")
-        assert done.returncode == 65 and one_line(done) == (
+        assert done.returncode == 65 and one_line(done, hint=True) == (
             f"create-cudawrap: {theirs}: {theirs} is writable by {whom} (mode {mode:04o}), so they could swap it "
             "for a symlink that root's commands would follow; put the program where only root can write (such as "
             "/opt/app/bin) and wrap it there")
@@ -492,12 +469,12 @@ def test_a_service_accounts_program_in_roots_directory_is_wrapped_with_a_warning
     program's contents but cannot rename or replace it, so root's renames act on what they checked."""
     inst = mu("four-gpus")
     svc = inst.world.alice
-    prog = sh_program(inst.bindir / "nc", '#!/bin/sh\necho "nc $CUDA_VISIBLE_DEVICES"\n')
+    prog = sh_program(inst.bindir / "nc", 'echo "nc $CUDA_VISIBLE_DEVICES"\n')
     os.chown(prog, svc.uid, svc.gid)
     done = inst.cli(None, str(prog), prog="create-cudawrap")
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode().startswith(f"wrapped {prog} (real program: {inst.bindir}/CUDAWRAP_nc, renamed)")
-    assert one_line(done) == (
+    assert one_line(done, hint=True) == (
         f"create-cudawrap: warning: {prog} is owned by {svc.name}, who can still change what it runs (its "
         f"contents), though not rename or replace it: only root can write in {inst.bindir}")
     real = inst.bindir / "CUDAWRAP_nc"
@@ -525,13 +502,13 @@ def test_a_user_swapping_a_wrapped_directory_for_a_symlink_redirects_nothing(mu)
     alice = inst.world.alice
     home = inst.dir / "home-alice"
     (home / "bin").mkdir(parents=True)
-    prog = sh_program(home / "bin" / "recon", '#!/bin/sh\necho "recon $*"\n')
+    prog = sh_program(home / "bin" / "recon", 'echo "recon $*"\n')
     assert inst.cli(None, str(prog), prog="create-cudawrap").returncode == 0
     os.chown(home, alice.uid, alice.gid)  # handed over after it was wrapped
     os.chown(home / "bin", alice.uid, alice.gid)
     victim = inst.dir / "victim"
     victim.mkdir()
-    sh_program(victim / "recon", '#!/bin/sh\necho "root\'s own recon $*"\n')
+    sh_program(victim / "recon", 'echo "root\'s own recon $*"\n')
     done = inst.run(alice, "sh", "-c", 'mv "$1/bin" "$1/bin.old" && ln -s "$2" "$1/bin"', "sh", str(home),
                     str(victim))
     assert done.returncode == 0, done.stderr

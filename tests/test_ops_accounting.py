@@ -16,10 +16,11 @@ from typing import Dict, List
 
 import pytest
 
-from corefix import ready_line, wait_for
+from support.installed import ready_line
+from support.procs import cli_code, root_only, wait_for
 from cudawrap.base.audit import channel_problem
 from test_multiuser import probe
-from userfix import CLI_CODE, MuInstall, root_only
+from support.users import MuInstall
 
 pytestmark = [pytest.mark.root, root_only]
 
@@ -28,7 +29,7 @@ TOLERANCE = 0.5 + PERIOD
 
 
 def start_monitor(inst: MuInstall) -> subprocess.Popen:
-    code = CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main")
+    code = cli_code(inst.path)
     return inst.start(None, inst.world.python, "-I", "-c", code, "monitor", "--period", str(PERIOD))
 
 
@@ -209,7 +210,7 @@ def test_a_corrupted_line_is_skipped_with_one_line_and_the_rest_is_counted(mu) -
 
 
 def test_a_full_disk_loses_nothing(mu, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from userfix import inject, needs_strace, traced  # noqa: F401
+    from support.strace import inject, needs_strace, traced  # noqa: F401
 
     import shutil
 
@@ -223,7 +224,7 @@ def test_a_full_disk_loses_nothing(mu, tmp_path: Path) -> None:  # type: ignore[
     ready_line(job)
     saved = tmp_path / "saved"
     shutil.copytree(inst.layout.state_dir, saved, symlinks=True)
-    code = CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main")
+    code = cli_code(inst.path)
     argv = [inst.world.python, "-I", "-c", code, "status"]
     env = inst.environ()
     done, calls = traced(argv, env, inst.dir, calls=["write"])

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from userfix import CLI_CODE, root_only
+from support.procs import cli_code, root_only
 
 pytestmark = [pytest.mark.root, root_only]
 
@@ -23,7 +23,7 @@ def test_drain_during_a_burst_is_never_granted_and_wait_returns_when_its_holder_
     while len([line for line in inst.log.read_text().splitlines() if '"start"' in line]) < 4:
         assert time.monotonic() < wait_for_started
         time.sleep(0.02)
-    code = CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main")
+    code = cli_code(inst.path)
     drainer = inst.start(None, inst.world.python, "-I", "-c", code, "drain", "2", "--reason", "burst test", "--wait")
     assert drainer.stdout.readline().decode().startswith(f"drained {gpus[2]}")
     drained_at = time.time()

@@ -18,14 +18,14 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import fakecuda
+from support import fakecuda
 from cudawrap.policy import registry
 from cudawrap.policy.config import MAX_GPUS, Config, parse_config, parse_gpus, parse_wait
 from cudawrap.devices.model import Inventory
 from cudawrap.errors import ConfigError, DataError
 from cudawrap.lease.files import inherited_lease
 from cudawrap.sched.selection import parse_visible, read_allow_file
-from userfix import AdminRoot, snapshot
+from support.admin import Admin, snapshot
 
 FAST = settings(max_examples=250, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -38,7 +38,7 @@ NASTY = ["", " ", "-1", "0", "-0", "1e400", "nan", "inf", "-inf", "forever", "FO
          "1_0", " 2 ", "0x10", "1,5", "\t", "\u00a0", "\u202e1", "--", "1e-400", "10" * 30]
 
 
-def one_line(message: str) -> bool:
+def is_one_line(message: str) -> bool:
     return bool(message) and "\n" not in message and "Traceback" not in message
 
 
@@ -64,7 +64,7 @@ def _visible_values(topo: fakecuda.Topology) -> st.SearchStrategy[str]:
 
 
 def _oracle(topo: fakecuda.Topology, value: str) -> List[str]:
-    """What the CUDA runtime (as tests/fakecuda.py models it) lets a program see, without the
+    """What the CUDA runtime (as tests/support/fakecuda.py models it) lets a program see, without the
     one-MIG-per-process limit of old drivers (that is the driver's business, not the list's)."""
     # An index of 4300+ digits is out of range like any other (int() refuses to read it).
     value = ",".join("999999999" if t.strip().isascii() and t.strip().isdigit() and len(t.strip()) > 9 else t
@@ -127,8 +127,8 @@ def test_config_parses_or_names_the_file(text: str) -> None:
     try:
         config = parse_config(path, text)
     except ConfigError as exc:
-        assert exc.message.startswith(str(path)) and one_line(exc.message), exc.message
-        assert exc.hint is None or one_line(exc.hint)
+        assert exc.message.startswith(str(path)) and is_one_line(exc.message), exc.message
+        assert exc.hint is None or is_one_line(exc.hint)
         return
     assert isinstance(config, Config)
     assert 1 <= config["gpus"] <= MAX_GPUS and config["wait"] >= 0
@@ -141,13 +141,13 @@ def test_wait_and_gpus_values(value: object) -> None:
     try:
         wait = parse_wait(value)
     except ValueError as exc:
-        assert one_line(str(exc))
+        assert is_one_line(str(exc))
     else:
         assert isinstance(wait, float) and (wait >= 0 or math.isinf(wait)) and not math.isnan(wait)
     try:
         gpus = parse_gpus(value)
     except ValueError as exc:
-        assert one_line(str(exc))
+        assert is_one_line(str(exc))
     else:
         assert isinstance(gpus, int) and 1 <= gpus <= MAX_GPUS
 
@@ -194,13 +194,13 @@ def test_registry_reader_parses_or_names_the_file(registry_dir: Path, data: byte
     try:
         reg = registry.load_path(str(path))
     except DataError as exc:
-        assert exc.message.startswith(str(path)) and one_line(exc.message), exc.message
+        assert exc.message.startswith(str(path)) and is_one_line(exc.message), exc.message
     else:
         assert all(isinstance(e, registry.Entry) for e in reg)
     try:
         policy = registry.read_policy_at(str(path), "/opt/app/bin/recon")
     except DataError as exc:
-        assert exc.message.startswith(str(path)) and one_line(exc.message), exc.message
+        assert exc.message.startswith(str(path)) and is_one_line(exc.message), exc.message
     else:
         assert isinstance(policy, dict)
     assert path.read_bytes() == data  # read, never rewritten
@@ -237,7 +237,7 @@ def test_allow_file_parses_or_names_the_file(registry_dir: Path, data: bytes) ->
     try:
         ids = read_allow_file(str(path))
     except ConfigError as exc:
-        assert exc.message.startswith(str(path)) and one_line(exc.message), exc.message
+        assert exc.message.startswith(str(path)) and is_one_line(exc.message), exc.message
     else:
         assert ids and all(i.isascii() and (i.startswith("GPU-") or i.startswith("MIG-"))
                            and all(c.isalnum() or c == "-" for c in i) for i in ids), ids
@@ -273,22 +273,22 @@ def _cli_argv(switch: str, value: str, prog: Path) -> List[str]:
 @example("wait", "nan")
 @example("run gpus", "٣")
 @example("monitor --period", ":")
-def test_command_line_values(admin_root: AdminRoot, switch: str, value: str) -> None:
+def test_command_line_values(admin: Admin, switch: str, value: str) -> None:
     """One line (plus a hint) and a non-zero exit, or success; a refusal changes nothing."""
-    prog = admin_root.bindir / "recon"
+    prog = admin.bindir / "recon"
     if not prog.exists():
-        admin_root.program("recon")
-    before = snapshot(admin_root.tmp)
-    result = admin_root.cli(*_cli_argv(switch, value, prog))
+        admin.program("recon")
+    before = snapshot(admin.tmp)
+    result = admin.cli(*_cli_argv(switch, value, prog))
     if result.returncode == 0:
         if switch in ("gpus", "wait", "busy-memory-mib", "placement"):
-            assert admin_root.cli("unwrap", str(prog)).returncode == 0
+            assert admin.cli("unwrap", str(prog)).returncode == 0
         return
     lines = result.stderr.splitlines()
     assert lines and lines[0].startswith("cudawrap") and "Traceback" not in result.stderr, result.stderr
     assert len(lines) == 1 or (len(lines) == 2 and lines[1].startswith("hint:")), result.stderr
-    after = snapshot(admin_root.tmp)
-    cache = str(admin_root.layout.runtime_dir / "launch.cache")
+    after = snapshot(admin.tmp)
+    cache = str(admin.layout.runtime_dir / "launch.cache")
     assert {k: v for k, v in after.items() if k != cache} == {k: v for k, v in before.items() if k != cache}
 
 
@@ -299,7 +299,7 @@ def wait_shim(tmp_path_factory, fakenvml_lib):  # type: ignore[no-untyped-def]
 
     from cudawrap.install.installation import prepare
     from cudawrap.paths import Layout
-    from fakemachine import FAKECUDA, FakeMachine
+    from support.machine import FAKECUDA, FakeMachine
 
     tmp = tmp_path_factory.mktemp("wait-shim")
     fake = FakeMachine(tmp / "machine", fakenvml_lib).without_costs()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from adminfix import REPO
+from support.procs import REPO, Spawned
 from cudawrap.policy import registry
 from cudawrap.errors import DataError
 from cudawrap.paths import Layout
@@ -179,7 +179,7 @@ def test_lock_is_reentrant_in_one_process(layout: Layout) -> None:
     assert len(registry.load(layout)) == 1
 
 
-def test_concurrent_writers_lose_no_update(layout: Layout) -> None:
+def test_concurrent_writers_lose_no_update(layout: Layout, spawned: Spawned) -> None:
     code = (
         "import sys; from pathlib import Path; from cudawrap.policy import registry; "
         "from cudawrap.paths import Layout; sys.path.insert(0, %r); from test_registry import entry; "
@@ -188,7 +188,7 @@ def test_concurrent_writers_lose_no_update(layout: Layout) -> None:
         "    registry.update(layout, lambda reg: reg.put(entry(f'/w{sys.argv[2]}/p{i}')))\n"
     ) % str(Path(__file__).parent)
     env = dict(os.environ, PYTHONPATH=REPO)
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(layout.root), str(n)], env=env) for n in range(3)]
+    procs = [spawned([sys.executable, "-c", code, str(layout.root), str(n)], env=env) for n in range(3)]
     assert [p.wait(60) for p in procs] == [0, 0, 0]
     assert len(registry.load(layout)) == 45
 
@@ -212,15 +212,14 @@ while True:
 
 
 @pytest.mark.slow
-def test_kill_9_during_writes_leaves_a_readable_registry(layout: Layout) -> None:
+def test_kill_9_during_writes_leaves_a_readable_registry(layout: Layout, spawned: Spawned) -> None:
     code = WRITER.format(tests=str(Path(__file__).parent))
     env = dict(os.environ, PYTHONPATH=REPO)
     rng = random.Random(1234)
     sizes = set()
     registry.save(layout, Registry((entry(),)))  # a kill before the first write leaves this
     for _ in range(25):
-        proc = subprocess.Popen([sys.executable, "-c", code, str(layout.root)], env=env,
-                                stdout=subprocess.PIPE, text=True)
+        proc = spawned([sys.executable, "-c", code, str(layout.root)], env=env, stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.0, 0.3))
         proc.send_signal(signal.SIGKILL)

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from corefix import ready_line
+from support.installed import ready_line
 
 
 def test_status_shows_holder_and_foreign_processes(installed):
@@ -76,7 +76,7 @@ def test_status_lists_waiters_in_order(installed):
 
 def test_run_any_command_on_a_free_device(installed):
     inst = installed("four-gpus")
-    from fakemachine import FAKECUDA
+    from support.machine import FAKECUDA
 
     r = inst.cli("run", "-n", "2", "--", sys.executable, str(FAKECUDA), "--exit", "3")
     assert r.returncode == 3
@@ -118,8 +118,8 @@ def test_python_api_acquires_for_the_life_of_the_process(installed):
     inst.write_config(f'[devices]\nallow = ["{first}"]\n')
     code = ("import cudawrap, os, sys; got = cudawrap.acquire(); "
             "print(got, os.environ['CUDA_VISIBLE_DEVICES']); sys.stdout.flush(); sys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", code], env=inst.environ(), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = inst.spawned([sys.executable, "-c", code], env=inst.environ(), stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     line = proc.stdout.readline().decode()
     assert line.strip() == f"['{first}'] {first}"
     inst.wrap("recon")

@@ -8,7 +8,7 @@ from typing import Dict, List
 
 from hypothesis import given, settings, strategies as st
 
-from schedfix import make_waiter
+from support.sched import make_waiter
 from cudawrap.sched.schedule import BUSY, GRANTED, LIMIT, RESERVED, RESERVING, Shares, Waiter, decide
 
 DEVICES = [f"GPU-{i}" for i in range(5)]

@@ -1,6 +1,6 @@
 """`cudawrap serve` with real accounts: grants by descriptor, turns, and what attackers can't do.
 
-The service runs as root on a simulated machine (tests/userfix.py); wrapped programs run as
+The service runs as root on a simulated machine (tests/support/users.py); wrapped programs run as
 two throwaway accounts, reach it through the shim, and hold their devices by a lock the
 kernel credits to their own process.
 """
@@ -16,8 +16,10 @@ from typing import Iterator, List
 
 import pytest
 
-from corefix import ready_line, wait_for
-from userfix import CLI_CODE, STRACE, MuInstall, needs_strace, root_only
+from support.installed import ready_line
+from support.procs import cli_code, root_only, wait_for
+from support.strace import STRACE, needs_strace
+from support.users import MuInstall
 
 pytestmark = [pytest.mark.root, root_only]
 
@@ -30,7 +32,7 @@ class Served:
         self.inst = inst
         self.link = inst.wrap("recon")
         self.sock = inst.layout.runtime_dir / "cudawrap.sock"
-        code = CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main")
+        code = cli_code(inst.path)
         self.proc = inst.start(None, inst.world.python, "-I", "-c", code, "serve", **extra)
         line = self.proc.stdout.readline().decode()
         assert "listening on" in line, line + self.proc.stderr.read().decode()
@@ -461,7 +463,7 @@ def test_kill_9_of_the_service_loses_no_run_and_grants_no_device_twice(served: S
     served.proc.wait()
     restarted = Served.__new__(Served)
     restarted.inst, restarted.link, restarted.sock = inst, served.link, served.sock
-    code = CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main")
+    code = cli_code(inst.path)
     restarted.proc = inst.start(None, inst.world.python, "-I", "-c", code, "serve")
     assert b"listening on" in restarted.proc.stdout.readline()
     try:
@@ -532,7 +534,7 @@ def test_a_monitor_started_beside_the_service_waits_and_takes_over(served: Serve
     inst = served.inst
     child = _monitor_pid(inst)
     second = inst.start(None, inst.world.python, "-I", "-c",
-                        CLI_CODE.format(path=inst.world.path, prog="cudawrap", entry="main"), "monitor")
+                        cli_code(inst.path), "monitor")
     line = second.stderr.readline().decode()
     assert f"another monitor runs (pid {child})" in line, line
     os.kill(served.proc.pid, signal.SIGKILL)  # the service's loop dies with it (PR_SET_PDEATHSIG)

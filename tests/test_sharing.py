@@ -6,28 +6,19 @@ was given, and the lock table is read back to count sharers per device.
 import json
 import os
 import signal
-import subprocess
 from collections import defaultdict
 from typing import Dict, List, Tuple
 
 import pytest
 
-from corefix import Installed, ready_line
+from support.installed import Installed
 
 SHARE = {"CUDAWRAP_SHARE": "1"}
 
 
 def share_config(inst: Installed, slots: int = 2, extra: str = "", allow: Tuple[str, ...] = ()) -> None:
-    text = f"[sharing]\nslots = {slots}\n{extra}"
-    if allow:
-        text += "\n[devices]\nallow = [%s]\n" % ", ".join(f'"{u}"' for u in allow)
-    inst.write_config(text)
-    inst.sync()  # root makes the slot files
+    inst.configure(f"[sharing]\nslots = {slots}\n{extra}", *allow)
 
-
-def hold(inst: Installed, seconds: float = 60, **env: str) -> Tuple[subprocess.Popen, dict]:
-    proc = inst.start("recon", "--hold", str(seconds), "--log", str(inst.log), **env)
-    return proc, ready_line(proc)
 
 
 def share_pids(lease_dir) -> Dict[str, List[int]]:  # type: ignore[no-untyped-def]
@@ -53,14 +44,14 @@ def test_shared_runs_fill_one_device_before_opening_another(installed):
     inst = installed("four-gpus")
     inst.wrap("recon")
     share_config(inst, slots=3)
-    first = [hold(inst, **SHARE) for _ in range(3)]
+    first = [inst.hold(60, **SHARE) for _ in range(3)]
     devices = {info["devices"][0] for _p, info in first}
     assert len(devices) == 1  # three slots of one device, three other devices untouched
     assert sharers(inst) == {devices.pop(): 3}
-    fourth, info = hold(inst, **SHARE)
+    fourth, info = inst.hold(60, **SHARE)
     assert info["devices"][0] not in {i["devices"][0] for _p, i in first}
     # Whole devices are left for exclusive runs: two of the four are still free.
-    whole = [hold(inst) for _ in range(2)]
+    whole = [inst.hold(60) for _ in range(2)]
     assert len({i["devices"][0] for _p, i in whole} | {info["devices"][0]} | {first[0][1]["devices"][0]}) == 4
     assert inst.run("recon", CUDAWRAP_WAIT="0").returncode == 75  # nothing whole is left
     for p, _ in first + whole + [(fourth, info)]:
@@ -105,12 +96,12 @@ def test_an_exclusive_run_waits_for_the_sharers_and_they_for_it(installed):
     inst.wrap("recon")
     d0 = inst.machine.leaf_uuids()[0]
     share_config(inst, slots=2, allow=(d0,))
-    sharer, _ = hold(inst, **SHARE)
+    sharer, _ = inst.hold(60, **SHARE)
     assert inst.run("recon", CUDAWRAP_WAIT="0").returncode == 75  # a sharer is on the only device
     waiter = inst.start("recon", "--log", str(inst.log), CUDAWRAP_WAIT="30")
     assert b"waiting" in waiter.stderr.readline()
     # The second slot is free, so another sharer still gets in while the exclusive run waits.
-    second, info = hold(inst, **SHARE)
+    second, info = inst.hold(60, **SHARE)
     assert info["devices"] == [d0] and sharers(inst) == {d0: 2}
     sharer.kill()
     sharer.wait()
@@ -118,7 +109,7 @@ def test_an_exclusive_run_waits_for_the_sharers_and_they_for_it(installed):
     second.kill()  # kill -9: the kernel drops both of its locks
     second.wait()
     assert waiter.wait(timeout=15) == 0
-    whole, _ = hold(inst)
+    whole, _ = inst.hold(60)
     assert inst.run("recon", CUDAWRAP_WAIT="0", **SHARE).returncode == 75  # no share beside a whole run
     whole.kill()
     whole.wait()
@@ -129,8 +120,8 @@ def test_kill_9_of_a_sharer_frees_its_slot(installed):
     inst.wrap("recon")
     d0 = inst.machine.leaf_uuids()[0]
     share_config(inst, slots=2, allow=(d0,))
-    first, _ = hold(inst, **SHARE)
-    second, _ = hold(inst, **SHARE)
+    first, _ = inst.hold(60, **SHARE)
+    second, _ = inst.hold(60, **SHARE)
     assert inst.run("recon", CUDAWRAP_WAIT="0", **SHARE).returncode == 75
     waiter = inst.start("recon", "--hold", "0", CUDAWRAP_WAIT="30", **SHARE)
     assert b"waiting" in waiter.stderr.readline()
@@ -151,7 +142,7 @@ def test_a_child_wrapped_program_keeps_its_parents_share(installed, tmp_path):
     outer.write_text("#!/bin/sh\necho \"$CUDAWRAP_LEASE\"\nexec recon --hold 0\n")
     outer.chmod(0o755)
     inst.wrap("outer", outer)
-    other, _ = hold(inst, **SHARE)  # the second slot is taken: the child cannot get a new share
+    other, _ = inst.hold(60, **SHARE)  # the second slot is taken: the child cannot get a new share
     r = inst.run("outer", CUDAWRAP_WAIT="0", **SHARE)
     assert r.returncode == 0, r.stderr
     marker = r.stdout.decode().splitlines()[0]
@@ -167,7 +158,7 @@ def test_status_shows_the_slots_and_who_holds_them(installed):
     inst.wrap("recon")
     d0 = inst.machine.leaf_uuids()[0]
     share_config(inst, slots=4, allow=(d0,))
-    procs = [hold(inst, **SHARE)[0] for _ in range(2)]
+    procs = [inst.hold(60, **SHARE)[0] for _ in range(2)]
     r = inst.cli("status")
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stdout.decode().splitlines() if d0[:12] in x)
@@ -188,7 +179,7 @@ def test_shares_count_towards_the_users_limit(installed):
     inst.wrap("recon")
     d0, d1 = inst.machine.leaf_uuids()[:2]
     share_config(inst, slots=2, extra="\n[limits]\nmax_devices_per_user = 1\n", allow=(d0, d1))
-    procs = [hold(inst, **SHARE)[0] for _ in range(2)]  # 2 x 1/2 = the whole limit
+    procs = [inst.hold(60, **SHARE)[0] for _ in range(2)]  # 2 x 1/2 = the whole limit
     r = inst.run("recon", CUDAWRAP_WAIT="0", **SHARE)
     assert r.returncode == 75
     waiter = inst.start("recon", "--hold", "0", CUDAWRAP_WAIT="30", **SHARE)
@@ -205,7 +196,7 @@ def test_one_slot_means_a_shared_run_takes_the_device_whole(installed):
     inst.wrap("recon")
     d0 = inst.machine.leaf_uuids()[0]
     share_config(inst, slots=1, allow=(d0,))
-    proc, info = hold(inst, **SHARE)
+    proc, info = inst.hold(60, **SHARE)
     assert info["devices"] == [d0]
     assert inst.run("recon", CUDAWRAP_WAIT="0", **SHARE).returncode == 75
     assert sharers(inst) == {}  # held exclusively
@@ -221,7 +212,7 @@ def test_per_device_slots_and_sync_follows_a_change(installed):
     names = sorted(os.listdir(inst.layout.share_dir))
     assert [n for n in names if n.startswith(d0)] == [f"{d0}.1", f"{d0}.2"]
     assert [n for n in names if n.startswith(d1)] == [f"{d1}.1", f"{d1}.2", f"{d1}.3"]
-    holder, _ = hold(inst, **SHARE)  # on d0's or d1's slot 1
+    holder, _ = inst.hold(60, **SHARE)  # on d0's or d1's slot 1
     share_config(inst, slots=1, allow=(d0, d1))
     left = os.listdir(inst.layout.share_dir)
     assert len(left) == 1  # only the held slot file stays, until it is free
@@ -305,7 +296,7 @@ def test_accounting_counts_each_share_as_its_part_of_the_device(installed):
     inst.wrap("recon")
     d0 = inst.machine.leaf_uuids()[0]
     share_config(inst, slots=4, allow=(d0,))
-    procs = [hold(inst, **SHARE)[0] for _ in range(2)]
+    procs = [inst.hold(60, **SHARE)[0] for _ in range(2)]
     obs = ledger.observe(inst.layout, "test", (64 << 20, 4))
     mine = [g for g in obs.grants if g["pid"] in {p.pid for p in procs}]
     assert len(mine) == 2  # both sharers, not one holder per device

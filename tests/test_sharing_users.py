@@ -1,6 +1,6 @@
 """Sharing between real users: time slicing mixes users on a device, MPS never does.
 
-Run as root with real accounts (tests/userfix.py) on the simulated machine. Who holds which
+Run as root with real accounts (tests/support/users.py) on the simulated machine. Who holds which
 share is read from the kernel's lock table, not from anything the runs say about themselves.
 """
 from __future__ import annotations
@@ -9,20 +9,13 @@ import json
 import os
 from typing import Dict, List
 
-from corefix import ready_line
-from test_multiuser import status, waiting_line
+from support.installed import ready_line, waiting_line
 from test_sharing import share_pids
-from userfix import root_only
+from support.procs import root_only
 
 pytestmark = root_only
 
 
-def configure(inst, text: str, *allow: str) -> None:  # type: ignore[no-untyped-def]
-    if allow:
-        text += "\n[devices]\nallow = [%s]\n" % ", ".join(f'"{u}"' for u in allow)
-    inst.layout.config_file.write_text(text)
-    inst.layout.config_file.chmod(0o644)
-    inst.sync()
 
 
 def wrap_without_mps(inst) -> None:  # type: ignore[no-untyped-def]
@@ -50,12 +43,12 @@ def test_time_slicing_puts_two_users_on_one_device(mu) -> None:  # type: ignore[
     alice, bob = inst.world.alice, inst.world.bob
     inst.wrap("recon")
     d0, d1 = inst.machine.leaf_uuids()[:2]
-    configure(inst, "[sharing]\nslots = 2\n", d0, d1)
+    inst.configure("[sharing]\nslots = 2\n", d0, d1)
     a = inst.start(alice, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
     b = inst.start(bob, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
     assert ready_line(a)["devices"] == ready_line(b)["devices"]  # fill-first, whoever the user
     assert list(share_users(inst).values()) == [sorted([alice.uid, bob.uid])]
-    seen = status(inst, bob)
+    seen = inst.status(bob)
     device = next(d for d in seen["devices"] if d["shares"])
     assert device["shares"]["used"] == 2  # bob sees alice's share counted (her pid may be hidden)
 
@@ -65,7 +58,7 @@ def test_mps_gives_each_device_to_one_user_at_a_time(mu) -> None:  # type: ignor
     alice, bob = inst.world.alice, inst.world.bob
     wrap_without_mps(inst)
     d0, d1 = inst.machine.leaf_uuids()[:2]
-    configure(inst, '[sharing]\nslots = 4\nmode = "mps"\n', d0, d1)
+    inst.configure('[sharing]\nslots = 4\nmode = "mps"\n', d0, d1)
     a1 = inst.start(alice, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
     a_dev = ready_line(a1)["devices"]
     b1 = inst.start(bob, "recon", "--hold", "600", CUDAWRAP_SHARE="1")
@@ -93,7 +86,7 @@ def test_a_burst_of_two_users_shares_under_mps_never_mixes_them(mu) -> None:  # 
     alice, bob = inst.world.alice, inst.world.bob
     wrap_without_mps(inst)
     d0, d1 = inst.machine.leaf_uuids()[:2]
-    configure(inst, '[sharing]\nslots = 3\nmode = "mps"\n', d0, d1)
+    inst.configure('[sharing]\nslots = 3\nmode = "mps"\n', d0, d1)
     procs, user_of = [], {}
     for i in range(16):
         user = alice if i % 2 else bob
@@ -135,12 +128,12 @@ def test_slots_locked_without_the_lease_are_shares_of_their_holder(mu) -> None: 
     bob, carol = inst.world.bob, inst.world.carol
     inst.wrap("recon")
     d0 = inst.machine.leaf_uuids()[0]
-    configure(inst, "[sharing]\nslots = 2\n\n[limits]\nmax_devices_per_user = 1\n", d0)
+    inst.configure("[sharing]\nslots = 2\n\n[limits]\nmax_devices_per_user = 1\n", d0)
     slots = [str(inst.layout.share_dir / f"{d0}.{k}") for k in (1, 2)]
     squatter = inst.start(carol, inst.world.python, "-I", "-c", HOLD_FILES, *slots)
     assert squatter.stdout.readline() == b"held\n", squatter.stderr.read()
 
-    seen = status(inst, None)
+    seen = inst.status(None)
     (device,) = [d for d in seen["devices"] if d["uuid"] == d0]
     assert device["shares"] and device["shares"]["used"] == 2, device
     assert [(h["pid"], h["user"], h["lease"]) for h in device["shares"]["holders"]] == \
@@ -150,7 +143,7 @@ def test_slots_locked_without_the_lease_are_shares_of_their_holder(mu) -> None: 
 
     waiter = inst.start(bob, "recon", "--hold", "0", CUDAWRAP_SHARE="1", CUDAWRAP_WAIT="60")
     assert "every device it may share is full" in waiting_line(waiter)
-    (entry,) = status(inst, bob)["waiting"]
+    (entry,) = inst.status(bob)["waiting"]
     assert entry["pid"] == waiter.pid and "full" in entry["reason"], entry
 
     report = inst.cli(None, "doctor")
@@ -159,7 +152,7 @@ def test_slots_locked_without_the_lease_are_shares_of_their_holder(mu) -> None: 
 
     # Carol's two shares (1/2 each) fill her limit of 1, with a device she could share free.
     d1 = inst.machine.leaf_uuids()[1]
-    configure(inst, "[sharing]\nslots = 2\n\n[limits]\nmax_devices_per_user = 1\n", d0, d1)
+    inst.configure("[sharing]\nslots = 2\n\n[limits]\nmax_devices_per_user = 1\n", d0, d1)
     done = inst.run(carol, "recon", CUDAWRAP_WAIT="0", CUDAWRAP_SHARE="1")
     assert done.returncode == 75 and b"your limit is 1" in done.stderr, done.stderr
     squatter.kill()

@@ -1,4 +1,4 @@
-"""cudawrap inside a real Slurm: a single-node cluster (tests/slurmfix.py) with four simulated GPUs.
+"""cudawrap inside a real Slurm: a single-node cluster (tests/support/slurm.py) with four simulated GPUs.
 
 Slurm decides which GPUs a job has; cudawrap, inside the job, only shares those among the
 job's wrapped runs. Every claim is checked against what Slurm itself says it allocated
@@ -9,15 +9,15 @@ overlap and cancels them: nothing here depends on how fast the machine is.
 import json
 import re
 import subprocess
-import time
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
 
-from corefix import Installed
-from slurmfix import Cluster, gres_indices, slurm, slurm_cgroup  # noqa: F401
-from test_acquire import intervals
+from support.installed import Installed
+from support.procs import wait_for
+from support.slurm import Cluster, gres_indices, slurm, slurm_cgroup  # noqa: F401
+from support.installed import intervals
 
 DONE_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
 
@@ -50,20 +50,18 @@ class Jobs:
 
     def wait(self, job_id: str, timeout: float = 60) -> str:
         """Until the job ends; its final state, with its output on failure."""
-        deadline = time.monotonic() + timeout
-        while (state := self.state(job_id)) not in DONE_STATES:
-            assert time.monotonic() < deadline, f"job {job_id} still {state}:\n{self.output(job_id)}"
-            time.sleep(0.2)
-        return state
+        wait_for(lambda: self.state(job_id) in DONE_STATES, timeout, f"job {job_id} to end",
+                 lambda: f"still {self.state(job_id)}:\n{self.output(job_id)}")
+        return self.state(job_id)
 
     def output(self, job_id: str) -> str:
         path = self.tmp / f"out-{job_id}"
         return path.read_text(errors="replace") if path.exists() else "(no output)"
 
     def allocated(self, job_id: str) -> List[str]:
-        """UUIDs of the GPUs Slurm gave the job: its GRES indices are NVML indices (slurmfix's gres.conf)."""
+        """UUIDs of the GPUs Slurm gave the job: its GRES indices are NVML indices (support/slurm.py's gres.conf)."""
         path = self.tmp / f"alloc-{job_id}"
-        wait_until(path.exists, f"job {job_id} to start", lambda: self.output(job_id))
+        wait_for(path.exists, 60, f"job {job_id} to start", lambda: self.output(job_id))
         uuids = [g.uuid for g in self.inst.machine.parse().gpus]
         indices = gres_indices(path.read_text())
         return [uuids[i] for i in indices]
@@ -74,12 +72,6 @@ class Jobs:
             for job_id in self.submitted:
                 self.wait(job_id)
 
-
-def wait_until(predicate, what: str, details=lambda: "", timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{details()}"
-        time.sleep(0.1)
 
 
 def log_lines(path: Path) -> List[dict]:
@@ -127,7 +119,7 @@ def test_batch_job_shares_its_two_gpus_and_leaves_the_others_to_another_job(jobs
     log_b, log_a = j.tmp / "b.log", j.tmp / "a.log"
     # Job B holds its two GPUs until the test has seen job A through.
     job_b = j.submit(runs(recon, log_b, 2, 600), "--gres=gpu:2")
-    wait_until(lambda: len(started(log_b)) == 2, "job B's two runs", lambda: j.output(job_b))
+    wait_for(lambda: len(started(log_b)) == 2, 60, "job B's two runs", lambda: j.output(job_b))
     job_a = j.submit(runs(recon, log_a, 4, 1), "--gres=gpu:2")
     assert j.wait(job_a) == "COMPLETED", j.output(job_a)
     assert [x["event"] for x in log_lines(log_b)] == ["start", "start"]  # B ran all through A
@@ -189,12 +181,12 @@ def test_two_shard_jobs_run_on_one_gpu_at_once(jobs):
     recon = j.inst.wrap("recon")
     # A job on three GPUs leaves the fourth as the only one shards can be placed on.
     blocker = j.submit("sleep 600", "--gres=gpu:3")
-    wait_until(lambda: j.state(blocker) == "RUNNING", "the job holding three GPUs")
+    wait_for(lambda: j.state(blocker) == "RUNNING", 60, "the job holding three GPUs")
     logs = [j.tmp / "shard1.log", j.tmp / "shard2.log"]
     shard_jobs = []
     for log in logs:
         shard_jobs.append(j.submit(runs(recon, log, 1, 600), "--gres=shard:1"))
-        wait_until(lambda: len(started(log)) == 1, "the shard job's run", lambda: j.output(shard_jobs[-1]))
+        wait_for(lambda: len(started(log)) == 1, 60, "the shard job's run", lambda: j.output(shard_jobs[-1]))
     free = sorted(set(j.inst.machine.gpu_uuids()) - set(j.allocated(blocker)))
     assert [j.allocated(s) for s in shard_jobs] == [free, free]
     assert [started(log)[0]["devices"] for log in logs] == [free, free]  # both on it, at once
@@ -222,7 +214,7 @@ def test_device_cgroups_renumber_and_cudawrap_follows(slurm_cgroup: Cluster, ins
     try:
         recon = j.inst.wrap("recon")
         blocker = j.submit("sleep 600", "--gres=gpu:2")  # takes GPUs 0 and 1
-        wait_until(lambda: j.state(blocker) == "RUNNING", "the job holding two GPUs")
+        wait_for(lambda: j.state(blocker) == "RUNNING", 60, "the job holding two GPUs")
         # Opening a node fails either way (no driver behind it): EPERM is the cgroup's refusal.
         probe = "".join(f"head -c1 {d} 2>&1 | grep -q 'not permitted' && echo {i} >> {tmp_path}/blocked\n"
                         for i, d in enumerate(slurm_cgroup.devices))

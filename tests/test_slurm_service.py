@@ -1,7 +1,7 @@
 """The service inside a real Slurm: a run in a job gets its job's GPUs as Slurm says, whatever
 its environment claims.
 
-The cluster is tests/slurmfix.py's with device cgroups (task/cgroup, proctrack/cgroup), so the
+The cluster is tests/support/slurm.py's with device cgroups (task/cgroup, proctrack/cgroup), so the
 kernel puts each job's processes in a cgroup named after the job; the service (root, [service] enforce, so
 every user's run is granted by it) runs on the same simulated machine and asks Slurm (`scontrol`, found on its own PATH) which GPUs that
 job has. The runs in a job are a real account's (setpriv inside the job); what Slurm
@@ -19,11 +19,11 @@ from typing import Iterator, List
 
 import pytest
 
-from slurmfix import Cluster, gres_indices, slurm_cgroup  # noqa: F401
+from support.slurm import Cluster, gres_indices, slurm_cgroup  # noqa: F401
 from test_enforce import _enforced
 from test_service import Served
-from test_slurm import Jobs, log_lines, started, wait_until
-from userfix import root_only
+from test_slurm import Jobs, log_lines, started
+from support.procs import root_only, wait_for
 
 pytestmark = [pytest.mark.root, root_only]
 
@@ -50,14 +50,14 @@ class InJobs(Jobs):
 
     def submit_as(self, user, script: str, gres: str) -> str:  # type: ignore[no-untyped-def]
         """A job whose SCRIPT runs as USER once the gate opens (the job itself is root's:
-        slurmfix's spool is root's alone; USER's processes stay in the job's cgroup)."""
+        the Slurm fixture's spool is root's alone; USER's processes stay in the job's cgroup)."""
         gate = self.tmp / "gate-$SLURM_JOB_ID"
         as_user = " ".join(shlex.quote(word) for word in user.argv(["sh", "-c", script]))
         return self.submit(f"while [ ! -e {gate} ]; do sleep 0.05; done\n{as_user}", f"--gres={gres}")
 
     def gpus(self, job_id: str) -> List[str]:
-        """UUIDs of the job's GPUs as Slurm says (its GRES indices are NVML's: slurmfix's gres.conf)."""
-        wait_until(lambda: self.state(job_id) == "RUNNING", f"job {job_id} to run", lambda: self.output(job_id))
+        """UUIDs of the job's GPUs as Slurm says (its GRES indices are NVML's: the fixture's gres.conf)."""
+        wait_for(lambda: self.state(job_id) == "RUNNING", 60, f"job {job_id} to run", lambda: self.output(job_id))
         uuids = self.inst.machine.gpu_uuids()
         return [uuids[i] for i in gres_indices(self.cluster.scontrol("-d", "show", "job", job_id))]
 
@@ -132,7 +132,7 @@ def test_asking_slurm_holds_up_only_the_jobs_run(slurm_cgroup: Cluster, mu, tmp_
         mine = j.gpus(job)
         j.open_gate(job)
         asked = stand_in / "asked"
-        wait_until(asked.exists, "the service to ask Slurm", lambda: j.output(job))
+        wait_for(asked.exists, 60, "the service to ask Slurm", lambda: j.output(job))
         assert asked.read_text().split() == ["show", "job", "-d", job]
         outside = j.inst.run(j.inst.world.bob, "recon", CUDAWRAP_WAIT="0")
         assert outside.returncode == 0, outside.stderr.decode()  # served while Slurm has not answered

@@ -1,7 +1,7 @@
 """cudawrap/ops/slurmjob.py: a client's Slurm job from its cgroups, that job's GPUs from scontrol.
 
 The /proc/PID/cgroup samples are what Slurm makes: cgroup v1 as the suite's real cluster
-(tests/slurmfix.py's slurm_cgroup) produces it, cgroup v2 as Slurm documents it
+(tests/support/slurm.py's slurm_cgroup) produces it, cgroup v2 as Slurm documents it
 (https://slurm.schedmd.com/cgroup_v2.html). The service tests run the same code against the
 real cluster (tests/test_slurm_service.py).
 """
@@ -16,7 +16,7 @@ import pytest
 from cudawrap.errors import DataError
 from cudawrap.ops.slurmjob import JobCgroup, gpus_on_node, gres_gpus, job_of, parse_cgroup
 
-# A batch step as slurmfix's cluster (task/cgroup, proctrack/cgroup, CgroupPlugin=cgroup/v1) puts it.
+# A batch step as the Slurm fixture's cluster (task/cgroup, proctrack/cgroup, CgroupPlugin=cgroup/v1) puts it.
 V1 = """9:name=systemd:/
 8:pids:/
 6:freezer:/slurm_vm/uid_1001/job_12/step_batch
@@ -104,7 +104,7 @@ V1_DEVICES = Path("/sys/fs/cgroup/devices")
 
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0 or not (V1_DEVICES / "devices.allow").exists(),
-                    reason="needs root and a cgroup v1 devices hierarchy (as slurmfix's slurm_cgroup)")
+                    reason="needs root and a cgroup v1 devices hierarchy (as the slurm_cgroup fixture)")
 def test_a_job_cgroup_of_someone_elses_is_not_slurms(tmp_path: Path) -> None:
     """A process in a cgroup named like Slurm's: its job while the job's cgroup is root's (as
     Slurm makes it), none once it belongs to an ordinary account (who could have made it)."""

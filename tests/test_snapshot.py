@@ -14,9 +14,9 @@ import pytest
 
 from cudawrap.devices import snapshot
 from cudawrap.ops.monitor import refresh_once
-from corefix import ready_line, wait_for
-from fakemachine import FAKECUDA
-from userfix import root_only
+from support.installed import ready_line
+from support.procs import root_only, wait_for
+from support.machine import FAKECUDA
 
 
 def run_without_nvml(inst, *args, **extra):
@@ -87,8 +87,8 @@ UNSEEN_PID = (1 << 22) + 1
 
 def foreign(inst, uuid: str) -> subprocess.Popen:
     """An unwrapped CUDA program on UUID, ready (listed by NVML)."""
-    proc = subprocess.Popen([str(FAKECUDA), "--hold", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=inst.machine.environ(CUDA_VISIBLE_DEVICES=uuid))
+    proc = inst.spawned([str(FAKECUDA), "--hold", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        env=inst.machine.environ(CUDA_VISIBLE_DEVICES=uuid))
     ready_line(proc)
     return proc
 
@@ -194,7 +194,7 @@ def test_burst_with_the_monitor_running_never_shares_a_device(installed):
     with monitoring(inst):
         procs = [inst.start("recon", "--hold", "0.2", "--log", str(inst.log)) for _ in range(35)]
         assert [p.wait(timeout=120) for p in procs] == [0] * 35
-    from test_acquire import overlaps
+    from support.installed import overlaps
 
     assert overlaps(inst.jobs()) == []
 

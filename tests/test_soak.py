@@ -91,7 +91,7 @@ def test_random_launches_and_kills_leave_nothing_behind(installed, tmp_path: Pat
     inst.wrap("recon")
     migs = inst.machine.leaf_uuids()
     pool = migs[:3] + migs[7:9]  # five devices on two GPUs: contention on purpose
-    inst.write_config("[devices]\nallow = [%s]\n" % ", ".join(f'"{u}"' for u in pool))
+    inst.allow(*pool)
     monitor: Optional[subprocess.Popen] = None
     soak = Soak()
     errs = tmp_path / "stderr"

@@ -4,8 +4,9 @@ import sys
 
 import pytest
 
-from corefix import ready_line, wait_for
-from fakemachine import FAKECUDA
+from support.installed import ready_line
+from support.procs import wait_for
+from support.machine import FAKECUDA
 from cudawrap.ops.status import program_name, render
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from cudawrap.proc import busy_ns, state
 from cudawrap.sched.turns import BUSY_S, GRACE_S, LONGEST_S, OWN_GRACE_S, RECHECK_S, Offers, ignores
+from support.procs import Spawned, wait_for
 
 
 @pytest.mark.parametrize("elapsed, busy, grace, out", [
@@ -29,39 +30,33 @@ def test_the_rule(elapsed, busy, grace, out) -> None:  # type: ignore[no-untyped
     assert ignores(elapsed, busy, grace) is out
 
 
-def _proc(code: str) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+def _proc(spawned: Spawned, code: str) -> subprocess.Popen:
+    p = spawned([sys.executable, "-c", code], stdout=subprocess.PIPE)
     assert p.stdout is not None and p.stdout.readline() == b"up\n"
     return p
 
 
-def test_the_kernel_tells_a_sleeper_from_a_busy_run_and_a_stopped_one() -> None:
+def test_the_kernel_tells_a_sleeper_from_a_busy_run_and_a_stopped_one(spawned: Spawned) -> None:
     if busy_ns(os.getpid()) is None:
         pytest.fail("/proc/PID/schedstat unreadable: this kernel cannot tell a slow run from an idle one")
-    sleeper = _proc("import time; print('up', flush=True); time.sleep(60)")
-    spinner = _proc("print('up', flush=True)\nwhile True: pass")
-    stopped = _proc("import time; print('up', flush=True); time.sleep(60)")
+    sleeper = _proc(spawned, "import time; print('up', flush=True); time.sleep(60)")
+    spinner = _proc(spawned, "print('up', flush=True)\nwhile True: pass")
+    stopped = _proc(spawned, "import time; print('up', flush=True); time.sleep(60)")
     os.kill(stopped.pid, signal.SIGSTOP)
-    while state(stopped.pid) != b"T":  # the signal is delivered, not yet acted on
-        time.sleep(0.01)
-    try:
-        offers = Offers()
-        now = time.monotonic()
-        for key, p in (("s", sleeper), ("b", spinner), ("t", stopped)):
-            assert offers.offer(key, p.pid, now, own=False)
-            assert not offers.offer(key, p.pid, now, own=False)  # offered once
-        assert offers.ignored("t", now)  # stopped: at once
-        assert not offers.ignored("s", now) and not offers.ignored("b", now)
-        time.sleep(GRACE_S + 0.2)
-        later = time.monotonic()
-        assert offers.ignored("s", later)
-        assert not offers.ignored("b", later)  # ran or stood runnable all along
-        assert offers.due(later) == pytest.approx(later + RECHECK_S)
-        offers.keep({"b"})
-        assert list(offers.since) == ["b"]
-        time.sleep(BUSY_S)
-        assert offers.ignored("b", time.monotonic())  # busy a second without taking: passed over
-    finally:
-        for p in (sleeper, spinner, stopped):
-            p.kill()
-            p.wait()
+    wait_for(lambda: state(stopped.pid) == b"T")  # the signal is delivered, not yet acted on
+    offers = Offers()
+    now = time.monotonic()
+    for key, p in (("s", sleeper), ("b", spinner), ("t", stopped)):
+        assert offers.offer(key, p.pid, now, own=False)
+        assert not offers.offer(key, p.pid, now, own=False)  # offered once
+    assert offers.ignored("t", now)  # stopped: at once
+    assert not offers.ignored("s", now) and not offers.ignored("b", now)
+    time.sleep(GRACE_S + 0.2)
+    later = time.monotonic()
+    assert offers.ignored("s", later)
+    assert not offers.ignored("b", later)  # ran or stood runnable all along
+    assert offers.due(later) == pytest.approx(later + RECHECK_S)
+    offers.keep({"b"})
+    assert list(offers.since) == ["b"]
+    time.sleep(BUSY_S)
+    assert offers.ignored("b", time.monotonic())  # busy a second without taking: passed over

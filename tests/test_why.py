@@ -8,7 +8,8 @@ from typing import Any, Dict, List
 
 import pytest
 
-from corefix import ready_line, wait_for
+from support.installed import ready_line
+from support.procs import wait_for
 from cudawrap.ops.eta import estimate, medians, shown
 from cudawrap.ops.ledgerfile import ledger_path
 from cudawrap.ops.monitor import refresh_once

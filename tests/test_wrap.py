@@ -9,7 +9,8 @@ from typing import List
 
 import pytest
 
-from adminfix import Admin, snapshot, strace_cli
+from support.admin import Admin, snapshot
+from support.strace import needs_strace, strace_cli
 from cudawrap.policy import registry
 from cudawrap.admin.divert import Dpkg
 from cudawrap.errors import StateError, UsageError
@@ -233,9 +234,6 @@ def test_the_name_never_disappears(admin: Admin) -> None:
         out, err = watcher.communicate(timeout=60)
     assert watcher.returncode == 0, err
     assert int(out) > 1000
-
-
-needs_strace = pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
 
 
 @needs_strace

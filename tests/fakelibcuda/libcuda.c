@@ -3,7 +3,7 @@
  * Build: cc -shared -fPIC -O2 -o libcuda.so.1 -Wl,-soname,libcuda.so.1 libcuda.c
  * and put its directory on LD_LIBRARY_PATH beside the fake libnvidia-ml.so.1
  * (../fakenvml/FORMAT.md).  It gives a process the devices the real driver would, by the
- * rules ../fakecuda.py documents and implements (the topology in $FAKENVML_TOPOLOGY,
+ * rules ../support/fakecuda.py documents and implements (the topology in $FAKENVML_TOPOLOGY,
  * CUDA_VISIBLE_DEVICES as indices in CUDA's order or UUIDs, CUDA_DEVICE_ORDER, lost GPUs,
  * one MIG instance per process before R570, MPS clients of ../fakemps), and, like the real
  * driver, becomes visible to NVML when a context exists: cuDevicePrimaryCtxRetain registers

@@ -1,8 +1,8 @@
 """A simulated GPU machine for the test suite.
 
 Every test that needs a GPU gets one from here: the fake ``libnvidia-ml.so.1``
-(``fakenvml/fakenvml.c``, compiled once per session), a topology file saying
-what the machine has (``fakenvml/FORMAT.md``), and a state directory where
+(``tests/fakenvml/fakenvml.c``, compiled once per session), a topology file saying
+what the machine has (``tests/fakenvml/FORMAT.md``), and a state directory where
 the stand-in CUDA program (``fakecuda.py``) registers the devices it holds.
 
 Two ways to use a machine:
@@ -22,10 +22,10 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import pytest
 
-import fakecuda
+from . import fakecuda
 
 HERE = Path(__file__).resolve().parent
-FAKENVML_DIR = HERE / "fakenvml"
+FAKENVML_DIR = HERE.parent / "fakenvml"
 FAKENVML_SRC = FAKENVML_DIR / "fakenvml.c"
 TOPOLOGIES = FAKENVML_DIR / "topologies"
 FAKECUDA = HERE / "fakecuda.py"
@@ -171,9 +171,12 @@ class FakeMachine:
         return fakecuda.parse_topology(self.read())
 
     def write(self, text: str) -> None:
-        """Replace the topology atomically: the library never sees half a file."""
+        """Replace the topology atomically: the library never sees half a file.
+
+        Readable by all (mkstemp makes it 0600): programs of other users read it too."""
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".topology-", suffix=".tmp")
         try:
+            os.fchmod(fd, 0o644)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
             os.replace(tmp, self.topology)

@@ -20,11 +20,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 import pytest
+
+from .procs import wait_for
 
 PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scancel", "scontrol")
 GPUS = 4
@@ -149,15 +150,16 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         self._wait(lambda: self.node_state() == "idle", "the node to become idle")
 
     def _wait(self, done, what: str, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while not done():
+        def ready() -> bool:
+            if done():
+                return True
             for proc in self.procs:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}) while waiting for {what}:\n"
                                        + self.logs())
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out waiting for {what}:\n" + self.logs())
-            time.sleep(0.2)
+            return False
+
+        wait_for(ready, timeout, what, self.logs)
 
     def logs(self) -> str:
         out = []

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-SOURCE = Path(__file__).resolve().parent.parent
+SOURCE = Path(__file__).resolve().parents[2]
 INSTALL_SH = SOURCE / "install.sh"
 
 

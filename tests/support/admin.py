@@ -15,15 +15,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 
-import cudawrap
 from cudawrap.paths import Layout
-
-# The checkout that holds the package under test. Subprocesses get it on PYTHONPATH: an
-# editable install made before cudawrap/__init__.py existed resolves `cudawrap` as a
-# namespace package from any other working directory.
-REPO = str(Path(cudawrap.__file__).resolve().parent.parent)
-
-PROGRAM = '#!/bin/sh\necho "{name} $*"\n'
+from .procs import REPO, cli_code, write_program
 
 
 def install(layout: Layout) -> None:
@@ -34,11 +27,9 @@ def install(layout: Layout) -> None:
 
 
 def make_program(directory: Path, name: str, text: Optional[str] = None, mode: int = 0o755) -> Path:
+    """DIRECTORY/NAME running TEXT; by default a script that echoes its name and arguments."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / name
-    path.write_text(PROGRAM.format(name=name) if text is None else text)
-    path.chmod(mode)
-    return path
+    return write_program(directory / name, f'#!/bin/sh\necho "{name} $*"\n' if text is None else text, mode)
 
 
 Snapshot = Dict[str, Tuple]
@@ -76,7 +67,11 @@ def diff(before: Snapshot, after: Snapshot) -> List[str]:
 
 
 class Admin:
-    """An install root plus a directory of programs, and ways to run the CLI on them."""
+    """An install root plus a directory of programs, and ways to run the CLI on them.
+
+    The CLI runs in the test's environment less anything that points cudawrap, dpkg, sudo or
+    the simulated machine elsewhere (a test adds what it needs per run or in ``env_extra``),
+    writing no bytecode, so every run makes the same system calls (the strace tests)."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -90,42 +85,34 @@ class Admin:
         return make_program(self.bindir, name, text, mode)
 
     def environ(self, **extra: str) -> Dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDAWRAP_", "DPKG_", "SUDO_"))}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("CUDAWRAP_", "DPKG_", "SUDO_", "FAKENVML_")) and k != "LD_LIBRARY_PATH"}
         env["CUDAWRAP_ROOT"] = str(self.layout.root)
         env["PYTHONPATH"] = REPO
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
         env.update(self.env_extra)
         env.update(extra)
         return env
 
+    def argv(self, *args: str, prog: str = "cudawrap") -> List[str]:
+        """The command line running PROG (cudawrap or create-cudawrap) with ARGS."""
+        return [sys.executable, "-c", cli_code(prog=prog), *args]
+
     def cli(self, *args: str, prog: str = "cudawrap", **extra: str) -> subprocess.CompletedProcess:
-        entry = "create_main" if prog == "create-cudawrap" else "main"
-        code = f"import sys; sys.argv[0] = {prog!r}; from cudawrap.cli import {entry}; {entry}()"
-        return subprocess.run([sys.executable, "-c", code, *args], env=self.environ(**extra),
-                              capture_output=True, text=True, timeout=120, cwd=self.tmp)
+        return subprocess.run(self.argv(*args, prog=prog), env=self.environ(**extra), capture_output=True,
+                              text=True, timeout=120, cwd=self.tmp)
 
     def create(self, *args: str, **extra: str) -> subprocess.CompletedProcess:
         return self.cli(*args, prog="create-cudawrap", **extra)
 
+    def run(self, program: Path, *args: str) -> subprocess.CompletedProcess:
+        """PROGRAM (wrapped or not) with ARGS, in the CLI's environment."""
+        return subprocess.run([str(program), *args], env=self.environ(), capture_output=True, text=True,
+                              timeout=60, cwd=self.tmp)
+
     def snapshot(self) -> Snapshot:
         # The launch cache is derived state in tmpfs that any sync rewrites; leave it out.
         return snapshot(self.tmp, skip=[self.layout.runtime_dir / "launch.cache"])
-
-
-def strace_cli(admin: Admin, syscall: str, when: int, *args: str, fault: str = "signal=KILL",
-               prog: str = "create-cudawrap") -> subprocess.CompletedProcess:
-    """Run the CLI with FAULT injected at the WHEN-th call of SYSCALL (one fault per run)."""
-    entry = "create_main" if prog == "create-cudawrap" else "main"
-    code = f"import sys; sys.argv[0] = {prog!r}; from cudawrap.cli import {entry}; {entry}()"
-    argv = ["strace", "-f", "-o", "/dev/null", "-e", "trace=link,linkat,symlink,rename,unlink",
-            "-e", f"inject={syscall}:{fault}:when={when}", sys.executable, "-c", code, *args]
-    return subprocess.run(argv, env=admin.environ(), capture_output=True, text=True, timeout=120)
-
-
-def one_line(result: subprocess.CompletedProcess) -> str:
-    """The single stderr line of a refused command (asserting that there is exactly one)."""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got: {result.stderr!r}"
-    return lines[0]
 
 
 @pytest.fixture
@@ -142,9 +129,6 @@ def shared_tmp() -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["rm", "-rf", "--one-file-system", str(path)], check=False)
-
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to act as other users)")
 
 
 def run_as(uid: int, gid: int, argv: Sequence[str], environ: Dict[str, str]) -> Tuple[int, str, str]:
