@@ -24,6 +24,9 @@ from ..users import user_name
 
 
 _unsynced: "set[Path]" = set()  # ledger files written since their last fsync
+# What a grant's record needs that does not change between grants, kept between them: the
+# service records a grant before its descriptors leave, so every read here is a hand-over's.
+_kept: Dict[str, Any] = {}
 
 
 def pending() -> bool:
@@ -46,15 +49,51 @@ def flush() -> None:
             os.close(fd)
 
 
+def _signature(path: Path) -> Optional[Tuple[int, int, int, int]]:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _limits(layout: Layout) -> Tuple[int, int]:
+    """[ledger] max_mib and keep, parsed again only when the configuration file changed."""
     from ..policy.config import load_config
     from ..errors import CudawrapError
 
+    sig = (str(layout.config_file), _signature(layout.config_file))
+    if _kept.get("limits_of") == sig:
+        return _kept["limits"]
     try:
         config = load_config(layout.config_file)
-        return config["max_mib"] << 20, config["keep"]
+        limits = (config["max_mib"] << 20, config["keep"])
     except CudawrapError:  # a broken config: the defaults, rather than a lost record
-        return 64 << 20, 4
+        limits = (64 << 20, 4)
+    _kept.update(limits_of=sig, limits=limits)
+    return limits
+
+
+def _boot() -> str:
+    if "boot" not in _kept:
+        _kept["boot"] = ledger.boot_id()
+    return _kept["boot"]
+
+
+def _load(path: Path) -> Dict[str, Any]:
+    """The ledger's state (under its lock): the copy this process saved last while the file
+    is still that one (no look by another process replaced it since), else read. Taken out
+    of the keeping: it comes back only with a save that worked, so a copy changed and then
+    not saved is never mistaken for the file."""
+    kept = _kept.pop("state", None)
+    if kept is not None and kept[0] == (str(path), _signature(path)):
+        return kept[1]
+    return ledger._load_state(path)
+
+
+def _save(path: Path, state: Dict[str, Any]) -> None:
+    ledger._save_state(path, state)
+    _kept["state"] = ((str(path), _signature(path)), state)
 
 
 def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, asked: float,
@@ -66,7 +105,7 @@ def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, 
     if p is None:
         return None
     now = time.time()
-    boot = ledger.boot_id()
+    boot = _boot()
     lid = ledger._lease_id(boot, pid, p.ticks, sorted(devices))
     record: Dict[str, Any] = {
         "v": ledgerfile.RECORD_VERSION, "event": "grant", "id": lid, "uid": uid, "user": user_name(uid),
@@ -79,14 +118,14 @@ def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, 
     limits = _limits(layout)
     path = layout.state_dir / ledgerfile.STATE
     with ledgerfile.Locked(layout):
-        state = ledger._load_state(path)
+        state = _load(path)
         if state["boot"] not in ("", boot):
             return lid  # a look after the restart records it (and ends what the old boot held)
         ledgerfile.append(ledgerfile.ledger_path(layout), [record], *limits, durable=False)
         _unsynced.add(ledgerfile.ledger_path(layout))
         state["boot"] = boot
         state["open"][lid] = record
-        ledger._save_state(path, state)
+        _save(path, state)
     return lid
 
 
@@ -96,14 +135,14 @@ def end(layout: Layout, lid: str, how: str = "ended") -> None:
     limits = _limits(layout)
     path = layout.state_dir / ledgerfile.STATE
     with ledgerfile.Locked(layout):
-        state = ledger._load_state(path)
+        state = _load(path)
         record = state["open"].pop(lid, None)
         if record is None:
             return
         done = ledger._end(record, now, now, now, how, "service")
         ledgerfile.append(ledgerfile.ledger_path(layout), [done], *limits, durable=False)
         _unsynced.add(ledgerfile.ledger_path(layout))
-        ledger._save_state(path, state)
+        _save(path, state)
     ledger._append_user_view(layout, done, limits)
 
 
