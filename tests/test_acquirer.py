@@ -250,10 +250,11 @@ def test_a_run_behind_the_watchers_moves_up_without_a_poke(runtime: Layout) -> N
     queue, ahead, holder, acquirer = _behind(runtime, WATCHERS + 2)
     said = []
     got = []
+    looked = []
+    acquirer.observers.append(lambda d: looked.append(d) if d.cause == d.LOOK else None)
     thread = threading.Thread(target=lambda: got.append(acquire(acquirer, 8.0, b"pid=2\n", said.append)))
     thread.start()
-    wait_for(lambda: said)
-    time.sleep(0.3)
+    wait_for(lambda: looked, 5, "its first look from its place in line")
     for entry in ahead:  # they leave without a word to those behind them
         queue.leave(entry)
     holder.close()

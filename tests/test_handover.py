@@ -22,7 +22,7 @@ import pytest
 from cudawrap.sched.request import Request
 from support.sched import make_waiter
 from cudawrap.sched.run import acquire
-from cudawrap.sched.decision import UNKNOWN_HOLDER, WATCHERS
+from cudawrap.sched.decision import UNKNOWN_HOLDER, WATCHERS, Decision
 from cudawrap.sched import queue as waitqueue
 from cudawrap.base import inotify
 from cudawrap.sched.acquirer import Acquirer
@@ -92,22 +92,34 @@ def devices() -> List[Device]:
     return [Device(u, "H100", u, i, None, 80000, 0, ()) for i, u in enumerate(UUIDS)]
 
 
-def waiter(runtime: Layout, out: list) -> threading.Thread:
-    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), devices(),
-                        devices(), Request(1), refresh=lambda d: d)
+class Waiting(threading.Thread):
+    """A run waiting in this process; LOOKS: each full look it made (its decision observer)."""
 
-    def run() -> None:
-        lease = acquire(acquirer, 10.0, b"pid=1\n")
-        out.append((time.monotonic(), lease))
+    def __init__(self, runtime: Layout, out: list) -> None:
+        super().__init__()
+        self.looks: List[Decision] = []
+        self.acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), devices(),
+                                 devices(), Request(1), refresh=lambda d: d, observe=self._seen)
+        self.out = out
 
-    thread = threading.Thread(target=run)
+    def _seen(self, decision: Decision) -> None:
+        if decision.cause == Decision.LOOK:
+            self.looks.append(decision)
+
+    def run(self) -> None:
+        lease = acquire(self.acquirer, 10.0, b"pid=1\n")
+        self.out.append((time.monotonic(), lease))
+
+
+def waiter(runtime: Layout, out: list) -> Waiting:
+    thread = Waiting(runtime, out)
     thread.start()
     return thread
 
 
-def queued(runtime: Layout) -> None:
-    wait_for(lambda: any(n.endswith(".wait") for n in os.listdir(runtime.queue_dir)), 5)
-    time.sleep(0.3)  # its watches are set up and it has looked
+def queued(thread: Waiting) -> None:
+    """Until THREAD has made a full look from its place in line (its watches are set first)."""
+    wait_for(lambda: thread.looks, 5, "the waiter's first look")
 
 
 def test_a_released_device_is_taken_without_reading_the_lock_table(runtime: Layout,
@@ -116,7 +128,7 @@ def test_a_released_device_is_taken_without_reading_the_lock_table(runtime: Layo
     reads = Reads(monkeypatch)
     got: list = []
     thread = waiter(runtime, got)
-    queued(runtime)
+    queued(thread)
     freed = end(holders[1])
     thread.join(5)
     taken, lease = got[0]
@@ -141,7 +153,7 @@ def test_a_lease_let_go_by_a_process_that_lives_on_is_taken_without_reading_the_
     reads = Reads(monkeypatch)
     got: list = []
     thread = waiter(runtime, got)
-    queued(runtime)
+    queued(thread)
     let_go.stdin.write(b"\n")
     let_go.stdin.flush()
     assert let_go.stdout.readline() == b"closed\n"
@@ -307,7 +319,7 @@ def test_events_that_change_nothing_are_not_decided_on(runtime: Layout, monkeypa
     monkeypatch.setattr(Acquirer, "decide", counted)
     got: list = []
     thread = waiter(runtime, got)
-    queued(runtime)
+    queued(thread)
     wait_for(lambda: not decided or time.monotonic() - decided[-1] >= 0.3, 5)  # its first looks are over
     before = len(decided)
     for fd in lookers:  # closed, not opened: an open means a full look
@@ -328,7 +340,7 @@ def test_closing_a_held_lease_file_frees_nothing(runtime: Layout) -> None:
     holders = [hold(f"{runtime.lease_dir}/{u}") for u in UUIDS]
     got: list = []
     thread = waiter(runtime, got)
-    queued(runtime)
+    queued(thread)
     for _ in range(20):  # others' looks ending
         for uuid in UUIDS:
             os.close(os.open(f"{runtime.lease_dir}/{uuid}", os.O_RDONLY))
@@ -354,7 +366,7 @@ def test_a_lease_whose_taker_left_a_child_with_it_stays_held(runtime: Layout) ->
     child.wait()
     got: list = []
     thread = waiter(runtime, got)
-    queued(runtime)
+    queued(thread)
     for _ in range(5):
         os.close(os.open(path, os.O_RDONLY))
         time.sleep(0.05)
@@ -441,7 +453,7 @@ def test_a_storm_of_opens_of_a_held_lease_file_makes_no_looks(runtime: Layout, m
     reads = Reads(monkeypatch)
     got: list = []
     thread = waiter(runtime, got)
-    queued(runtime)
+    queued(thread)
     before = len(reads.at)
     started = time.monotonic()
     path = f"{runtime.lease_dir}/{UUIDS[0]}"
@@ -474,8 +486,7 @@ def test_pokes_that_cannot_be_true_make_a_waiter_behind_the_watchers_look_no_mor
     reads = Reads(monkeypatch)
     got: list = []
     thread = waiter(runtime, got)
-    wait_for(lambda: len(os.listdir(runtime.queue_dir)) > len(ahead), 5)
-    time.sleep(0.3)  # it has looked: 9th in line, not a watcher
+    queued(thread)  # it has looked: 9th in line, not a watcher
     (mine,) = set(os.listdir(runtime.queue_dir)) - {os.path.basename(p) for _fd, p in ahead}
     before = len(reads.at)
     for _ in range(300):
