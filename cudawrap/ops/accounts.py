@@ -26,6 +26,8 @@ from ..users import user_name
 _unsynced: "set[Path]" = set()  # ledger files written since their last fsync
 # What a grant's record needs that does not change between grants, kept between them: the
 # service records a grant before its descriptors leave, so every read here is a hand-over's.
+# (Not the ledger's state: other processes replace it, and a file replaced within one tick of
+# the clock by one of the same size, on a reused inode, looks unchanged.)
 _kept: Dict[str, Any] = {}
 
 
@@ -80,22 +82,6 @@ def _boot() -> str:
     return _kept["boot"]
 
 
-def _load(path: Path) -> Dict[str, Any]:
-    """The ledger's state (under its lock): the copy this process saved last while the file
-    is still that one (no look by another process replaced it since), else read. Taken out
-    of the keeping: it comes back only with a save that worked, so a copy changed and then
-    not saved is never mistaken for the file."""
-    kept = _kept.pop("state", None)
-    if kept is not None and kept[0] == (str(path), _signature(path)):
-        return kept[1]
-    return ledger._load_state(path)
-
-
-def _save(path: Path, state: Dict[str, Any]) -> None:
-    ledger._save_state(path, state)
-    _kept["state"] = ((str(path), _signature(path)), state)
-
-
 def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, asked: float,
           shared: Optional[float] = None) -> Optional[str]:
     """Record the grant of DEVICES to PID (asked at ASKED, time.time()); its lease id, or
@@ -118,14 +104,14 @@ def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, 
     limits = _limits(layout)
     path = layout.state_dir / ledgerfile.STATE
     with ledgerfile.Locked(layout):
-        state = _load(path)
+        state = ledger._load_state(path)
         if state["boot"] not in ("", boot):
             return lid  # a look after the restart records it (and ends what the old boot held)
         ledgerfile.append(ledgerfile.ledger_path(layout), [record], *limits, durable=False)
         _unsynced.add(ledgerfile.ledger_path(layout))
         state["boot"] = boot
         state["open"][lid] = record
-        _save(path, state)
+        ledger._save_state(path, state)
     return lid
 
 
@@ -135,14 +121,14 @@ def end(layout: Layout, lid: str, how: str = "ended") -> None:
     limits = _limits(layout)
     path = layout.state_dir / ledgerfile.STATE
     with ledgerfile.Locked(layout):
-        state = _load(path)
+        state = ledger._load_state(path)
         record = state["open"].pop(lid, None)
         if record is None:
             return
         done = ledger._end(record, now, now, now, how, "service")
         ledgerfile.append(ledgerfile.ledger_path(layout), [done], *limits, durable=False)
         _unsynced.add(ledgerfile.ledger_path(layout))
-        _save(path, state)
+        ledger._save_state(path, state)
     ledger._append_user_view(layout, done, limits)
 
 

@@ -240,6 +240,17 @@ def _leases(look: _Look, opened: Dict[str, Dict[str, Any]], waiting: Dict[str, D
     (its wait taken out of WAITING); each of OPENED no longer held is an end in OBS."""
     by_pid, shared = _held_by_pid(look.layout)
     current: Dict[str, Dict[str, Any]] = {}
+    # While the service runs, what it granted is its own to record (ops/accounts.py): a child
+    # its client, now gone, handed the descriptors to is not a new lease (uuid -> the users
+    # of such grants).
+    handed: Dict[str, Set[int]] = {}
+    for r in opened.values():
+        if r.get("seen_by") == "service":
+            client = proc(r["pid"])
+            if client is None or client.ticks != r["ticks"]:
+                for u in r["devices"]:
+                    handed.setdefault(u, set()).add(r["uid"])
+    serving = service_running(look.layout) if any(r.get("seen_by") == "service" for r in opened.values()) else False
     for pid, devices in by_pid.items():
         devices.sort()
         p = proc(pid, devices)
@@ -250,14 +261,13 @@ def _leases(look: _Look, opened: Dict[str, Dict[str, Any]], waiting: Dict[str, D
             continue
         if p is None:
             continue  # gone between the two looks at /proc: seen at the next look, if still held
+        if serving and all(p.uid in handed.get(u, ()) for u in devices):
+            continue
         record = _grant(look, p, devices, pid in shared, waiting.pop(str(pid), None))
         current[record["id"]] = record
         obs.grants.append(record)
-    serving = None
     for lid, record in opened.items():
         if lid not in current and record.get("seen_by") == "service":
-            if serving is None:
-                serving = service_running(look.layout)
             if serving:
                 # The service records its grants' ends exactly, and a grant's lock appears
                 # only once the client takes it: while it runs, its records are its own.
