@@ -34,6 +34,9 @@ MONITOR_LOG = RUNTIME_DIR + "/monitor.log"
 SERVICE_SOCKET = RUNTIME_DIR + "/cudawrap.sock"
 SERVICE_PID = RUNTIME_DIR + "/service.pid"
 SERVICE_LOG = RUNTIME_DIR + "/service.log"
+# Its key for reconnect tickets (root's, 0600) and how many runs waited in it (ops/tickets.py).
+SERVICE_KEY = STATE_DIR + "/service.key"
+SERVICE_WAITERS = RUNTIME_DIR + "/service.waiters"
 LIB_DIR = "opt/cudawrap"
 # The shim prototype: install.sh bakes the interpreter into it, and links made by cudawrap
 # before each program had its own shim still lead to it.

@@ -12,6 +12,11 @@ module it imports). A leaf: nothing here imports the rest of cudawrap.
 
 Descriptors (the lease files of a grant) travel beside a ``grant`` message as SCM_RIGHTS,
 in the order its ``devices`` field lists them.
+
+A ``wait`` message may carry ``ticket=`` (a waiter's place in line, signed by the service:
+ops/tickets.py); a client whose connection ends before its grant sends it back as
+``ticket=`` of its next ``request``. Both fields are optional: a peer without them is
+answered as before, so the version stays 1.
 """
 from __future__ import annotations
 
@@ -30,13 +35,13 @@ MAX_FDS = 64
 END = b"\n\n"
 
 # Client -> service.
-REQUEST = "request"  # ask for devices
+REQUEST = "request"  # ask for devices (ticket=: the place in line a restart took)
 HELD = "held"  # the grant's locks are taken
 LOST = "lost"  # a lock of the grant was taken by someone else first
 STATUS = "status"  # anyone's question: who holds and who waits (answer: json=)
 CANCEL = "cancel"  # pids=: end those waiting runs (their owner's or root's word, by the kernel)
 # Service -> client.
-WAIT = "wait"  # a line to show while waiting (text=)
+WAIT = "wait"  # a line to show while waiting (text=), and/or a reconnect ticket (ticket=)
 GRANT = "grant"  # descriptors attached
 DONE = "done"  # the grant counts as held; anything to add to the environment
 ERROR = "error"  # code= (an exit status), text=, hint=; the connection closes after it
