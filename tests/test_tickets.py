@@ -286,8 +286,11 @@ def test_a_waiter_stopped_across_the_restart_goes_before_a_newcomer_of_the_grace
         wait_for(lambda: bool(_said(out, "runs that waited before the restart: 1;")))
         newcomer = inst.start(inst.world.alice, "recon", "--hold", "60", CUDAWRAP_WAIT="120")
         assert b"the service has just restarted" in newcomer.stderr.readline()
+        hasty = inst.start(inst.world.alice, "recon", CUDAWRAP_WAIT="0")  # answered once it is over
+        assert b"the service has just restarted" in hasty.stderr.readline()
         os.kill(waiter.pid, signal.SIGCONT)
         assert len(ready_line(waiter)["devices"]) == 1
+        assert hasty.wait(timeout=30) == 75 and b"no free device" in hasty.stderr.read()
         assert _said(out, f"pid {waiter.pid} (uid {inst.world.alice.uid}) is back in line")
         wait_for(lambda: _granted_pids(out) == [waiter.pid])
         assert newcomer.poll() is None
