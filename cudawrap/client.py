@@ -225,8 +225,8 @@ def obtain_retrying(root: str, fields: Dict[str, str], on_wait: Callable[[str], 
                     retry_s: float) -> Granted:
     """obtain() where the run cannot decide for itself ([service] enforce): a service that
     does not answer, or goes away before granting (a restart), is tried again for RETRY_S;
-    ServiceUnavailable (69) after that. The run's place in line is not kept across a
-    restart: it asks again as a newcomer."""
+    ServiceUnavailable (69) after that. A run that was waiting asks again with the ticket
+    the service gave it (in FIELDS), which a restarted service honours with its place."""
     import time
 
     from .errors import ServiceUnavailable
@@ -266,7 +266,13 @@ def _converse(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str],
     while True:
         verb, reply = conn.receive()
         if verb == wire.WAIT:
-            on_wait(reply.get("text", ""))
+            ticket = reply.get("ticket")
+            if ticket:
+                # Echoed with the request should the service go away before granting
+                # (obtain_retrying): only the service can read it, and only this process use it.
+                fields["ticket"] = ticket
+            if reply.get("text"):
+                on_wait(reply["text"])
         elif verb == wire.ERROR:
             for granted in held:
                 granted.lease.release()

@@ -40,6 +40,9 @@ SERVICE_LOG = RUNTIME_DIR + "/service.log"
 # Held by the live service: while it is, the ledger's grants of seen_by "service" are its own
 # to end (a look by the monitor or a root command leaves them open).
 SERVICE_LOCK = RUNTIME_DIR + "/service.lock"
+# Its key for reconnect tickets (root's, 0600) and how many runs waited in it (ops/tickets.py).
+SERVICE_KEY = STATE_DIR + "/service.key"
+SERVICE_WAITERS = RUNTIME_DIR + "/service.waiters"
 LIB_DIR = "opt/cudawrap"
 # The shim prototype: install.sh bakes the interpreter into it, and links made by cudawrap
 # before each program had its own shim still lead to it.

@@ -91,6 +91,14 @@ class Layout:
         return self.root / loc.INVENTORY_CACHE
 
     @property
+    def service_key(self) -> Path:
+        return self.root / loc.SERVICE_KEY
+
+    @property
+    def service_waiters(self) -> Path:
+        return self.root / loc.SERVICE_WAITERS
+
+    @property
     def lib_dir(self) -> Path:
         return self.root / loc.LIB_DIR
 

@@ -15,6 +15,11 @@ Descriptors travel beside a ``grant`` message as SCM_RIGHTS, one for each entry 
 lease file), or ``lease:UUID:sh`` followed by ``slot:UUID:ex`` (a share: the shared lock on
 the lease file, the exclusive lock on one of its slot files). Its ``env`` and ``defaults``
 (``pairs``) are the variables the run gets, as a run that decides for itself sets them.
+
+A ``wait`` message may carry ``ticket=`` (a waiter's place in line, signed by the service:
+ops/tickets.py); a client whose connection ends before its grant sends it back as
+``ticket=`` of its next ``request``. Both fields are optional: a peer without them is
+answered as before, so the version stays 1.
 """
 from __future__ import annotations
 
@@ -33,13 +38,13 @@ MAX_FDS = 64
 END = b"\n\n"
 
 # Client -> service.
-REQUEST = "request"  # ask for devices (share=1: a share of each)
+REQUEST = "request"  # ask for devices (share=1: a share of each; ticket=: the place in line a restart took)
 HELD = "held"  # the grant's locks are taken
 LOST = "lost"  # a lock of the grant was taken by someone else first
 STATUS = "status"  # anyone's question: who holds and who waits (answer: json=)
 CANCEL = "cancel"  # pids=: end those waiting runs (their owner's or root's word, by the kernel)
 # Service -> client.
-WAIT = "wait"  # a line to show while waiting (text=)
+WAIT = "wait"  # a line to show while waiting (text=), and/or a reconnect ticket (ticket=)
 GRANT = "grant"  # descriptors attached (fds= says which is which), env=, defaults=
 DONE = "done"  # the grant counts as held; anything to add to the environment
 ERROR = "error"  # code= (an exit status), text=, hint=; the connection closes after it

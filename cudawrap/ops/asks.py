@@ -122,7 +122,9 @@ def _in_job(inventory: Inventory, candidates: List[Any], job: JobGpus, count: in
                         f"this machine{why})", hint=hint)
 
 
-def arrival_key(pid: int) -> "tuple[str, float]":
-    """A waiter's key (sorts by arrival, unique) and its arrival, from the service's clock."""
-    now_ns = time.time_ns()
+def arrival_key(pid: int, now_ns: Optional[int] = None) -> "tuple[str, float]":
+    """A waiter's key (sorts by arrival, unique) and its arrival, from the service's clock
+    (NOW_NS: the arrival a reconnect ticket restored)."""
+    if now_ns is None:
+        now_ns = time.time_ns()
     return f"{now_ns:020d}.{pid}.service", now_ns / 1e9

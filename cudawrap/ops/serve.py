@@ -7,7 +7,8 @@ directory changed) and at least every TICK_S while anyone waits (NVML has no eve
 more often than MIN_GAP_S; asking Slurm for a client's job's GPUs (it may block) runs on worker
 threads (slurmjob.Lookups). Whatever a client sends, the worst it gets is one error line and
 a closed connection; a user may keep at most max_connections connections open, and one that
-does not send its request within HELLO_S is closed.
+does not send its request within HELLO_S is closed. A waiting client keeps its place across a
+restart of the service by the ticket it was given (ops/tickets.py).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from .cancel import CANCELLED_EXIT
 from ..errors import CudawrapError, SetupError
 from ..sched.schedule import GRANTED, Verdict, Waiter
 from ..users import user_name
-from . import asks, peer, slurmjob
+from . import asks, peer, slurmjob, tickets
+from ..paths import Layout
 from .grants import Grants, Held
 from .line import Line
 from .slurmjob import JobCgroup, JobGpus
@@ -55,10 +57,11 @@ class Client:
         self.hello_by = time.monotonic() + HELLO_S
         self.ask: Optional[asks.Ask] = None
         self.resolving: Optional[Tuple[JobCgroup, Dict[str, str]]] = None  # its Slurm job's GPUs being asked
-        self.arrival = ("", 0.0)
         self.waiter: Optional[Waiter] = None
         self.wait_until = float("inf")
         self.told = ""
+        self.arrival_ns = 0
+        self.ticket_at = float("-inf")  # when it was last given a ticket (time.monotonic())
 
     @property
     def fresh(self) -> bool:
@@ -94,18 +97,38 @@ class Service:
         self.line = Line(root)
         from pathlib import Path
 
-        from ..paths import Layout
-
-        self.grants = Grants(self.line.leases, Layout(Path(root)))
+        layout = Layout(Path(root))
+        self.grants = Grants(self.line.leases, layout)
         self.clients: Dict[int, Client] = {}  # socket fd -> client
         self.selector = selectors.DefaultSelector()
         self.dirty = False
         self.last_decision = 0.0
+        self.notes: List[str] = []  # for the log, once it listens
         self.listener = self._listen()
         self.watch = self._watch()
         self.jobs = slurmjob.Lookups()  # Slurm is asked off the loop: it may block
         self.selector.register(self.jobs.fileno(), selectors.EVENT_READ, "slurm")
         self._adopt()
+        self._tickets(layout)
+
+    def _tickets(self, layout: Layout) -> None:
+        key, why = tickets.load_key(layout.service_key)
+        if why not in ("", "missing"):
+            self.notes.append(f"a new key for reconnect tickets in {layout.service_key} (the old one was {why})")
+        self.tickets = tickets.Tickets(key, time.time())
+        # The grace after a restart (ops/tickets.py): nothing is granted until as many runs as
+        # held tickets of the service before it are back in line with them, or GRACE_S.
+        self.census = tickets.Census(layout.service_waiters)
+        from ..install.runtime import enforced
+
+        # Without [service] enforce the waiters of a service that went away wait in the queue
+        # directory instead (client.obtain): none comes back to be waited for.
+        self.expected = self.census.previous(time.time()) if enforced(layout) else 0
+        self.returned = 0
+        self.grace_until = time.monotonic() + (tickets.GRACE_S if self.expected else 0.0)
+        if self.expected:
+            self.notes.append(f"runs that waited before the restart: {self.expected}; nothing is granted "
+                              f"until they are back in line (up to {tickets.GRACE_S:g} s)")
 
     # -- setting up -------------------------------------------------------------------------
     def _listen(self) -> socket.socket:
@@ -211,6 +234,8 @@ class Service:
         if self._waiting():
             times.append(now + TICK_S)
             times += [c.wait_until for c in self._waiting()]
+            if self.grace_until > now:
+                times.append(self.grace_until)
             if self.dirty:
                 times.append(self.last_decision + MIN_GAP_S)
         return max(0.0, min(times) - now) if times else TICK_S * 30
@@ -236,8 +261,13 @@ class Service:
         for client in [c for c in self.clients.values() if c.fresh and c.hello_by <= now]:
             self._drop(client)  # connected and never asked: its slot goes to others
         for key in self.grants.expired(now):
-            self.grants.void(key)
-            self.dirty = True
+            self._late(key)
+        if self.grace_until and not self._in_grace(now):
+            if self.expected:
+                _say(f"back in line after the restart: {self.returned} of {self.expected} runs; deciding for everyone")
+            self.grace_until = 0.0
+            self.dirty = True  # those who came meanwhile are decided on now
+        self.census.note(self._holders(), now)
         if self._waiting() and (self.dirty or now - self.last_decision >= TICK_S
                                 or any(c.wait_until <= now for c in self._waiting())):
             if now - self.last_decision >= MIN_GAP_S:
@@ -245,6 +275,24 @@ class Service:
 
     def _waiting(self) -> List[Client]:
         return [c for c in self.clients.values() if c.waiter is not None]
+
+    def _late(self, key: str) -> None:
+        """The grant KEY is past its deadline: void, unless its client's word is waiting unread
+        (a long step, such as a burst of requests, can outlast the deadline by itself)."""
+        client = next((c for c in self._waiting() if c.waiter is not None and c.waiter.key == key), None)
+        if client is not None:
+            self._readable(client)
+        if key in self.grants.pending:
+            self.grants.void(key)
+            self.dirty = True
+
+    def _holders(self) -> int:
+        """Waiting runs that hold tickets: those told to wait (one granted at once never is)."""
+        return sum(1 for c in self._waiting() if c.ticket_at > float("-inf"))
+
+    def _in_grace(self, now: float) -> bool:
+        """Whether the runs that waited before a restart may not all be back in line yet."""
+        return now < self.grace_until and self.returned < self.expected
 
     # -- connections ------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -323,7 +371,7 @@ class Service:
             self._fail(client, os.EX_PROTOCOL, f"the cudawrap service: a {verb} message out of turn")
 
     def _request(self, client: Client, fields: Dict[str, str]) -> None:
-        client.arrival = asks.arrival_key(client.peer.pid)  # its place in line: when it asked
+        client.arrival_ns = time.time_ns()  # its place in line: when it asked (or a ticket's, in _ask)
         try:
             job = slurmjob.job_of(client.peer.pid)
         except CudawrapError as exc:
@@ -361,12 +409,58 @@ class Service:
         except CudawrapError as exc:
             self._fail(client, exc.exit_code, exc.message, exc.hint or "")
             return
-        key, arrival = client.arrival
+        restored = self._resume(client, fields.get("ticket", ""))
+        client.arrival_ns = restored or client.arrival_ns
+        key, arrival = asks.arrival_key(client.peer.pid, client.arrival_ns)
         client.ask = ask
         client.waiter = ask.waiter(key, client.peer.uid, client.peer.pid, arrival)
-        client.wait_until = time.monotonic() + ask.wait
+        now = time.monotonic()
+        # Its wait counts from its arrival, before a restart too.
+        client.wait_until = now + max(0.0, ask.wait - max(0.0, time.time() - arrival))
         self.dirty = True
+        if self._in_grace(now):
+            # Decided with everyone once the grace is over: a run that waited before the
+            # restart goes in its old place, a newcomer in its own, as if nothing happened.
+            client.wait_until = max(client.wait_until, self.grace_until)
+            client.told = "grace"
+            if not self._tell(client, "waiting for a device: the service has just restarted, and the runs that "
+                                      f"waited in it are coming back in line (up to {tickets.GRACE_S:g} s)"):
+                self._drop(client)
+            return
         self._decide()  # a newcomer is answered at once, free devices or not
+
+    def _resume(self, client: Client, text: str) -> Optional[int]:
+        """The arrival (ns) CLIENT's ticket restores, or None (a newcomer; the log says why)."""
+        if not text:
+            return None
+        from ..proc import start_time
+
+        who = client.peer
+        try:
+            arrival_ns = self.tickets.check(text, who.uid, who.pid, start_time(who.pid), time.time())
+        except tickets.Refused as exc:
+            _say(f"the ticket of pid {who.pid} (uid {who.uid}) restores nothing: {exc}; it waits as a newcomer")
+            return None
+        self.returned += 1
+        _say(f"pid {who.pid} (uid {who.uid}) is back in line as it arrived at {arrival_ns / 1e9:.3f}")
+        return arrival_ns
+
+    def _tell(self, client: Client, text: str) -> bool:
+        """A wait line for CLIENT (none if TEXT is empty), with a new ticket when its last one is
+        getting old; False when the client is gone."""
+        fields = {"text": text} if text else {}
+        now = time.monotonic()
+        if now - client.ticket_at >= tickets.REFRESH_S:
+            from ..proc import start_time
+
+            start = start_time(client.peer.pid)
+            if start is not None:
+                if client.ticket_at == float("-inf"):
+                    self.census.note(self._holders() + 1, now)  # before the run can know of it
+                fields["ticket"] = self.tickets.issue(client.peer.uid, client.peer.pid, start,
+                                                      client.arrival_ns, time.time())
+                client.ticket_at = now
+        return client.send(wire.WAIT, fields) if fields else True
 
     def _held(self, client: Client) -> None:
         assert client.waiter is not None and client.ask is not None
@@ -442,6 +536,8 @@ class Service:
     def _decide(self) -> None:
         self.last_decision = time.monotonic()
         self.dirty = False
+        if self._in_grace(self.last_decision):
+            return  # nobody is granted before the runs that waited are back (ops/tickets.py)
         waiting = [c for c in self._waiting() if c.waiter is not None and c.waiter.key not in self.grants.pending]
         if not waiting:
             return
@@ -461,8 +557,10 @@ class Service:
                 self._timed_out(client, verdict)
             elif verdict.kind != client.told:
                 client.told = verdict.kind
-                if not client.send(wire.WAIT, {"text": f"waiting for a device: {verdict.text} (pid {client.peer.pid})"}):
+                if not self._tell(client, f"waiting for a device: {verdict.text} (pid {client.peer.pid})"):
                     self._drop(client)
+            elif now - client.ticket_at >= tickets.REFRESH_S and not self._tell(client, ""):
+                self._drop(client)
 
     def _offer(self, client: Client, devices: List[str]) -> bool:
         """Send CLIENT the grant of DEVICES: of a share of each that has slots, for a shared
@@ -519,7 +617,6 @@ def serve(root: str) -> None:
     raise_file_limit()
     config = load_config(Path(root) / loc.CONFIG_FILE)  # a broken config: one line, 78, before listening
     from ..install.runtime import prepare_runtime
-    from ..paths import Layout
 
     # [service] enforce: the lease, slot and queue directories become root's before the
     # first grant (and users' again when it is turned off); `cudawrap sync` does the same.
@@ -529,6 +626,8 @@ def serve(root: str) -> None:
     try:
         service = Service(root, config["max_connections_per_uid"], config["private_status"])
         _say(f"listening on {service.path}")
+        for note in service.notes:
+            _say(note)
         service.run()
     finally:
         stop_monitor(monitor)
