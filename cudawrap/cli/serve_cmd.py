@@ -19,7 +19,7 @@ class ServeCommand(Command):
         from ..base.daemon import AlreadyRunning, detach
         from ..errors import SetupError
         from ..lease.files import SYNC_HINT
-        from ..ops.serve import serve
+        from ..ops.servestart import serve
         from ..base.privilege import require_admin
 
         layout = default_layout()

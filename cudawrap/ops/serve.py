@@ -16,76 +16,33 @@ import logging
 import os
 import selectors
 import signal
-import socket
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from .. import locations as loc
 from .. import wire
 from .cancel import CANCELLED_EXIT
-from ..errors import CudawrapError, SetupError
-from ..sched.schedule import GRANTED, Verdict, Waiter
+from ..errors import CudawrapError
+from ..sched.schedule import GRANTED, Verdict
 from ..users import user_name
 from . import asks, peer, slurmjob, tickets
 from ..paths import Layout
+from .comeback import Comeback
+from .connection import Client, listen
 from .grants import Grants, Held
 from .line import Line
-from .slurmjob import JobCgroup, JobGpus
+from .slurmjob import JobGpus
 
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0
 MIN_GAP_S = 0.002
-HELLO_S = 5.0
-ANSWER_S = 2.0
 IDLE_SYNC_S = 0.05  # the ledger is made durable once nothing happened for this long
 MAX_CONNECTIONS_PER_UID = 1000  # as many runs as one user may have in the queue directory
-BACKLOG = 1024
 
 
 class _Stop(Exception):
     """SIGTERM, SIGINT or SIGHUP: close the socket and leave."""
-
-
-class Client:
-    """One connection: who it is, what it asks, where it stands."""
-
-    def __init__(self, sock: socket.socket, who: peer.Peer) -> None:
-        self.sock = sock
-        self.peer = who
-        self.reader = wire.Reader()
-        self.hello_by = time.monotonic() + HELLO_S
-        self.ask: Optional[asks.Ask] = None
-        self.resolving: Optional[Tuple[JobCgroup, Dict[str, str]]] = None  # its Slurm job's GPUs being asked
-        self.waiter: Optional[Waiter] = None
-        self.wait_until = float("inf")
-        self.told = ""
-        self.arrival_ns = 0
-        self.ticket_at = float("-inf")  # when it was last given a ticket (time.monotonic())
-
-    @property
-    def fresh(self) -> bool:
-        """Connected, and has asked nothing yet."""
-        return self.ask is None and self.resolving is None
-
-    def send(self, verb: str, fields: Dict[str, str]) -> bool:
-        try:
-            return self.sock.send(wire.encode(verb, fields)) > 0
-        except OSError:  # full (a client that never reads) or gone: either way, done with it
-            return False
-
-    def answer(self, fields: Dict[str, str]) -> None:
-        """Send an answer (it may be far larger than a socket buffer: status with 500
-        waiters) whole, giving a client that does not read ANSWER_S at most."""
-        try:
-            data = wire.encode(wire.ANSWER, fields)
-        except ValueError as exc:
-            data = wire.encode(wire.ERROR, {"text": str(exc), "code": str(os.EX_SOFTWARE)})
-        try:
-            self.sock.settimeout(ANSWER_S)
-            self.sock.sendall(data)
-        except OSError:
-            pass
 
 
 class Service:
@@ -104,63 +61,16 @@ class Service:
         self.dirty = False
         self.last_decision = 0.0
         self.notes: List[str] = []  # for the log, once it listens
-        self.listener = self._listen()
+        self.path = loc.under(root, loc.SERVICE_SOCKET)
+        self.listener = listen(self.path)
+        self.selector.register(self.listener, selectors.EVENT_READ, "listen")
         self.watch = self._watch()
         self.jobs = slurmjob.Lookups()  # Slurm is asked off the loop: it may block
         self.selector.register(self.jobs.fileno(), selectors.EVENT_READ, "slurm")
         self._adopt()
-        self._tickets(layout)
-
-    def _tickets(self, layout: Layout) -> None:
-        key, why = tickets.load_key(layout.service_key)
-        if why not in ("", "missing"):
-            self.notes.append(f"a new key for reconnect tickets in {layout.service_key} (the old one was {why})")
-        self.tickets = tickets.Tickets(key, time.time())
-        # The grace after a restart (ops/tickets.py): nothing is granted until as many runs as
-        # held tickets of the service before it are back in line with them, or GRACE_S.
-        self.census = tickets.Census(layout.service_waiters)
-        from ..install.runtime import enforced
-
-        # Without [service] enforce the waiters of a service that went away wait in the queue
-        # directory instead (client.obtain): none comes back to be waited for.
-        self.expected = self.census.previous(time.time()) if enforced(layout) else 0
-        self.returned = 0
-        self.grace_until = time.monotonic() + (tickets.GRACE_S if self.expected else 0.0)
-        if self.expected:
-            self.notes.append(f"runs that waited before the restart: {self.expected}; nothing is granted "
-                              f"until they are back in line (up to {tickets.GRACE_S:g} s)")
+        self.comeback = Comeback(layout, self.notes, _say)
 
     # -- setting up -------------------------------------------------------------------------
-    def _listen(self) -> socket.socket:
-        path = loc.under(self.root, loc.SERVICE_SOCKET)
-        if not os.path.isdir(os.path.dirname(path)):
-            from ..lease.files import SYNC_HINT
-
-            raise SetupError(f"the runtime directory {os.path.dirname(path)} is missing", hint=SYNC_HINT)
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-            raise SetupError(f"a service already answers on {path}",
-                             hint="stop it first (systemctl stop cudawrap, or kill the pid in its pid file)")
-        except OSError:
-            pass  # nobody answers: a socket left by a service that died is replaced
-        finally:
-            probe.close()
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        tmp = f"{path}.{os.getpid()}.new"
-        sock.bind(tmp)
-        os.chmod(tmp, 0o666)  # every user connects; who they are comes from the kernel
-        os.rename(tmp, path)
-        sock.listen(BACKLOG)
-        sock.setblocking(False)
-        self.selector.register(sock, selectors.EVENT_READ, "listen")
-        self.path = path
-        return sock
-
     def _watch(self) -> Optional[object]:
         from ..base import inotify
 
@@ -234,8 +144,8 @@ class Service:
         if self._waiting():
             times.append(now + TICK_S)
             times += [c.wait_until for c in self._waiting()]
-            if self.grace_until > now:
-                times.append(self.grace_until)
+            if self.comeback.grace_until > now:
+                times.append(self.comeback.grace_until)
             if self.dirty:
                 times.append(self.last_decision + MIN_GAP_S)
         return max(0.0, min(times) - now) if times else TICK_S * 30
@@ -262,12 +172,9 @@ class Service:
             self._drop(client)  # connected and never asked: its slot goes to others
         for key in self.grants.expired(now):
             self._late(key)
-        if self.grace_until and not self._in_grace(now):
-            if self.expected:
-                _say(f"back in line after the restart: {self.returned} of {self.expected} runs; deciding for everyone")
-            self.grace_until = 0.0
+        if self.comeback.ended(now):
             self.dirty = True  # those who came meanwhile are decided on now
-        self.census.note(self._holders(), now)
+        self.comeback.census.note(self._holders(), now)
         if self._waiting() and (self.dirty or now - self.last_decision >= TICK_S
                                 or any(c.wait_until <= now for c in self._waiting())):
             if now - self.last_decision >= MIN_GAP_S:
@@ -289,10 +196,6 @@ class Service:
     def _holders(self) -> int:
         """Waiting runs that hold tickets: those told to wait (one granted at once never is)."""
         return sum(1 for c in self._waiting() if c.ticket_at > float("-inf"))
-
-    def _in_grace(self, now: float) -> bool:
-        """Whether the runs that waited before a restart may not all be back in line yet."""
-        return now < self.grace_until and self.returned < self.expected
 
     # -- connections ------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -409,7 +312,7 @@ class Service:
         except CudawrapError as exc:
             self._fail(client, exc.exit_code, exc.message, exc.hint or "")
             return
-        restored = self._resume(client, fields.get("ticket", ""))
+        restored = self.comeback.resume(client.peer.uid, client.peer.pid, fields.get("ticket", ""))
         client.arrival_ns = restored or client.arrival_ns
         key, arrival = asks.arrival_key(client.peer.pid, client.arrival_ns)
         client.ask = ask
@@ -418,10 +321,10 @@ class Service:
         # Its wait counts from its arrival, before a restart too.
         client.wait_until = now + max(0.0, ask.wait - max(0.0, time.time() - arrival))
         self.dirty = True
-        if self._in_grace(now):
+        if self.comeback.in_grace(now):
             # Decided with everyone once the grace is over: a run that waited before the
             # restart goes in its old place, a newcomer in its own, as if nothing happened.
-            client.wait_until = max(client.wait_until, self.grace_until)
+            client.wait_until = max(client.wait_until, self.comeback.grace_until)
             client.told = "grace"
             if not self._tell(client, "waiting for a device: the service has just restarted, and the runs that "
                                       f"waited in it are coming back in line (up to {tickets.GRACE_S:g} s)"):
@@ -429,36 +332,16 @@ class Service:
             return
         self._decide()  # a newcomer is answered at once, free devices or not
 
-    def _resume(self, client: Client, text: str) -> Optional[int]:
-        """The arrival (ns) CLIENT's ticket restores, or None (a newcomer; the log says why)."""
-        if not text:
-            return None
-        from ..proc import start_time
-
-        who = client.peer
-        try:
-            arrival_ns = self.tickets.check(text, who.uid, who.pid, start_time(who.pid), time.time())
-        except tickets.Refused as exc:
-            _say(f"the ticket of pid {who.pid} (uid {who.uid}) restores nothing: {exc}; it waits as a newcomer")
-            return None
-        self.returned += 1
-        _say(f"pid {who.pid} (uid {who.uid}) is back in line as it arrived at {arrival_ns / 1e9:.3f}")
-        return arrival_ns
-
     def _tell(self, client: Client, text: str) -> bool:
         """A wait line for CLIENT (none if TEXT is empty), with a new ticket when its last one is
         getting old; False when the client is gone."""
         fields = {"text": text} if text else {}
         now = time.monotonic()
         if now - client.ticket_at >= tickets.REFRESH_S:
-            from ..proc import start_time
-
-            start = start_time(client.peer.pid)
-            if start is not None:
-                if client.ticket_at == float("-inf"):
-                    self.census.note(self._holders() + 1, now)  # before the run can know of it
-                fields["ticket"] = self.tickets.issue(client.peer.uid, client.peer.pid, start,
-                                                      client.arrival_ns, time.time())
+            ticket = self.comeback.issue(client.peer.uid, client.peer.pid, client.arrival_ns,
+                                         client.ticket_at == float("-inf"), self._holders(), now)
+            if ticket is not None:
+                fields["ticket"] = ticket
                 client.ticket_at = now
         return client.send(wire.WAIT, fields) if fields else True
 
@@ -536,7 +419,7 @@ class Service:
     def _decide(self) -> None:
         self.last_decision = time.monotonic()
         self.dirty = False
-        if self._in_grace(self.last_decision):
+        if self.comeback.in_grace(self.last_decision):
             return  # nobody is granted before the runs that waited are back (ops/tickets.py)
         waiting = [c for c in self._waiting() if c.waiter is not None and c.waiter.key not in self.grants.pending]
         if not waiting:
@@ -598,97 +481,3 @@ class Service:
 def _say(line: str) -> None:
     """A line for the journal (or the --daemon log): the service's own account of what it did."""
     print(f"cudawrap serve: {line}", flush=True)
-
-
-def raise_file_limit() -> None:
-    """Room for thousands of clients and their pidfds."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def serve(root: str) -> None:
-    from pathlib import Path
-
-    from ..policy.config import load_config
-
-    raise_file_limit()
-    config = load_config(Path(root) / loc.CONFIG_FILE)  # a broken config: one line, 78, before listening
-    from ..install.runtime import prepare_runtime
-
-    # [service] enforce: the lease, slot and queue directories become root's before the
-    # first grant (and users' again when it is turned off); `cudawrap sync` does the same.
-    prepare_runtime(Layout(Path(root)), bool(config["enforce"]))
-    lock = _hold_service_lock(root)
-    monitor = start_monitor(Layout(Path(root)), lock)  # before NVML is opened here: a fork must not share it
-    try:
-        service = Service(root, config["max_connections_per_uid"], config["private_status"])
-        _say(f"listening on {service.path}")
-        for note in service.notes:
-            _say(note)
-        service.run()
-    finally:
-        stop_monitor(monitor)
-        os.close(lock)
-
-
-def _hold_service_lock(root: str) -> int:
-    """The service's lock (root's alone), held for its life: see ledger.service_running."""
-    import fcntl
-
-    path = loc.under(root, loc.SERVICE_LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    os.fchmod(fd, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise SetupError(f"a service already holds {path}",
-                         hint="stop it first (systemctl stop cudawrap, or kill the pid in its pid file)") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def start_monitor(layout: object, lock: int) -> int:
-    """The monitor's loop (ops/monitor.py: the snapshot, the ledger's look at foreign work,
-    health, memory, metrics) in a child of the service: it shares nothing with the grant
-    path (no lock, no interpreter), dies with the service (PR_SET_PDEATHSIG: also when the
-    service is killed with -9), and waits its turn while a cudawrap-monitor unit runs one.
-    It lets go of the service's LOCK: that says the service lives, not its monitor."""
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 0
-    try:
-        os.close(lock)
-        _die_with(os.getppid())
-        from .monitor import run
-
-        run(layout)  # type: ignore[arg-type]
-    except BaseException:  # noqa: BLE001 - whatever ends it, never return into the parent's code
-        logging.getLogger(__name__).exception("the monitor's loop ended")
-        code = 1
-    os._exit(code)
-
-
-def _die_with(parent: int) -> None:
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # the parent died before the prctl took effect
-        os._exit(0)
-
-
-def stop_monitor(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-        os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass

@@ -1,0 +1,106 @@
+"""Starting `cudawrap serve`: room for thousands of clients, the service's lock, the monitor's
+loop in a child of its own, then the loop that grants (serve.py) until a signal ends it."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from .. import locations as loc
+from ..errors import SetupError
+from ..paths import Layout
+from .serve import Service, _say
+
+
+def raise_file_limit() -> None:
+    """Room for thousands of clients and their pidfds."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def serve(root: str) -> None:
+    from pathlib import Path
+
+    from ..policy.config import load_config
+
+    raise_file_limit()
+    config = load_config(Path(root) / loc.CONFIG_FILE)  # a broken config: one line, 78, before listening
+    from ..install.runtime import prepare_runtime
+
+    # [service] enforce: the lease, slot and queue directories become root's before the
+    # first grant (and users' again when it is turned off); `cudawrap sync` does the same.
+    prepare_runtime(Layout(Path(root)), bool(config["enforce"]))
+    lock = _hold_service_lock(root)
+    monitor = start_monitor(Layout(Path(root)), lock)  # before NVML is opened here: a fork must not share it
+    try:
+        service = Service(root, config["max_connections_per_uid"], config["private_status"])
+        _say(f"listening on {service.path}")
+        for note in service.notes:
+            _say(note)
+        service.run()
+    finally:
+        stop_monitor(monitor)
+        os.close(lock)
+
+
+def _hold_service_lock(root: str) -> int:
+    """The service's lock (root's alone), held for its life: see ledger.service_running."""
+    import fcntl
+
+    path = loc.under(root, loc.SERVICE_LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SetupError(f"a service already holds {path}",
+                         hint="stop it first (systemctl stop cudawrap, or kill the pid in its pid file)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def start_monitor(layout: object, lock: int) -> int:
+    """The monitor's loop (ops/monitor.py: the snapshot, the ledger's look at foreign work,
+    health, memory, metrics) in a child of the service: it shares nothing with the grant
+    path (no lock, no interpreter), dies with the service (PR_SET_PDEATHSIG: also when the
+    service is killed with -9), and waits its turn while a cudawrap-monitor unit runs one.
+    It lets go of the service's LOCK: that says the service lives, not its monitor."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        os.close(lock)
+        _die_with(os.getppid())
+        from .monitor import run
+
+        run(layout)  # type: ignore[arg-type]
+    except BaseException:  # noqa: BLE001 - whatever ends it, never return into the parent's code
+        logging.getLogger(__name__).exception("the monitor's loop ended")
+        code = 1
+    os._exit(code)
+
+
+def _die_with(parent: int) -> None:
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before the prctl took effect
+        os._exit(0)
+
+
+def stop_monitor(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
