@@ -195,14 +195,14 @@ def _lock_all(fds: List[int], described: List[Tuple[str, str, bool]]) -> Optiona
     return Lease(leases, slots)
 
 
-def obtain(root: str, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Optional[Granted]:
+def ask(root: str, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Optional[Granted]:
     """Devices from the service for one run: what it Granted (the locks held here), or None
     when no service answers (the caller decides without it). ServiceError for a refusal."""
     return _attempt(root, fields, on_wait)[0]
 
 
 def _attempt(root: str, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Tuple[Optional[Granted], bool]:
-    """obtain()'s answer, and whether a service answered at all."""
+    """ask()'s answer, and whether a service answered at all."""
     sock = connect(root)
     if sock is None:
         return None, False
@@ -221,9 +221,9 @@ NOT_RUNNING = "the cudawrap service is not running"
 START_IT = "ask the administrator to start it (systemctl start cudawrap)"
 
 
-def obtain_retrying(root: str, fields: Dict[str, str], on_wait: Callable[[str], None],
+def ask_retrying(root: str, fields: Dict[str, str], on_wait: Callable[[str], None],
                     retry_s: float) -> Granted:
-    """obtain() where the run cannot decide for itself ([service] enforce): a service that
+    """ask() where the run cannot decide for itself ([service] enforce): a service that
     does not answer, or goes away before granting (a restart), is tried again for RETRY_S;
     ServiceUnavailable (69) after that. A run that was waiting asks again with the ticket
     the service gave it (in FIELDS), which a restarted service honours with its place."""
@@ -269,7 +269,7 @@ def _converse(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str],
             ticket = reply.get("ticket")
             if ticket:
                 # Echoed with the request should the service go away before granting
-                # (obtain_retrying): only the service can read it, and only this process use it.
+                # (ask_retrying): only the service can read it, and only this process use it.
                 fields["ticket"] = ticket
             if reply.get("text"):
                 on_wait(reply["text"])

@@ -285,9 +285,9 @@ def _from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, cou
         if devices is not None:
             fields["visible"] = devices
     if not enforced:
-        granted = client.obtain(root, fields, on_wait)
+        granted = client.ask(root, fields, on_wait)
     else:
-        granted = client.obtain_retrying(root, fields, on_wait, float(value.get("connect_retry_s", 10.0)))
+        granted = client.ask_retrying(root, fields, on_wait, float(value.get("connect_retry_s", 10.0)))
     if granted is None:
         return None
     lease = granted.lease

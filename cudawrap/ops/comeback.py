@@ -25,7 +25,7 @@ class Comeback:
         self.tickets = tickets.Tickets(key, time.time())
         # Nothing is granted until as many runs as held tickets of the service before this one
         # are back in line with them, or GRACE_S. Without [service] enforce the waiters of a
-        # service that went away wait in the queue directory instead (client.obtain): none
+        # service that went away wait in the queue directory instead (client.ask): none
         # comes back to be waited for.
         self.census = tickets.Census(layout.service_waiters)
         self.expected = self.census.previous(time.time()) if enforced(layout) else 0
