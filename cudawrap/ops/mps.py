@@ -186,9 +186,10 @@ def _start_one(layout: Layout, control: str, device: Managed) -> Outcome:
         return Outcome(device.uuid, False, f"its pipe directory {pipe} is too long for MPS's unix sockets "
                                            f"(at most {MAX_PIPE_DIR_BYTES} bytes): install under a shorter --prefix")
     try:
-        # Root's, 0755: users' clients connect to the daemon's socket, nobody else writes here.
-        for path in (layout.mps_dir, Path(pipe), layout.root / loc.LOG_DIR, layout.mps_log_dir, Path(logs)):
+        # Root's, 0755; the pipe directory, where clients connect, as [service] enforce wants.
+        for path in (layout.mps_dir, layout.root / loc.LOG_DIR, layout.mps_log_dir, Path(logs)):
             _dir(path, 0o755)
+        _pipe_dir(layout, pipe)
     except OSError as exc:
         return Outcome(device.uuid, False, f"cannot make {exc.filename}: {exc.strerror or exc}")
     env = _environ(CUDA_VISIBLE_DEVICES=device.uuid, CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=logs)
@@ -204,6 +205,16 @@ def _start_one(layout: Layout, control: str, device: Managed) -> Outcome:
     _seal_pid_file(pipe)
     log.debug("MPS control daemon for %s listens in %s", device.uuid, pipe)
     return Outcome(device.uuid, True, "started")
+
+
+def _pipe_dir(layout: Layout, pipe: str) -> None:
+    """PIPE made, then as [service] enforce wants it: for the service's sharers alone
+    (0700 and their ACL, which this leaves alone), else 0755 (ops/mpsaccess.py)."""
+    from ..install.runtime import enforced
+    from .mpsaccess import OPEN_MODE, open_up, seal
+
+    os.makedirs(pipe, mode=OPEN_MODE, exist_ok=True)
+    (seal if enforced(layout) else open_up)(pipe)
 
 
 def _seal_pid_file(pipe: str) -> None:
