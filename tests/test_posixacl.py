@@ -48,3 +48,33 @@ def test_the_kernel_takes_it_and_sets_the_mode_from_it(tmp_path: Path) -> None:
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
     with pytest.raises(OSError):  # the kernel keeps an ACL that says no more than the mode as the mode
         os.getxattr(directory, posixacl.XATTR)
+
+
+def test_a_filesystem_without_acls_gets_one_warning_and_its_directory_left_as_it_is(tmp_path: Path) -> None:
+    """The service's side (ops/mpsaccess.PipeAccess) where setxattr says EOPNOTSUPP: a ramfs."""
+    import subprocess
+
+    from cudawrap.lease.sharing import mps_pipe_dir
+    from cudawrap.ops.mpsaccess import PipeAccess
+    from cudawrap.paths import Layout
+
+    layout = Layout(tmp_path / "root")
+    uuid = "GPU-00000000-0000-0000-0000-000000000001"
+    pipe = Path(mps_pipe_dir(str(layout.root), uuid))
+    pipe.parent.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "ramfs", "cudawrap-test", str(pipe.parent)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs here: {mounted.stderr.strip()}")
+    try:
+        pipe.mkdir(mode=0o755)
+        pipe.chmod(0o755)
+        said: list = []
+        access = PipeAccess(layout, said.append)
+        access.set(uuid, {4242})
+        access.set(uuid, set())
+        access.rebuild({uuid: {4242, 4343}})
+        assert len(said) == 1 and str(pipe) in said[0] and "no POSIX ACLs" in said[0], said
+        assert stat.S_IMODE(os.stat(pipe).st_mode) == 0o755
+    finally:
+        subprocess.run(["umount", "-l", str(pipe.parent)], check=False)
