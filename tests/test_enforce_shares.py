@@ -14,6 +14,7 @@ from typing import Dict, Iterator, List
 
 import pytest
 
+from cudawrap.base import posixacl
 from support.installed import ready_line, waiting_line
 from support.procs import cli_code, wait_for
 from test_enforce import ENFORCE
@@ -225,14 +226,17 @@ def test_an_mps_client_without_a_share_keeps_the_services_shares_off_its_device(
     """Carol connects to the device's MPS daemon without a share while alice holds one there:
     the service reads NVML again before it adds alice's next share (MPS would make it wait
     behind carol's client), as a share deciding for itself does; once carol's client is gone
-    it grants it."""
+    it grants it. The pipe directory keeps carol out (test_mps_access.py): here root lets her
+    in, as a client connected before enforce was turned on stays connected."""
     inst = mu_mps
     alice = inst.world.alice
     (d0,) = configure(inst, '[sharing]\nmode = "mps"\nslots = 2\n')
     started = inst.cli(None, "mps", "start", PATH=f"{control_dir(tmp_path / 'mpsbin')}:/usr/bin:/bin")
     assert started.returncode == 0, started.stderr
     serving.append(Served(inst))
-    share, stranger, _hello = share_beside_a_stranger(inst, d0)
+    pipe = inst.layout.mps_dir / d0
+    share, stranger, _hello = share_beside_a_stranger(inst, d0, admit=lambda: os.setxattr(
+        pipe, posixacl.XATTR, posixacl.owner_and_users(posixacl.RWX, [alice.uid, inst.world.carol.uid])))
     done = inst.run(alice, "recon", "--hold", "0", CUDAWRAP_SHARE="1", CUDAWRAP_WAIT="0", timeout=20)
     assert done.returncode == 75 and b"no free device" in done.stderr, (done.stdout, done.stderr)
     stranger.kill()

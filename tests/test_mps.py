@@ -516,15 +516,16 @@ def mu_mps(mu_world: World, monkeypatch: pytest.MonkeyPatch) -> Iterator[MuInsta
     shutdown_nvml()
 
 
-def share_beside_a_stranger(inst: MuInstall, uuid: str) -> tuple:
+def share_beside_a_stranger(inst: MuInstall, uuid: str, admit: Callable[[], None] = lambda: None) -> tuple:
     """Alice holds a share of UUID whose program has not reached CUDA (yet), and carol an MPS
     client of UUID's daemon without a share: (alice's run, carol's, carol's ready line), once
-    NVML shows carol's client on the device."""
+    NVML shows carol's client on the device. ADMIT: what lets carol reach the daemon first."""
     idle = inst.dir / "idle"
     idle.write_text("#!/bin/sh\necho ready\nexec sleep 600\n")
     inst.wrap("idle", idle)
     share = inst.start(inst.world.alice, "idle", CUDAWRAP_SHARE="1")
     assert share.stdout.readline() == b"ready\n", share.stderr.read()
+    admit()
     stranger = inst.start(inst.world.carol, str(inst.bindir / "CUDAWRAP_recon"), "--hold", "600",
                           CUDA_MPS_PIPE_DIRECTORY=str(inst.layout.mps_dir / uuid))
     hello = ready_line(stranger)

@@ -33,7 +33,8 @@ def prepare_runtime(layout: Layout, enforce: Optional[bool] = None) -> None:
     ENFORCE (None: as the config says): the lease, slot and queue directories are root's
     alone, so no user can open a lease file to flock it, nor queue a claim: only the
     service (root) opens them, and hands a run the descriptors it granted. Otherwise users
-    open the lease files and queue themselves (the daemonless path)."""
+    open the lease files and queue themselves (the daemonless path). MPS pipe directories
+    likewise: reachable by the service's sharers alone (lease/mpsaccess.py), or by everyone."""
     if enforce is None:
         enforce = enforced(layout)
     _dir(layout.runtime_dir, 0o755)
@@ -44,6 +45,9 @@ def prepare_runtime(layout: Layout, enforce: Optional[bool] = None) -> None:
     fd = os.open(layout.queue_lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     os.fchmod(fd, 0o644)
     os.close(fd)
+    from ..lease.mpsaccess import prepare as prepare_mps
+
+    prepare_mps(layout, enforce)  # each MPS pipe directory: 0700 for the service's ACLs, or 0755
 
 
 def prepare(layout: Layout, python: str = sys.executable) -> None:

@@ -16,6 +16,9 @@ A held grant is followed by a pidfd of its client (no polling): once the client 
 service tries each lease (LOCK_EX|LOCK_NB on its own descriptor; for a share, on its slot
 file, as the device's other sharers hold the lease file): free, the grant ends; still held
 (a child inherited the descriptor), it ends at a later close of that lease or slot file.
+
+Under [service] enforce a shared device's MPS pipe directory is open to the uids of its
+sharers alone (lease/mpsaccess.py): set when a share is confirmed, again as shares end.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from .. import wire
 from ..lease.files import LeaseFiles, lock_kind, lock_table
@@ -67,11 +70,30 @@ class Held:
 
 
 class Grants:
-    def __init__(self, leases: LeaseFiles, layout: Layout) -> None:
+    def __init__(self, leases: LeaseFiles, layout: Layout, enforce: bool = False,
+                 say: Callable[[str], None] = lambda line: None) -> None:
+        from ..lease.mpsaccess import PipeAccess
+
         self.leases = leases
         self.layout = layout
         self.pending: Dict[str, Pending] = {}
         self.held: Dict[int, Held] = {}  # pidfd -> grant
+        self.pipes = PipeAccess(layout, say) if enforce else None
+
+    def sharers(self, uuid: str) -> Set[int]:
+        """The uids holding a share of UUID through the service now."""
+        return {h.uid for h in self.held.values() if h.slots.get(uuid) and uuid not in h.ended}
+
+    def _mps_access(self, held: Held) -> None:
+        """HELD's shared devices' pipe directories for their sharers now (enforce)."""
+        if self.pipes is not None:
+            for uuid in held.slots:
+                self.pipes.set(uuid, self.sharers(uuid))
+
+    def restore_mps_access(self) -> None:
+        """Every pipe directory for the shares followed now: a restart's, after adopting."""
+        if self.pipes is not None:
+            self.pipes.rebuild({u: self.sharers(u) for h in self.held.values() for u in h.slots})
 
     def claimed(self) -> Dict[str, List[Tuple[int, bool]]]:
         """uuid -> (client pid, exclusive) of each grant sent whose lock may not show yet."""
@@ -161,14 +183,17 @@ class Grants:
 
     def follow(self, held: Held) -> None:
         self.held[held.pidfd] = held
+        self._mps_access(held)
 
     def check(self, held: Held) -> bool:
         """Whether every lease of HELD is free now (its client has exited); frees the pidfd then."""
         held.ended = [u for u in held.devices if u in held.ended
                       or (self._slot_let_go(held, u) if u in held.slots else self.leases.free_now(u))]
         if len(held.ended) < len(held.devices):
+            self._mps_access(held)
             return False
         self.held.pop(held.pidfd, None)
+        self._mps_access(held)
         os.close(held.pidfd)
         accounts.end(self.layout, held.lease_id)
         return True

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .. import locations as loc
 from ..errors import ConfigError, MpsUnavailable, NvmlUnavailable, SetupError
 from ..paths import Layout
+from ..lease.mpsaccess import pipe_dirs
 from ..lease.sharing import MPS, MPS_PID_FILE, Sharing, mps_log_dir, mps_pipe_dir, settings as sharing_settings
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,6 @@ START_TIMEOUT_S = 10.0
 # MPS listens on unix sockets in the pipe directory, whose addresses hold 108 bytes: the
 # directory, a slash, the longest name MPS makes there and a NUL must fit.
 MAX_PIPE_DIR_BYTES = 108 - len("/control_privileged") - 1
-_DEVICE_NAME = re.compile(r"(GPU|MIG)-[0-9A-Za-z-]+")
 
 
 @dataclass(frozen=True)
@@ -102,17 +101,6 @@ def managed(layout: Layout, share: Sharing) -> List[Managed]:
         if device.uuid in leased and slots >= 2:
             out.append(Managed(device.uuid, slots))
     return out
-
-
-def pipe_dirs(layout: Layout) -> Dict[str, str]:
-    """UUID -> pipe directory, for every device directory under the MPS directory."""
-    try:
-        names = sorted(os.listdir(layout.mps_dir))
-    except FileNotFoundError:
-        return {}
-    root = str(layout.root)
-    return {name: mps_pipe_dir(root, name) for name in names
-            if _DEVICE_NAME.fullmatch(name) and os.path.isdir(mps_pipe_dir(root, name))}
 
 
 # --- talking to nvidia-cuda-mps-control ---------------------------------------------------
@@ -186,9 +174,10 @@ def _start_one(layout: Layout, control: str, device: Managed) -> Outcome:
         return Outcome(device.uuid, False, f"its pipe directory {pipe} is too long for MPS's unix sockets "
                                            f"(at most {MAX_PIPE_DIR_BYTES} bytes): install under a shorter --prefix")
     try:
-        # Root's, 0755: users' clients connect to the daemon's socket, nobody else writes here.
-        for path in (layout.mps_dir, Path(pipe), layout.root / loc.LOG_DIR, layout.mps_log_dir, Path(logs)):
+        # Root's, 0755; the pipe directory, where clients connect, as [service] enforce wants.
+        for path in (layout.mps_dir, layout.root / loc.LOG_DIR, layout.mps_log_dir, Path(logs)):
             _dir(path, 0o755)
+        _pipe_dir(layout, pipe)
     except OSError as exc:
         return Outcome(device.uuid, False, f"cannot make {exc.filename}: {exc.strerror or exc}")
     env = _environ(CUDA_VISIBLE_DEVICES=device.uuid, CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=logs)
@@ -204,6 +193,16 @@ def _start_one(layout: Layout, control: str, device: Managed) -> Outcome:
     _seal_pid_file(pipe)
     log.debug("MPS control daemon for %s listens in %s", device.uuid, pipe)
     return Outcome(device.uuid, True, "started")
+
+
+def _pipe_dir(layout: Layout, pipe: str) -> None:
+    """PIPE made, then as [service] enforce wants it: for the service's sharers alone
+    (0700 and their ACL, which this leaves alone), else 0755 (lease/mpsaccess.py)."""
+    from ..install.runtime import enforced
+    from ..lease.mpsaccess import OPEN_MODE, open_up, seal
+
+    os.makedirs(pipe, mode=OPEN_MODE, exist_ok=True)
+    (seal if enforced(layout) else open_up)(pipe)
 
 
 def _seal_pid_file(pipe: str) -> None:

@@ -54,8 +54,10 @@ class Service:
         self.line = Line(root)
         from pathlib import Path
 
+        from ..install.runtime import enforced
+
         layout = Layout(Path(root))
-        self.grants = Grants(self.line.leases, layout)
+        self.grants = Grants(self.line.leases, layout, enforced(layout), _say)  # say: MPS's ACLs
         self.clients: Dict[int, Client] = {}  # socket fd -> client
         self.selector = selectors.DefaultSelector()
         self.dirty = False
@@ -112,6 +114,7 @@ class Service:
             else:  # its client is gone: ended now, or when the child holding it lets go
                 held.exited = True
                 self.grants.check(held)
+        self.grants.restore_mps_access()
 
     def close(self) -> None:
         for client in list(self.clients.values()):

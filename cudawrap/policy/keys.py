@@ -106,8 +106,9 @@ DESCRIPTIONS: Dict[str, str] = {
                       "without their names, pids and programs (root sees all)",
     "max_connections_per_uid": "with `cudawrap serve`: the most connections one user may keep open to it, "
                                "so runs waiting at once (root is not limited)",
-    "enforce": "only `cudawrap serve` may take a lease: lease, slot and queue directories root-only "
-               "(applied by `cudawrap sync` and the service); users' runs need the service",
+    "enforce": "only `cudawrap serve` may take a lease: lease, slot and queue directories root-only, "
+               "MPS pipe directories open to their device's sharers alone (applied by `cudawrap sync` "
+               "and the service); users' runs need the service",
     "connect_retry_s": "with enforce: how long a run tries to reach the service (a restart) before it "
                        "exits 69",
     **HEALTH_DESCRIPTIONS,
