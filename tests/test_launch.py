@@ -201,7 +201,7 @@ LAUNCH_MODULES = {
     "cudawrap.devices", "cudawrap.devices.model", "cudawrap.devices.snapshot",
     "cudawrap.lease", "cudawrap.lease.files", "cudawrap.lease.grant", "cudawrap.lease.sharing",
     "cudawrap.policy", "cudawrap.policy.effective",
-    "cudawrap.sched", "cudawrap.sched.acquirer", "cudawrap.sched.decision", "cudawrap.sched.machine",
+    "cudawrap.sched", "cudawrap.sched.acquirer", "cudawrap.sched.machine",
     "cudawrap.sched.placement", "cudawrap.sched.request", "cudawrap.sched.run",
     "cudawrap.sched.queue",
     # launch.obtain split: the device sources' interface, and the narrowing to a run's candidates.

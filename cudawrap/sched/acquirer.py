@@ -22,6 +22,7 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
+    from .decision import Decision
     from .queue import Entry
 
     from .schedule import Verdict, Waiter
@@ -35,7 +36,8 @@ from ..lease.files import Lease, LeaseFiles, lock_table
 # before takes its devices without one (_uncontended), and the shim pays for every module.
 from .machine import MachineView, _free_mib, _uid_of
 from .queue import Scan, WaitQueue, poke
-from .decision import WATCHERS, Decision, jitter, trace
+# decision.py (observers, the line's constants) is imported where a decision is made, as
+# schedule.py is: a launch nobody waits before needs neither.
 from .request import Request
 
 # Tries of a lease before a taker counts it taken (see Acquirer._lock).
@@ -73,7 +75,7 @@ class Acquirer(MachineView):
                          limit_of, drained, sharing, unread, root, admin, clock)
         # Who sees each decision (see Decision): OBSERVE, and with CUDAWRAP_DEBUG set the trace
         # on stderr for an admin asking "why".
-        self.observers = [o for o in (observe, trace if os.environ.get("CUDAWRAP_DEBUG") else None) if o is not None]
+        self.observers = [o for o in (observe, _trace() if os.environ.get("CUDAWRAP_DEBUG") else None) if o is not None]
         self.queue = queue
         # What we ask, with the devices we may use (None: any of the machine's).
         self.request = request.replace(candidates=None if self.mine >= set(self.current) else frozenset(self.mine))
@@ -247,6 +249,8 @@ class Acquirer(MachineView):
         """Wake those VERDICTS put among the first WATCHERS since our last decision: they
         sleep until poked (waiting.py), and a line turning over fast (a batch of releases)
         must not run out of watchers, leaving freed devices idle until someone looks."""
+        from .decision import WATCHERS
+
         top = {k for k, v in verdicts.items() if v.position < WATCHERS and k != me}
         for key in top - self.top:
             if key in scan.paths:
@@ -256,6 +260,8 @@ class Acquirer(MachineView):
     def _observe(self, cause: str, key: str, verdicts: Dict[str, Verdict], free: List[str],
                  released: Iterable[str] = ()) -> None:
         if self.observers:
+            from .decision import Decision
+
             decision = Decision(cause, key, verdicts, free, self.skip_keys, released)
             for observe in self.observers:
                 observe(decision)
@@ -269,6 +275,7 @@ class Acquirer(MachineView):
         lease = self._uncontended()
         if lease is not None:
             return lease
+        from .decision import Decision
         from .schedule import GRANTED
 
         probe = self._me("~")  # sorts after every real key: a newcomer arrives last
@@ -282,6 +289,8 @@ class Acquirer(MachineView):
             lease = self._take(verdict.devices)
             if lease is not None:
                 return lease
+            from .decision import jitter
+
             jitter()
         offered = {u for k, v in verdicts.items() if k != probe.key and v.kind == GRANTED for u in v.devices}
         if wait_s <= 0 and any(probe.can_use(u) and self._fits(u) for u in offered):
@@ -298,6 +307,8 @@ class Acquirer(MachineView):
         self.queued = True
         entry = self.queue.enqueue(self.request, info, mine)
         # Those at the head now were there before us: they need no poke from us later.
+        from .decision import WATCHERS
+
         self.top = {k for k, v in verdicts.items() if v.position < WATCHERS and k != probe.key}
         ahead = {k for k, v in verdicts.items() if v.position < verdict.position and k != probe.key}
         return Queued(entry, deadline, wait_s, verdict, ahead)
@@ -320,3 +331,9 @@ class Queued:
 
 def describe_wait(text: str) -> str:
     return f"waiting for a device: {text} (pid {os.getpid()})"
+
+
+def _trace() -> Callable[[Decision], None]:
+    from .decision import trace
+
+    return trace
