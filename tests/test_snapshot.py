@@ -38,6 +38,22 @@ def test_a_fresh_snapshot_spares_nvml(installed):
     assert json.loads(r.stdout.splitlines()[0])["cvd"].startswith("MIG-")
 
 
+def test_a_sync_that_changes_the_devices_drops_the_snapshot_of_the_old_ones(installed):
+    """A snapshot written just before a MIG change (a service's monitor stopped, then the
+    layout changed and synced): fresh for seconds, it named devices that have no lease file
+    any more, and every launch failed (72) until it aged."""
+    inst = installed("a100-mig7")
+    inst.wrap("recon")
+    assert refresh_once(inst.layout) is None
+    assert inst.cli("sync").returncode == 0  # the same devices: the snapshot stays
+    assert inst.layout.usage_snapshot.exists()
+    inst.machine.load("dgx-a100-mig56")
+    assert inst.cli("sync").returncode == 0
+    assert not inst.layout.usage_snapshot.exists()
+    r = run_without_nvml(inst, "recon")  # NVML read again (none here): no lease file is missing
+    assert r.returncode == 0, r.stderr
+
+
 def test_a_stale_snapshot_is_ignored(installed):
     inst = installed("a100-mig7")
     inst.wrap("recon")

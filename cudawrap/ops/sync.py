@@ -126,6 +126,14 @@ def _sync(layout: Layout) -> SyncReport:
     else:
         report.created, report.removed, claims = claimed_leases(layout, inventory)
         invcache.write(str(layout.root), inventory)  # launches without the monitor start from it
+        if report.created or report.removed:
+            # The monitor's last snapshot names the devices before this sync: launches within
+            # its few seconds of freshness would look for lease files that are gone (a stopped
+            # service's monitor, then MIG reconfigured). A running monitor writes it again.
+            try:
+                os.unlink(layout.usage_snapshot)
+            except FileNotFoundError:
+                pass
         if claims.warning:
             report.lines.append(f"warning: {claims.warning}")
         for uuid in report.created:
