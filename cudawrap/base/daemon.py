@@ -46,20 +46,43 @@ def running(pid_file: str) -> Optional[int]:
         os.close(fd)
 
 
-def one_at_a_time(lock_file: str, on_busy: Callable[[Optional[int]], None]) -> int:
-    """Hold LOCK_FILE for the rest of this process's life, waiting for it if another holds
-    it (ON_BUSY is told that one's pid first); the descriptor, to keep open.
+def _take(lock_file: str, on_busy: Optional[Callable[[Optional[int]], None]] = None) -> int:
+    """LOCK_FILE opened and locked exclusively; the descriptor. Held by another: AlreadyRunning
+    with its pid, or, given ON_BUSY, that pid told to it and the lock waited for.
 
-    Root's alone, as the pid file (see detach): a user's lock would stop the loop it guards."""
+    Root's alone (0600): whoever can open it can flock it, and a user's lock would keep the
+    daemon or loop it guards from starting ("already running")."""
     fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     os.fchmod(fd, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        on_busy(_pid_in(fd))
+        pid = _pid_in(fd)
+        if on_busy is None:
+            os.close(fd)
+            raise AlreadyRunning(pid) from None
+        on_busy(pid)
         fcntl.flock(fd, fcntl.LOCK_EX)  # the kernel hands it over when the other one ends
+    return fd
+
+
+def _write_pid(fd: int) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def hold(lock_file: str) -> int:
+    """Hold LOCK_FILE, with this process's pid in it, for the rest of its life; the descriptor,
+    to keep open. AlreadyRunning (with the holder's pid) if another holds it."""
+    fd = _take(lock_file)
+    _write_pid(fd)
+    return fd
+
+
+def one_at_a_time(lock_file: str, on_busy: Callable[[Optional[int]], None]) -> int:
+    """hold(), waiting for LOCK_FILE if another holds it (ON_BUSY is told that one's pid first)."""
+    fd = _take(lock_file, on_busy)
+    _write_pid(fd)
     return fd
 
 
@@ -98,16 +121,7 @@ def detach(pid_file: str, log_file: str, name: str = "monitor") -> int:
     AlreadyRunning in the caller's own terminal. The daemon's stdout and stderr, and so
     its log lines, go to LOG_FILE (appended).
     """
-    fd = os.open(pid_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    # Root's alone: whoever can open it can flock it, and a user's lock would keep the
-    # monitor from starting ("already running").
-    os.fchmod(fd, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pid = _pid_in(fd)
-        os.close(fd)
-        raise AlreadyRunning(pid) from None
+    fd = _take(pid_file)
     read_end, write_end = os.pipe()
     if os.fork() > 0:  # the caller: report the daemon's pid, then leave
         os.close(write_end)
@@ -121,8 +135,7 @@ def detach(pid_file: str, log_file: str, name: str = "monitor") -> int:
     if os.fork() > 0:
         os._exit(0)
     # The lock came with fd through both forks; it lives as long as this process does.
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    _write_pid(fd)
     os.chdir("/")
     null = os.open(os.devnull, os.O_RDONLY)
     log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)

@@ -291,7 +291,7 @@ def _retire_monitor_unit(layout: Layout, manifest: Manifest, say: Callable[[str]
     if problem:
         say(f"install.sh: warning: could not disable {MONITOR_UNIT}: {problem}")
         return
-    manifest.entries = [e for e in manifest.entries if e.get("path") != str(link)]
+    manifest.drop(link)
     say(f"==> disabled {MONITOR_UNIT}: {SERVICE_UNIT} runs the monitor's loop")
 
 
@@ -306,7 +306,7 @@ def _install_wheel(layout: Layout, wheel: Path, manifest: Manifest, say: Callabl
     for old in target.glob("cudawrap-*.whl"):
         if old.name != wheel.name:
             old.unlink()
-            manifest.entries = [e for e in manifest.entries if e["path"] != str(old)]
+            manifest.drop(old)
     dest = target / wheel.name
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
     shutil.copyfile(wheel, tmp)

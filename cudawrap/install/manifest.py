@@ -55,9 +55,13 @@ class Manifest:
         if self.get(path) is None:
             self.entries.append({"kind": kind, "path": str(path), **extra})
 
+    def drop(self, path: Path) -> None:
+        """Forget PATH (it is no longer ours to remove at uninstall)."""
+        self.entries = [e for e in self.entries if e["path"] != str(path)]
+
     def replace(self, kind: str, path: Path, **extra: str) -> None:
         """Record PATH anew (a file written again, whose old record is out of date)."""
-        self.entries = [e for e in self.entries if e["path"] != str(path)]
+        self.drop(path)
         self.add(kind, path, **extra)
 
     @classmethod

@@ -240,17 +240,10 @@ def _leases(look: _Look, opened: Dict[str, Dict[str, Any]], waiting: Dict[str, D
     (its wait taken out of WAITING); each of OPENED no longer held is an end in OBS."""
     by_pid, shared = _held_by_pid(look.layout)
     current: Dict[str, Dict[str, Any]] = {}
-    # While the service runs, what it granted is its own to record (ops/accounts.py): a child
-    # its client, now gone, handed the descriptors to is not a new lease (uuid -> the users
-    # of such grants).
-    handed: Dict[str, Set[int]] = {}
-    for r in opened.values():
-        if r.get("seen_by") == "service":
-            client = proc(r["pid"])
-            if client is None or client.ticks != r["ticks"]:
-                for u in r["devices"]:
-                    handed.setdefault(u, set()).add(r["uid"])
-    serving = service_running(look.layout) if any(r.get("seen_by") == "service" for r in opened.values()) else False
+    # While the service runs, what it granted is its own to record (ops/accounts.py).
+    served = [r for r in opened.values() if r.get("seen_by") == "service"]
+    serving = bool(served) and service_running(look.layout)
+    handed: Optional[Dict[str, Set[int]]] = None  # read once a holder unknown to the ledger needs it
     for pid, devices in by_pid.items():
         devices.sort()
         p = proc(pid, devices)
@@ -261,8 +254,10 @@ def _leases(look: _Look, opened: Dict[str, Dict[str, Any]], waiting: Dict[str, D
             continue
         if p is None:
             continue  # gone between the two looks at /proc: seen at the next look, if still held
-        if serving and all(p.uid in handed.get(u, ()) for u in devices):
-            continue
+        if serving:
+            handed = _handed(served) if handed is None else handed
+            if all(p.uid in handed.get(u, ()) for u in devices):
+                continue
         record = _grant(look, p, devices, pid in shared, waiting.pop(str(pid), None))
         current[record["id"]] = record
         obs.grants.append(record)
@@ -279,6 +274,18 @@ def _leases(look: _Look, opened: Dict[str, Dict[str, Any]], waiting: Dict[str, D
                    else "ended")
             obs.ends.append(_end(record, record["seen"], look.now, look.now, how, look.seen_by))
     return current
+
+
+def _handed(served: List[Dict[str, Any]]) -> Dict[str, Set[int]]:
+    """uuid -> the users of SERVED (the service's open grants) whose client is gone: a child it
+    handed the descriptors to holds them now, which is no new lease."""
+    handed: Dict[str, Set[int]] = {}
+    for r in served:
+        client = proc(r["pid"])
+        if client is None or client.ticks != r["ticks"]:
+            for u in r["devices"]:
+                handed.setdefault(u, set()).add(r["uid"])
+    return handed
 
 
 def _grant(look: _Look, p: Proc, devices: List[str], shared: bool,

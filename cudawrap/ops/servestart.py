@@ -48,20 +48,14 @@ def serve(root: str) -> None:
 
 def _hold_service_lock(root: str) -> int:
     """The service's lock (root's alone), held for its life: see ledger.service_running."""
-    import fcntl
+    from ..base.daemon import AlreadyRunning, hold
 
     path = loc.under(root, loc.SERVICE_LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    os.fchmod(fd, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+        return hold(path)
+    except AlreadyRunning:
         raise SetupError(f"a service already holds {path}",
                          hint="stop it first (systemctl stop cudawrap, or kill the pid in its pid file)") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def start_monitor(layout: object, lock: int) -> int:
