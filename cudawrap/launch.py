@@ -11,7 +11,7 @@ import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
+    from typing import Any, Dict, List, NoReturn, Optional
 
     from .policy.effective import Settings
 

@@ -29,7 +29,7 @@ import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
+    from typing import Dict, FrozenSet, List, Optional, Tuple
 
     from .schedule import Waiter
 
