@@ -52,11 +52,15 @@ class Waiter:
             self.reads.append(d.uuid)
             return refresh(d)
 
+        self.looks: List[object] = []
         self.acquirer = Acquirer(LeaseFiles(str(inst.layout.lease_dir)), self.queue, [device], [device], Request(1),
-                                 refresh=counted, snapshot=watched or None)
+                                 refresh=counted, snapshot=watched or None,
+                                 observe=lambda d: self.looks.append(d) if d.cause == d.LOOK else None)
         self.thread = threading.Thread(target=self._run)
         self.thread.start()
-        wait_for(lambda: len(self.queue.scan().waiters) == 1)  # it waits
+        # It waits, and has looked from its place in line: it follows the foreign processes
+        # (and the snapshot) right after, so what changes from here on is what it wakes on.
+        wait_for(lambda: self.looks, 10, "the waiter's first look")
 
     def _run(self) -> None:
         try:
