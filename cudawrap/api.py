@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-from . import launch
+from .launch import general as launch
 from .policy import effective as policy
 from .policy.config import parse_gpus, parse_wait
 from .errors import UsageError

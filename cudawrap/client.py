@@ -250,18 +250,7 @@ def ask_retrying(root: str, fields: Dict[str, str], on_wait: Callable[[str], Non
         time.sleep(RETRY_GAP_S)
 
 
-def _exchange(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Optional[Granted]:
-    held: List[Granted] = []
-    try:
-        return _converse(conn, fields, on_wait, held)
-    except ServiceGone:
-        if held:
-            return held[0]  # the locks are ours: the kernel's word stands without the service
-        raise
-
-
-def _converse(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str], None],
-              held: List[Granted]) -> Granted:
+def _exchange(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Granted:
     conn.send(wire.REQUEST, fields)
     while True:
         verb, reply = conn.receive()
@@ -274,9 +263,6 @@ def _converse(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str],
             if reply.get("text"):
                 on_wait(reply["text"])
         elif verb == wire.ERROR:
-            for granted in held:
-                granted.lease.release()
-            held.clear()
             raise _error(reply)
         elif verb == wire.GRANT:
             devices = reply.get("devices", "")
@@ -285,16 +271,23 @@ def _converse(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str],
             if fds is None:
                 raise ServiceGone()
             lease = _lock_all(fds, described)
-            if lease is not None:
-                defaults = wire.unpairs(reply["defaults"]) if "defaults" in reply else None
-                held.append(Granted(lease, wire.unpairs(reply.get("env", "")), defaults))
-                conn.send(wire.HELD, {"devices": devices})
-            else:  # taken past the service (a daemonless run): it decides again
+            if lease is None:  # taken past the service (a daemonless run): it decides again
                 for fd in fds:
                     _close(fd)
                 conn.send(wire.LOST, {"devices": devices})
-        elif verb == wire.DONE and held:
-            return held[0]
+                continue
+            defaults = wire.unpairs(reply["defaults"]) if "defaults" in reply else None
+            granted = Granted(lease, wire.unpairs(reply.get("env", "")), defaults)
+            try:
+                conn.send(wire.HELD, {"devices": devices})
+                # A whole device is held now: the service checks the lock itself. A share
+                # waits for DONE: under enforce the service opens the device's MPS pipe
+                # directory to this user then, before the program may connect to it.
+                while lease.shared and conn.receive()[0] != wire.DONE:
+                    pass
+            except ServiceGone:
+                pass  # the locks are ours: the kernel's word stands without the service
+            return granted
 
 
 def question(root: str, verb: str, fields: Dict[str, str]) -> Optional[Dict[str, str]]:

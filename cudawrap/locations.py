@@ -8,6 +8,14 @@ builds its ``Path`` properties from the same table so the two can never disagree
 # Prefix of the real program's new name, as in the original seed scripts.
 REAL_PREFIX = "CUDAWRAP_"
 
+# Not files but where a run finds its lease: the marker a granted program inherits, so a
+# wrapped program that starts another wrapped program reuses its lease instead of deadlocking
+# on its own lock ("fd:uuid,fd:uuid:slotfd"); and beside it the wrapped name the shim ran the
+# program as, which survives the program's own execs (`exec python3 worker.py`), so status
+# and the ledger name the run as users know it.
+LEASE_ENV = "CUDAWRAP_LEASE"
+PROGRAM_ENV = "CUDAWRAP_PROGRAM"
+
 CONFIG_FILE = "etc/cudawrap/config.toml"
 STATE_DIR = "var/lib/cudawrap"
 REGISTRY_FILE = STATE_DIR + "/registry.json"

@@ -96,6 +96,14 @@ def start_time(pid: int) -> Optional[int]:
     return int(fields[19])
 
 
+def executable(pid: int) -> str:
+    """The file PID runs (the kernel's own path, resolved); "" when it cannot be read."""
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return ""
+
+
 def started_as(pid: int, started: int) -> bool:
     """Whether PID is still the live process that started at STARTED (start_time): False once
     it has exited (gone, a zombie) or its pid names another process. Where its /proc entry

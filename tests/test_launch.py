@@ -202,10 +202,12 @@ LAUNCH_MODULES = {
     "cudawrap.lease", "cudawrap.lease.files", "cudawrap.lease.grant", "cudawrap.lease.sharing",
     "cudawrap.policy", "cudawrap.policy.effective",
     "cudawrap.sched", "cudawrap.sched.acquirer", "cudawrap.sched.machine",
-    "cudawrap.sched.placement", "cudawrap.sched.request", "cudawrap.sched.run",
-    "cudawrap.sched.queue",
+    "cudawrap.sched.placement", "cudawrap.sched.request", "cudawrap.sched.queue",
     # launch.obtain split: the device sources' interface, and the narrowing to a run's candidates.
     "cudawrap.devices.source", "cudawrap.sched.candidates",
+    # The shim's fast path found no service (launch/__init__.py); the general way, and the two
+    # posix-only helpers it shares with the fast path. Not sched.run: it is for runs that wait.
+    "cudawrap.launch.general", "cudawrap.base.posixio",
 }
 # With the monitor's snapshot: /proc, for whether the processes it names have exited since.
 LAUNCH_MODULES_SNAPSHOT = LAUNCH_MODULES | {"cudawrap.proc"}

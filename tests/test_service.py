@@ -204,7 +204,7 @@ def test_a_runs_program_is_the_kernels_word_not_the_clients(served: Served) -> N
     assert len(ready_line(run)["devices"]) == 2
     run.kill()
     api = ("import sys; sys.path[:0] = %r; sys.argv[0] = 'recon'\n"
-           "from cudawrap import launch\n"
+           "from cudawrap.launch import general as launch\n"
            "from cudawrap.policy import effective as policy\n"
            "s = policy.effective(%r, %r)\n"
            "print(launch.obtain(%r, 'recon', s, {}, count=2).visible)\n"
@@ -542,3 +542,44 @@ def test_a_monitor_started_beside_the_service_waits_and_takes_over(served: Serve
     wait_for(lambda: _monitor_pid(inst) == second.pid, 15, "the second monitor to take over")
     second.terminate()
     second.wait(timeout=10)
+
+
+# What a shim loads when the service answers: the fast path of launch/__init__.py, and not os.
+SERVED_LAUNCH = {"cudawrap", "cudawrap.launch", "cudawrap.locations", "cudawrap.wire", "cudawrap.base",
+                 "cudawrap.base.posixio"}
+
+
+def test_a_served_launch_loads_only_the_fast_path_and_not_os(served: Served) -> None:
+    inst = served.inst
+    shebang = Path(os.path.realpath(served.link)).read_text().split("\n", 1)[0][2:].split()
+    r = inst.run(inst.world.alice, shebang[0], "-X", "importtime", *shebang[1:], str(served.link))
+    assert r.returncode == 0, r.stderr.decode()
+    assert ready_line_of(r)["devices"]
+    lines = [x for x in r.stderr.decode().splitlines() if x.startswith("import time:")][1:]  # after the header
+    imported = {x.rsplit("|", 1)[1].strip() for x in lines}
+    assert {m for m in imported if m.split(".")[0] == "cudawrap"} == SERVED_LAUNCH
+    assert "os" not in imported and "socket" not in imported and "json" not in imported, sorted(imported)
+
+
+def ready_line_of(r: subprocess.CompletedProcess) -> dict:
+    import json
+
+    return json.loads(r.stdout.decode().splitlines()[0])
+
+
+def test_a_shims_variables_are_read_by_the_service_as_the_launch_reads_them(served: Served) -> None:
+    """The fast path sends CUDAWRAP_* as they are; the service applies the program's policy to them."""
+    inst = served.inst
+    two = inst.run(inst.world.alice, "recon", CUDAWRAP_GPUS="2")
+    assert two.returncode == 0, two.stderr.decode()
+    assert len(ready_line_of(two)["devices"]) == 2
+    bad = inst.run(inst.world.alice, "recon", CUDAWRAP_GPUS="two")
+    lines = bad.stderr.decode().splitlines()
+    assert bad.returncode == os.EX_USAGE, bad.stderr.decode()
+    assert lines[0].startswith("recon: ") and "CUDAWRAP_GPUS='two'" in lines[0], lines
+    assert len(lines) <= 2 and all(line.startswith("recon: ") for line in lines), lines
+    # The same words as a run deciding for itself says them (the service stopped: no socket).
+    served.proc.terminate()
+    served.proc.wait(timeout=10)
+    alone = inst.run(inst.world.alice, "recon", CUDAWRAP_GPUS="two")
+    assert (alone.returncode, alone.stderr.decode().splitlines()) == (bad.returncode, lines)

@@ -13,30 +13,7 @@ if TYPE_CHECKING:
 
 from .. import locations as loc
 from ..errors import CannotExecute, ProgramNotFound, UsageError
-
-
-def say(prog: str, message: str) -> None:
-    """One line on stderr; written in one call so parallel launches never interleave."""
-    os.write(2, f"{prog}: {message}\n".encode("utf-8", "replace"))
-
-
-def original_environ() -> Dict[bytes, bytes]:
-    """The caller's environment exactly as it was passed to us, byte for byte.
-
-    Python adds LC_CTYPE when it coerces a C locale, and os.environ cannot tell us what
-    it changed; the kernel's copy in /proc/self/environ is the untouched original.
-    """
-    try:
-        with open("/proc/self/environ", "rb") as f:
-            data = f.read()
-    except OSError:
-        return dict(os.environb)
-    env: Dict[bytes, bytes] = {}
-    for item in data.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep and key not in env:  # the first of duplicates wins, as with getenv()
-            env[key] = value
-    return env
+from .posixio import original_environ, say  # noqa: F401 - the launch's and `cudawrap run`'s
 
 
 def find_link(invoked: str, shim: str) -> str:

@@ -9,7 +9,7 @@ from typing import Optional
 
 from plumbum import cli
 
-from .. import launch
+from ..launch import general as launch
 from ..base.program import exec_program, original_environ
 from ..lease.grant import CVD, Grant
 from ..policy import effective as policy

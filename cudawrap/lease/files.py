@@ -18,13 +18,7 @@ if TYPE_CHECKING:
 
 from ..devices.model import Device, Gpu, Inventory
 from ..errors import SetupError
-
-# The marker a granted program inherits, so a wrapped program that starts another wrapped
-# program reuses its lease instead of deadlocking on its own lock: "fd:uuid,fd:uuid".
-LEASE_ENV = "CUDAWRAP_LEASE"
-# Beside the marker, the wrapped name the shim ran the program as: it survives the program's
-# own execs (`exec python3 worker.py`), so status and the ledger name the run as users know it.
-PROGRAM_ENV = "CUDAWRAP_PROGRAM"
+from ..locations import LEASE_ENV, PROGRAM_ENV  # noqa: F401 - named here by the lease's users
 
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 

@@ -15,8 +15,9 @@ neither side records a lease twice.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import ledger, ledgerfile
 from ..paths import Layout
@@ -82,54 +83,133 @@ def _boot() -> str:
     return _kept["boot"]
 
 
+def _client(pid: int, program: str) -> Optional[Tuple[int, str, str]]:
+    """PID's start (clock ticks since boot), its program's name and its executable; None when
+    it is gone. PROGRAM (a shim's run: the link the kernel says it runs) spares reading /proc
+    for a name."""
+    from ..proc import executable, start_time
+
+    if not program:
+        p = ledger.proc(pid)
+        return (p.ticks, p.program, p.exe) if p is not None else None
+    ticks = start_time(pid)
+    return None if ticks is None else (ticks, program.rsplit("/", 1)[-1], executable(pid))
+
+
+class _Turn:
+    """The ledger as the service writes it in one turn of its loop: its lock taken once, at
+    the first record, its state read once and written once at the end, whatever number of
+    grants and ends the turn records (seven releases at once are seven ends and seven grants).
+
+    Each record is appended to the ledger as it happens (a grant before its descriptors
+    leave); what can wait does, until the turn's grants are sent: the state's rewrite (a
+    look, the monitor's, waits for the lock meanwhile, so it never sees a client's lock that
+    the state does not name) and each user's own view of the ends (fsynced, one file each)."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.path = layout.state_dir / ledgerfile.STATE
+        self.ledger = ledgerfile.ledger_path(layout)
+        self.lock: Optional[ledgerfile.Locked] = None
+        self.state: Dict[str, Any] = {}
+        self.changed = False
+        self.views: List[Dict[str, Any]] = []  # ends for their users' views
+
+    def open(self) -> Dict[str, Any]:
+        """The ledger's state, under its lock (taken now if not yet)."""
+        if self.lock is None:
+            self.lock = ledgerfile.Locked(self.layout).__enter__()
+            self.state = ledger._load_state(self.path)
+        return self.state
+
+    def append(self, record: Dict[str, Any]) -> None:
+        ledgerfile.append(self.ledger, [record], *_limits(self.layout), durable=False)
+        _unsynced.add(self.ledger)
+
+    def close(self) -> None:
+        if self.lock is None:
+            return
+        try:
+            if self.changed:
+                ledger._save_state(self.path, self.state)
+        finally:
+            self.lock.__exit__()
+            self.lock = None
+        limits = _limits(self.layout)
+        for done in self.views:
+            ledger._append_user_view(self.layout, done, limits, durable=False)
+            _unsynced.add(ledgerfile.user_view_path(self.layout, done["uid"]))
+
+
+_turn: Optional[_Turn] = None
+
+
+@contextmanager
+def turn(layout: Layout) -> Iterator[_Turn]:
+    """What is recorded within (the service: one turn of its loop) shares one lock, one read
+    and one write of the ledger's state (_Turn); a record outside any is a turn of its own."""
+    global _turn
+    if _turn is not None and _turn.layout.root == layout.root:
+        yield _turn
+        return
+    outer, _turn = _turn, _Turn(layout)
+    try:
+        yield _turn
+    finally:
+        done, _turn = _turn, outer
+        done.close()
+
+
 def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, asked: float,
-          shared: Optional[float] = None) -> Optional[str]:
-    """Record the grant of DEVICES to PID (asked at ASKED, time.time()); its lease id, or
-    None when PID is gone already (nothing is sent to it then). SHARED: a grant of shares,
-    and what it counts as, in devices (as a look records a share: ledger._grant)."""
-    p = ledger.proc(pid)
-    if p is None:
+          shared: Optional[float], send: Callable[[], bool]) -> Optional[str]:
+    """Record the grant of DEVICES to PID (asked at ASKED, time.time()), SEND it (its
+    descriptors), then enter it in the ledger's state as open; its lease id, or None when PID
+    is gone already or the sending failed (its end is recorded then). SHARED: a grant of
+    shares, and what it counts as, in devices (as a look records a share: ledger._grant).
+
+    The record is written before the descriptors leave (a crash between the two loses no
+    record), the state after (_Turn), so the launch waits for neither the state's rewrite
+    nor a look."""
+    client = _client(pid, program)
+    if client is None:
         return None
+    ticks, name, exe = client
     now = time.time()
     boot = _boot()
-    lid = ledger._lease_id(boot, pid, p.ticks, sorted(devices))
+    lid = ledger._lease_id(boot, pid, ticks, sorted(devices))
     record: Dict[str, Any] = {
         "v": ledgerfile.RECORD_VERSION, "event": "grant", "id": lid, "uid": uid, "user": user_name(uid),
-        "pid": pid, "ticks": p.ticks, "program": program.rsplit("/", 1)[-1] or p.program, "exe": p.exe,
+        "pid": pid, "ticks": ticks, "program": name, "exe": exe,
         "devices": sorted(devices), "start": round(now, 3), "start_lo": round(now, 3), "start_hi": round(now, 3),
         "seen_by": "service", "seen": now, "wait_s": round(max(now - asked, 0.0), 3)}
     if shared is not None:
         record["shared"] = True
         record["devices_held"] = round(shared, 4)
-    limits = _limits(layout)
-    path = layout.state_dir / ledgerfile.STATE
-    with ledgerfile.Locked(layout):
-        state = ledger._load_state(path)
+    with turn(layout) as t:
+        state = t.open()
         if state["boot"] not in ("", boot):
-            return lid  # a look after the restart records it (and ends what the old boot held)
-        ledgerfile.append(ledgerfile.ledger_path(layout), [record], *limits, durable=False)
-        _unsynced.add(ledgerfile.ledger_path(layout))
+            return lid if send() else None  # a look after the restart records it (and ends what the old boot held)
+        t.append(record)
+        if not send():
+            t.append(ledger._end(record, now, now, now, "not taken (the client went away)", "service"))
+            return None
         state["boot"] = boot
         state["open"][lid] = record
-        ledger._save_state(path, state)
+        t.changed = True
     return lid
 
 
 def end(layout: Layout, lid: str, how: str = "ended") -> None:
     """Record the end of lease LID now, unless a look recorded it already."""
     now = time.time()
-    limits = _limits(layout)
-    path = layout.state_dir / ledgerfile.STATE
-    with ledgerfile.Locked(layout):
-        state = ledger._load_state(path)
-        record = state["open"].pop(lid, None)
+    with turn(layout) as t:
+        record = t.open()["open"].pop(lid, None)
         if record is None:
             return
         done = ledger._end(record, now, now, now, how, "service")
-        ledgerfile.append(ledgerfile.ledger_path(layout), [done], *limits, durable=False)
-        _unsynced.add(ledgerfile.ledger_path(layout))
-        ledger._save_state(path, state)
-    ledger._append_user_view(layout, done, limits)
+        t.append(done)
+        t.changed = True
+        t.views.append(done)
 
 
 def still_open(layout: Layout) -> List[Dict[str, Any]]:

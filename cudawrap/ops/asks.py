@@ -62,6 +62,16 @@ def _number(fields: Dict[str, str], key: str, default: str) -> float:
     return value
 
 
+def _variables(text: str) -> Dict[str, str]:
+    """The CUDAWRAP_* variables of an ``asks`` field (wire.pairs): the only ones policy.effective reads."""
+    out: Dict[str, str] = {}
+    for line in text.split("\n"):
+        name, sep, value = line.partition("=")
+        if sep and name.startswith("CUDAWRAP_") and name not in out:
+            out[name] = value
+    return out
+
+
 def read(root: str, inventory: Inventory, fields: Dict[str, str], link: Optional[str], uid: int,
          present: FrozenSet[str], job: Optional[JobGpus] = None) -> Ask:
     """The Ask of FIELDS from UID running LINK (None: not a wrapped program); CudawrapError
@@ -71,16 +81,20 @@ def read(root: str, inventory: Inventory, fields: Dict[str, str], link: Optional
     from ..sched import candidates as narrow
     from ..policy import effective as policy
 
-    settings = policy.effective(root, link, {})
-    if "share" in fields:  # a share takes less than the device: anyone may ask (ask_share)
-        policy.ask_share(settings, fields["share"], "the run's environment", f"share={fields['share'][:40]!r}")
-    for key in ("model", "min_memory_mib", "min_free_memory_mib", "max_utilization"):
-        if key in fields:
-            policy.ask(settings, key, fields[key], "the run's environment", f"{key}={fields[key][:40]!r}")
-    count = _number(fields, "count", "1")
-    if count != int(count) or not 1 <= count <= MAX_COUNT:
-        raise UsageError(f"count={fields.get('count', '')[:40]!r}: not a number of devices")
-    count = int(count)
+    if "asks" in fields:  # a shim's run (wire.RUN): its variables, read as the launch reads its own
+        settings = policy.effective(root, link, _variables(fields["asks"]))
+        count = settings.values()["gpus"]
+    else:
+        settings = policy.effective(root, link, {})
+        if "share" in fields:  # a share takes less than the device: anyone may ask (ask_share)
+            policy.ask_share(settings, fields["share"], "the run's environment", f"share={fields['share'][:40]!r}")
+        for key in ("model", "min_memory_mib", "min_free_memory_mib", "max_utilization"):
+            if key in fields:
+                policy.ask(settings, key, fields[key], "the run's environment", f"{key}={fields[key][:40]!r}")
+        count = _number(fields, "count", "1")
+        if count != int(count) or not 1 <= count <= MAX_COUNT:
+            raise UsageError(f"count={fields.get('count', '')[:40]!r}: not a number of devices")
+        count = int(count)
     policy.check_count(settings, count)
     value = settings.values()
     sharing, share = of_run(value, count)

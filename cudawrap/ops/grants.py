@@ -125,14 +125,11 @@ class Grants:
     def offer(self, sock: socket.socket, key: str, pid: int, uid: int, devices: List[str], program: str,
               asked: float, slots: Optional[Dict[str, int]] = None, fields: Optional[Dict[str, str]] = None,
               counts_as: Optional[float] = None) -> bool:
-        """Record the grant, then send DEVICES' descriptors to the client PID on SOCK; False
-        if that failed (the record then ends at once). SLOTS: uuid -> the slot file of each
+        """Open DEVICES' lease files, record the grant and send their descriptors to the client
+        PID on SOCK (accounts.grant); False if that failed (a record then ends at once). SLOTS: uuid -> the slot file of each
         device taken as a share; FIELDS: more of the GRANT (the run's variables); COUNTS_AS:
         what a grant with shares counts as, in devices."""
         slots = slots or {}
-        lease_id = accounts.grant(self.layout, pid, uid, devices, program, asked, counts_as if slots else None)
-        if lease_id is None:
-            return False
         fds: List[int] = []
         described: List[str] = []
         exclusive: List[bool] = []
@@ -148,14 +145,23 @@ class Grants:
                     fds.append(fd)
                     described.append(f"{wire.SLOT}:{uuid}:{wire.EXCLUSIVE}")
                     exclusive.append(True)
-            data = wire.encode(wire.GRANT, {"devices": ",".join(devices), "fds": ",".join(described), **(fields or {})})
-            sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())])
-            if sent != len(data):
-                raise OSError("short send")
         except OSError:
             for fd in fds:
                 os.close(fd)
-            accounts.end(self.layout, lease_id, "not taken (the client went away)")
+            return False
+        data = wire.encode(wire.GRANT, {"devices": ",".join(devices), "fds": ",".join(described), **(fields or {})})
+
+        def send() -> bool:
+            try:
+                sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())])
+            except OSError:
+                return False
+            return sent == len(data)
+
+        lease_id = accounts.grant(self.layout, pid, uid, devices, program, asked, counts_as if slots else None, send)
+        if lease_id is None:
+            for fd in fds:
+                os.close(fd)
             return False
         self.pending[key] = Pending(key, pid, list(devices), fds, time.monotonic() + DEADLINE_S, lease_id,
                                     exclusive, dict(slots))

@@ -63,7 +63,7 @@ class Proc:
 def proc(pid: int, devices: Sequence[str] = ()) -> Optional[Proc]:
     """PID as /proc shows it, or None if it is gone; its program by its wrapped name where it
     holds one of DEVICES as a wrapped program's run."""
-    from ..proc import real_uid
+    from ..proc import executable, real_uid
     from .procinfo import printable, wrapped_name
 
     try:
@@ -79,10 +79,7 @@ def proc(pid: int, devices: Sequence[str] = ()) -> Optional[Proc]:
     uid = real_uid(pid)
     if uid is None:
         return None
-    try:
-        exe = os.readlink(f"/proc/{pid}/exe")
-    except OSError:
-        exe = ""
+    exe = executable(pid)
     # The wrapped program: a script run through its shebang has the interpreter first, then
     # the real program's path (CUDAWRAP_name); a binary has the name it was invoked by.
     from ..locations import REAL_PREFIX

@@ -157,14 +157,14 @@ def private_group(uid: int) -> Optional[int]:
     return gr.gr_gid if gr.gr_name == pw.pw_name and not set(gr.gr_mem) - {pw.pw_name} else None
 
 
-def _append_user_view(layout: Layout, record: Dict[str, Any], limits: Tuple[int, int]) -> None:
+def _append_user_view(layout: Layout, record: Dict[str, Any], limits: Tuple[int, int], durable: bool = True) -> None:
     group = private_group(record["uid"])
     if group is None:
         return  # no group of that user alone: only root sees these records
     directory = layout.state_dir / USER_DIR
     try:
         directory.mkdir(mode=0o755, exist_ok=True)
-        append(user_view_path(layout, record["uid"]), [record], *limits, mode=0o640, group=group)
+        append(user_view_path(layout, record["uid"]), [record], *limits, mode=0o640, group=group, durable=durable)
     except OSError:
         pass  # the ledger has it; the user's view catches up with the next end
 

@@ -106,7 +106,7 @@ class Line:
         if self._alone(mine):
             scan = self._probed()
         else:
-            scan = self._known(granted) or self.queue.scan()
+            scan = self._known(granted, claimed) or self.queue.scan()
         now = time.monotonic()
         entries = [w for w in (self._believable(w) for w in scan.waiters) if w is not None]
         table = dict(scan.table)
@@ -155,12 +155,13 @@ class Line:
                 table[ident] = [UNKNOWN_HOLDER]
         return Scan([], table, {})
 
-    def _known(self, granted: Optional[Dict[str, int]]) -> Optional[Scan]:
+    def _known(self, granted: Optional[Dict[str, int]], claimed: Dict[str, List[Tuple[int, bool]]]) -> Optional[Scan]:
         """The lock table as the service knows it, without reading /proc/locks: each held
         lease is one the service granted (GRANTED names its client), the rest free (trying
         their locks says so). None where that is not all: a lease held by a run that decided
         for itself (its holder only the kernel's table names), a shared device in use (its
-        sharers and slots likewise), a run in the queue directory.
+        sharers and slots likewise), a run in the queue directory. A lease sent and not yet
+        confirmed (CLAIMED) is its client's: decide() counts it held as it is.
 
         The read it spares costs 10-18 ms whenever nothing read the table a moment before
         (the kernel waits out an RCU grace period), and a hand-over is that cold read: a
@@ -180,9 +181,10 @@ class Line:
                 continue
             if self.leases.free_now(uuid):
                 continue
-            if uuid not in granted:
+            if uuid in granted:
+                table[ident] = [(granted[uuid], True)]
+            elif not any(exclusive for _pid, exclusive in claimed.get(uuid, ())):
                 return None
-            table[ident] = [(granted[uuid], True)]
         return Scan([], table, {})
 
     def _pass_over_idle(self, entries: List[Waiter], verdicts: Dict[str, Verdict], now: float) -> None:

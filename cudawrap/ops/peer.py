@@ -15,7 +15,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .. import locations as loc
 from ..proc import real_uid
@@ -140,19 +140,37 @@ def program(pid: int, root: str) -> Optional[str]:
             script = os.path.join(os.readlink(f"/proc/{pid}/cwd"), script)
         except OSError:
             return None
+    try:
+        st = os.stat(script)  # the shim itself, through the program's link
+        exe = os.readlink(f"/proc/{pid}/exe")  # resolved already: the kernel's own path
+    except OSError:
+        return None
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_uid, st.st_mode)
+    known = _known.get((root, script))
+    if known is not None and known[0] == identity:
+        return known[2] if exe == known[1] or os.path.realpath(exe) == known[1] else None
     layout = Layout(Path(root))
     if not layout.is_shim_path(script):
         return None
     shim = os.path.realpath(script)
-    try:
-        st = os.stat(shim)
-        exe = os.path.realpath(os.readlink(f"/proc/{pid}/exe"))
-    except OSError:
-        return None
     python = _shebang_python(shim)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022 or python is None or os.path.realpath(python) != exe:
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022 or python is None:
+        return None
+    python = os.path.realpath(python)
+    if python != os.path.realpath(exe):
         return None
     baked = _baked_link(shim)
-    if baked is not None:
-        return baked
-    return find_link(script, loc.under(root, loc.SHIM))
+    if baked is None:
+        return find_link(script, loc.under(root, loc.SHIM))  # the shared shim: the links decide, every time
+    if len(_known) >= _KNOWN_MAX:
+        _known.clear()
+    _known[(root, script)] = (identity, python, baked)
+    return baked
+
+
+# (root, the path a shim was run by) -> (that shim file's identity, its interpreter, the link
+# baked into it): what program() found the last time, for as long as the path leads to the
+# same unchanged file (a shim is rewritten, never edited in place, by install and doctor).
+# Only a path that led into the install's shims is kept, so a path elsewhere is checked in full.
+_known: Dict[Tuple[str, str], Tuple[Tuple[int, ...], str, str]] = {}
+_KNOWN_MAX = 4096

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional
 
 from .. import locations as loc
 from .. import wire
+from ..base import audit
 from .cancel import CANCELLED_EXIT
 from ..errors import CudawrapError
 from ..sched.schedule import GRANTED, Verdict
@@ -159,29 +160,32 @@ class Service:
         ready = self.selector.select(min(timeout, IDLE_SYNC_S) if accounts.pending() else timeout)
         if not ready and accounts.pending():
             accounts.flush()  # idle: now the ledger's fsync costs nobody's launch
-        for key, _mask in ready:
-            if key.data == "listen":
-                self._accept()
-            elif key.data == "watch":
-                self._events()
-            elif key.data == "slurm":
-                self._resolved()
-            elif isinstance(key.data, Held):
-                self._exited(key.data)
-            else:
-                self._readable(key.data)
-        now = time.monotonic()
-        for client in [c for c in self.clients.values() if c.fresh and c.hello_by <= now]:
-            self._drop(client)  # connected and never asked: its slot goes to others
-        for key in self.grants.expired(now):
-            self._late(key)
-        if self.comeback.ended(now):
-            self.dirty = True  # those who came meanwhile are decided on now
-        self.comeback.census.note(self._holders(), now)
-        if self._waiting() and (self.dirty or now - self.last_decision >= TICK_S
-                                or any(c.wait_until <= now for c in self._waiting())):
-            if now - self.last_decision >= MIN_GAP_S:
-                self._decide()
+        # One turn of the ledger for all that happens now: seven releases at once are one
+        # rewrite of its state, after their seven hand-overs are sent (accounts.turn).
+        with accounts.turn(self.grants.layout):
+            for key, _mask in ready:
+                if key.data == "listen":
+                    self._accept()
+                elif key.data == "watch":
+                    self._events()
+                elif key.data == "slurm":
+                    self._resolved()
+                elif isinstance(key.data, Held):
+                    self._exited(key.data)
+                else:
+                    self._readable(key.data)
+            now = time.monotonic()
+            for client in [c for c in self.clients.values() if c.fresh and c.hello_by <= now]:
+                self._drop(client)  # connected and never asked: its slot goes to others
+            for key in self.grants.expired(now):
+                self._late(key)
+            if self.comeback.ended(now):
+                self.dirty = True  # those who came meanwhile are decided on now
+            self.comeback.census.note(self._holders(), now)
+            if self._waiting() and (self.dirty or now - self.last_decision >= TICK_S
+                                    or any(c.wait_until <= now for c in self._waiting())):
+                if now - self.last_decision >= MIN_GAP_S:
+                    self._decide()
 
     def _waiting(self) -> List[Client]:
         return [c for c in self.clients.values() if c.waiter is not None]
@@ -227,6 +231,9 @@ class Service:
                 continue
             self.clients[sock.fileno()] = client
             self.selector.register(sock, selectors.EVENT_READ, client)
+            # A shim sends its request right after connecting: read it now rather than after
+            # another turn of the loop (nothing there yet costs one EAGAIN).
+            self._readable(client)
 
     def _drop(self, client: Client) -> None:
         if self.clients.pop(client.sock.fileno(), None) is None:
@@ -264,7 +271,11 @@ class Service:
             self._handle(client, verb, fields)
 
     def _handle(self, client: Client, verb: str, fields: Dict[str, str]) -> None:
-        if verb == wire.REQUEST and client.fresh:
+        if verb in (wire.REQUEST, wire.RUN) and client.fresh:
+            if verb == wire.RUN:
+                fields.setdefault("asks", "")  # asks.read reads the run's settings from them
+            else:
+                fields.pop("asks", None)
             self._request(client, fields)
         elif verb in (wire.STATUS, wire.CANCEL) and client.fresh:
             self._question(client, verb, fields)
@@ -360,7 +371,12 @@ class Service:
                         client.ask.program, time.time(), lease_id=pending.lease_id, slots=pending.slots)
             self.grants.follow(held)
             self.selector.register(held.pidfd, selectors.EVENT_READ, held)
+        # A whole device's client has gone on already (its lock is the kernel's word); a share's
+        # waits for this, once follow() above has opened the MPS pipe directory to its user.
         client.send(wire.DONE, {})
+        audit.log("grant", holder=user_name(client.peer.uid), pid=client.peer.pid, program=client.waiter.program,
+                  devices=",".join(pending.devices), **({"shared": ",".join(pending.slots)} if pending.slots else {}),
+                  via="service")
         _say(f"granted {'a share of ' if pending.slots else ''}{','.join(pending.devices)} to uid "
              f"{client.peer.uid} pid {client.peer.pid} ({client.waiter.program})")
         client.waiter = None  # served: no longer waiting

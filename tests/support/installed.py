@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequ
 
 import pytest
 
-from cudawrap.install.installation import prepare
+from cudawrap.install.installation import install_program_shim, prepare
 from cudawrap.paths import Layout
 from .machine import FAKECUDA, FakeMachine
 from .procs import REPO, Spawned, cli_code
@@ -58,7 +58,10 @@ class Installed:
         real.write_bytes(text)
         real.chmod(0o755)
         link = self.bindir / name
-        link.symlink_to(self.layout.shim)
+        # Its own shim, the link baked in, as create-cudawrap makes it (the shim's fast path
+        # asks the service only from one; the shared shim of older installs goes the general way).
+        install_program_shim(self.layout, str(link))
+        link.symlink_to(self.layout.program_shim(str(link)))
         return link
 
     def write_config(self, text: str) -> None:

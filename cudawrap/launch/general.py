@@ -1,7 +1,10 @@
-"""The launch path: find the real program, lease devices, exec it unchanged but for CUDA_VISIBLE_DEVICES.
+"""The general launch: find the real program, lease devices, exec it unchanged but for CUDA_VISIBLE_DEVICES.
 
-Imported by the shim on every launch of every wrapped program, so it imports only what
-it needs, lazily, and never plumbum, pathlib, typing or dataclasses.
+Every case: a lease inherited from a wrapped parent, a Slurm job, the service asked with
+the settings read here, or no service and the run deciding for itself; and every error,
+said in one line. The shim comes here when its fast path (launch/__init__.py) cannot serve
+the run; `cudawrap run` and the API lease through obtain(). On the shim's path, so it
+imports only what it needs, lazily, and never plumbum, pathlib, typing or dataclasses.
 """
 from __future__ import annotations
 
@@ -13,14 +16,14 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Any, Dict, List, NoReturn, Optional
 
-    from .policy.effective import Settings
+    from ..policy.effective import Settings
 
-from .base import audit
-from . import locations as loc
-from .base.program import exec_program, find_link, original_environ, real_program, say, unwrapped_meanwhile
-from .errors import CudawrapError, NoDeviceError, NvmlUnavailable, UsageError
-from .lease.files import LEASE_ENV, Lease, LeaseFiles, inherited_lease
-from .lease.grant import CVD, Grant, whole_devices
+from ..base import audit
+from .. import locations as loc
+from ..base.program import exec_program, find_link, original_environ, real_program, say, unwrapped_meanwhile
+from ..errors import CudawrapError, NoDeviceError, NvmlUnavailable, UsageError
+from ..lease.files import LEASE_ENV, Lease, LeaseFiles, inherited_lease
+from ..lease.grant import CVD, Grant, whole_devices
 
 
 def _narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
@@ -33,7 +36,7 @@ def _narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
     """
     if preset is None:
         return lease
-    from .sched.selection import _by_prefix
+    from ..sched.selection import _by_prefix
 
     uuids = lease.uuids
     kept: List[str] = []
@@ -52,10 +55,11 @@ def _narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
 
 
 def obtain(root: str, prog: str, settings: Settings, environ: Any,
-           count: Optional[int] = None, layout: bool = True) -> Grant:
+           count: Optional[int] = None, layout: bool = True, ticket: str = "") -> Grant:
     """Lease devices for one run under SETTINGS.
 
-    LAYOUT: whether sync's device layout may stand in for an enumeration (no monitor)."""
+    LAYOUT: whether sync's device layout may stand in for an enumeration (no monitor).
+    TICKET: the place in the service's line a wait before this one was given (wire.py)."""
     value = settings.values()
     count = value["gpus"] if count is None else count
     lease_dir = loc.under(root, loc.LEASE_DIR)
@@ -65,17 +69,17 @@ def obtain(root: str, prog: str, settings: Settings, environ: Any,
         return grant
     job = None
     if environ.get("SLURM_JOB_ID"):  # within_job's own test: outside Slurm, slurm is not imported
-        from .devices.slurm import within_job
+        from ..devices.slurm import within_job
 
         job = within_job(environ)
     grant = _grant_without_lease(prog, job, preset)
     if grant is not None:
         return grant
 
-    from .policy.effective import check_count
+    from ..policy.effective import check_count
 
     check_count(settings, count)
-    from .lease.sharing import of_run
+    from ..lease.sharing import of_run
 
     sharing, share = of_run(value, count)
     # Under [service] enforce a user cannot open the lease files: the service alone grants,
@@ -83,7 +87,7 @@ def obtain(root: str, prog: str, settings: Settings, environ: Any,
     # admin out). Without it, shared runs decide for themselves.
     enforced = bool(value.get("enforce")) and os.geteuid() != 0
     if enforced or (job is None and not share and os.path.exists(loc.under(root, loc.SERVICE_SOCKET))):
-        served = _from_service(root, prog, value, environ, count, job, enforced)
+        served = _from_service(root, prog, value, environ, count, job, enforced, ticket)
         if served is not None:
             return served
 
@@ -120,14 +124,14 @@ def _grant_without_lease(prog: str, job: Any, preset: Optional[str]) -> Optional
 def _device_source(root: str, prog: str, value: Dict[str, Any], lease_dir: str, layout: bool) -> Any:
     """Where this launch reads the machine from (devices/source.py); None when NVML is
     unusable, no_driver allows that and there are no lease files: no lease at all."""
-    from .devices.source import GenericSource, choose
+    from ..devices.source import GenericSource, choose
 
     try:
         return choose(root, layout)
     except NvmlUnavailable as exc:
         if value["no_driver"] == "fail":
             raise
-        from .lease.files import lease_file_inventory
+        from ..lease.files import lease_file_inventory
 
         # The lease files root made still name the devices (NVML may be broken only for
         # us, a driver upgraded under a loaded module): one lease each, by UUID, rather
@@ -154,8 +158,8 @@ class _Run:
 
     def take(self, job: Any, preset: Optional[str], layout: bool) -> Grant:
         """Read the machine, narrow it to this run's candidates, and lease them."""
-        from .policy.effective import UNFILTERED
-        from .sched.candidates import allow_list, usable, without_drained
+        from ..policy.effective import UNFILTERED
+        from ..sched.candidates import allow_list, usable, without_drained
 
         root, prog, value, count = self.root, self.prog, self.value, self.count
         lease_dir = loc.under(root, loc.LEASE_DIR)
@@ -172,7 +176,7 @@ class _Run:
         inventory, unread = source.inventory(), source.unread
         checked_at = time.monotonic()
         if job is not None:
-            from .sched.selection import PCI_ORDER
+            from ..sched.selection import PCI_ORDER
 
             slurm_visible = job.visible({g.index for g in inventory.gpus})
             if slurm_visible is not None:
@@ -185,13 +189,13 @@ class _Run:
             if not unread:
                 raise
             # Perhaps the layout's fault (MIG reconfigured since the last sync): NVML decides.
-            from .devices.source import NvmlSource
+            from ..devices.source import NvmlSource
 
             inventory, unread = NvmlSource.read().inventory(), False
             candidates = usable(inventory, value, allow, preset, count, order)
         candidates = without_drained(root, candidates, count)
         if max_util < 100 and not any(d.utilization is not None for d in inventory.devices):
-            from .devices import nvml
+            from ..devices import nvml
 
             try:  # the snapshot and the lean inventory skip utilisation: read it for this filter
                 inventory, unread = nvml.inventory(utilization=True), False
@@ -201,8 +205,8 @@ class _Run:
 
     def lease(self, source: Any, inventory: Any, unread: bool, candidates: List[Any], checked_at: float) -> Grant:
         """Wait for and take CANDIDATES' devices; the grant."""
-        from .sched.candidates import limits_of, synced
-        from .sched.run import acquire
+        from ..sched.acquirer import Queued
+        from ..sched.candidates import limits_of, synced
 
         root, value, count = self.root, self.value, self.count
         limits = limits_of(value, count, os.geteuid())
@@ -213,9 +217,13 @@ class _Run:
         info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={self.prog}\n".encode()
         start = time.monotonic()
         try:
-            lease = acquire(acquirer, value["wait"], info, self.on_wait)
+            lease = acquirer.arrive(value["wait"], info)
+            if isinstance(lease, Queued):  # its turn is not now: it waits (sched/run.py, loaded only then)
+                from ..sched.run import wait_in_line
+
+                lease = wait_in_line(acquirer, lease, self.on_wait)
         except NoDeviceError as exc:
-            from .sched.decision import Cancelled
+            from ..sched.decision import Cancelled
 
             if unread and acquirer.lost_on_arrival and not isinstance(exc, Cancelled):
                 # A device of the layout is gone (a MIG instance destroyed since the last sync):
@@ -235,16 +243,16 @@ class _Run:
 
     def _acquirer(self, leases: LeaseFiles, source: Any, inventory: Any, unread: bool, candidates: List[Any],
                   checked_at: float, limits: Dict[str, Any]) -> Any:
-        from .policy.effective import queue_bounds
-        from .sched.acquirer import Acquirer
-        from .sched.request import Request
-        from .sched.candidates import drained_now
-        from .sched.queue import WaitQueue
+        from ..policy.effective import queue_bounds
+        from ..sched.acquirer import Acquirer
+        from ..sched.request import Request
+        from ..sched.candidates import drained_now
+        from ..sched.queue import WaitQueue
 
         root, value = self.root, self.value
         limit_of = None
         if limits:
-            from .policy.limits import limit_for
+            from ..policy.limits import limit_for
 
             limit_of = lambda uid: limit_for(uid, limits)  # noqa: E731 - one call, bound here
         return Acquirer(
@@ -256,7 +264,7 @@ class _Run:
             snapshot=source.snapshot, admin=lambda: queue_bounds(root))
 
     def on_wait(self, text: str) -> None:
-        from .sched.acquirer import describe_wait
+        from ..sched.acquirer import describe_wait
 
         self.waited = True
         say(self.prog, describe_wait(text))
@@ -270,16 +278,18 @@ class _Run:
 
 
 def _from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, count: int, job: Any = None,
-                  enforced: bool = False) -> Optional[Grant]:
+                  enforced: bool = False, ticket: str = "") -> Optional[Grant]:
     """Devices (or shares) granted by `cudawrap serve` (README "The cudawrap service"); None
     when it does not answer, and the run decides for itself as without it. ENFORCED: it
     cannot; the service is tried again for connect_retry_s (a restart), then ServiceUnavailable."""
-    from . import client
+    from .. import client
 
     def on_wait(text: str) -> None:
         say(prog, text)
 
     fields = client.request_fields(value, environ, count)
+    if ticket:
+        fields["ticket"] = ticket
     if job is not None:
         devices = _job_devices(job)
         if devices is not None:
@@ -290,18 +300,16 @@ def _from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, cou
         granted = client.ask_retrying(root, fields, on_wait, float(value.get("connect_retry_s", 10.0)))
     if granted is None:
         return None
-    lease = granted.lease
-    audit.log("grant", program=prog, pid=os.getpid(), devices=",".join(lease.uuids),
-              **({"shared": ",".join(lease.shared)} if lease.shared else {}), via="service")
-    return whole_devices(root, lease, environ, granted.extra, granted.defaults)
+    # The service writes the grant's audit line (and its ledger record) itself.
+    return whole_devices(root, granted.lease, environ, granted.extra, granted.defaults)
 
 
 def _job_devices(job: Any) -> Optional[str]:
     """The UUIDs of a Slurm job's GPUs, as the service is asked to narrow to them; None
     where Slurm's variables do not say (CUDA_VISIBLE_DEVICES narrows, as for any run).
     Slurm numbers GPUs in NVML's (PCI) order: NVML is read to name them."""
-    from .devices import nvml
-    from .devices.slurm import uuids_of
+    from ..devices import nvml
+    from ..devices.slurm import uuids_of
 
     inventory = nvml.inventory()
     visible = job.visible({g.index for g in inventory.gpus})
@@ -316,10 +324,10 @@ def _job_devices(job: Any) -> Optional[str]:
     return ",".join(uuids_of(inventory.devices, wanted)) or "-"
 
 
-def run_shim(root: str, argv: List[str], link: Optional[str] = None) -> NoReturn:
+def run_shim(root: str, argv: List[str], link: Optional[str] = None, ticket: str = "") -> NoReturn:
     """Run the program wrapped at LINK (baked into its own shim); without LINK (the shared
     shim that links made before per-program shims lead to), find it from how we were invoked."""
-    from .policy.effective import effective
+    from ..policy.effective import effective
 
     if not argv or not argv[0]:
         raise UsageError("started without a program name")
@@ -332,7 +340,7 @@ def run_shim(root: str, argv: List[str], link: Optional[str] = None) -> NoReturn
     prog = os.path.basename(link)
     real = real_program(link, shim, root)
     settings = effective(root, os.path.abspath(link))
-    grant = obtain(root, prog, settings, os.environ)
+    grant = obtain(root, prog, settings, os.environ, ticket=ticket)
     grant.program = prog
     if os.environ.get("CUDAWRAP_VERBOSE"):
         say(prog, f"{CVD}={grant.visible if grant.visible is not None else '(unchanged)'} -> {real}")
@@ -341,12 +349,43 @@ def run_shim(root: str, argv: List[str], link: Optional[str] = None) -> NoReturn
     exec_program(real, [invoked] + argv[1:], grant.apply(original_environ()), grant)
 
 
-def main(root: str, link: Optional[str] = None) -> NoReturn:
-    """The shim's entry point: errors become one line and the documented exit code."""
+def main(root: str, link: Optional[str] = None, ticket: str = "") -> NoReturn:
+    """The shim's general way (launch/__init__.py: TICKET, a place in the service's line a
+    wait there was given): errors become one line and the documented exit code."""
     argv = sys.argv
-    prog = os.path.basename(link or (argv[0] if argv and argv[0] else "cudawrap"))
+    _guarded(os.path.basename(link or (argv[0] if argv and argv[0] else "cudawrap")),
+             lambda: run_shim(root, argv, link, ticket))
+
+
+def fail(prog: str, message: str, hint: Optional[str], exit_code: int) -> NoReturn:
+    """Report a refusal the service sent to the fast path as this way reports its own errors."""
+    error = (NoDeviceError if exit_code == NoDeviceError.exit_code else CudawrapError)(message, hint)
+    error.exit_code = exit_code
+    _guarded(prog, lambda: _raise(error))
+
+
+def _raise(error: CudawrapError) -> NoReturn:
+    raise error
+
+
+def exec_failed(root: str, link: str, real: str, argv: List[str], env: Dict[bytes, bytes],
+                exc: OSError) -> NoReturn:
+    """The fast path's exec of REAL failed with EXC: run the program where an unwrap put it
+    back meanwhile, else say why, as exec_program says it (the lease's descriptors are
+    inheritable already)."""
+    def again() -> NoReturn:
+        path = real
+        if isinstance(exc, FileNotFoundError):
+            path = unwrapped_meanwhile(link, os.path.realpath(argv[0]), root) or real
+        exec_program(path, argv, env, Grant(None, None))
+
+    _guarded(os.path.basename(link), again)
+
+
+def _guarded(prog: str, run: Any) -> NoReturn:
+    """RUN (which execs or raises); a CudawrapError becomes one line (and its hint) and its exit status."""
     try:
-        run_shim(root, argv, link)
+        run()
     except CudawrapError as exc:
         say(prog, exc.message)
         if exc.hint:
@@ -360,3 +399,4 @@ def main(root: str, link: Optional[str] = None) -> NoReturn:
         os._exit(exc.exit_code)
     except KeyboardInterrupt:
         os._exit(130)
+    os._exit(os.EX_SOFTWARE)  # RUN returned: it must not
