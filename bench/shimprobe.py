@@ -55,7 +55,9 @@ def phases(link, args):
     acc = {}
     start = perf()
     import cudawrap.launch as launch
+    import cudawrap.launch.general  # noqa: F401 - the way a launch without the service goes
 
+    general = sys.modules["cudawrap.launch.general"]
     acc["import cudawrap.launch (errors, audit, leases, locations)"] = perf() - start
     start = perf()
     import cudawrap.sched.acquirer
@@ -93,8 +95,8 @@ def phases(link, args):
         setattr(owner, name, wrapper)
 
     timed(policy, "effective", "policy.effective (config cache)")
-    timed(launch, "find_link", "find_link + real_program")
-    timed(launch, "real_program", "find_link + real_program")
+    timed(general, "find_link", "find_link + real_program")
+    timed(general, "real_program", "find_link + real_program")
     if nvml is not None:
         timed(nvml, "_binding", "_import binding")
         timed(nvml, "init", "_nvml.init")
@@ -111,9 +113,9 @@ def phases(link, args):
                 acc["_init in refresh"] = acc.get("_init in refresh", 0.0) + acc.get("_nvml.init", 0.0) - before
 
         nvml.refresh = refresh_noting_init
-    timed(acquire.Acquirer, "acquire", "acquire (queue mutex, flock leases)")
-    timed(launch, "obtain", "_obtain")
-    timed(launch, "original_environ", "original_environ (/proc/self/environ)")
+    timed(acquire.Acquirer, "arrive", "acquire (queue mutex, flock leases)")
+    timed(general, "obtain", "_obtain")
+    timed(general, "original_environ", "original_environ (/proc/self/environ)")
 
     def stop(path, argv, env):
         end = perf()

@@ -199,15 +199,15 @@ LAUNCH_MODULES = {
     "cudawrap", "cudawrap.errors", "cudawrap.launch", "cudawrap.locations", "cudawrap.users",
     "cudawrap.base", "cudawrap.base.audit", "cudawrap.base.program", "cudawrap.base.rootfile",
     "cudawrap.devices", "cudawrap.devices.model", "cudawrap.devices.snapshot",
-    "cudawrap.lease", "cudawrap.lease.files", "cudawrap.lease.grant", "cudawrap.lease.sharing",
+    "cudawrap.lease", "cudawrap.lease.files", "cudawrap.lease.sharing",
     "cudawrap.policy", "cudawrap.policy.effective",
     "cudawrap.sched", "cudawrap.sched.acquirer", "cudawrap.sched.machine",
     "cudawrap.sched.placement", "cudawrap.sched.request", "cudawrap.sched.queue",
     # launch.obtain split: the device sources' interface, and the narrowing to a run's candidates.
     "cudawrap.devices.source", "cudawrap.sched.candidates",
-    # The shim's fast path found no service (launch/__init__.py); the general way, and the two
-    # posix-only helpers it shares with the fast path. Not sched.run: it is for runs that wait.
-    "cudawrap.launch.general", "cudawrap.base.posixio",
+    # The shim's fast path found no service (launch/__init__.py): the general way. Not
+    # sched.run: it is for runs that wait.
+    "cudawrap.launch.general",
 }
 # With the monitor's snapshot: /proc, for whether the processes it names have exited since.
 LAUNCH_MODULES_SNAPSHOT = LAUNCH_MODULES | {"cudawrap.proc"}

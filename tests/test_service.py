@@ -545,8 +545,7 @@ def test_a_monitor_started_beside_the_service_waits_and_takes_over(served: Serve
 
 
 # What a shim loads when the service answers: the fast path of launch/__init__.py, and not os.
-SERVED_LAUNCH = {"cudawrap", "cudawrap.launch", "cudawrap.locations", "cudawrap.wire", "cudawrap.base",
-                 "cudawrap.base.posixio"}
+SERVED_LAUNCH = {"cudawrap", "cudawrap.launch", "cudawrap.locations", "cudawrap.wire"}
 
 
 def test_a_served_launch_loads_only_the_fast_path_and_not_os(served: Served) -> None:

@@ -1,7 +1,9 @@
 """The wrapped program itself: the name it was reached by, the real program beside it, and
-becoming it (exec, same pid).
+becoming it (exec, same pid) with what it was granted (Grant: the devices, the lease marker
+a child finds its parent's lease by, a share's variables).
 
-On the shim's path: only os and the C modules it needs.
+On the shim's general path: only os and the C modules it needs (one module, not two: each
+module the launch loads costs it ~0.1 ms).
 """
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ import os
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Any, Dict, NoReturn, Optional, Sequence
+    from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple
+
+    Lease = Any  # lease.files.Lease, a layer above this one
 
 from .. import locations as loc
 from ..errors import CannotExecute, ProgramNotFound, UsageError
-from .posixio import original_environ, say  # noqa: F401 - the launch's and `cudawrap run`'s
+from ..locations import LEASE_ENV, PROGRAM_ENV
 
 
 def find_link(invoked: str, shim: str) -> str:
@@ -79,7 +83,7 @@ def real_program(link: str, shim: str, root: str = "") -> str:
 
 def exec_program(path: str, argv: Sequence[str], env: Dict[bytes, bytes], grant: Any) -> NoReturn:
     """Become the real program: same pid, so signals and exit codes pass through; GRANT's
-    lease (lease.grant.Grant: a layer above this one) goes along."""
+    lease goes along."""
     import _signal  # `signal` would pull in enum; the C module is enough here
 
     # Python ignores SIGPIPE and SIGXFSZ, and ignored signals survive exec: without this
@@ -112,3 +116,52 @@ def unwrapped_meanwhile(link: str, shim: str, root: str) -> Optional[str]:
     except OSError:
         pass  # the unwrap removed the program's own shim
     return None if is_shim(link, root) else link
+
+
+CVD = "CUDA_VISIBLE_DEVICES"
+CVD_B = CVD.encode()
+
+
+class Grant:
+    """What a run got: a lease (possibly inherited) or nothing, and what to tell it."""
+
+    def __init__(self, lease: Optional[Lease], visible: Optional[str],
+                 extra: Optional[Dict[bytes, bytes]] = None) -> None:
+        self.lease = lease
+        self.visible = visible  # value for CUDA_VISIBLE_DEVICES; None = leave it as it is
+        self.extra = extra or {}  # more variables: an MPS client's
+        self.defaults: Dict[bytes, bytes] = {}  # variables set only where the caller has none
+        self.drop: Tuple[bytes, ...] = ()  # variables to remove
+        self.program: Optional[str] = None  # the wrapped name, for a run a shim started
+
+    def apply(self, env: Dict[bytes, bytes]) -> Dict[bytes, bytes]:
+        for name in self.drop:
+            env.pop(name, None)
+        env.update(self.extra)
+        for name, value in self.defaults.items():
+            env.setdefault(name, value)
+        if self.visible is not None:
+            env[CVD_B] = self.visible.encode()
+        if self.lease is not None:
+            env[LEASE_ENV.encode()] = self.lease.marker().encode()
+            if self.program:
+                env[PROGRAM_ENV.encode()] = self.program.encode()
+            else:  # `cudawrap run` inside a wrapped program: its command is not that program
+                env.pop(PROGRAM_ENV.encode(), None)
+        return env
+
+
+def whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[bytes, bytes]] = None,
+                   defaults: Optional[Dict[bytes, bytes]] = None) -> Grant:
+    """The Grant of LEASE with a share's variables (EXTRA, and DEFAULTS where the caller has
+    none; sharing.run_env), and a shared run's MPS variables dropped for whole devices."""
+    grant = Grant(lease, ",".join(lease.uuids), extra)
+    if defaults is not None:
+        grant.defaults = defaults
+    mps_dir = loc.under(root, loc.MPS_DIR) + "/"
+    if not lease.shared and environ.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(mps_dir):
+        # A whole device bypasses MPS: a client of a device's daemon (a shared run's
+        # environment passed on) must not be sent to a daemon of a device it does not use.
+        grant.drop = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
+                      b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+    return grant

@@ -10,8 +10,8 @@ from typing import Optional
 from plumbum import cli
 
 from ..launch import general as launch
-from ..base.program import exec_program, original_environ
-from ..lease.grant import CVD, Grant
+from ..base.program import CVD, Grant, exec_program
+from ..launch import original_environ
 from ..policy import effective as policy
 from ..policy.config import parse_gpus, parse_wait
 from ..errors import NvmlUnavailable, ProgramNotFound, UsageError

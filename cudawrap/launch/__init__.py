@@ -11,7 +11,7 @@ a real program that is a symbolic link (it might lead back to a shim), CUDAWRAP_
 every error there is to explain.
 
 This module runs on every launch, so it imports the C modules posix, _socket and fcntl and
-cudawrap's leaves (wire, locations, base.posixio) only: not even os, whose import (posixpath,
+cudawrap's leaves (wire, locations) only: not even os, whose import (posixpath,
 stat, _collections_abc) costs ~0.8 ms, an eighth of the interpreter's own start. Where no
 service runs (no socket), it costs a launch three stat calls and nothing else is imported.
 """
@@ -30,7 +30,7 @@ _ASK_PREFIX = b"CUDAWRAP_"
 # Set: the general way (an inherited lease, a Slurm job, a trace).
 _GENERAL = (loc.LEASE_ENV.encode(), b"SLURM_JOB_ID", b"CUDAWRAP_DEBUG")
 _CVD = b"CUDA_VISIBLE_DEVICES"
-# A shared run's MPS variables: a whole device bypasses MPS (as lease.grant.whole_devices).
+# A shared run's MPS variables: a whole device bypasses MPS (as base.program.whole_devices).
 _MPS_VARIABLES = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
                   b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
 _FD_BYTES = 4  # an int in SCM_RIGHTS
@@ -51,6 +51,38 @@ def main(root: str, link: Optional[str] = None) -> NoReturn:
     from .general import main as general
 
     general(root, link, ticket)
+
+
+def say(prog: str, message: str) -> None:
+    """One line on stderr; written in one call so parallel launches never interleave."""
+    posix.write(2, f"{prog}: {message}\n".encode("utf-8", "replace"))
+
+
+def original_environ() -> Dict[bytes, bytes]:
+    """The caller's environment exactly as it was passed to us, byte for byte.
+
+    Python adds LC_CTYPE when it coerces a C locale, and os.environ cannot tell us what
+    it changed; the kernel's copy in /proc/self/environ is the untouched original.
+    """
+    try:
+        fd = posix.open("/proc/self/environ", posix.O_RDONLY | posix.O_CLOEXEC)
+    except OSError:
+        return dict(posix.environ)
+    try:
+        chunks = []
+        while True:
+            chunk = posix.read(fd, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        posix.close(fd)
+    env: Dict[bytes, bytes] = {}
+    for item in b"".join(chunks).split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep and key not in env:  # the first of duplicates wins, as with getenv()
+            env[key] = value
+    return env
 
 
 def _served(root: str, link: str, argv: List[str]) -> str:
@@ -103,7 +135,6 @@ def _converse(sock: Any, fields: Dict[str, str], prog: str) -> Any:
     import fcntl
 
     from .. import wire
-    from ..base.posixio import say
 
     reader, fds, ticket, granted = wire.Reader(), [], "", None
     try:
@@ -194,9 +225,8 @@ def _refused(prog: str, reply: Dict[str, str]) -> NoReturn:
 
 def _become(root: str, link: str, real: str, argv: List[str], leases: Dict[str, int], slots: Dict[str, int],
              reply: Dict[str, str]) -> NoReturn:
-    """Exec REAL with the lease's descriptors and its variables, as lease.grant.Grant.apply sets them."""
+    """Exec REAL with the lease's descriptors and its variables, as base.program.Grant.apply sets them."""
     from .. import wire
-    from ..base.posixio import original_environ, say
 
     prog = link[link.rfind("/") + 1:]
     env = original_environ()

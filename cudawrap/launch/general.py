@@ -20,10 +20,10 @@ if TYPE_CHECKING:
 
 from ..base import audit
 from .. import locations as loc
-from ..base.program import exec_program, find_link, original_environ, real_program, say, unwrapped_meanwhile
+from ..base.program import CVD, Grant, exec_program, find_link, real_program, unwrapped_meanwhile, whole_devices
 from ..errors import CudawrapError, NoDeviceError, NvmlUnavailable, UsageError
 from ..lease.files import LEASE_ENV, Lease, LeaseFiles, inherited_lease
-from ..lease.grant import CVD, Grant, whole_devices
+from . import original_environ, say  # the shim's fast path loaded them already
 
 
 def _narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
