@@ -16,7 +16,7 @@ from .policy import effective as policy
 from .policy.config import parse_gpus, parse_wait
 from .errors import UsageError
 from .lease.files import LEASE_ENV, PROGRAM_ENV
-from .base.program import CVD, Grant
+from .launch.general import CVD, Grant
 from .paths import default_layout
 
 _held: Optional[Grant] = None

@@ -197,12 +197,12 @@ def test_the_shim_imports_only_what_it_needs(installed):
 # cudawrap's modules on a launch, exactly: a new import on the shim's path shows here first.
 LAUNCH_MODULES = {
     "cudawrap", "cudawrap.errors", "cudawrap.launch", "cudawrap.locations", "cudawrap.users",
-    "cudawrap.base", "cudawrap.base.audit", "cudawrap.base.program", "cudawrap.base.rootfile",
+    "cudawrap.base", "cudawrap.base.audit", "cudawrap.base.rootfile",
     "cudawrap.devices", "cudawrap.devices.model", "cudawrap.devices.snapshot",
     "cudawrap.lease", "cudawrap.lease.files", "cudawrap.lease.sharing",
     "cudawrap.policy", "cudawrap.policy.effective",
     "cudawrap.sched", "cudawrap.sched.acquirer", "cudawrap.sched.machine",
-    "cudawrap.sched.placement", "cudawrap.sched.request", "cudawrap.sched.queue",
+    "cudawrap.sched.request", "cudawrap.sched.queue",
     # launch.obtain split: the device sources' interface, and the narrowing to a run's candidates.
     "cudawrap.devices.source", "cudawrap.sched.candidates",
     # The shim's fast path found no service (launch/__init__.py): the general way. Not

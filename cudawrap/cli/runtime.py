@@ -5,13 +5,13 @@ import json
 import os
 import shutil
 import sys
-from typing import Optional
+from typing import Any, List, Optional
 
 from plumbum import cli
 
 from ..launch import general as launch
-from ..base.program import CVD, Grant, exec_program
 from ..launch import original_environ
+from ..launch.general import CVD, Grant, exec_program
 from ..policy import effective as policy
 from ..policy.config import parse_gpus, parse_wait
 from ..errors import NvmlUnavailable, ProgramNotFound, UsageError

@@ -30,7 +30,7 @@ _ASK_PREFIX = b"CUDAWRAP_"
 # Set: the general way (an inherited lease, a Slurm job, a trace).
 _GENERAL = (loc.LEASE_ENV.encode(), b"SLURM_JOB_ID", b"CUDAWRAP_DEBUG")
 _CVD = b"CUDA_VISIBLE_DEVICES"
-# A shared run's MPS variables: a whole device bypasses MPS (as base.program.whole_devices).
+# A shared run's MPS variables: a whole device bypasses MPS (as general.whole_devices).
 _MPS_VARIABLES = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
                   b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
 _FD_BYTES = 4  # an int in SCM_RIGHTS
@@ -225,7 +225,7 @@ def _refused(prog: str, reply: Dict[str, str]) -> NoReturn:
 
 def _become(root: str, link: str, real: str, argv: List[str], leases: Dict[str, int], slots: Dict[str, int],
              reply: Dict[str, str]) -> NoReturn:
-    """Exec REAL with the lease's descriptors and its variables, as base.program.Grant.apply sets them."""
+    """Exec REAL with the lease's descriptors and its variables, as general.Grant.apply sets them."""
     from .. import wire
 
     prog = link[link.rfind("/") + 1:]
@@ -248,7 +248,7 @@ def _become(root: str, link: str, real: str, argv: List[str], leases: Dict[str, 
         say(prog, f"CUDA_VISIBLE_DEVICES={visible} -> {real}")
     import _signal  # `signal` would pull in enum
 
-    # Python ignores SIGPIPE and SIGXFSZ, and ignored signals survive exec (base.program.exec_program).
+    # Python ignores SIGPIPE and SIGXFSZ, and ignored signals survive exec (general.exec_program).
     for name in ("SIGPIPE", "SIGXFSZ"):
         if hasattr(_signal, name):
             _signal.signal(getattr(_signal, name), _signal.SIG_DFL)

@@ -1,8 +1,10 @@
 """The general launch: find the real program, lease devices, exec it unchanged but for CUDA_VISIBLE_DEVICES.
 
 Every case: a lease inherited from a wrapped parent, a Slurm job, the service asked with
-the settings read here, or no service and the run deciding for itself; and every error,
-said in one line. The shim comes here when its fast path (launch/__init__.py) cannot serve
+the settings read here (those two in given.py), or no service and the run deciding for
+itself; and every error, said in one line. The wrapped program itself is here too: the
+name it was reached by, the real program beside it, and becoming it (exec, same pid) with
+what it was granted (Grant). The shim comes here when its fast path (launch/__init__.py) cannot serve
 the run; `cudawrap run` and the API lease through obtain(). On the shim's path, so it
 imports only what it needs, lazily, and never plumbum, pathlib, typing or dataclasses.
 """
@@ -14,45 +16,167 @@ import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, NoReturn, Optional
+    from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
     from ..policy.effective import Settings
 
 from ..base import audit
 from .. import locations as loc
-from ..base.program import CVD, Grant, exec_program, find_link, real_program, unwrapped_meanwhile, whole_devices
-from ..errors import CudawrapError, NoDeviceError, NvmlUnavailable, UsageError
-from ..lease.files import LEASE_ENV, Lease, LeaseFiles, inherited_lease
+from ..errors import CannotExecute, CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound, UsageError
+from ..lease.files import LEASE_ENV, PROGRAM_ENV, Lease, LeaseFiles
 from . import original_environ, say  # the shim's fast path loaded them already
 
 
-def _narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
-    """The part of an inherited LEASE that the caller's CUDA_VISIBLE_DEVICES names.
+# ---- the wrapped program: the name it was reached by, the real one beside it, becoming it ----
 
-    The child lives in its parent's devices: an index counts in the parent's list (the
-    order the parent was given them), a UUID (or a unique GPU- prefix) must be one of them,
-    and, as in CUDA, the first entry that is neither, or repeats one, ends the list. Unset
-    keeps the whole lease; None when nothing of the lease is named (set but empty: no device).
+def find_link(invoked: str, shim: str) -> str:
+    """The wrapped name through which the shim was reached.
+
+    That is the last link in INVOKED's symlink chain with a CUDAWRAP_<name> beside it, so
+    the real program is found even when a user ran it through another symlink elsewhere
+    (/usr/local/bin/recon -> /opt/app/bin/recon -> shim) or the shim is itself reached
+    through links. Without any such sibling, the last link names the missing program.
     """
-    if preset is None:
-        return lease
-    from ..sched.selection import _by_prefix
-
-    uuids = lease.uuids
-    kept: List[str] = []
-    for token in preset.split(","):
-        token = token.strip()
-        if token.isascii() and token.isdigit():
-            uuid = uuids[int(token)] if len(token) <= 9 and int(token) < len(uuids) else None
-        elif token.startswith("GPU-") and len(token) > len("GPU-"):
-            uuid = _by_prefix(token, uuids)
-        else:
-            uuid = token if token in lease.fds else None
-        if uuid is None or uuid in kept:
+    chain = []
+    path = invoked
+    for _ in range(40):  # the kernel's own limit on symlink chains
+        if not os.path.islink(path):
             break
-        kept.append(uuid)
-    return lease.part(kept) if kept else None
+        chain.append(path)
+        target = os.readlink(path)
+        path = target if target.startswith("/") else os.path.join(os.path.dirname(path), target)
+    if not chain:
+        try:
+            if os.path.samefile(invoked, shim):
+                raise UsageError(
+                    "this is cudawrap's shim; run a wrapped program by its own name",
+                    hint="wrap a program with `create-cudawrap PATH`, or use `cudawrap run -- CMD`")
+        except OSError:
+            pass
+        return invoked
+    for link in reversed(chain):
+        directory, name = os.path.split(link)
+        if os.path.lexists(os.path.join(directory, loc.REAL_PREFIX + name)):
+            return link
+    return chain[-1]
 
+
+def is_shim(path: str, root: str) -> bool:
+    """Whether PATH resolves to a shim of the install at ROOT (the prototype or a program's own)."""
+    target = os.path.realpath(path)
+    return (target == os.path.realpath(loc.under(root, loc.SHIM))
+            or os.path.dirname(target) == os.path.realpath(loc.under(root, loc.SHIM_DIR)))
+
+
+def real_program(link: str, shim: str, root: str = "") -> str:
+    """CUDAWRAP_<name> beside LINK; refuses anything that would lead back to a shim: SHIM
+    (the file running now) or, given the install ROOT, any shim of that install."""
+    directory, name = os.path.split(link)
+    real = os.path.join(directory, loc.REAL_PREFIX + name)
+    try:
+        st = os.stat(real)
+    except OSError:
+        raise ProgramNotFound(f"the real program {real} is missing",
+                              hint="ask an admin to run `cudawrap doctor`") from None
+    looped = False  # a hard link of the shim would not show in its path
+    try:
+        shim_st = os.stat(shim)
+        looped = (st.st_dev, st.st_ino) == (shim_st.st_dev, shim_st.st_ino)
+    except OSError:
+        pass
+    if looped or (root and is_shim(real, root)):
+        raise ProgramNotFound(f"{real} leads back to the shim itself",
+                              hint="ask an admin to run `cudawrap doctor --repair`")
+    return real
+
+
+def exec_program(path: str, argv: Sequence[str], env: Dict[bytes, bytes], grant: Any) -> NoReturn:
+    """Become the real program: same pid, so signals and exit codes pass through; GRANT's
+    lease goes along."""
+    import _signal  # `signal` would pull in enum; the C module is enough here
+
+    # Python ignores SIGPIPE and SIGXFSZ, and ignored signals survive exec: without this
+    # `wrapped | head` would see EPIPE errors instead of dying quietly as it should.
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        if hasattr(_signal, name):
+            _signal.signal(getattr(_signal, name), _signal.SIG_DFL)
+    if grant.lease is not None:
+        grant.lease.keep_across_exec()
+    try:
+        os.execve(path, list(argv), env)
+    except FileNotFoundError:
+        raise ProgramNotFound(f"{path}: not found") from None
+    except PermissionError:
+        raise CannotExecute(f"{path}: permission denied") from None
+    except OSError as exc:
+        raise CannotExecute(f"{path}: cannot execute: {exc.strerror}") from None
+
+
+def unwrapped_meanwhile(link: str, shim: str, root: str) -> Optional[str]:
+    """LINK itself if an unwrap put the real program back there while we were starting or waiting."""
+    try:
+        st = os.stat(link)
+    except OSError:
+        return None
+    try:
+        shim_st = os.stat(shim)
+        if (st.st_dev, st.st_ino) == (shim_st.st_dev, shim_st.st_ino):
+            return None
+    except OSError:
+        pass  # the unwrap removed the program's own shim
+    return None if is_shim(link, root) else link
+
+
+CVD = "CUDA_VISIBLE_DEVICES"
+CVD_B = CVD.encode()
+
+
+class Grant:
+    """What a run got: a lease (possibly inherited) or nothing, and what to tell it."""
+
+    def __init__(self, lease: Optional[Lease], visible: Optional[str],
+                 extra: Optional[Dict[bytes, bytes]] = None) -> None:
+        self.lease = lease
+        self.visible = visible  # value for CUDA_VISIBLE_DEVICES; None = leave it as it is
+        self.extra = extra or {}  # more variables: an MPS client's
+        self.defaults: Dict[bytes, bytes] = {}  # variables set only where the caller has none
+        self.drop: Tuple[bytes, ...] = ()  # variables to remove
+        self.program: Optional[str] = None  # the wrapped name, for a run a shim started
+
+    def apply(self, env: Dict[bytes, bytes]) -> Dict[bytes, bytes]:
+        for name in self.drop:
+            env.pop(name, None)
+        env.update(self.extra)
+        for name, value in self.defaults.items():
+            env.setdefault(name, value)
+        if self.visible is not None:
+            env[CVD_B] = self.visible.encode()
+        if self.lease is not None:
+            env[LEASE_ENV.encode()] = self.lease.marker().encode()
+            if self.program:
+                env[PROGRAM_ENV.encode()] = self.program.encode()
+            else:  # `cudawrap run` inside a wrapped program: its command is not that program
+                env.pop(PROGRAM_ENV.encode(), None)
+        return env
+
+
+def whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[bytes, bytes]] = None,
+                   defaults: Optional[Dict[bytes, bytes]] = None) -> Grant:
+    """The Grant of LEASE with a share's variables (EXTRA, and DEFAULTS where the caller has
+    none; sharing.run_env), and a shared run's MPS variables dropped for whole devices."""
+    grant = Grant(lease, ",".join(lease.uuids), extra)
+    if defaults is not None:
+        grant.defaults = defaults
+    mps_dir = loc.under(root, loc.MPS_DIR) + "/"
+    if not lease.shared and environ.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(mps_dir):
+        # A whole device bypasses MPS: a client of a device's daemon (a shared run's
+        # environment passed on) must not be sent to a daemon of a device it does not use.
+        grant.drop = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
+                      b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+    return grant
+
+
+# ---- its devices ---------------------------------------------------------------------------
 
 def obtain(root: str, prog: str, settings: Settings, environ: Any,
            count: Optional[int] = None, layout: bool = True, ticket: str = "") -> Grant:
@@ -64,9 +188,13 @@ def obtain(root: str, prog: str, settings: Settings, environ: Any,
     count = value["gpus"] if count is None else count
     lease_dir = loc.under(root, loc.LEASE_DIR)
     preset = environ.get(CVD)
-    grant = _inherited_grant(lease_dir, environ.get(LEASE_ENV), preset)
-    if grant is not None:
-        return grant
+    marker = environ.get(LEASE_ENV)
+    if marker:
+        from .given import inherited_grant
+
+        grant = inherited_grant(lease_dir, marker, preset)
+        if grant is not None:
+            return grant
     job = None
     if environ.get("SLURM_JOB_ID"):  # within_job's own test: outside Slurm, slurm is not imported
         from ..devices.slurm import within_job
@@ -87,25 +215,13 @@ def obtain(root: str, prog: str, settings: Settings, environ: Any,
     # admin out). Without it, shared runs decide for themselves.
     enforced = bool(value.get("enforce")) and os.geteuid() != 0
     if enforced or (job is None and not share and os.path.exists(loc.under(root, loc.SERVICE_SOCKET))):
-        served = _from_service(root, prog, value, environ, count, job, enforced, ticket)
+        from .given import from_service
+
+        served = from_service(root, prog, value, environ, count, job, enforced, ticket)
         if served is not None:
             return served
 
     return _Run(root, prog, settings, environ, count, sharing, share).take(job, preset, layout)
-
-
-def _inherited_grant(lease_dir: str, marker: Optional[str], preset: Optional[str]) -> Optional[Grant]:
-    """A child's grant within the lease its parent passed on (MARKER); None when there is
-    none, or the child names devices outside it (leased anew, like any run's)."""
-    if not marker:
-        return None
-    inherited = inherited_lease(lease_dir, marker)
-    if inherited is None:
-        return None
-    if preset is not None and not preset.strip():
-        return Grant(None, None)  # the caller asked for no device at all
-    narrowed = _narrow_inherited(inherited, preset)
-    return Grant(narrowed, ",".join(narrowed.uuids)) if narrowed is not None else None
 
 
 def _grant_without_lease(prog: str, job: Any, preset: Optional[str]) -> Optional[Grant]:
@@ -275,53 +391,6 @@ class _Run:
         extra, defaults = self.sharing.run_env(self.root, lease.shared, acquirer.current, acquirer.slots,
                                                self.settings.memory_limit_mib)
         return whole_devices(self.root, lease, self.environ, extra, defaults)
-
-
-def _from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, count: int, job: Any = None,
-                  enforced: bool = False, ticket: str = "") -> Optional[Grant]:
-    """Devices (or shares) granted by `cudawrap serve` (README "The cudawrap service"); None
-    when it does not answer, and the run decides for itself as without it. ENFORCED: it
-    cannot; the service is tried again for connect_retry_s (a restart), then ServiceUnavailable."""
-    from .. import client
-
-    def on_wait(text: str) -> None:
-        say(prog, text)
-
-    fields = client.request_fields(value, environ, count)
-    if ticket:
-        fields["ticket"] = ticket
-    if job is not None:
-        devices = _job_devices(job)
-        if devices is not None:
-            fields["visible"] = devices
-    if not enforced:
-        granted = client.ask(root, fields, on_wait)
-    else:
-        granted = client.ask_retrying(root, fields, on_wait, float(value.get("connect_retry_s", 10.0)))
-    if granted is None:
-        return None
-    # The service writes the grant's audit line (and its ledger record) itself.
-    return whole_devices(root, granted.lease, environ, granted.extra, granted.defaults)
-
-
-def _job_devices(job: Any) -> Optional[str]:
-    """The UUIDs of a Slurm job's GPUs, as the service is asked to narrow to them; None
-    where Slurm's variables do not say (CUDA_VISIBLE_DEVICES narrows, as for any run).
-    Slurm numbers GPUs in NVML's (PCI) order: NVML is read to name them."""
-    from ..devices import nvml
-    from ..devices.slurm import uuids_of
-
-    inventory = nvml.inventory()
-    visible = job.visible({g.index for g in inventory.gpus})
-    if visible is None:
-        return None
-    wanted: List[int] = []
-    for token in visible.split(","):
-        if not token.strip().isdigit():
-            break  # outside the job: the list ends there, as CUDA ends it
-        wanted.append(int(token))
-    # A device of no GPU in the job matches nothing: the service then refuses, one line.
-    return ",".join(uuids_of(inventory.devices, wanted)) or "-"
 
 
 def run_shim(root: str, argv: List[str], link: Optional[str] = None, ticket: str = "") -> NoReturn:

@@ -118,7 +118,7 @@ class Acquirer(MachineView):
             held = [uuid for uuid in pool if not self.leases.free_now(uuid)]
             busy.update(held)
             pool = [u for u in pool if u not in held]
-        from .placement import place  # not schedule: the rest of it is for runs that wait
+        from .request import place  # not schedule: the rest of it is for runs that wait
 
         locked: List[str] = []
         while len(locked) < self.request.count and pool:

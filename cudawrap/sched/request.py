@@ -1,15 +1,17 @@
-"""What a run asks for, as one value from its settings to its queue entry and back.
+"""What a run asks for, as one value from its settings to its queue entry and back, and
+where the devices it is given go (place(): its placement, spread, pack or random).
 
 The launch makes it from the run's Settings (and the devices the filters left), the
 acquirer decides on it, the queue entry is named after it and read back into it, and the
 service makes the same from what a client asks: never taken apart into arguments on the
-way. Imported on the shim's path: no typing, no dataclasses.
+way. Imported on the shim's path: no typing, no dataclasses; and all a launch nobody waits
+before (the usual case) needs of the scheduler, in one module (the shim pays ~0.1 ms for each).
 """
 from __future__ import annotations
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Any, FrozenSet, Optional
+    from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 
 class Request:
@@ -62,3 +64,39 @@ class Request:
 
     def __repr__(self) -> str:
         return "Request(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
+
+
+def place(eligible: Sequence[str], count: int, placement: str, parents: Mapping[str, str],
+          busy: Set[str], seed: str = "") -> List[str]:
+    """COUNT devices of ELIGIBLE (in the machine's order) by the placement policy.
+
+    spread: on the physical GPUs with the smallest share of busy devices; pack: the largest;
+    random: a shuffle seeded by SEED, so every process that computes this decision agrees.
+    """
+    if placement == "random":
+        import random  # only here: ~3 ms of imports nobody else needs
+
+        pool = list(eligible)
+        random.Random(seed).shuffle(pool)
+        return pool[:count]
+    total: Dict[str, int] = {}
+    taken: Dict[str, int] = {}
+    for uuid, parent in parents.items():
+        total[parent] = total.get(parent, 0) + 1
+        if uuid in busy:
+            taken[parent] = taken.get(parent, 0) + 1
+    rank = {uuid: i for i, uuid in enumerate(eligible)}
+    sign = -1 if placement == "pack" else 1
+    chosen: List[str] = []
+    pool = list(eligible)
+    while len(chosen) < count:
+        def key(u: str) -> Tuple[float, int]:
+            parent = parents.get(u, u)
+            return (sign * taken.get(parent, 0) / total.get(parent, 1), rank[u])
+
+        best = min(pool, key=key)
+        pool.remove(best)
+        chosen.append(best)
+        parent = parents.get(best, best)
+        taken[parent] = taken.get(parent, 0) + 1
+    return chosen

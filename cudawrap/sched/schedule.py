@@ -34,8 +34,7 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import AbstractSet, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .placement import place
-from .request import Request
+from .request import Request, place
 
 # Why a run is not granted (the kinds; `Verdict.text` is the sentence shown to people).
 GRANTED = "granted"
