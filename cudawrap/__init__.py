@@ -1,13 +1,32 @@
 """cudawrap: every run of a CUDA program gets its own free GPU or MIG instance.
 
-Kept tiny on purpose: the shim imports ``cudawrap.launch`` on every launch, and
-importing the package runs this file first.
+This file is the shim's entry point (main) as well as the package's: importing any part of
+cudawrap runs it first, so the shim's fast path lives here and costs a launch no module of
+its own (each costs ~0.1 ms). Where `cudawrap serve` answers, a launch is a handful of system
+calls: connect, say which program runs (the kernel says it: the service reads it from /proc,
+never from us) and the variables that may narrow its settings, receive the lease files'
+descriptors, lock them, exec. The service reads the policy, decides and records; nothing
+here reads a file of cudawrap's. Every other case goes the general way (cudawrap.launch),
+which decides the same things with the whole of cudawrap: no service (or one that went away
+while we waited, with the ticket that keeps our place), a lease inherited from a wrapped
+parent, a Slurm job, a real program that is a symbolic link (it might lead back to a shim),
+CUDAWRAP_DEBUG, and every error there is to explain.
+
+So it imports the C modules posix, _socket and fcntl and cudawrap's leaves (wire,
+locations) only: not even os, whose import (posixpath, stat, _collections_abc) costs ~0.8 ms,
+an eighth of the interpreter's own start. Where no service runs (no socket), it costs a
+launch three stat calls and nothing else is imported.
 """
 from __future__ import annotations
 
+import posix
+import sys
+
 TYPE_CHECKING = False  # the shim imports this package; `import typing` costs ~10 ms
 if TYPE_CHECKING:
-    from typing import Any, List
+    from typing import Any, Dict, List, NoReturn, Optional, Tuple
+
+from . import locations as loc
 
 __version__ = "0.1.0"
 
@@ -23,3 +42,241 @@ def acquire(count: int = 1, wait: Any = None, **kwargs: Any) -> List[str]:
     from .api import acquire as _acquire
 
     return _acquire(count=count, wait=wait, **kwargs)
+
+
+# ---- the shim's entry point, and its fast path through the service --------------------------
+
+_ASK_PREFIX = b"CUDAWRAP_"
+# Set: the general way (an inherited lease, a Slurm job, a trace).
+_GENERAL = (loc.LEASE_ENV.encode(), b"SLURM_JOB_ID", b"CUDAWRAP_DEBUG")
+_CVD = b"CUDA_VISIBLE_DEVICES"
+# A shared run's MPS variables: a whole device bypasses MPS (as launch.whole_devices).
+_MPS_VARIABLES = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
+                  b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+_FD_BYTES = 4  # an int in SCM_RIGHTS
+_S_IFMT, _S_IFREG = 0o170000, 0o100000
+# os.EX_PROTOCOL and os.EX_SOFTWARE, without os.
+_EX_PROTOCOL, _EX_SOFTWARE = "76", 70
+
+
+def main(root: str, link: Optional[str] = None) -> NoReturn:
+    """Run the program wrapped at LINK (baked into its own shim; None: the shared shim of
+    older installs, which finds it from how it was invoked)."""
+    ticket = ""
+    if link is not None:
+        try:
+            ticket = _served(root, link, sys.argv)  # returns only to go the general way
+        except KeyboardInterrupt:
+            posix._exit(130)
+    from .launch import main as general
+
+    general(root, link, ticket)
+
+
+def say(prog: str, message: str) -> None:
+    """One line on stderr; written in one call so parallel launches never interleave."""
+    posix.write(2, f"{prog}: {message}\n".encode("utf-8", "replace"))
+
+
+def original_environ() -> Dict[bytes, bytes]:
+    """The caller's environment exactly as it was passed to us, byte for byte.
+
+    Python adds LC_CTYPE when it coerces a C locale, and os.environ cannot tell us what
+    it changed; the kernel's copy in /proc/self/environ is the untouched original.
+    """
+    try:
+        fd = posix.open("/proc/self/environ", posix.O_RDONLY | posix.O_CLOEXEC)
+    except OSError:
+        return dict(posix.environ)
+    try:
+        chunks = []
+        while True:
+            chunk = posix.read(fd, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        posix.close(fd)
+    env: Dict[bytes, bytes] = {}
+    for item in b"".join(chunks).split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep and key not in env:  # the first of duplicates wins, as with getenv()
+            env[key] = value
+    return env
+
+
+def _served(root: str, link: str, argv: List[str]) -> str:
+    """Exec the real program with the devices the service grants; the ticket of a place in
+    line ("" for none) when the general way must go on instead."""
+    environ = posix.environ
+    if not argv or not argv[0] or any(name in environ for name in _GENERAL):
+        return ""
+    preset = environ.get(_CVD)
+    if preset is not None and not preset.strip():
+        return ""  # asks for no device at all
+    cut = link.rfind("/") + 1
+    real = link[:cut] + loc.REAL_PREFIX + link[cut:]
+    try:
+        st, shim = posix.lstat(real), posix.stat(argv[0])
+    except OSError:
+        return ""  # missing: the general way says so
+    if st.st_mode & _S_IFMT != _S_IFREG or (st.st_dev, st.st_ino) == (shim.st_dev, shim.st_ino):
+        return ""
+    path = loc.under(root, loc.SERVICE_SOCKET)
+    try:
+        posix.stat(path)
+    except OSError:
+        return ""  # no service
+    import _socket
+
+    from . import wire
+
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    try:
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        return ""  # a dead service's socket
+    fields = {"asks": wire.pairs({k: v for k, v in environ.items() if k.startswith(_ASK_PREFIX)})}
+    for name, key in ((_CVD, "visible"), (b"CUDA_DEVICE_ORDER", "order")):
+        if name in environ:
+            fields[key] = environ[name].decode("utf-8", "surrogateescape")
+    prog = link[cut:]
+    granted = _converse(sock, fields, prog)
+    if isinstance(granted, str):
+        return granted
+    _become(root, link, real, argv, *granted)
+
+
+def _converse(sock: Any, fields: Dict[str, str], prog: str) -> Any:
+    """The service's grant, locked: (uuid -> lease descriptor, uuid -> slot descriptor, the
+    grant's fields); or the ticket to go the general way with, if the service went away."""
+    import _socket
+    import fcntl
+
+    from . import wire
+
+    reader, fds, ticket, granted = wire.Reader(), [], "", None
+    try:
+        sock.sendall(wire.encode(wire.RUN, fields))
+        while True:
+            data, ancillary, _flags, _addr = sock.recvmsg(
+                wire.MAX_MESSAGE, _socket.CMSG_SPACE(wire.MAX_FDS * _FD_BYTES))
+            for level, kind, payload in ancillary:
+                if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                    fds += [int.from_bytes(payload[i:i + _FD_BYTES], sys.byteorder, signed=True)
+                            for i in range(0, len(payload) - len(payload) % _FD_BYTES, _FD_BYTES)]
+            if not data:
+                if granted is not None:
+                    return granted  # the locks are ours: the kernel's word stands without the service
+                break
+            for verb, reply in reader.feed(data):
+                if granted is not None:
+                    if verb == wire.DONE:
+                        return granted
+                    continue
+                if verb == wire.WAIT:
+                    ticket = reply.get("ticket", ticket)
+                    if reply.get("text"):
+                        say(prog, reply["text"])
+                elif verb == wire.ERROR:
+                    if reply.get("code") == _EX_PROTOCOL and not ticket:
+                        return ""  # a service that does not know wire.RUN: the general way asks it
+                    _refused(prog, reply)
+                elif verb == wire.GRANT:
+                    locked = _lock(fds, reply, fcntl)
+                    fds = []
+                    if locked is None:
+                        sock.sendall(wire.encode(wire.LOST, {"devices": reply.get("devices", "")}))
+                        continue
+                    sock.sendall(wire.encode(wire.HELD, {"devices": reply.get("devices", "")}))
+                    if not locked[1]:
+                        return locked + (reply,)
+                    # A share waits for DONE: under enforce the service opens the device's MPS
+                    # pipe directory to this user then, before the program may connect to it.
+                    granted = locked + (reply,)
+    except (OSError, ValueError):  # ValueError: a message too long to send, or a malformed reply
+        if granted is not None:
+            return granted  # the locks are ours: the kernel's word stands without the service
+        # Gone before granting (a restart): the general way asks again, with the ticket.
+    finally:
+        for fd in fds:
+            posix.close(fd)
+        sock.close()
+    return ticket
+
+
+def _lock(fds: List[int], reply: Dict[str, str], fcntl: Any) -> Optional[Tuple[Dict[str, int], Dict[str, int]]]:
+    """Each descriptor's lock, taken without blocking as the GRANT's ``fds`` says (wire.py):
+    (uuid -> lease descriptor, uuid -> slot descriptor), or None, all closed, if one was
+    taken past the service (by a run deciding for itself), or the grant is malformed."""
+    from . import wire
+
+    devices = reply.get("devices", "").split(",")
+    leases: Dict[str, int] = {}
+    slots: Dict[str, int] = {}
+    items = reply.get("fds", "").split(",")
+    ok = len(items) == len(fds)
+    for fd, item in zip(fds, items):
+        what, _, rest = item.partition(":")
+        uuid, _, kind = rest.rpartition(":")
+        ok = ok and uuid in devices and what in (wire.LEASE, wire.SLOT) and kind in (wire.EXCLUSIVE, wire.SHARED)
+        if ok:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if kind == wire.EXCLUSIVE else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            except OSError:
+                ok = False
+        (leases if what == wire.LEASE else slots)[uuid] = fd
+    if ok and leases:
+        return leases, slots
+    for fd in fds:
+        posix.close(fd)
+    return None
+
+
+def _refused(prog: str, reply: Dict[str, str]) -> NoReturn:
+    """The service's refusal, as the general way prints an error: one line, a hint, its exit status."""
+    from .launch import fail
+
+    code = reply.get("code", "")
+    fail(prog, reply.get("text") or "the cudawrap service refused the request", reply.get("hint") or None,
+         int(code) if code.isascii() and code.isdigit() and 0 < int(code) < 256 else _EX_SOFTWARE)
+
+
+def _become(root: str, link: str, real: str, argv: List[str], leases: Dict[str, int], slots: Dict[str, int],
+             reply: Dict[str, str]) -> NoReturn:
+    """Exec REAL with the lease's descriptors and its variables, as launch.Grant.apply sets them."""
+    from . import wire
+
+    prog = link[link.rfind("/") + 1:]
+    env = original_environ()
+    if not slots and env.get(b"CUDA_MPS_PIPE_DIRECTORY", b"").startswith(
+            (loc.under(root, loc.MPS_DIR) + "/").encode()):
+        for name in _MPS_VARIABLES:
+            env.pop(name, None)
+    env.update(wire.unpairs(reply.get("env", "")))
+    for name, value in wire.unpairs(reply.get("defaults", "")).items():
+        env.setdefault(name, value)
+    visible = ",".join(leases)
+    env[_CVD] = visible.encode()
+    env[loc.LEASE_ENV.encode()] = ",".join(
+        f"{fd}:{uuid}:{slots[uuid]}" if uuid in slots else f"{fd}:{uuid}" for uuid, fd in leases.items()).encode()
+    env[loc.PROGRAM_ENV.encode()] = prog.encode()
+    for fd in list(leases.values()) + list(slots.values()):
+        posix.set_inheritable(fd, True)
+    if posix.environ.get(b"CUDAWRAP_VERBOSE"):
+        say(prog, f"CUDA_VISIBLE_DEVICES={visible} -> {real}")
+    import _signal  # `signal` would pull in enum
+
+    # Python ignores SIGPIPE and SIGXFSZ, and ignored signals survive exec (launch.exec_program).
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        if hasattr(_signal, name):
+            _signal.signal(getattr(_signal, name), _signal.SIG_DFL)
+    args = [argv[0]] + argv[1:]
+    try:
+        posix.execve(real, args, env)
+    except OSError as exc:
+        failed = exc
+    from .launch import exec_failed
+
+    exec_failed(root, link, real, args, env, failed)

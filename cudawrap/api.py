@@ -11,12 +11,12 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-from .launch import general as launch
+from . import launch
 from .policy import effective as policy
 from .policy.config import parse_gpus, parse_wait
 from .errors import UsageError
 from .lease.files import LEASE_ENV, PROGRAM_ENV
-from .launch.general import CVD, Grant
+from .launch import CVD, Grant
 from .paths import default_layout
 
 _held: Optional[Grant] = None

@@ -39,7 +39,7 @@ END = b"\n\n"
 
 # Client -> service.
 REQUEST = "request"  # ask for devices (share=1: a share of each; ticket=: the place in line a restart took)
-# A shim's run (launch/__init__.py): the service reads the settings of the program the kernel
+# A shim's run (its fast path, cudawrap/__init__.py): the service reads the settings of the program the kernel
 # says the client runs, with asks= (its CUDAWRAP_* variables, ``pairs``) as the run's
 # environment; visible=, order= and ticket= as in a request. A service that does not know it
 # answers an error of code 76 (EX_PROTOCOL), and the shim asks again the general way.

@@ -270,7 +270,7 @@ def test_an_api_caller_claiming_no_reserve_after_jumps_nobody(mu) -> None:  # ty
     for h in [inst.start(None, "recon", "--hold", "600") for _ in range(2)]:
         ready_line(h)
     code = ("import os, sys; sys.path[:0] = sys.argv[1:]\n"
-            "from cudawrap.launch import general as launch\n"
+            "from cudawrap import launch\n"
             "from cudawrap.policy.effective import effective\n"
             "root = os.environ['CUDAWRAP_ROOT']\n"
             "settings = effective(root, None)\n"

@@ -70,7 +70,7 @@ def test_the_layout_matches_until_the_gpus_change_and_devices_are_read_by_uuid(i
 def test_a_launch_without_the_monitor_reads_only_the_devices_it_tries(installed, monkeypatch):
     """56 MIG instances on 8 GPUs: NVML is asked about the devices the launch tries, not all 56,
     and started once (without persistence mode nvmlInit can take seconds)."""
-    from cudawrap.launch import general as launch
+    from cudawrap import launch
     from cudawrap.devices import nvmldirect
     from cudawrap.policy import effective as policy
 

@@ -205,9 +205,7 @@ LAUNCH_MODULES = {
     "cudawrap.sched.request", "cudawrap.sched.queue",
     # launch.obtain split: the device sources' interface, and the narrowing to a run's candidates.
     "cudawrap.devices.source", "cudawrap.sched.candidates",
-    # The shim's fast path found no service (launch/__init__.py): the general way. Not
-    # sched.run: it is for runs that wait.
-    "cudawrap.launch.general",
+    # Not sched.run: it is for runs that wait.
 }
 # With the monitor's snapshot: /proc, for whether the processes it names have exited since.
 LAUNCH_MODULES_SNAPSHOT = LAUNCH_MODULES | {"cudawrap.proc"}

@@ -204,7 +204,7 @@ def test_a_runs_program_is_the_kernels_word_not_the_clients(served: Served) -> N
     assert len(ready_line(run)["devices"]) == 2
     run.kill()
     api = ("import sys; sys.path[:0] = %r; sys.argv[0] = 'recon'\n"
-           "from cudawrap.launch import general as launch\n"
+           "from cudawrap import launch\n"
            "from cudawrap.policy import effective as policy\n"
            "s = policy.effective(%r, %r)\n"
            "print(launch.obtain(%r, 'recon', s, {}, count=2).visible)\n"
@@ -544,8 +544,8 @@ def test_a_monitor_started_beside_the_service_waits_and_takes_over(served: Serve
     second.wait(timeout=10)
 
 
-# What a shim loads when the service answers: the fast path of launch/__init__.py, and not os.
-SERVED_LAUNCH = {"cudawrap", "cudawrap.launch", "cudawrap.locations", "cudawrap.wire"}
+# What a shim loads when the service answers: the fast path (cudawrap/__init__.py), and not os.
+SERVED_LAUNCH = {"cudawrap", "cudawrap.locations", "cudawrap.wire"}
 
 
 def test_a_served_launch_loads_only_the_fast_path_and_not_os(served: Served) -> None:

@@ -31,7 +31,7 @@ def resolve_program(layout: Layout, program: str) -> Tuple[str, Optional[str]]:
     name); a bare name is matched against the names of the wrapped programs.
     """
     from ..policy import registry
-    from ..launch.general import find_link
+    from ..launch import find_link
 
     reg = registry.load(layout)
     if "/" not in program:

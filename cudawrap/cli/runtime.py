@@ -9,9 +9,8 @@ from typing import Any, List, Optional
 
 from plumbum import cli
 
-from ..launch import general as launch
-from ..launch import original_environ
-from ..launch.general import CVD, Grant, exec_program
+from .. import launch, original_environ
+from ..launch import CVD, Grant, exec_program
 from ..policy import effective as policy
 from ..policy.config import parse_gpus, parse_wait
 from ..errors import NvmlUnavailable, ProgramNotFound, UsageError

@@ -1,262 +1,471 @@
-"""The shim's entry point: lease devices for a wrapped program's run and become that program.
+"""The general launch: find the real program, lease devices, exec it unchanged but for CUDA_VISIBLE_DEVICES.
 
-Where `cudawrap serve` answers, a launch is a handful of system calls: connect, say which
-program runs (the kernel says it: the service reads it from /proc, never from us) and the
-variables that may narrow its settings, receive the lease files' descriptors, lock them,
-exec. The service reads the policy, decides and records; nothing here reads a file of
-cudawrap's. Every other case goes the general way (launch/general.py), which decides the
-same things with the whole of cudawrap: no service (or one that went away while we waited,
-with the ticket that keeps our place), a lease inherited from a wrapped parent, a Slurm job,
-a real program that is a symbolic link (it might lead back to a shim), CUDAWRAP_DEBUG, and
-every error there is to explain.
-
-This module runs on every launch, so it imports the C modules posix, _socket and fcntl and
-cudawrap's leaves (wire, locations) only: not even os, whose import (posixpath,
-stat, _collections_abc) costs ~0.8 ms, an eighth of the interpreter's own start. Where no
-service runs (no socket), it costs a launch three stat calls and nothing else is imported.
+Every case: a lease inherited from a wrapped parent, a Slurm job, the service asked with
+the settings read here (those two in launch/given.py), or no service and the run deciding for
+itself; and every error, said in one line. The wrapped program itself is here too: the
+name it was reached by, the real program beside it, and becoming it (exec, same pid) with
+what it was granted (Grant). The shim comes here when its fast path (cudawrap/__init__.py) cannot serve
+the run; `cudawrap run` and the API lease through obtain(). On the shim's path, so it
+imports only what it needs, lazily, and never plumbum, pathlib, typing or dataclasses.
 """
 from __future__ import annotations
 
-import posix
+import os
 import sys
+import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, NoReturn, Optional, Tuple
+    from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
+    from ..policy.effective import Settings
+
+from ..base import audit
 from .. import locations as loc
-
-_ASK_PREFIX = b"CUDAWRAP_"
-# Set: the general way (an inherited lease, a Slurm job, a trace).
-_GENERAL = (loc.LEASE_ENV.encode(), b"SLURM_JOB_ID", b"CUDAWRAP_DEBUG")
-_CVD = b"CUDA_VISIBLE_DEVICES"
-# A shared run's MPS variables: a whole device bypasses MPS (as general.whole_devices).
-_MPS_VARIABLES = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
-                  b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
-_FD_BYTES = 4  # an int in SCM_RIGHTS
-_S_IFMT, _S_IFREG = 0o170000, 0o100000
-# os.EX_PROTOCOL and os.EX_SOFTWARE, without os.
-_EX_PROTOCOL, _EX_SOFTWARE = "76", 70
+from ..errors import CannotExecute, CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound, UsageError
+from ..lease.files import LEASE_ENV, PROGRAM_ENV, Lease, LeaseFiles
+from .. import original_environ, say  # the shim's fast path (the package) has them loaded already
 
 
-def main(root: str, link: Optional[str] = None) -> NoReturn:
-    """Run the program wrapped at LINK (baked into its own shim; None: the shared shim of
-    older installs, which finds it from how it was invoked)."""
-    ticket = ""
-    if link is not None:
-        try:
-            ticket = _served(root, link, sys.argv)  # returns only to go the general way
-        except KeyboardInterrupt:
-            posix._exit(130)
-    from .general import main as general
+# ---- the wrapped program: the name it was reached by, the real one beside it, becoming it ----
 
-    general(root, link, ticket)
+def find_link(invoked: str, shim: str) -> str:
+    """The wrapped name through which the shim was reached.
 
-
-def say(prog: str, message: str) -> None:
-    """One line on stderr; written in one call so parallel launches never interleave."""
-    posix.write(2, f"{prog}: {message}\n".encode("utf-8", "replace"))
-
-
-def original_environ() -> Dict[bytes, bytes]:
-    """The caller's environment exactly as it was passed to us, byte for byte.
-
-    Python adds LC_CTYPE when it coerces a C locale, and os.environ cannot tell us what
-    it changed; the kernel's copy in /proc/self/environ is the untouched original.
+    That is the last link in INVOKED's symlink chain with a CUDAWRAP_<name> beside it, so
+    the real program is found even when a user ran it through another symlink elsewhere
+    (/usr/local/bin/recon -> /opt/app/bin/recon -> shim) or the shim is itself reached
+    through links. Without any such sibling, the last link names the missing program.
     """
+    chain = []
+    path = invoked
+    for _ in range(40):  # the kernel's own limit on symlink chains
+        if not os.path.islink(path):
+            break
+        chain.append(path)
+        target = os.readlink(path)
+        path = target if target.startswith("/") else os.path.join(os.path.dirname(path), target)
+    if not chain:
+        try:
+            if os.path.samefile(invoked, shim):
+                raise UsageError(
+                    "this is cudawrap's shim; run a wrapped program by its own name",
+                    hint="wrap a program with `create-cudawrap PATH`, or use `cudawrap run -- CMD`")
+        except OSError:
+            pass
+        return invoked
+    for link in reversed(chain):
+        directory, name = os.path.split(link)
+        if os.path.lexists(os.path.join(directory, loc.REAL_PREFIX + name)):
+            return link
+    return chain[-1]
+
+
+def is_shim(path: str, root: str) -> bool:
+    """Whether PATH resolves to a shim of the install at ROOT (the prototype or a program's own)."""
+    target = os.path.realpath(path)
+    return (target == os.path.realpath(loc.under(root, loc.SHIM))
+            or os.path.dirname(target) == os.path.realpath(loc.under(root, loc.SHIM_DIR)))
+
+
+def real_program(link: str, shim: str, root: str = "") -> str:
+    """CUDAWRAP_<name> beside LINK; refuses anything that would lead back to a shim: SHIM
+    (the file running now) or, given the install ROOT, any shim of that install."""
+    directory, name = os.path.split(link)
+    real = os.path.join(directory, loc.REAL_PREFIX + name)
     try:
-        fd = posix.open("/proc/self/environ", posix.O_RDONLY | posix.O_CLOEXEC)
+        st = os.stat(real)
     except OSError:
-        return dict(posix.environ)
+        raise ProgramNotFound(f"the real program {real} is missing",
+                              hint="ask an admin to run `cudawrap doctor`") from None
+    looped = False  # a hard link of the shim would not show in its path
     try:
-        chunks = []
-        while True:
-            chunk = posix.read(fd, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        posix.close(fd)
-    env: Dict[bytes, bytes] = {}
-    for item in b"".join(chunks).split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep and key not in env:  # the first of duplicates wins, as with getenv()
-            env[key] = value
-    return env
-
-
-def _served(root: str, link: str, argv: List[str]) -> str:
-    """Exec the real program with the devices the service grants; the ticket of a place in
-    line ("" for none) when the general way must go on instead."""
-    environ = posix.environ
-    if not argv or not argv[0] or any(name in environ for name in _GENERAL):
-        return ""
-    preset = environ.get(_CVD)
-    if preset is not None and not preset.strip():
-        return ""  # asks for no device at all
-    cut = link.rfind("/") + 1
-    real = link[:cut] + loc.REAL_PREFIX + link[cut:]
-    try:
-        st, shim = posix.lstat(real), posix.stat(argv[0])
+        shim_st = os.stat(shim)
+        looped = (st.st_dev, st.st_ino) == (shim_st.st_dev, shim_st.st_ino)
     except OSError:
-        return ""  # missing: the general way says so
-    if st.st_mode & _S_IFMT != _S_IFREG or (st.st_dev, st.st_ino) == (shim.st_dev, shim.st_ino):
-        return ""
-    path = loc.under(root, loc.SERVICE_SOCKET)
-    try:
-        posix.stat(path)
-    except OSError:
-        return ""  # no service
-    import _socket
-
-    from .. import wire
-
-    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
-    try:
-        sock.connect(path)
-    except OSError:
-        sock.close()
-        return ""  # a dead service's socket
-    fields = {"asks": wire.pairs({k: v for k, v in environ.items() if k.startswith(_ASK_PREFIX)})}
-    for name, key in ((_CVD, "visible"), (b"CUDA_DEVICE_ORDER", "order")):
-        if name in environ:
-            fields[key] = environ[name].decode("utf-8", "surrogateescape")
-    prog = link[cut:]
-    granted = _converse(sock, fields, prog)
-    if isinstance(granted, str):
-        return granted
-    _become(root, link, real, argv, *granted)
+        pass
+    if looped or (root and is_shim(real, root)):
+        raise ProgramNotFound(f"{real} leads back to the shim itself",
+                              hint="ask an admin to run `cudawrap doctor --repair`")
+    return real
 
 
-def _converse(sock: Any, fields: Dict[str, str], prog: str) -> Any:
-    """The service's grant, locked: (uuid -> lease descriptor, uuid -> slot descriptor, the
-    grant's fields); or the ticket to go the general way with, if the service went away."""
-    import _socket
-    import fcntl
+def exec_program(path: str, argv: Sequence[str], env: Dict[bytes, bytes], grant: Any) -> NoReturn:
+    """Become the real program: same pid, so signals and exit codes pass through; GRANT's
+    lease goes along."""
+    import _signal  # `signal` would pull in enum; the C module is enough here
 
-    from .. import wire
-
-    reader, fds, ticket, granted = wire.Reader(), [], "", None
-    try:
-        sock.sendall(wire.encode(wire.RUN, fields))
-        while True:
-            data, ancillary, _flags, _addr = sock.recvmsg(
-                wire.MAX_MESSAGE, _socket.CMSG_SPACE(wire.MAX_FDS * _FD_BYTES))
-            for level, kind, payload in ancillary:
-                if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-                    fds += [int.from_bytes(payload[i:i + _FD_BYTES], sys.byteorder, signed=True)
-                            for i in range(0, len(payload) - len(payload) % _FD_BYTES, _FD_BYTES)]
-            if not data:
-                if granted is not None:
-                    return granted  # the locks are ours: the kernel's word stands without the service
-                break
-            for verb, reply in reader.feed(data):
-                if granted is not None:
-                    if verb == wire.DONE:
-                        return granted
-                    continue
-                if verb == wire.WAIT:
-                    ticket = reply.get("ticket", ticket)
-                    if reply.get("text"):
-                        say(prog, reply["text"])
-                elif verb == wire.ERROR:
-                    if reply.get("code") == _EX_PROTOCOL and not ticket:
-                        return ""  # a service that does not know wire.RUN: the general way asks it
-                    _refused(prog, reply)
-                elif verb == wire.GRANT:
-                    locked = _lock(fds, reply, fcntl)
-                    fds = []
-                    if locked is None:
-                        sock.sendall(wire.encode(wire.LOST, {"devices": reply.get("devices", "")}))
-                        continue
-                    sock.sendall(wire.encode(wire.HELD, {"devices": reply.get("devices", "")}))
-                    if not locked[1]:
-                        return locked + (reply,)
-                    # A share waits for DONE: under enforce the service opens the device's MPS
-                    # pipe directory to this user then, before the program may connect to it.
-                    granted = locked + (reply,)
-    except (OSError, ValueError):  # ValueError: a message too long to send, or a malformed reply
-        if granted is not None:
-            return granted  # the locks are ours: the kernel's word stands without the service
-        # Gone before granting (a restart): the general way asks again, with the ticket.
-    finally:
-        for fd in fds:
-            posix.close(fd)
-        sock.close()
-    return ticket
-
-
-def _lock(fds: List[int], reply: Dict[str, str], fcntl: Any) -> Optional[Tuple[Dict[str, int], Dict[str, int]]]:
-    """Each descriptor's lock, taken without blocking as the GRANT's ``fds`` says (wire.py):
-    (uuid -> lease descriptor, uuid -> slot descriptor), or None, all closed, if one was
-    taken past the service (by a run deciding for itself), or the grant is malformed."""
-    from .. import wire
-
-    devices = reply.get("devices", "").split(",")
-    leases: Dict[str, int] = {}
-    slots: Dict[str, int] = {}
-    items = reply.get("fds", "").split(",")
-    ok = len(items) == len(fds)
-    for fd, item in zip(fds, items):
-        what, _, rest = item.partition(":")
-        uuid, _, kind = rest.rpartition(":")
-        ok = ok and uuid in devices and what in (wire.LEASE, wire.SLOT) and kind in (wire.EXCLUSIVE, wire.SHARED)
-        if ok:
-            try:
-                fcntl.flock(fd, (fcntl.LOCK_EX if kind == wire.EXCLUSIVE else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-            except OSError:
-                ok = False
-        (leases if what == wire.LEASE else slots)[uuid] = fd
-    if ok and leases:
-        return leases, slots
-    for fd in fds:
-        posix.close(fd)
-    return None
-
-
-def _refused(prog: str, reply: Dict[str, str]) -> NoReturn:
-    """The service's refusal, as the general way prints an error: one line, a hint, its exit status."""
-    from .general import fail
-
-    code = reply.get("code", "")
-    fail(prog, reply.get("text") or "the cudawrap service refused the request", reply.get("hint") or None,
-         int(code) if code.isascii() and code.isdigit() and 0 < int(code) < 256 else _EX_SOFTWARE)
-
-
-def _become(root: str, link: str, real: str, argv: List[str], leases: Dict[str, int], slots: Dict[str, int],
-             reply: Dict[str, str]) -> NoReturn:
-    """Exec REAL with the lease's descriptors and its variables, as general.Grant.apply sets them."""
-    from .. import wire
-
-    prog = link[link.rfind("/") + 1:]
-    env = original_environ()
-    if not slots and env.get(b"CUDA_MPS_PIPE_DIRECTORY", b"").startswith(
-            (loc.under(root, loc.MPS_DIR) + "/").encode()):
-        for name in _MPS_VARIABLES:
-            env.pop(name, None)
-    env.update(wire.unpairs(reply.get("env", "")))
-    for name, value in wire.unpairs(reply.get("defaults", "")).items():
-        env.setdefault(name, value)
-    visible = ",".join(leases)
-    env[_CVD] = visible.encode()
-    env[loc.LEASE_ENV.encode()] = ",".join(
-        f"{fd}:{uuid}:{slots[uuid]}" if uuid in slots else f"{fd}:{uuid}" for uuid, fd in leases.items()).encode()
-    env[loc.PROGRAM_ENV.encode()] = prog.encode()
-    for fd in list(leases.values()) + list(slots.values()):
-        posix.set_inheritable(fd, True)
-    if posix.environ.get(b"CUDAWRAP_VERBOSE"):
-        say(prog, f"CUDA_VISIBLE_DEVICES={visible} -> {real}")
-    import _signal  # `signal` would pull in enum
-
-    # Python ignores SIGPIPE and SIGXFSZ, and ignored signals survive exec (general.exec_program).
+    # Python ignores SIGPIPE and SIGXFSZ, and ignored signals survive exec: without this
+    # `wrapped | head` would see EPIPE errors instead of dying quietly as it should.
     for name in ("SIGPIPE", "SIGXFSZ"):
         if hasattr(_signal, name):
             _signal.signal(getattr(_signal, name), _signal.SIG_DFL)
-    args = [argv[0]] + argv[1:]
+    if grant.lease is not None:
+        grant.lease.keep_across_exec()
     try:
-        posix.execve(real, args, env)
+        os.execve(path, list(argv), env)
+    except FileNotFoundError:
+        raise ProgramNotFound(f"{path}: not found") from None
+    except PermissionError:
+        raise CannotExecute(f"{path}: permission denied") from None
     except OSError as exc:
-        failed = exc
-    from .general import exec_failed
+        raise CannotExecute(f"{path}: cannot execute: {exc.strerror}") from None
 
-    exec_failed(root, link, real, args, env, failed)
+
+def unwrapped_meanwhile(link: str, shim: str, root: str) -> Optional[str]:
+    """LINK itself if an unwrap put the real program back there while we were starting or waiting."""
+    try:
+        st = os.stat(link)
+    except OSError:
+        return None
+    try:
+        shim_st = os.stat(shim)
+        if (st.st_dev, st.st_ino) == (shim_st.st_dev, shim_st.st_ino):
+            return None
+    except OSError:
+        pass  # the unwrap removed the program's own shim
+    return None if is_shim(link, root) else link
+
+
+CVD = "CUDA_VISIBLE_DEVICES"
+CVD_B = CVD.encode()
+
+
+class Grant:
+    """What a run got: a lease (possibly inherited) or nothing, and what to tell it."""
+
+    def __init__(self, lease: Optional[Lease], visible: Optional[str],
+                 extra: Optional[Dict[bytes, bytes]] = None) -> None:
+        self.lease = lease
+        self.visible = visible  # value for CUDA_VISIBLE_DEVICES; None = leave it as it is
+        self.extra = extra or {}  # more variables: an MPS client's
+        self.defaults: Dict[bytes, bytes] = {}  # variables set only where the caller has none
+        self.drop: Tuple[bytes, ...] = ()  # variables to remove
+        self.program: Optional[str] = None  # the wrapped name, for a run a shim started
+
+    def apply(self, env: Dict[bytes, bytes]) -> Dict[bytes, bytes]:
+        for name in self.drop:
+            env.pop(name, None)
+        env.update(self.extra)
+        for name, value in self.defaults.items():
+            env.setdefault(name, value)
+        if self.visible is not None:
+            env[CVD_B] = self.visible.encode()
+        if self.lease is not None:
+            env[LEASE_ENV.encode()] = self.lease.marker().encode()
+            if self.program:
+                env[PROGRAM_ENV.encode()] = self.program.encode()
+            else:  # `cudawrap run` inside a wrapped program: its command is not that program
+                env.pop(PROGRAM_ENV.encode(), None)
+        return env
+
+
+def whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[bytes, bytes]] = None,
+                   defaults: Optional[Dict[bytes, bytes]] = None) -> Grant:
+    """The Grant of LEASE with a share's variables (EXTRA, and DEFAULTS where the caller has
+    none; sharing.run_env), and a shared run's MPS variables dropped for whole devices."""
+    grant = Grant(lease, ",".join(lease.uuids), extra)
+    if defaults is not None:
+        grant.defaults = defaults
+    mps_dir = loc.under(root, loc.MPS_DIR) + "/"
+    if not lease.shared and environ.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(mps_dir):
+        # A whole device bypasses MPS: a client of a device's daemon (a shared run's
+        # environment passed on) must not be sent to a daemon of a device it does not use.
+        grant.drop = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
+                      b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+    return grant
+
+
+# ---- its devices ---------------------------------------------------------------------------
+
+def obtain(root: str, prog: str, settings: Settings, environ: Any,
+           count: Optional[int] = None, layout: bool = True, ticket: str = "") -> Grant:
+    """Lease devices for one run under SETTINGS.
+
+    LAYOUT: whether sync's device layout may stand in for an enumeration (no monitor).
+    TICKET: the place in the service's line a wait before this one was given (wire.py)."""
+    value = settings.values()
+    count = value["gpus"] if count is None else count
+    lease_dir = loc.under(root, loc.LEASE_DIR)
+    preset = environ.get(CVD)
+    marker = environ.get(LEASE_ENV)
+    if marker:
+        from .given import inherited_grant
+
+        grant = inherited_grant(lease_dir, marker, preset)
+        if grant is not None:
+            return grant
+    job = None
+    if environ.get("SLURM_JOB_ID"):  # within_job's own test: outside Slurm, slurm is not imported
+        from ..devices.slurm import within_job
+
+        job = within_job(environ)
+    grant = _grant_without_lease(prog, job, preset)
+    if grant is not None:
+        return grant
+
+    from ..policy.effective import check_count
+
+    check_count(settings, count)
+    from ..lease.sharing import of_run
+
+    sharing, share = of_run(value, count)
+    # Under [service] enforce a user cannot open the lease files: the service alone grants,
+    # shares too (root still may decide for itself, so a stopped service never locks the
+    # admin out). Without it, shared runs decide for themselves.
+    enforced = bool(value.get("enforce")) and os.geteuid() != 0
+    if enforced or (job is None and not share and os.path.exists(loc.under(root, loc.SERVICE_SOCKET))):
+        from .given import from_service
+
+        served = from_service(root, prog, value, environ, count, job, enforced, ticket)
+        if served is not None:
+            return served
+
+    return _Run(root, prog, settings, environ, count, sharing, share).take(job, preset, layout)
+
+
+def _grant_without_lease(prog: str, job: Any, preset: Optional[str]) -> Optional[Grant]:
+    """The grant of a run that takes no lease (a Slurm job's shard, or no GPU; no device
+    asked for); None for a run that does."""
+    if job is not None and job.shares:
+        return Grant(None, None)  # a --gres=shard job: Slurm shares this GPU; a lease would serialise
+    if job is not None and job.has_no_gpu:
+        say(prog, f"Slurm job {job.job_id} has no GPU: running without a device (submit with --gres=gpu:N)")
+        return Grant(None, "")
+    if preset is not None and not preset.strip():
+        return Grant(None, None)  # the caller asked for no device at all
+    return None
+
+
+def _device_source(root: str, prog: str, value: Dict[str, Any], lease_dir: str, layout: bool) -> Any:
+    """Where this launch reads the machine from (devices/source.py); None when NVML is
+    unusable, no_driver allows that and there are no lease files: no lease at all."""
+    from ..devices.source import GenericSource, choose
+
+    try:
+        return choose(root, layout)
+    except NvmlUnavailable as exc:
+        if value["no_driver"] == "fail":
+            raise
+        from ..lease.files import lease_file_inventory
+
+        # The lease files root made still name the devices (NVML may be broken only for
+        # us, a driver upgraded under a loaded module): one lease each, by UUID, rather
+        # than every run on device 0.
+        inventory = lease_file_inventory(lease_dir)
+        audit.log("no-driver", "warning", program=prog, pid=os.getpid(), reason=str(exc))
+        if inventory is None:
+            say(prog, f"warning: {exc}; running without a device lease")
+            return None
+        say(prog, f"warning: {exc}; leasing by the lease files alone (processes on the devices unseen)")
+        return GenericSource(inventory)
+
+
+class _Run:
+    """One run's lease being taken: its candidates on the machine its source reads, the
+    acquirer and its wait, the grant."""
+
+    def __init__(self, root: str, prog: str, settings: Settings, environ: Any, count: int,
+                 sharing: Any, share: bool) -> None:
+        self.root, self.prog, self.settings, self.environ = root, prog, settings, environ
+        self.value = settings.values()
+        self.count, self.sharing, self.share = count, sharing, share
+        self.waited = False
+
+    def take(self, job: Any, preset: Optional[str], layout: bool) -> Grant:
+        """Read the machine, narrow it to this run's candidates, and lease them."""
+        from ..policy.effective import UNFILTERED
+        from ..sched.candidates import allow_list, usable, without_drained
+
+        root, prog, value, count = self.root, self.prog, self.value, self.count
+        lease_dir = loc.under(root, loc.LEASE_DIR)
+        allow = allow_list(value)
+        order = self.environ.get("CUDA_DEVICE_ORDER")
+        # What the filters (filters.py, imported only when one is set) need of the devices' usage.
+        min_free_mib = value.get("min_free_memory_mib", UNFILTERED["min_free_memory_mib"])
+        max_util = value.get("max_utilization", UNFILTERED["max_utilization"])
+        # Slurm's indices need the GPUs, a free-memory floor every device's memory (and a retry
+        # without the layout, every device NVML has now): the layout only otherwise.
+        source = _device_source(root, prog, value, lease_dir, layout and job is None and min_free_mib <= 0)
+        if source is None:
+            return Grant(None, None)
+        inventory, unread = source.inventory(), source.unread
+        checked_at = time.monotonic()
+        if job is not None:
+            from ..sched.selection import PCI_ORDER
+
+            slurm_visible = job.visible({g.index for g in inventory.gpus})
+            if slurm_visible is not None:
+                preset, order = slurm_visible, PCI_ORDER  # Slurm's indices: its numbering, not CUDA's
+                if not preset.strip():
+                    return Grant(None, None)
+        try:
+            candidates = usable(inventory, value, allow, preset, count, order)
+        except CudawrapError:
+            if not unread:
+                raise
+            # Perhaps the layout's fault (MIG reconfigured since the last sync): NVML decides.
+            from ..devices.source import NvmlSource
+
+            inventory, unread = NvmlSource.read().inventory(), False
+            candidates = usable(inventory, value, allow, preset, count, order)
+        candidates = without_drained(root, candidates, count)
+        if max_util < 100 and not any(d.utilization is not None for d in inventory.devices):
+            from ..devices import nvml
+
+            try:  # the snapshot and the lean inventory skip utilisation: read it for this filter
+                inventory, unread = nvml.inventory(utilization=True), False
+            except NvmlUnavailable:
+                pass
+        return self.lease(source, inventory, unread, candidates, checked_at)
+
+    def lease(self, source: Any, inventory: Any, unread: bool, candidates: List[Any], checked_at: float) -> Grant:
+        """Wait for and take CANDIDATES' devices; the grant."""
+        from ..sched.acquirer import Queued
+        from ..sched.candidates import limits_of, synced
+
+        root, value, count = self.root, self.value, self.count
+        limits = limits_of(value, count, os.geteuid())
+        lease_dir = loc.under(root, loc.LEASE_DIR)
+        leases = LeaseFiles(lease_dir, loc.under(root, loc.SHARE_DIR))
+        candidates = synced(candidates, leases, lease_dir, count)
+        acquirer = self._acquirer(leases, source, inventory, unread, candidates, checked_at, limits)
+        info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={self.prog}\n".encode()
+        start = time.monotonic()
+        try:
+            lease = acquirer.arrive(value["wait"], info)
+            if isinstance(lease, Queued):  # its turn is not now: it waits (sched/run.py, loaded only then)
+                from ..sched.run import wait_in_line
+
+                lease = wait_in_line(acquirer, lease, self.on_wait)
+        except NoDeviceError as exc:
+            from ..sched.decision import Cancelled
+
+            if unread and acquirer.lost_on_arrival and not isinstance(exc, Cancelled):
+                # A device of the layout is gone (a MIG instance destroyed since the last sync):
+                # the layout is out of date, so decide again from NVML's enumeration, which
+                # also says when the devices there now need `cudawrap sync`.
+                leases.close()
+                return obtain(root, self.prog, self.settings, self.environ, count, layout=False)
+            audit.log("timeout", "warning", program=self.prog, pid=os.getpid(), reason=str(exc))
+            raise
+        waited_s = time.monotonic() - start
+        audit.log("grant", program=self.prog, pid=os.getpid(), devices=",".join(lease.uuids),
+                  **({"shared": ",".join(lease.shared)} if lease.shared else {}),
+                  wait=f"{waited_s:.3f}s")
+        if self.waited:
+            say(self.prog, f"got {','.join(lease.uuids)} after {waited_s:.1f} s")
+        return self.grant(lease, acquirer)
+
+    def _acquirer(self, leases: LeaseFiles, source: Any, inventory: Any, unread: bool, candidates: List[Any],
+                  checked_at: float, limits: Dict[str, Any]) -> Any:
+        from ..policy.effective import queue_bounds
+        from ..sched.acquirer import Acquirer
+        from ..sched.request import Request
+        from ..sched.candidates import drained_now
+        from ..sched.queue import WaitQueue
+
+        root, value = self.root, self.value
+        limit_of = None
+        if limits:
+            from ..policy.limits import limit_for
+
+            limit_of = lambda uid: limit_for(uid, limits)  # noqa: E731 - one call, bound here
+        return Acquirer(
+            leases, WaitQueue(loc.under(root, loc.QUEUE_DIR)), candidates, inventory.devices,
+            Request.of(value, self.count, self.share), foreign=value["foreign"],
+            busy_memory_mib=value["busy_memory_mib"], refresh=source.refresh, checked_at=checked_at,
+            limit_of=limit_of, drained=drained_now(root, inventory), sharing=self.sharing,
+            unread=[d.uuid for d in candidates] if unread else (), root=root,
+            snapshot=source.snapshot, admin=lambda: queue_bounds(root))
+
+    def on_wait(self, text: str) -> None:
+        from ..sched.acquirer import describe_wait
+
+        self.waited = True
+        say(self.prog, describe_wait(text))
+        audit.log("wait", program=self.prog, pid=os.getpid(), reason=text, count=self.count)
+
+    def grant(self, lease: Lease, acquirer: Any) -> Grant:
+        """LEASE's grant: a shared run's memory limit, MPS variables and frameworks' defaults."""
+        extra, defaults = self.sharing.run_env(self.root, lease.shared, acquirer.current, acquirer.slots,
+                                               self.settings.memory_limit_mib)
+        return whole_devices(self.root, lease, self.environ, extra, defaults)
+
+
+def run_shim(root: str, argv: List[str], link: Optional[str] = None, ticket: str = "") -> NoReturn:
+    """Run the program wrapped at LINK (baked into its own shim); without LINK (the shared
+    shim that links made before per-program shims lead to), find it from how we were invoked."""
+    from ..policy.effective import effective
+
+    if not argv or not argv[0]:
+        raise UsageError("started without a program name")
+    invoked = argv[0]
+    if link is None:
+        shim = loc.under(root, loc.SHIM)
+        link = find_link(invoked, shim)
+    else:
+        shim = os.path.realpath(invoked)  # the script the kernel ran: this program's own shim
+    prog = os.path.basename(link)
+    real = real_program(link, shim, root)
+    settings = effective(root, os.path.abspath(link))
+    grant = obtain(root, prog, settings, os.environ, ticket=ticket)
+    grant.program = prog
+    if os.environ.get("CUDAWRAP_VERBOSE"):
+        say(prog, f"{CVD}={grant.visible if grant.visible is not None else '(unchanged)'} -> {real}")
+    if not os.path.lexists(real):
+        real = unwrapped_meanwhile(link, shim, root) or real
+    exec_program(real, [invoked] + argv[1:], grant.apply(original_environ()), grant)
+
+
+def main(root: str, link: Optional[str] = None, ticket: str = "") -> NoReturn:
+    """The shim's general way (cudawrap/__init__.py: TICKET, a place in the service's line a
+    wait there was given): errors become one line and the documented exit code."""
+    argv = sys.argv
+    _guarded(os.path.basename(link or (argv[0] if argv and argv[0] else "cudawrap")),
+             lambda: run_shim(root, argv, link, ticket))
+
+
+def fail(prog: str, message: str, hint: Optional[str], exit_code: int) -> NoReturn:
+    """Report a refusal the service sent to the fast path as this way reports its own errors."""
+    error = (NoDeviceError if exit_code == NoDeviceError.exit_code else CudawrapError)(message, hint)
+    error.exit_code = exit_code
+    _guarded(prog, lambda: _raise(error))
+
+
+def _raise(error: CudawrapError) -> NoReturn:
+    raise error
+
+
+def exec_failed(root: str, link: str, real: str, argv: List[str], env: Dict[bytes, bytes],
+                exc: OSError) -> NoReturn:
+    """The fast path's exec of REAL failed with EXC: run the program where an unwrap put it
+    back meanwhile, else say why, as exec_program says it (the lease's descriptors are
+    inheritable already)."""
+    def again() -> NoReturn:
+        path = real
+        if isinstance(exc, FileNotFoundError):
+            path = unwrapped_meanwhile(link, os.path.realpath(argv[0]), root) or real
+        exec_program(path, argv, env, Grant(None, None))
+
+    _guarded(os.path.basename(link), again)
+
+
+def _guarded(prog: str, run: Any) -> NoReturn:
+    """RUN (which execs or raises); a CudawrapError becomes one line (and its hint) and its exit status."""
+    try:
+        run()
+    except CudawrapError as exc:
+        say(prog, exc.message)
+        if exc.hint:
+            say(prog, f"hint: {exc.hint}")
+        if os.environ.get("CUDAWRAP_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        if not isinstance(exc, NoDeviceError):
+            audit.log("error", "error", program=prog, pid=os.getpid(), reason=exc.message)
+        os._exit(exc.exit_code)
+    except KeyboardInterrupt:
+        os._exit(130)
+    os._exit(os.EX_SOFTWARE)  # RUN returned: it must not

@@ -2,7 +2,7 @@
 narrowed by the child's CUDA_VISIBLE_DEVICES), and the service's grant asked the general way
 (with the Slurm job's GPUs where the run is in one).
 
-Apart from launch/general.py because a launch without either (the monitor's, deciding for
+Apart from the rest of the launch because a launch without either (the monitor's, deciding for
 itself) never needs it: the shim pays ~0.1 ms for each module it loads.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ if TYPE_CHECKING:
     from typing import Any, Dict, List, Optional
 
 from ..lease.files import Lease, inherited_lease
-from . import say
-from .general import Grant, whole_devices
+from .. import say
+from . import Grant, whole_devices
 
 
 def narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:

@@ -127,7 +127,7 @@ def program(pid: int, root: str) -> Optional[str]:
     to the shim) must resolve to a shim of the install at ROOT, owned by the service's
     user and writable by nobody else, and /proc/PID/exe (which only the kernel sets) must
     be the interpreter that shim names."""
-    from ..launch.general import find_link
+    from ..launch import find_link
     from ..paths import Layout
     from pathlib import Path
 
