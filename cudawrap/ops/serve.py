@@ -160,8 +160,7 @@ class Service:
         ready = self.selector.select(min(timeout, IDLE_SYNC_S) if accounts.pending() else timeout)
         if not ready and accounts.pending():
             accounts.flush()  # idle: now the ledger's fsync costs nobody's launch
-        # One turn of the ledger for all that happens now: seven releases at once are one
-        # rewrite of its state, after their seven hand-overs are sent (accounts.turn).
+        # One ledger turn for all of it: one state write, after the grants are sent (accounts.turn).
         with accounts.turn(self.grants.layout):
             for key, _mask in ready:
                 if key.data == "listen":
@@ -231,8 +230,7 @@ class Service:
                 continue
             self.clients[sock.fileno()] = client
             self.selector.register(sock, selectors.EVENT_READ, client)
-            # A shim sends its request right after connecting: read it now rather than after
-            # another turn of the loop (nothing there yet costs one EAGAIN).
+            # A shim sends its request at once: read it now, not a turn later (else one EAGAIN).
             self._readable(client)
 
     def _drop(self, client: Client) -> None:
@@ -371,8 +369,7 @@ class Service:
                         client.ask.program, time.time(), lease_id=pending.lease_id, slots=pending.slots)
             self.grants.follow(held)
             self.selector.register(held.pidfd, selectors.EVENT_READ, held)
-        # A whole device's client has gone on already (its lock is the kernel's word); a share's
-        # waits for this, once follow() above has opened the MPS pipe directory to its user.
+        # Only a share's client waits for this: follow() above opened the MPS pipe directory to it.
         client.send(wire.DONE, {})
         audit.log("grant", holder=user_name(client.peer.uid), pid=client.peer.pid, program=client.waiter.program,
                   devices=",".join(pending.devices), **({"shared": ",".join(pending.slots)} if pending.slots else {}),
