@@ -50,10 +50,9 @@ _ASK_PREFIX = b"CUDAWRAP_"
 # Set: the general way (an inherited lease, a Slurm job, a trace).
 _GENERAL = (loc.LEASE_ENV.encode(), b"SLURM_JOB_ID", b"CUDAWRAP_DEBUG")
 _CVD = b"CUDA_VISIBLE_DEVICES"
-# A shared run's MPS variables: a whole device bypasses MPS (as launch.whole_devices).
-_MPS_VARIABLES = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
+# A shared run's MPS variables: a whole device bypasses MPS (here and in launch.whole_devices).
+MPS_VARIABLES = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
                   b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
-_FD_BYTES = 4  # an int in SCM_RIGHTS
 _S_IFMT, _S_IFREG = 0o170000, 0o100000
 # os.EX_PROTOCOL and os.EX_SOFTWARE, without os.
 _EX_PROTOCOL, _EX_SOFTWARE = "76", 70
@@ -152,7 +151,6 @@ def _converse(sock: Any, fields: Dict[str, str], prog: str) -> Any:
     """The service's grant, locked: (uuid -> lease descriptor, uuid -> slot descriptor, the
     grant's fields); or the ticket to go the general way with, if the service went away."""
     import _socket
-    import fcntl
 
     from . import wire
 
@@ -161,11 +159,8 @@ def _converse(sock: Any, fields: Dict[str, str], prog: str) -> Any:
         sock.sendall(wire.encode(wire.RUN, fields))
         while True:
             data, ancillary, _flags, _addr = sock.recvmsg(
-                wire.MAX_MESSAGE, _socket.CMSG_SPACE(wire.MAX_FDS * _FD_BYTES))
-            for level, kind, payload in ancillary:
-                if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-                    fds += [int.from_bytes(payload[i:i + _FD_BYTES], sys.byteorder, signed=True)
-                            for i in range(0, len(payload) - len(payload) % _FD_BYTES, _FD_BYTES)]
+                wire.MAX_MESSAGE, _socket.CMSG_SPACE(wire.MAX_FDS * wire.FD_BYTES))
+            fds += received_fds(ancillary)
             if not data:
                 if granted is not None:
                     return granted  # the locks are ours: the kernel's word stands without the service
@@ -184,11 +179,16 @@ def _converse(sock: Any, fields: Dict[str, str], prog: str) -> Any:
                         return ""  # a service that does not know wire.RUN: the general way asks it
                     _refused(prog, reply)
                 elif verb == wire.GRANT:
-                    locked = _lock(fds, reply, fcntl)
-                    fds = []
+                    described = wire.described(reply)
+                    locked = (lock_granted(fds, described)
+                              if described is not None and len(described) == len(fds) else None)
                     if locked is None:
+                        for fd in fds:
+                            posix.close(fd)
+                        fds = []
                         sock.sendall(wire.encode(wire.LOST, {"devices": reply.get("devices", "")}))
                         continue
+                    fds = []
                     sock.sendall(wire.encode(wire.HELD, {"devices": reply.get("devices", "")}))
                     if not locked[1]:
                         return locked + (reply,)
@@ -206,41 +206,55 @@ def _converse(sock: Any, fields: Dict[str, str], prog: str) -> Any:
     return ticket
 
 
-def _lock(fds: List[int], reply: Dict[str, str], fcntl: Any) -> Optional[Tuple[Dict[str, int], Dict[str, int]]]:
-    """Each descriptor's lock, taken without blocking as the GRANT's ``fds`` says (wire.py):
-    (uuid -> lease descriptor, uuid -> slot descriptor), or None, all closed, if one was
-    taken past the service (by a run deciding for itself), or the grant is malformed."""
+def received_fds(ancillary: List[Tuple[int, int, bytes]]) -> List[int]:
+    """The descriptors that came with a message (SCM_RIGHTS), from recvmsg's ancillary data."""
+    import _socket
+
+    from .wire import FD_BYTES
+
+    fds: List[int] = []
+    for level, kind, payload in ancillary:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            fds += [int.from_bytes(payload[i:i + FD_BYTES], sys.byteorder, signed=True)
+                    for i in range(0, len(payload) - len(payload) % FD_BYTES, FD_BYTES)]
+    return fds
+
+
+def lock_granted(fds: List[int], described: List[Tuple[str, str, bool]]
+                 ) -> Optional[Tuple[Dict[str, int], Dict[str, int]]]:
+    """Each descriptor's lock, taken without blocking as a run deciding for itself takes it
+    (a share: the lease file's shared lock, then its slot's exclusive one), DESCRIBED by its
+    GRANT (wire.described): (uuid -> lease descriptor, uuid -> slot descriptor), or None if
+    one was taken past the service (by a run deciding for itself). Closes nothing."""
+    import fcntl
+
     from . import wire
 
-    devices = reply.get("devices", "").split(",")
     leases: Dict[str, int] = {}
     slots: Dict[str, int] = {}
-    items = reply.get("fds", "").split(",")
-    ok = len(items) == len(fds)
-    for fd, item in zip(fds, items):
-        what, _, rest = item.partition(":")
-        uuid, _, kind = rest.rpartition(":")
-        ok = ok and uuid in devices and what in (wire.LEASE, wire.SLOT) and kind in (wire.EXCLUSIVE, wire.SHARED)
-        if ok:
-            try:
-                fcntl.flock(fd, (fcntl.LOCK_EX if kind == wire.EXCLUSIVE else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-            except OSError:
-                ok = False
+    for fd, (uuid, what, exclusive) in zip(fds, described):
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except OSError:
+            return None
         (leases if what == wire.LEASE else slots)[uuid] = fd
-    if ok and leases:
-        return leases, slots
-    for fd in fds:
-        posix.close(fd)
-    return None
+    return leases, slots
+
+
+def lease_marker(leases: Dict[str, int], slots: Dict[str, int]) -> str:
+    """LEASE_ENV's value for a lease (lease.files.inherited_lease reads it): "fd:uuid" for a
+    whole device, "fd:uuid:slotfd" for a share."""
+    return ",".join(f"{fd}:{uuid}:{slots[uuid]}" if uuid in slots else f"{fd}:{uuid}" for uuid, fd in leases.items())
 
 
 def _refused(prog: str, reply: Dict[str, str]) -> NoReturn:
     """The service's refusal, as the general way prints an error: one line, a hint, its exit status."""
     from .launch import fail
 
-    code = reply.get("code", "")
+    from . import wire
+
     fail(prog, reply.get("text") or "the cudawrap service refused the request", reply.get("hint") or None,
-         int(code) if code.isascii() and code.isdigit() and 0 < int(code) < 256 else _EX_SOFTWARE)
+         wire.exit_status(reply, _EX_SOFTWARE))
 
 
 def _become(root: str, link: str, real: str, argv: List[str], leases: Dict[str, int], slots: Dict[str, int],
@@ -252,15 +266,14 @@ def _become(root: str, link: str, real: str, argv: List[str], leases: Dict[str, 
     env = original_environ()
     if not slots and env.get(b"CUDA_MPS_PIPE_DIRECTORY", b"").startswith(
             (loc.under(root, loc.MPS_DIR) + "/").encode()):
-        for name in _MPS_VARIABLES:
+        for name in MPS_VARIABLES:
             env.pop(name, None)
     env.update(wire.unpairs(reply.get("env", "")))
     for name, value in wire.unpairs(reply.get("defaults", "")).items():
         env.setdefault(name, value)
     visible = ",".join(leases)
     env[_CVD] = visible.encode()
-    env[loc.LEASE_ENV.encode()] = ",".join(
-        f"{fd}:{uuid}:{slots[uuid]}" if uuid in slots else f"{fd}:{uuid}" for uuid, fd in leases.items()).encode()
+    env[loc.LEASE_ENV.encode()] = lease_marker(leases, slots).encode()
     env[loc.PROGRAM_ENV.encode()] = prog.encode()
     for fd in list(leases.values()) + list(slots.values()):
         posix.set_inheritable(fd, True)

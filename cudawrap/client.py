@@ -13,23 +13,20 @@ On the launch path: the C module ``_socket`` only (``socket`` builds its enums a
 from __future__ import annotations
 
 import _socket
-import fcntl
 import os
-import sys
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import locations as loc
-from . import wire
+from . import lock_granted, received_fds, wire
 from .errors import CudawrapError
 from .lease.files import Lease
 
 # The variables a run's settings are read from (policy.effective), passed on as asks.
 ASK_PREFIX = "CUDAWRAP_"
 FILTER_ASKS = ("model", "min_memory_mib", "min_free_memory_mib", "max_utilization")
-_FD_BYTES = 4  # an int in SCM_RIGHTS
 
 
 class Granted:
@@ -93,16 +90,12 @@ class Connection:
         while not self.pending:
             try:
                 data, ancillary, flags, _addr = self.sock.recvmsg(
-                    wire.MAX_MESSAGE, _socket.CMSG_SPACE(wire.MAX_FDS * _FD_BYTES))
+                    wire.MAX_MESSAGE, _socket.CMSG_SPACE(wire.MAX_FDS * wire.FD_BYTES))
             except InterruptedError:
                 continue
             except OSError:
                 raise ServiceGone() from None
-            for level, kind, payload in ancillary:
-                if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-                    usable = len(payload) - len(payload) % _FD_BYTES
-                    self.fds += [int.from_bytes(payload[i:i + _FD_BYTES], sys.byteorder, signed=True)
-                                 for i in range(0, usable, _FD_BYTES)]
+            self.fds += received_fds(ancillary)
             if not data:
                 raise ServiceGone()
             try:
@@ -158,41 +151,8 @@ def request_fields(value: Dict[str, Any], environ: Any, count: int) -> Dict[str,
 
 
 def _error(fields: Dict[str, str]) -> ServiceError:
-    code = fields.get("code", "")
-    exit_code = int(code) if code.isascii() and code.isdigit() and 0 < int(code) < 256 else os.EX_SOFTWARE
     return ServiceError(fields.get("text") or "the cudawrap service refused the request",
-                        fields.get("hint") or None, exit_code)
-
-
-def _described(reply: Dict[str, str]) -> Optional[List[Tuple[str, str, bool]]]:
-    """(uuid, lease or slot, exclusive) of each descriptor of a GRANT, in the order they
-    came (wire.py); None for a grant that names none, or names them wrongly."""
-    devices = [u for u in reply.get("devices", "").split(",") if u]
-    if "fds" not in reply:  # a service that grants whole devices only
-        return [(u, wire.LEASE, True) for u in devices] or None
-    out = []
-    for item in reply["fds"].split(","):
-        what, _, rest = item.partition(":")
-        uuid, _, kind = rest.rpartition(":")
-        if what not in (wire.LEASE, wire.SLOT) or uuid not in devices or kind not in (wire.EXCLUSIVE, wire.SHARED):
-            return None
-        out.append((uuid, what, kind == wire.EXCLUSIVE))
-    return out or None
-
-
-def _lock_all(fds: List[int], described: List[Tuple[str, str, bool]]) -> Optional[Lease]:
-    """Take each descriptor's lock without blocking, as a run deciding for itself takes it
-    (a share: the lease file's shared lock, then its slot's exclusive one); the Lease, or
-    None (nothing held) if one is taken."""
-    leases: Dict[str, int] = {}
-    slots: Dict[str, int] = {}
-    for fd, (uuid, what, exclusive) in zip(fds, described):
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except OSError:
-            return None
-        (leases if what == wire.LEASE else slots)[uuid] = fd
-    return Lease(leases, slots)
+                        fields.get("hint") or None, wire.exit_status(fields, os.EX_SOFTWARE))
 
 
 def ask(root: str, fields: Dict[str, str], on_wait: Callable[[str], None]) -> Optional[Granted]:
@@ -266,11 +226,12 @@ def _exchange(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str],
             raise _error(reply)
         elif verb == wire.GRANT:
             devices = reply.get("devices", "")
-            described = _described(reply)
+            described = wire.described(reply)
             fds = conn.take_fds(len(described)) if described is not None else None
             if fds is None:
                 raise ServiceGone()
-            lease = _lock_all(fds, described)
+            locked = lock_granted(fds, described)
+            lease = Lease(*locked) if locked is not None else None
             if lease is None:  # taken past the service (a daemonless run): it decides again
                 for fd in fds:
                     _close(fd)

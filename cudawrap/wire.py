@@ -25,7 +25,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Dict, List, Tuple
+    from typing import Dict, List, Optional, Tuple
 
 VERSION = 1
 MAGIC = b"cudawrap/%d " % VERSION
@@ -35,6 +35,7 @@ MAX_MESSAGE = 16 << 10
 MAX_ANSWER = 8 << 20
 # The most descriptors one message carries (lease and slot files of one grant).
 MAX_FDS = 64
+FD_BYTES = 4  # each, an int in SCM_RIGHTS
 END = b"\n\n"
 
 # Client -> service.
@@ -75,6 +76,28 @@ def unpairs(text: str) -> Dict[bytes, bytes]:
         if sep and name:
             out[name.encode("utf-8", "surrogateescape")] = value.encode("utf-8", "surrogateescape")
     return out
+
+
+def described(reply: Dict[str, str]) -> Optional[List[Tuple[str, str, bool]]]:
+    """(uuid, LEASE or SLOT, exclusive) of each descriptor of a GRANT, in the order they came;
+    None for a grant that names no lease file, or names them wrongly."""
+    devices = [u for u in reply.get("devices", "").split(",") if u]
+    if "fds" not in reply:  # a service that grants whole devices only
+        return [(u, LEASE, True) for u in devices] or None
+    out = []
+    for item in reply["fds"].split(","):
+        what, _, rest = item.partition(":")
+        uuid, _, kind = rest.rpartition(":")
+        if what not in (LEASE, SLOT) or uuid not in devices or kind not in (EXCLUSIVE, SHARED):
+            return None
+        out.append((uuid, what, kind == EXCLUSIVE))
+    return out if any(what == LEASE for _uuid, what, _ex in out) else None
+
+
+def exit_status(error: Dict[str, str], otherwise: int) -> int:
+    """The exit status an ERROR names (its code), or OTHERWISE when it names none that is one."""
+    code = error.get("code", "")
+    return int(code) if code.isascii() and code.isdigit() and 0 < int(code) < 256 else otherwise
 
 
 class WireError(ValueError):

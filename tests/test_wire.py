@@ -41,3 +41,18 @@ def test_an_answer_may_be_far_larger_than_a_request_and_only_its_reader_takes_it
     assert out == [(wire.ANSWER, big)]
     with pytest.raises(wire.WireError):
         wire.Reader().feed(data)
+
+
+def test_a_grants_descriptors_are_described_in_order_and_a_wrong_one_voids_the_grant() -> None:
+    share = {"devices": "GPU-a,GPU-b", "fds": "lease:GPU-a:ex,lease:GPU-b:sh,slot:GPU-b:ex"}
+    assert wire.described(share) == [("GPU-a", wire.LEASE, True), ("GPU-b", wire.LEASE, False),
+                                      ("GPU-b", wire.SLOT, True)]
+    assert wire.described({"devices": "GPU-a"}) == [("GPU-a", wire.LEASE, True)]  # an older service's grant
+    for fds in ("lease:GPU-c:ex", "lease:GPU-a:rw", "file:GPU-a:ex", "slot:GPU-a:ex", ""):
+        assert wire.described({"devices": "GPU-a", "fds": fds}) is None, fds
+
+
+def test_an_errors_exit_status_is_its_code_when_that_is_one() -> None:
+    assert wire.exit_status({"code": "75"}, 70) == 75
+    for code in ("", "0", "256", "-1", "7x", "٧"):
+        assert wire.exit_status({"code": code}, 70) == 70, code

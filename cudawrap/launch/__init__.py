@@ -24,7 +24,7 @@ from ..base import audit
 from .. import locations as loc
 from ..errors import CannotExecute, CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound, UsageError
 from ..lease.files import LEASE_ENV, PROGRAM_ENV, Lease, LeaseFiles
-from .. import original_environ, say  # the shim's fast path (the package) has them loaded already
+from .. import MPS_VARIABLES, original_environ, say  # the shim's fast path (the package) has them loaded already
 
 
 # ---- the wrapped program: the name it was reached by, the real one beside it, becoming it ----
@@ -171,8 +171,7 @@ def whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[by
     if not lease.shared and environ.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(mps_dir):
         # A whole device bypasses MPS: a client of a device's daemon (a shared run's
         # environment passed on) must not be sent to a daemon of a device it does not use.
-        grant.drop = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
-                      b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+        grant.drop = MPS_VARIABLES
     return grant
 
 

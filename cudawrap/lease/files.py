@@ -66,8 +66,9 @@ class Lease:
         return Lease({u: self.fds[u] for u in uuids}, {u: self.slots[u] for u in uuids if u in self.slots})
 
     def marker(self) -> str:
-        return ",".join(f"{fd}:{uuid}:{self.slots[uuid]}" if uuid in self.slots else f"{fd}:{uuid}"
-                        for uuid, fd in self.fds.items())
+        from .. import lease_marker
+
+        return lease_marker(self.fds, self.slots)
 
     def keep_across_exec(self) -> None:
         for fd in list(self.fds.values()) + list(self.slots.values()):
