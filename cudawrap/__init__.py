@@ -130,24 +130,28 @@ def _served(root: str, link: str, argv: List[str]) -> str:
 
     from . import wire
 
+    # The request is ready before connecting: the service, woken by the connection, finds it there.
+    fields = {"asks": wire.pairs({k: v for k, v in environ.items() if k.startswith(_ASK_PREFIX)})}
+    for name, key in ((_CVD, "visible"), (b"CUDA_DEVICE_ORDER", "order")):
+        if name in environ:
+            fields[key] = environ[name].decode("utf-8", "surrogateescape")
+    try:
+        request = wire.encode(wire.RUN, fields)
+    except ValueError:
+        return ""  # too long to send: the general way reads the same variables itself
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
     try:
         sock.connect(path)
     except OSError:
         sock.close()
         return ""  # a dead service's socket
-    fields = {"asks": wire.pairs({k: v for k, v in environ.items() if k.startswith(_ASK_PREFIX)})}
-    for name, key in ((_CVD, "visible"), (b"CUDA_DEVICE_ORDER", "order")):
-        if name in environ:
-            fields[key] = environ[name].decode("utf-8", "surrogateescape")
-    prog = link[cut:]
-    granted = _converse(sock, fields, prog)
+    granted = _converse(sock, request, link[cut:])
     if isinstance(granted, str):
         return granted
     _become(root, link, real, argv, *granted)
 
 
-def _converse(sock: Any, fields: Dict[str, str], prog: str) -> Any:
+def _converse(sock: Any, request: bytes, prog: str) -> Any:
     """The service's grant, locked: (uuid -> lease descriptor, uuid -> slot descriptor, the
     grant's fields); or the ticket to go the general way with, if the service went away."""
     import _socket
@@ -156,7 +160,7 @@ def _converse(sock: Any, fields: Dict[str, str], prog: str) -> Any:
 
     reader, fds, ticket, granted = wire.Reader(), [], "", None
     try:
-        sock.sendall(wire.encode(wire.RUN, fields))
+        sock.sendall(request)
         while True:
             data, ancillary, _flags, _addr = sock.recvmsg(
                 wire.MAX_MESSAGE, _socket.CMSG_SPACE(wire.MAX_FDS * wire.FD_BYTES))
@@ -233,9 +237,20 @@ def lock_granted(fds: List[int], described: List[Tuple[str, str, bool]]
     leases: Dict[str, int] = {}
     slots: Dict[str, int] = {}
     for fd, (uuid, what, exclusive) in zip(fds, described):
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except OSError:
+        how = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        # Tried a few times over a millisecond, as a run deciding for itself takes a lease
+        # (Acquirer._lock): a probe (the service's, a waiting run's) holds one for microseconds.
+        for wait in (0.0, 0.0003, 0.0003, 0.0003):
+            if wait:
+                import time
+
+                time.sleep(wait)
+            try:
+                fcntl.flock(fd, how)
+                break
+            except OSError:
+                continue
+        else:
             return None
         (leases if what == wire.LEASE else slots)[uuid] = fd
     return leases, slots

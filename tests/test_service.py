@@ -582,3 +582,83 @@ def test_a_shims_variables_are_read_by_the_service_as_the_launch_reads_them(serv
     served.proc.wait(timeout=10)
     alone = inst.run(inst.world.alice, "recon", CUDAWRAP_GPUS="two")
     assert (alone.returncode, alone.stderr.decode().splitlines()) == (bad.returncode, lines)
+
+
+TAKE_LATER = r"""
+import fcntl, os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+fds = [os.open(os.path.join(sys.argv[1], name), os.O_RDONLY) for name in sorted(os.listdir(sys.argv[1]))]
+print("opened", flush=True)
+signal.sigwait([signal.SIGUSR1])
+for fd in fds:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("locked", flush=True)
+signal.sigwait([signal.SIGUSR1])
+"""
+
+
+def test_a_lease_locked_through_a_descriptor_opened_earlier_is_never_granted_twice(served: Served) -> None:
+    """The service believes a lease it found free until its watch reports an open (Line._free).
+    Bob opens every lease file first and locks them only after the service has tried them
+    (no open then, so no news): the next run is granted a device bob holds, finds it held,
+    says so, and the service tries the leases again: no device free, the run is told so
+    (wait 0). Nothing was handed out twice: every lock is still bob's."""
+    inst = served.inst
+    bob = inst.py_start(inst.world.bob, TAKE_LATER, str(inst.layout.lease_dir))
+    assert bob.stdout.readline().strip() == b"opened"
+    first = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0")
+    assert first.returncode == 0, first.stderr.decode()  # the service has tried every lease
+    os.kill(bob.pid, signal.SIGUSR1)
+    assert bob.stdout.readline().strip() == b"locked"
+    again = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0")
+    assert again.returncode == os.EX_TEMPFAIL and b"no free device" in again.stderr, again.stderr.decode()
+    assert len(_locks_of(bob.pid)) == 4
+    bob.kill()
+
+
+def test_a_config_change_reaches_the_next_run_through_the_service(served: Served) -> None:
+    """The service keeps each program's settings between its runs (asks.read_kept), for as
+    long as the policy's files are the same: a change applies to the next run."""
+    inst = served.inst
+    one = inst.run(inst.world.alice, "recon")
+    assert one.returncode == 0 and len(ready_line_of(one)["devices"]) == 1, one.stderr.decode()
+    inst.layout.config_file.write_text('[programs."recon"]\ngpus = 2\nmax_gpus = 2\n')
+    inst.layout.config_file.chmod(0o644)
+    two = inst.run(inst.world.alice, "recon")
+    assert two.returncode == 0 and len(ready_line_of(two)["devices"]) == 2, two.stderr.decode()
+
+
+LET_GO = r"""
+import fcntl, os, signal, sys
+sys.path[:0] = PATH
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+import cudawrap
+(uuid,) = cudawrap.acquire(1, wait=0)
+print(uuid, flush=True)
+signal.sigwait([signal.SIGUSR1])
+fd = int(os.environ["CUDAWRAP_LEASE"].split(":")[0])
+fcntl.flock(fd, fcntl.LOCK_UN)  # lets go of the device, and runs on
+print("let go", flush=True)
+signal.sigwait([signal.SIGUSR1])
+"""
+
+
+def test_a_lease_let_go_by_a_running_holder_reaches_a_waiter(served: Served) -> None:
+    """Every device held through the service and runs waiting: a tick decides nothing while
+    every lease is still locked (Service._all_held), but it tries the locks, and a holder
+    that unlocks its lease and runs on has let go of the device all the same."""
+    inst = served.inst
+    holders = [inst.start(inst.world.alice, "recon", "--hold", "60") for _ in range(3)]
+    for h in holders:
+        ready_line(h)
+    api = inst.py_start(inst.world.alice, LET_GO.replace("PATH", repr(list(inst.world.path))))
+    uuid = api.stdout.readline().decode().strip()
+    assert uuid, api.stderr.read().decode()
+    waiter = served.waiting(inst.world.bob)
+    time.sleep(1.5)  # a tick or more, with nothing to grant
+    os.kill(api.pid, signal.SIGUSR1)
+    assert api.stdout.readline().strip() == b"let go"
+    hello = ready_line(waiter)
+    assert hello["devices"] == [uuid]
+    for p in holders + [api, waiter]:
+        p.kill()

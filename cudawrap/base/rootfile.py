@@ -29,8 +29,8 @@ def write(path: str, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def read(root: str, path: str, version: int) -> Optional[dict]:
-    """The dict at PATH if trusted and of VERSION, else None."""
+def read_raw(root: str, path: str) -> Optional[bytes]:
+    """The bytes at PATH if trusted (see the module's docstring), else None."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -40,11 +40,26 @@ def read(root: str, path: str, version: int) -> Optional[dict]:
         owner = os.stat(loc.under(root, loc.RUNTIME_DIR)).st_uid
         if st.st_uid != owner or st.st_mode & 0o022 or st.st_size > _MAX_SIZE:
             return None
-        data = marshal.loads(os.read(fd, st.st_size + 1))
-    except (OSError, ValueError, EOFError, TypeError):
+        return os.read(fd, st.st_size + 1)
+    except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def loads(raw: Optional[bytes], version: int) -> Optional[dict]:
+    """The dict RAW holds if it is of VERSION, else None."""
+    if raw is None:
+        return None
+    try:
+        data = marshal.loads(raw)
+    except (ValueError, EOFError, TypeError):
+        return None
     if not isinstance(data, dict) or data.get("version") != version:
         return None
     return data
+
+
+def read(root: str, path: str, version: int) -> Optional[dict]:
+    """The dict at PATH if trusted and of VERSION, else None."""
+    return loads(read_raw(root, path), version)

@@ -71,17 +71,44 @@ def _exited(started: Dict[int, int], listed: Iterable[int], recorded: object) ->
     return {p for p in seen if not started_as(p, started[p])}
 
 
+# path -> (the file's bytes, its data, its inventory): a reader that looks again and again
+# (the service, at each hand-over) parses each snapshot once. Compared by content, not by
+# the file's identity: one rewritten within a tick of the clock looks unchanged.
+_parsed: Dict[str, tuple] = {}
+
+
+def _read(root: str) -> "Optional[tuple]":
+    """(the snapshot's data, its inventory), or None where there is none root wrote."""
+    path = loc.under(root, loc.USAGE_SNAPSHOT)
+    raw = rootfile.read_raw(root, path)
+    kept = _parsed.get(path)
+    if raw is not None and kept is not None and kept[0] == raw:
+        return kept[1:]
+    data = rootfile.loads(raw, VERSION)
+    if data is None:
+        return None
+    try:
+        parsed = (data, Inventory.from_tuple(data["inventory"]))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    _parsed.clear()
+    _parsed[path] = (raw,) + parsed
+    return parsed
+
+
 def read_fresh(root: str, max_age: float = MAX_AGE_S) -> Optional[Inventory]:
     """The snapshot's inventory if root wrote it less than MAX_AGE seconds ago, else None.
 
     Processes the monitor saw that have exited since are left out; every other process
     the snapshot lists stays.
     """
-    data = rootfile.read(root, loc.under(root, loc.USAGE_SNAPSHOT), VERSION)
+    read = _read(root)
+    if read is None:
+        return None
+    data, inventory = read
     try:
-        if data is None or not 0 <= time.monotonic() - data["written"] < max_age:
+        if not 0 <= time.monotonic() - data["written"] < max_age:
             return None
-        inventory = Inventory.from_tuple(data["inventory"])
         started = data["started"]
         listed = {p for d in inventory.devices for p in d.pids or ()}
         exited = _exited(started, listed, tuple(data["namespace"]) if data["namespace"] else None)
@@ -92,10 +119,12 @@ def read_fresh(root: str, max_age: float = MAX_AGE_S) -> Optional[Inventory]:
 
 
 class SnapshotRefresh:
-    """Re-reading one device for a waiting shim: the newest snapshot, else NVML."""
+    """Re-reading one device: the newest snapshot, else NVML. A waiting shim (STICKY) asks
+    NVML from then on; the service, whose own child writes the snapshot, looks again next time."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, sticky: bool = True) -> None:
         self.root = root
+        self.sticky = sticky
         self.nvml = False
 
     def __call__(self, device: Device) -> Optional[Device]:
@@ -103,7 +132,11 @@ class SnapshotRefresh:
             inventory = read_fresh(self.root)
             if inventory is not None:
                 return inventory.by_uuid(device.uuid)
-            self.nvml = True  # the monitor stopped: from now on ask NVML
+            self.nvml = self.sticky  # the monitor stopped: from now on ask NVML
+        return self.fresh(device)
+
+    def fresh(self, device: Device) -> Optional[Device]:
+        """DEVICE as NVML says now (the snapshot may be half a second old)."""
         from . import nvml
 
         return nvml.refresh(device)

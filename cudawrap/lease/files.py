@@ -94,6 +94,7 @@ class LeaseFiles:
         self.share_dir = share_dir
         self.owner = check_dir(lease_dir, "lease directory", SYNC_HINT).st_uid
         self._fds: Dict[str, int] = {}
+        self._idents: Dict[str, Tuple[int, int]] = {}  # uuid -> (device, inode) of its descriptor's file
         self._slots: Dict[str, int] = {}  # uuid -> locked slot file of a share being taken
         self._probes: Dict[str, int] = {}  # slot file -> a descriptor kept for slot_free
 
@@ -116,6 +117,7 @@ class LeaseFiles:
             os.close(fd)  # planted by someone else: never trust it
             return None
         self._fds[uuid] = fd
+        self._idents[uuid] = (st.st_dev, st.st_ino)  # a descriptor's file never changes
         return fd
 
     def names(self) -> Set[str]:
@@ -127,11 +129,7 @@ class LeaseFiles:
 
     def ident(self, uuid: str) -> Optional[Tuple[int, int]]:
         """(device, inode) of UUID's lease file, as /proc/locks names it; None if it has none."""
-        fd = self.fd(uuid)
-        if fd is None:
-            return None
-        st = os.fstat(fd)
-        return (st.st_dev, st.st_ino)
+        return self._idents.get(uuid) if self.fd(uuid) is not None else None
 
     def try_lock(self, uuid: str, how: int = fcntl.LOCK_EX) -> bool:
         """Take UUID's lease without blocking; False if someone holds it or it is gone.
@@ -140,8 +138,9 @@ class LeaseFiles:
         fd = self.fd(uuid)
         if fd is None:
             return False
-        if not _flock_current(fd, self.path(uuid), how):
-            if not _same_file(fd, self.path(uuid)):
+        ident = self._idents.get(uuid)
+        if not _flock_current(fd, self.path(uuid), how, ident):
+            if not _same_file(fd, self.path(uuid), ident):
                 self.forget(uuid)  # replaced by sync: open the new one next time
             # else held: keep the descriptor (reopening it would tell the watchers that a
             # lock may have been taken, and make them all look at the machine again)
@@ -236,6 +235,7 @@ class LeaseFiles:
         return out
 
     def forget(self, uuid: str) -> None:
+        self._idents.pop(uuid, None)
         fd = self._fds.pop(uuid, None)
         if fd is not None:
             os.close(fd)
@@ -243,6 +243,8 @@ class LeaseFiles:
     def take(self, uuids: Iterable[str]) -> Lease:
         """Hand the (locked) descriptors of UUIDS over to a Lease; close the others."""
         chosen = {u: self._fds.pop(u) for u in uuids}
+        for u in chosen:
+            self._idents.pop(u, None)
         slots = {u: self._slots.pop(u) for u in chosen if u in self._slots}
         self.close()
         return Lease(chosen, slots)
@@ -251,11 +253,12 @@ class LeaseFiles:
         for fd in list(self._slots.values()) + list(self._fds.values()) + list(self._probes.values()):
             os.close(fd)
         self._fds.clear()
+        self._idents.clear()
         self._slots.clear()
         self._probes.clear()
 
 
-def _flock_current(fd: int, path: str, how: int) -> bool:
+def _flock_current(fd: int, path: str, how: int, ident: Optional[Tuple[int, int]] = None) -> bool:
     """flock FD (HOW, without blocking) and check it is still the file at PATH.
 
     sync removes the files of vanished devices while holding their lock; a lock won on such
@@ -267,20 +270,23 @@ def _flock_current(fd: int, path: str, how: int) -> bool:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             return False
         raise
-    if not _same_file(fd, path):
+    if not _same_file(fd, path, ident):
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False
     return True
 
 
-def _same_file(fd: int, path: str) -> bool:
-    """Whether FD is still the file at PATH (sync has not replaced or removed it)."""
+def _same_file(fd: int, path: str, ident: Optional[Tuple[int, int]] = None) -> bool:
+    """Whether FD (whose file is IDENT, (device, inode), where known) is still the file at
+    PATH (sync has not replaced or removed it)."""
     try:
         current = os.stat(path, follow_symlinks=False)
     except OSError:
         return False
-    mine = os.fstat(fd)
-    return (current.st_ino, current.st_dev) == (mine.st_ino, mine.st_dev)
+    if ident is None:
+        mine = os.fstat(fd)
+        ident = (mine.st_dev, mine.st_ino)
+    return (current.st_dev, current.st_ino) == ident
 
 
 def lease_file_inventory(lease_dir: str) -> Optional[Inventory]:

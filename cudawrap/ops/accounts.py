@@ -111,31 +111,44 @@ class _Turn:
         self.path = layout.state_dir / ledgerfile.STATE
         self.ledger = ledgerfile.ledger_path(layout)
         self.lock: Optional[ledgerfile.Locked] = None
-        self.state: Dict[str, Any] = {}
+        self.state: Optional[Dict[str, Any]] = None
+        self.limits: Optional[Tuple[int, int]] = None
         self.changed = False
         self.views: List[Dict[str, Any]] = []  # ends for their users' views
 
-    def open(self) -> Dict[str, Any]:
-        """The ledger's state, under its lock (taken now if not yet)."""
+    def locked(self) -> None:
+        """The ledger's lock, taken now if not yet (the state is read only when needed)."""
         if self.lock is None:
             self.lock = ledgerfile.Locked(self.layout).__enter__()
+
+    def open(self) -> Dict[str, Any]:
+        """The ledger's state, under its lock (taken now if not yet)."""
+        self.locked()
+        if self.state is None:
             self.state = ledger._load_state(self.path)
+            if self.state["boot"] == _boot():
+                _kept["boot_current"] = True  # only a reboot changes it, and this service dies with it
         return self.state
 
+    def _limits(self) -> Tuple[int, int]:
+        if self.limits is None:
+            self.limits = _limits(self.layout)  # one look at the config file per turn
+        return self.limits
+
     def append(self, record: Dict[str, Any]) -> None:
-        ledgerfile.append(self.ledger, [record], *_limits(self.layout), durable=False)
+        ledgerfile.append(self.ledger, [record], *self._limits(), durable=False)
         _unsynced.add(self.ledger)
 
     def close(self) -> None:
         if self.lock is None:
             return
         try:
-            if self.changed:
+            if self.changed and self.state is not None:
                 ledger._save_state(self.path, self.state)
         finally:
             self.lock.__exit__()
             self.lock = None
-        limits = _limits(self.layout)
+        limits = self._limits()
         for done in self.views:
             ledger._append_user_view(self.layout, done, limits, durable=False)
             _unsynced.add(ledgerfile.user_view_path(self.layout, done["uid"]))
@@ -186,13 +199,18 @@ def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, 
         record["shared"] = True
         record["devices_held"] = round(shared, 4)
     with turn(layout) as t:
-        state = t.open()
-        if state["boot"] not in ("", boot):
+        # The state is read before the send only until it is seen to be this boot's: after
+        # that, the lock alone (a look waits for it), and the state read once the client has
+        # its descriptors.
+        if _kept.get("boot_current"):
+            t.locked()
+        elif t.open()["boot"] not in ("", boot):
             return lid if send() else None  # a look after the restart records it (and ends what the old boot held)
         t.append(record)
         if not send():
             t.append(ledger._end(record, now, now, now, "not taken (the client went away)", "service"))
             return None
+        state = t.open()
         state["boot"] = boot
         state["open"][lid] = record
         t.changed = True

@@ -167,11 +167,14 @@ class Grants:
                                     exclusive, dict(slots))
         return True
 
-    def void(self, key: str) -> None:
+    def void(self, key: str) -> List[str]:
+        """Take back the grant KEY sent and not taken: its devices."""
         pending = self.pending.pop(key, None)
-        if pending is not None:
-            pending.close()
-            accounts.end(self.layout, pending.lease_id, "not taken")
+        if pending is None:
+            return []
+        pending.close()
+        accounts.end(self.layout, pending.lease_id, "not taken")
+        return pending.devices
 
     def confirm(self, key: str) -> Optional[Pending]:
         """The pending grant KEY if every lock is now held through what was sent; void otherwise."""
@@ -229,6 +232,33 @@ class Grants:
                 if any(p == pid for p, _ex in table.get((st.st_dev, st.st_ino), ())):
                     out[uuid] = k
         return out
+
+    def adopt(self, slots: Dict[str, int]) -> List[Held]:
+        """Follow again the grants a service before us made that have not ended (a restart):
+        their ends are recorded when they happen, not at some later look. Those whose client
+        still runs, to watch (their pidfds); the others end now, or when the child holding
+        them lets go. SLOTS: uuid -> its slots."""
+        from . import ledger
+
+        running: List[Held] = []
+        for record in accounts.still_open(self.layout):
+            pid = record["pid"]
+            try:
+                pidfd = os.pidfd_open(pid)
+            except (AttributeError, OSError):
+                pidfd = -1
+            alive = ledger.proc(pid)
+            held = Held(record["uid"], pid, pidfd if pidfd >= 0 else os.open("/dev/null", os.O_RDONLY),
+                        list(record["devices"]), record.get("program", ""), record["start"], lease_id=record["id"])
+            if record.get("shared"):
+                held.slots = self.slots_held(pid, held.devices, slots)
+            self.follow(held)
+            if pidfd >= 0 and alive is not None and alive.ticks == record["ticks"]:
+                running.append(held)
+            else:  # its client is gone
+                held.exited = True
+                self.check(held)
+        return running
 
     def lingering(self) -> List[Held]:
         """Grants whose client exited with a lease still held (by a child it passed it to)."""

@@ -25,13 +25,21 @@ from ..sched.schedule import GRANTED, Verdict, Waiter
 from ..sched.queue import Scan, WaitQueue
 from ..sched.turns import STALL_S, Offers
 
+# A lease found free is tried again after this long even if the watch reported nothing.
+FREE_KEPT_S = 1.0
+
 
 def _inventory(root: str) -> "tuple[Inventory, Optional[Callable]]":
-    """The machine from NVML (kept open), else from the lease files root made."""
+    """The machine from NVML (kept open), else from the lease files root made; and how a
+    device is read again (a freed one, at its hand-over): from the snapshot the service's
+    monitor child writes every half second, less the processes that have exited since, as
+    a waiting run reads it (devices/snapshot.py); from NVML while that is not fresh. NVML's
+    own reading (~0.5 ms on an H200) would be on every hand-over's path."""
     from ..devices import nvml
+    from ..devices.snapshot import SnapshotRefresh
 
     try:
-        return nvml.inventory(direct=False), nvml.refresh
+        return nvml.inventory(direct=False), SnapshotRefresh(root, sticky=False)
     except NvmlUnavailable:
         inventory = lease_file_inventory(loc.under(root, loc.LEASE_DIR))
         if inventory is None:
@@ -49,6 +57,10 @@ class Line:
         self.offered = Offers()  # queue entries offered devices, not yet taking them
         self.entries: List[Waiter] = []  # the queue entries of the last decision
         self.paths: Dict[str, str] = {}
+        # uuid -> when its lease was last tried and found free, while the service's watch on
+        # the lease files says nobody has opened, closed or replaced it since (watched()).
+        self.free_at: Dict[str, float] = {}
+        self.watched = False
         self.load()
 
     def load(self) -> None:
@@ -57,6 +69,7 @@ class Line:
         from ..lease.sharing import Sharing
 
         self.inventory, refresh = _inventory(self.root)
+        self.free_at.clear()
         self.present = frozenset(self.leases.names())
         value = policy.effective(self.root, None, {}).values()
         self.reserve_after = float(value.get("reserve_after", 300.0))
@@ -82,6 +95,33 @@ class Line:
         drains = drained(self.root)
         return {d.uuid for d in self.inventory.devices if covering(drains, d.uuid, d.parent_uuid)}
 
+    def touched(self, names: Optional[Sequence[str]] = None) -> None:
+        """The lease files NAMES (None: any) were opened, closed or replaced, or a grant of them
+        sent or voided: their locks are tried again at the next decision."""
+        if names is None:
+            self.free_at.clear()
+        else:
+            for name in names:
+                self.free_at.pop(name, None)
+
+    def _free(self, uuid: str, now: float) -> bool:
+        """Whether nobody holds UUID's lease (a device of one slot).
+
+        A lease found free stays free until someone takes its lock, and nobody can without
+        a descriptor on it: one opened since (the watch reports the open), or one that was
+        open already and unlocked (a grant sent: touched() then; or, without enforce, a run
+        deciding for itself, or anyone). A run granted such a lease finds it held when it
+        takes it, says so (wire.LOST), and the lease is tried again: the flock stays the
+        truth. A free lease is tried again at least every FREE_KEPT_S all the same, and one
+        found held always (a holder may let go without a close the watch would report)."""
+        if self.watched and now - self.free_at.get(uuid, -FREE_KEPT_S) < FREE_KEPT_S:
+            return True
+        if self.leases.free_now(uuid):
+            self.free_at[uuid] = now
+            return True
+        self.free_at.pop(uuid, None)
+        return False
+
     def changed(self) -> bool:
         """Whether the lease files are not those the machine was read with (a sync since)."""
         return frozenset(self.leases.names()) != self.present
@@ -104,7 +144,7 @@ class Line:
         whether exclusive, or a share, for each): held, for this decision. GRANTED: the
         devices the service granted and sees held (uuid -> its client's pid)."""
         if self._alone(mine):
-            scan = self._probed()
+            scan = self._probed(claimed)
         else:
             scan = self._known(granted, claimed) or self.queue.scan()
         now = time.monotonic()
@@ -142,16 +182,21 @@ class Line:
         return (len(mine) == 1 and self.limit_of is None and not self.acquirer.sharing.anywhere
                 and self.queue.idle())
 
-    def _probed(self) -> Scan:
+    def _probed(self, claimed: Dict[str, List[Tuple[int, bool]]]) -> Scan:
         """The leases as trying each one's lock says (held or not), without reading /proc/locks.
 
         That read costs ~8 ms whenever nothing read it a moment before (the kernel waits out
         an RCU grace period); trying 56 locks costs microseconds. The holders stay unnamed,
-        which only limits and turns (see _alone) would need."""
+        which only limits and turns (see _alone) would need. A lease sent and not yet
+        confirmed (CLAIMED) is not tried: held, as decide() counts it, and our try could
+        meet its client taking it (its lock is taken without waiting)."""
         table = {}
+        now = time.monotonic()
         for uuid in self.present:
+            if uuid in claimed:
+                continue
             ident = self.leases.ident(uuid)
-            if ident is not None and not self.leases.free_now(uuid):
+            if ident is not None and not self._free(uuid, now):
                 table[ident] = [UNKNOWN_HOLDER]
         return Scan([], table, {})
 
@@ -169,21 +214,26 @@ class Line:
         if granted is None or not self.queue.idle():
             return None
         table = {}
+        now = time.monotonic()
         for uuid in self.present:
             ident = self.leases.ident(uuid)
             if ident is None:
                 continue
             slots = self.acquirer.slots.get(uuid, 1)
+            if uuid in claimed:
+                if slots > 1:
+                    return None  # a share being taken: its device's other sharers only the table names
+                continue  # sent, not yet confirmed: held (decide() counts it), and not tried (see _probed)
             if slots > 1:
                 if not (self.leases.free_now(uuid) and all(self.leases.slot_free(uuid, k)
                                                            for k in range(1, slots + 1))):
                     return None
                 continue
-            if self.leases.free_now(uuid):
+            if self._free(uuid, now):
                 continue
             if uuid in granted:
                 table[ident] = [(granted[uuid], True)]
-            elif not any(exclusive for _pid, exclusive in claimed.get(uuid, ())):
+            else:
                 return None
         return Scan([], table, {})
 

@@ -96,3 +96,18 @@ def whole(root: str, waiting: List[Dict[str, Any]], asker: int, private: bool, h
         elif private and asker != 0 and holder is not None and holder.get("user") != me:
             device["holder"] = dict(holder, pid=None, user=HIDDEN, program=HIDDEN, command=HIDDEN)
     return json.dumps(status, default=str)
+
+
+def status(root: str, deciding: Any, claimed: Dict[str, Any], held: List[Any], clients: Sequence[Any],
+           asker: int, private: bool, with_whole: bool) -> Dict[str, Any]:
+    """The reply to a STATUS: the line as DECIDING (the service's ops.line.Line) decides it
+    now with CLAIMED (the grants sent), the HELD grants and the service's waiting CLIENTS,
+    as ASKER may see them; WITH_WHOLE, the user's whole status too (under enforce)."""
+    mine = [c.waiter for c in clients if c.waiter is not None]
+    verdicts = deciding.decide(mine, claimed)
+    waiting = line(deciding.entries, mine, verdicts, deciding.programs(), asker, private)
+    reply = answer(waiting, holders(held, asker, private))
+    reply["service_pids"] = ",".join(f"{c.peer.pid}:{c.peer.uid}" for c in clients)
+    if with_whole:
+        reply["status"] = whole(root, waiting, asker, private, held)
+    return reply

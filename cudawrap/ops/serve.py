@@ -32,12 +32,16 @@ from .comeback import Comeback
 from .connection import Client, listen
 from .grants import Grants, Held
 from .line import Line
+from .news import FileWatch
 from .slurmjob import JobGpus
 
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0
 MIN_GAP_S = 0.002
+# inotify reports a close before the kernel drops the file's flock (__fput): a lease that a
+# close of it left held is tried once more this much later (a later close comes otherwise).
+RECHECK_S = 0.002
 IDLE_SYNC_S = 0.05  # the ledger is made durable once nothing happened for this long
 MAX_CONNECTIONS_PER_UID = 1000  # as many runs as one user may have in the queue directory
 
@@ -51,7 +55,7 @@ class Service:
         self.root = root
         self.max_per_uid = max_per_uid
         self.private_status = private_status
-        self.state_wd = self.share_wd = -2
+        self.renamed = True  # lease files made or removed since the last look (sync): list them again
         self.line = Line(root)
         from pathlib import Path
 
@@ -62,59 +66,33 @@ class Service:
         self.clients: Dict[int, Client] = {}  # socket fd -> client
         self.selector = selectors.DefaultSelector()
         self.dirty = False
+        self.freed = False  # a grant ended: decided on at once, MIN_GAP_S or not
+        self.recheck_at = float("inf")
         self.last_decision = 0.0
         self.notes: List[str] = []  # for the log, once it listens
         self.path = loc.under(root, loc.SERVICE_SOCKET)
         self.listener = listen(self.path)
         self.selector.register(self.listener, selectors.EVENT_READ, "listen")
         self.watch = self._watch()
+        # A lease found free is believed until the watch says otherwise (Line._free).
+        self.line.watched = self.watch is not None and self.watch.leases >= 0
         self.jobs = slurmjob.Lookups()  # Slurm is asked off the loop: it may block
         self.selector.register(self.jobs.fileno(), selectors.EVENT_READ, "slurm")
         self._adopt()
         self.comeback = Comeback(layout, self.notes, _say)
 
     # -- setting up -------------------------------------------------------------------------
-    def _watch(self) -> Optional[object]:
-        from ..base import inotify
-
-        watch = inotify.open_watch()
-        if watch is None:
+    def _watch(self) -> Optional[FileWatch]:
+        try:
+            watch = FileWatch(self.root, self.line.leases.dir, self.line.queue.dir)
+        except OSError:
             return None  # decisions every TICK_S only
-        watch.add(self.line.leases.dir, inotify.IN_CLOSE_WRITE | inotify.IN_CLOSE_NOWRITE
-                  | inotify.IN_CREATE | inotify.IN_DELETE | inotify.IN_MOVED_TO)
-        watch.add(self.line.queue.dir, inotify.IN_CREATE | inotify.IN_DELETE | inotify.IN_MOVED_TO)
-        # A share's end is its slot file's close (its lease file's other sharers hold on).
-        self.share_wd = watch.add(loc.under(self.root, loc.SHARE_DIR),
-                                  inotify.IN_CLOSE_WRITE | inotify.IN_CLOSE_NOWRITE)
-        # The admin's drains (state directory): a drain or resume is decided on at once.
-        self.state_wd = watch.add(os.path.dirname(loc.under(self.root, loc.DRAINS)),
-                                  inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO | inotify.IN_DELETE)
         self.selector.register(watch.fileno(), selectors.EVENT_READ, "watch")
         return watch
 
     def _adopt(self) -> None:
-        """Follow again the grants a service before us made that have not ended (a restart):
-        their ends are recorded when they happen, not at some later look."""
-        from . import ledger
-        from . import accounts
-
-        for record in accounts.still_open(self.grants.layout):
-            pid = record["pid"]
-            try:
-                pidfd = os.pidfd_open(pid)
-            except (AttributeError, OSError):
-                pidfd = -1
-            alive = ledger.proc(pid)
-            held = Held(record["uid"], pid, pidfd if pidfd >= 0 else os.open("/dev/null", os.O_RDONLY),
-                        list(record["devices"]), record.get("program", ""), record["start"], lease_id=record["id"])
-            if record.get("shared"):
-                held.slots = self.grants.slots_held(pid, held.devices, self.line.acquirer.slots)
-            self.grants.follow(held)
-            if pidfd >= 0 and alive is not None and alive.ticks == record["ticks"]:
-                self.selector.register(held.pidfd, selectors.EVENT_READ, held)
-            else:  # its client is gone: ended now, or when the child holding it lets go
-                held.exited = True
-                self.grants.check(held)
+        for held in self.grants.adopt(self.line.acquirer.slots):
+            self.selector.register(held.pidfd, selectors.EVENT_READ, held)
         self.grants.restore_mps_access()
 
     def close(self) -> None:
@@ -145,9 +123,11 @@ class Service:
         now = time.monotonic()
         times = [c.hello_by for c in self.clients.values() if c.fresh]
         times += [p.deadline for p in self.grants.pending.values()]
-        if self._waiting():
+        times += [self.recheck_at] if self.recheck_at < float("inf") else []
+        waiting = self._waiting()  # each pass over a thousand waiters costs every wake-up
+        if waiting:
             times.append(now + TICK_S)
-            times += [c.wait_until for c in self._waiting()]
+            times += [c.wait_until for c in waiting]
             if self.comeback.grace_until > now:
                 times.append(self.comeback.grace_until)
             if self.dirty:
@@ -162,7 +142,8 @@ class Service:
             accounts.flush()  # idle: now the ledger's fsync costs nobody's launch
         # One ledger turn for all of it: one state write, after the grants are sent (accounts.turn).
         with accounts.turn(self.grants.layout):
-            for key, _mask in ready:
+            # The files' news first: a request in the same turn is read with the lease files as they are.
+            for key, _mask in sorted(ready, key=lambda r: r[0].data != "watch"):
                 if key.data == "listen":
                     self._accept()
                 elif key.data == "watch":
@@ -178,13 +159,33 @@ class Service:
                 self._drop(client)  # connected and never asked: its slot goes to others
             for key in self.grants.expired(now):
                 self._late(key)
+            if now >= self.recheck_at:
+                self.recheck_at = float("inf")
+                self._recheck(self.grants.lingering(), again=False)
             if self.comeback.ended(now):
                 self.dirty = True  # those who came meanwhile are decided on now
-            self.comeback.census.note(self._holders(), now)
-            if self._waiting() and (self.dirty or now - self.last_decision >= TICK_S
-                                    or any(c.wait_until <= now for c in self._waiting())):
-                if now - self.last_decision >= MIN_GAP_S:
+            waiting = self._waiting()
+            self.comeback.census.note(self._holders(waiting), now)
+            due = any(c.wait_until <= now for c in waiting)
+            if waiting and (self.dirty or now - self.last_decision >= TICK_S or due):
+                if not (self.dirty or due) and self._all_held():
+                    self._tick_tickets(now)  # nothing to grant: only the tickets age
+                elif self.freed or now - self.last_decision >= MIN_GAP_S:
                     self._decide()
+
+    def _all_held(self) -> bool:
+        """Whether every device is held through a grant whose client runs, as its lock says:
+        then a tick's decision (over every waiter: ~20 ms with 1000) can grant nobody."""
+        held = self.grants.holders()
+        return (not self.grants.pending and not self.grants.lingering() and self.line.present <= held.keys()
+                and self.line.queue.idle() and not any(self.line.leases.free_now(u) for u in self.line.present))
+
+    def _tick_tickets(self, now: float) -> None:
+        """A tick with nothing to decide: each waiter's ticket is still renewed in time."""
+        self.last_decision = now
+        for client in self._waiting():
+            if now - client.ticket_at >= tickets.REFRESH_S and not self._tell(client, ""):
+                self._drop(client)
 
     def _waiting(self) -> List[Client]:
         return [c for c in self.clients.values() if c.waiter is not None]
@@ -196,12 +197,12 @@ class Service:
         if client is not None:
             self._readable(client)
         if key in self.grants.pending:
-            self.grants.void(key)
+            self.line.touched(self.grants.void(key))
             self.dirty = True
 
-    def _holders(self) -> int:
+    def _holders(self, waiting: Optional[List[Client]] = None) -> int:
         """Waiting runs that hold tickets: those told to wait (one granted at once never is)."""
-        return sum(1 for c in self._waiting() if c.ticket_at > float("-inf"))
+        return sum(1 for c in (self._waiting() if waiting is None else waiting) if c.ticket_at > float("-inf"))
 
     # -- connections ------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -239,7 +240,7 @@ class Service:
         self.selector.unregister(client.sock)
         if client.waiter is not None:
             if client.waiter.key in self.grants.pending:
-                self.grants.void(client.waiter.key)
+                self.line.touched(self.grants.void(client.waiter.key))
             self.dirty = True
         client.sock.close()
         client.peer.close()
@@ -280,7 +281,7 @@ class Service:
         elif verb == wire.HELD and client.waiter is not None:
             self._held(client)
         elif verb == wire.LOST and client.waiter is not None:
-            self.grants.void(client.waiter.key)
+            self.line.touched(self.grants.void(client.waiter.key))  # taken past us: tried again
             self.dirty = True
         else:
             self._fail(client, os.EX_PROTOCOL, f"the cudawrap service: a {verb} message out of turn")
@@ -316,11 +317,14 @@ class Service:
 
     def _ask(self, client: Client, fields: Dict[str, str], job: Optional[JobGpus]) -> None:
         """Read CLIENT's request (JOB: its Slurm job's GPUs, Slurm's word) and put it in line."""
-        if self.line.changed():
+        # A sync since: the machine is read again. The watch says so (a listing costs each
+        # request ~0.03 ms); without a watch, or once it lost events, the listing does.
+        if (self.renamed or not self.line.watched) and self.line.changed():
             self.line.load()
+        self.renamed = False
         try:
             link = peer.program(client.peer.pid, self.root)
-            ask = asks.read(self.root, self.line.inventory, fields, link, client.peer.uid, self.line.present, job)
+            ask = asks.read_kept(self.root, self.line.inventory, fields, link, client.peer.uid, self.line.present, job)
         except CudawrapError as exc:
             self._fail(client, exc.exit_code, exc.message, exc.hint or "")
             return
@@ -361,6 +365,7 @@ class Service:
         assert client.waiter is not None and client.ask is not None
         pending = self.grants.confirm(client.waiter.key)
         if pending is None:
+            self.line.touched()
             self._fail(client, os.EX_PROTOCOL, "the cudawrap service: the grant's locks are not held")
             self.dirty = True
             return
@@ -393,17 +398,9 @@ class Service:
                     self._fail(victim, CANCELLED_EXIT, f"cancelled by {by}")
                 reply = {"cancelled": ",".join(str(c.peer.pid) for c in chosen)}
             else:
-                mine = [c.waiter for c in self._waiting() if c.waiter is not None]
-                verdicts = self.line.decide(mine, self.grants.claimed())
+                reply = questions.status(self.root, self.line, self.grants.claimed(), list(self.grants.held.values()),
+                                         self._waiting(), asker, self.private_status, fields.get("whole") == "1")
                 self.dirty = True  # what it found may grant someone: the loop decides next
-                waiting = questions.line(self.line.entries, mine, verdicts, self.line.programs(), asker,
-                                         self.private_status)
-                reply = questions.answer(waiting, questions.holders(list(self.grants.held.values()), asker,
-                                                                   self.private_status))
-                reply["service_pids"] = ",".join(f"{c.peer.pid}:{c.peer.uid}" for c in self._waiting())
-                if fields.get("whole") == "1":
-                    reply["status"] = questions.whole(self.root, waiting, asker, self.private_status,
-                                                      list(self.grants.held.values()))
         except CudawrapError as exc:
             self._fail(client, exc.exit_code, exc.message, exc.hint or "")
             return
@@ -412,29 +409,32 @@ class Service:
 
     # -- the machine ------------------------------------------------------------------------
     def _events(self) -> None:
-        from ..base import inotify
-
         assert self.watch is not None
-        events = self.watch.events()  # type: ignore[attr-defined]
-        drains = os.path.basename(loc.DRAINS)
-        events = [e for e in events if e[0] != self.state_wd or e[2] == drains]  # not the ledger's writes
-        closed = {name.rpartition(".")[0] if wd == self.share_wd else name  # a slot file: UUID.K
-                  for wd, mask, name in events if mask & (inotify.IN_CLOSE_WRITE | inotify.IN_CLOSE_NOWRITE)}
-        for held in self.grants.lingering():
-            if closed & set(held.devices):
-                self.grants.check(held)
-        if events:
+        news = self.watch.read()
+        self.line.touched(news.touched)
+        self.renamed = self.renamed or news.renamed
+        self._recheck([h for h in self.grants.lingering() if news.closed is None or news.closed & set(h.devices)])
+        if news.decide:
             self.dirty = True
+
+    def _recheck(self, lingering: List[Held], again: bool = True) -> None:
+        """Try LINGERING grants' leases after a close; if held, once more RECHECK_S later if AGAIN."""
+        for held in lingering:
+            if self.grants.check(held):
+                self.freed = True
+            elif again:
+                self.recheck_at = min(self.recheck_at, time.monotonic() + RECHECK_S)
 
     def _exited(self, held: Held) -> None:
         self.selector.unregister(held.pidfd)
         held.exited = True
-        self.grants.check(held)
+        # Decided on at once: a run's exit, unlike a close (anyone's, at any rate), comes once a grant.
+        self.freed = self.grants.check(held) or self.freed
         self.dirty = True
 
     def _decide(self) -> None:
         self.last_decision = time.monotonic()
-        self.dirty = False
+        self.dirty = self.freed = False
         if self.comeback.in_grace(self.last_decision):
             return  # nobody is granted before the runs that waited are back (ops/tickets.py)
         waiting = [c for c in self._waiting() if c.waiter is not None and c.waiter.key not in self.grants.pending]
@@ -479,6 +479,7 @@ class Service:
                            "try again later, or set CUDAWRAP_WAIT=SECONDS")
             return True
         sharing = self.line.acquirer.sharing
+        self.line.touched(devices)  # claimed now (decide() counts them held), tried again once let go
         return self.grants.offer(client.sock, client.waiter.key, client.peer.pid, client.peer.uid, devices,
                                  ask.program, client.waiter.arrival, chosen,
                                  ask.variables(self.root, shared, self.line.acquirer.current, slots),

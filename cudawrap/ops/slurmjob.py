@@ -103,11 +103,15 @@ def parse_cgroup(text: str) -> Optional[JobCgroup]:
 
 def job_of(pid: int) -> Optional[JobCgroup]:
     """The Slurm job PID runs in, as its cgroups say; None outside any Slurm job (or gone)."""
-    try:
-        with open(f"/proc/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
-            found = parse_cgroup(f.read(1 << 16))
+    try:  # os.read, not open(): the text layer costs a launch through the service ~0.05 ms
+        fd = os.open(f"/proc/{pid}/cgroup", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            text = os.read(fd, 1 << 16).decode("utf-8", "replace")
+        finally:
+            os.close(fd)
     except OSError:
         return None
+    found = parse_cgroup(text)
     if found is None:
         return None
     try:

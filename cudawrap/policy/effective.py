@@ -131,6 +131,11 @@ def _signatures(root: str) -> tuple:
     return (_signature(loc.under(root, loc.CONFIG_FILE)), _signature(loc.under(root, loc.REGISTRY_FILE)))
 
 
+def files_signature(root: str) -> tuple:
+    """What effective() reads, as file identities: equal, it gives the same settings."""
+    return (_signature(loc.under(root, loc.LAUNCH_CACHE)),) + _signatures(root)
+
+
 def write_cache(root: str) -> str:
     """Compile the policy cache for the shim (root runs this); returns its path."""
     before = _signatures(root)

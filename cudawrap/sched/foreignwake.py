@@ -58,8 +58,10 @@ class ForeignWake:
             if fd is not None:
                 import select
 
-                self.pidfds[pid] = fd
+                # Registered before it is named: a signal in between (a SIGTERM's handler
+                # closes us) must not leave a name that poll does not know.
                 self.poller.register(fd, select.POLLIN)
+                self.pidfds[pid] = fd
         if wanted and self.watch is None and self.snapshot is not None:
             self._watch_snapshot()
         elif not wanted and self.watch is not None:
@@ -89,7 +91,7 @@ class ForeignWake:
 
     def _drop(self, pid: int) -> None:
         fd = self.pidfds.pop(pid)
-        self.poller.unregister(fd)
+        _unregister(self.poller, fd)
         os.close(fd)
 
     def _watch_snapshot(self) -> None:
@@ -104,11 +106,18 @@ class ForeignWake:
         if watch is None:
             self.snapshot = None  # out of inotify instances or watches: the waiter's own timer stands
             return
+        self.poller.register(watch.fileno(), select.POLLIN)  # before it is named (see follow)
         self.watch = watch
-        self.poller.register(watch.fileno(), select.POLLIN)
 
     def _unwatch_snapshot(self) -> None:
         if self.watch is not None:
-            self.poller.unregister(self.watch.fileno())
+            _unregister(self.poller, self.watch.fileno())
             self.watch.close()
             self.watch = None
+
+
+def _unregister(poller: select.poll, fd: int) -> None:
+    try:
+        poller.unregister(fd)
+    except KeyError:
+        pass  # never registered: a signal came between the two (see follow)

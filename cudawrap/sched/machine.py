@@ -103,6 +103,9 @@ class MachineView:
         self.foreign = foreign
         self.busy_memory_mib = busy_memory_mib
         self.refresh = refresh
+        # What _joinable reads: NVML itself, where REFRESH reads a snapshot first (its fresh()):
+        # an MPS client that connected since the snapshot would keep a new share waiting.
+        self.reread = getattr(refresh, "fresh", refresh)
         self.warmed = False  # the source made ready for a hand-over (warm())
         self.limit_of = limit_of or (lambda uid: 0)
         # (shortest reserve_after, largest max_gpus) of the admin's config: what every
@@ -306,7 +309,7 @@ class MachineView:
         MPS, NVML read again shows no user there but its sharers and the taker (see _strangers)."""
         if self.sharing.mode != MPS:
             return True
-        fresh = self.refresh(self.current[uuid]) if self.refresh else None
+        fresh = self.reread(self.current[uuid]) if self.reread else None
         if fresh is not None:
             self.current[uuid] = fresh
         return not self._strangers(uuid, set(self.used.get(uuid, ())) | {self.uid if uid is None else uid})
