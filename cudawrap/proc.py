@@ -14,9 +14,12 @@ def _stat(pid: int) -> Optional[List[bytes]]:
     """The fields of /proc/PID/stat after the command name (which may hold ")" and spaces:
     they start after the last ")"), from the state on; None when there is no such process,
     [] when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()
+    try:  # os.read, not open(): the service reads it at every grant
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.read(fd, 4096).rsplit(b")", 1)[1].split()
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         return GONE
     except (OSError, IndexError):
