@@ -662,3 +662,38 @@ def test_a_lease_let_go_by_a_running_holder_reaches_a_waiter(served: Served) -> 
     assert hello["devices"] == [uuid]
     for p in holders + [api, waiter]:
         p.kill()
+
+
+def test_a_grant_sent_just_before_a_crash_is_followed_by_the_restarted_service(served: Served) -> None:
+    """The service writes a grant's record before the send and the ledger's state at the end
+    of its turn: killed in between, the state misses a lease the ledger records. The
+    restarted service finds it in the ledger's last records (accounts.recover) before its
+    monitor's first look could record it again: one grant, one end, both the service's."""
+    import json
+
+    inst = served.inst
+    holder = inst.start(inst.world.alice, "recon", "--hold", "60")
+    ready_line(holder)
+    served.granted()
+    served.proc.kill()
+    served.proc.wait()
+    state_path = inst.layout.state_dir / "ledger.state"
+    state = json.loads(state_path.read_text())
+    (lid,) = [i for i, r in state["open"].items() if r["pid"] == holder.pid]
+    del state["open"][lid]  # as if killed before the turn's end
+    state_path.write_text(json.dumps(state))
+    restarted = Served.__new__(Served)
+    restarted.inst, restarted.link, restarted.sock = inst, served.link, served.sock
+    restarted.proc = inst.start(None, inst.world.python, "-I", "-c", cli_code(inst.path), "serve")
+    try:
+        assert b"listening on" in restarted.proc.stdout.readline()
+        inst.cli(None, "usage")  # a root command's look, as the monitor's
+        holder.kill()
+        holder.wait()
+        wait_for(lambda: len(_ledger(inst, "end")) >= 1)
+        assert [(r["id"], r["seen_by"]) for r in _ledger(inst, "grant")] == [(lid, "service")]
+        assert [(r["id"], r["seen_by"]) for r in _ledger(inst, "end")] == [(lid, "service")]
+    finally:
+        restarted.proc.terminate()
+        restarted.proc.wait(timeout=10)
+    assert b"1 grant(s) sent before a crash" in restarted.proc.stdout.read()
