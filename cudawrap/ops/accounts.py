@@ -238,34 +238,19 @@ def recover(layout: Layout) -> int:
     enter there (killed between a grant's send and its turn's end, when the state is written):
     granted in the ledger's last records, of this boot, with no end. Before the monitor's first
     look, which would record them again as new grants. How many were found."""
-    import json
-
     path = layout.state_dir / ledgerfile.STATE
     with ledgerfile.Locked(layout):
         state = ledger._load_state(path)
         boot = ledger.boot_id()
         if state["boot"] not in ("", boot):
             return 0  # a look after the reboot ends what the old boot held
-        try:
-            with open(ledgerfile.ledger_path(layout), "rb") as f:
-                size = f.seek(0, 2)
-                f.seek(max(0, size - TAIL_BYTES))
-                lines = f.read().split(b"\n")[1 if size > TAIL_BYTES else 0:]  # the first may be cut
-        except OSError:
-            return 0
         granted: Dict[str, Dict[str, Any]] = {}
         ended = set()
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(record, dict) or not isinstance(record.get("id"), str):
-                continue
-            if record.get("event") == "grant" and record.get("seen_by") == "service" and record["id"].startswith(boot[:8]):
-                granted[record["id"]] = record
-            elif record.get("event") == "end":
+        for record in ledgerfile.tail(ledgerfile.ledger_path(layout), TAIL_BYTES):
+            if record["event"] == "end":
                 ended.add(record["id"])
+            elif record.get("seen_by") == "service" and record["id"].startswith(boot[:8]):
+                granted[record["id"]] = record
         missing = {i: r for i, r in granted.items() if i not in ended and i not in state["open"]}
         if missing:
             state["boot"] = boot

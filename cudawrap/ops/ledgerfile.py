@@ -11,7 +11,7 @@ import fcntl
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from ..paths import Layout
 
@@ -127,18 +127,35 @@ def read(files: Sequence[Path], problems: List[str], kinds: Sequence[str] = LEAS
         except FileNotFoundError:
             continue
         with f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line) if len(line) <= MAX_RECORD else None
-                except ValueError:
-                    record = None
-                if not _valid(record):
-                    problems.append(f"{path}:{number}: unreadable record skipped")
-                    continue
-                if record["event"] in kinds:
-                    yield record
+            yield from _records(f, str(path), problems, kinds)
+
+
+def tail(path: Path, max_bytes: int, kinds: Sequence[str] = LEASES) -> List[Dict[str, Any]]:
+    """The records of KINDS in the last MAX_BYTES of PATH (a cut first line left out), in
+    order; [] where it cannot be read. Unreadable lines are skipped silently."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - max_bytes))
+            lines = f.read().split(b"\n")
+    except OSError:
+        return []
+    return list(_records(lines[1 if size > max_bytes else 0:], str(path), [], kinds))
+
+
+def _records(lines: Iterable[bytes], where: str, problems: List[str], kinds: Sequence[str]) -> Iterator[Dict[str, Any]]:
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line) if len(line) <= MAX_RECORD else None
+        except ValueError:
+            record = None
+        if not _valid(record):
+            problems.append(f"{where}:{number}: unreadable record skipped")
+            continue
+        if record["event"] in kinds:
+            yield record
 
 
 # --- what the kernel shows --------------------------------------------------------------------

@@ -58,7 +58,7 @@ class Line:
         self.entries: List[Waiter] = []  # the queue entries of the last decision
         self.paths: Dict[str, str] = {}
         # uuid -> when its lease was last tried and found free, while the service's watch on
-        # the lease files says nobody has opened, closed or replaced it since (watched()).
+        # the lease files says nobody has opened, closed or replaced it since (when WATCHED).
         self.free_at: Dict[str, float] = {}
         self.watched = False
         self.load()

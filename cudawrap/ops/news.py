@@ -56,12 +56,13 @@ class FileWatch:
         if any(wd == -1 for wd, _mask, _name in events):  # some were lost
             return News(None, None, True, True)
         news.touched = [name for wd, _mask, name in events if wd == self.leases]
+        news.closed = closed = set()
         for wd, mask, name in events:
             if wd == self.leases and mask & ~inotify.IN_OPEN == 0:
                 continue  # an open frees nothing
             news.decide = True
             if wd == self.leases and mask & _RENAME:
                 news.renamed = True
-            if mask & _CLOSE and news.closed is not None:
-                news.closed.add(name.rpartition(".")[0] if wd == self.shares else name)  # a slot file: UUID.K
+            if mask & _CLOSE:
+                closed.add(name.rpartition(".")[0] if wd == self.shares else name)  # a slot file: UUID.K
         return news

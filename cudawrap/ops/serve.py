@@ -197,8 +197,12 @@ class Service:
         if client is not None:
             self._readable(client)
         if key in self.grants.pending:
-            self.line.touched(self.grants.void(key))
-            self.dirty = True
+            self._void(key)
+
+    def _void(self, key: str) -> None:
+        """Take back the grant KEY sent (if it is not taken): its leases are tried again, and decided on."""
+        self.line.touched(self.grants.void(key))
+        self.dirty = True
 
     def _holders(self, waiting: Optional[List[Client]] = None) -> int:
         """Waiting runs that hold tickets: those told to wait (one granted at once never is)."""
@@ -239,9 +243,7 @@ class Service:
             return
         self.selector.unregister(client.sock)
         if client.waiter is not None:
-            if client.waiter.key in self.grants.pending:
-                self.line.touched(self.grants.void(client.waiter.key))
-            self.dirty = True
+            self._void(client.waiter.key)
         client.sock.close()
         client.peer.close()
 
@@ -281,8 +283,7 @@ class Service:
         elif verb == wire.HELD and client.waiter is not None:
             self._held(client)
         elif verb == wire.LOST and client.waiter is not None:
-            self.line.touched(self.grants.void(client.waiter.key))  # taken past us: tried again
-            self.dirty = True
+            self._void(client.waiter.key)  # taken past us
         else:
             self._fail(client, os.EX_PROTOCOL, f"the cudawrap service: a {verb} message out of turn")
 
@@ -414,8 +415,7 @@ class Service:
         self.line.touched(news.touched)
         self.renamed = self.renamed or news.renamed
         self._recheck([h for h in self.grants.lingering() if news.closed is None or news.closed & set(h.devices)])
-        if news.decide:
-            self.dirty = True
+        self.dirty = self.dirty or news.decide
 
     def _recheck(self, lingering: List[Held], again: bool = True) -> None:
         """Try LINGERING grants' leases after a close; if held, once more RECHECK_S later if AGAIN."""
