@@ -8,11 +8,10 @@ apart even where a peer runs the program as a child with another pid (gpuselect)
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from sim import MONITORED, Bench, Sim
 from stats import (Job, dispatch_latencies, intervals, kendall_distance, median, ms, overlaps,
@@ -109,10 +108,11 @@ def burst_once(sim: Sim, tool: str, n: int, hold: float, program: str = "job") -
 
 
 def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Sequence[str] = (),
-           name: str = "", granted_at: Optional[Dict[int, float]] = None) -> dict:
+           name: str = "", granted_at: Optional[Callable[[], Dict[int, float]]] = None) -> dict:
     """PREFIX goes before each command line (e.g. setpriv, to run the jobs as another account:
-    their log directory is then writable by all). GRANTED_AT: pid -> when it was granted, where
-    a service says so (its runs never enter the queue directory the watcher clocks)."""
+    their log directory is then writable by all). GRANTED_AT: read once the runs are done,
+    pid -> when it was granted, where a service says so (its runs never enter the queue
+    directory the watcher clocks)."""
     logdir = sim.work / f"burst-{name or tool}-{program}"
     logdir.mkdir(parents=True, exist_ok=True)
     if prefix:
@@ -133,12 +133,13 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Seque
         ideal = math.ceil(n / sim.devices) * hold
         killed = wait_all(procs, time.monotonic() + 3 * ideal + 60)
     watcher.stop()
+    granted = granted_at() if granted_at is not None else None
     for job, proc in zip(jobs, procs):
         job.rc = proc.returncode
         read_job_log(job, logdir / f"{job.index}.log")
         job.exited = watcher.exited.get(proc.pid)
         job.queue_key = watcher.keys.get(proc.pid)
-        job.granted = watcher.granted(proc.pid) if granted_at is None else granted_at.get(proc.pid)
+        job.granted = watcher.granted(proc.pid) if granted is None else granted.get(proc.pid)
     ran = [j for j in jobs if j.ran]
     pairs, involved = overlaps(ran)
     ends = [j.end for j in ran if j.end is not None]

@@ -5,8 +5,9 @@ MIG instances, `cudawrap serve` running; once as root and once under `[service] 
 true` with the jobs run by `nobody` (then no run can take a lease but through the service).
 With bench/burst.py's machinery: a pidfd per job clocks its exit (its lease released); the
 grant is clocked from that exit to the next job's start line on the device (hold.c writes it
-right after its exec): p50/p95/max, and split at the moment the service's "granted" line
-appears (its decision and messages before it, the shim's lock and exec after). Makespan (first launch to last end) against
+right after its exec): p50/p95/max, and split where the service wrote the grant's record
+(its `seen` in the ledger, written just before the descriptors are sent): its decision
+before, the send, the shim's lock and exec after. Makespan (first launch to last end) against
 ceil(N/devices) x H; overlaps; failures (a run that did not run is a failure, never a
 time); and how many runs the service's own log says it granted.
 
@@ -55,9 +56,9 @@ RESERVE_MIB = 3072
 
 
 class Tap(threading.Thread):
-    """The service's output, each line stamped when it is written: its "granted ... pid N"
-    line comes right after it sent the grant's last message, so a hand-over splits into the
-    service's part (a release to that line) and the run's (that line to its exec). Root's
+    """The service's output, to its log, each "granted ... pid N" line noted (which runs the
+    service says it granted). Not to split a hand-over: the service prints that line once the
+    step is done, often after the run's exec; ledger_grants has when it decided. Root's
     thread runs SCHED_FIFO, as the exit clock does, so the stamps do not wait for the load."""
 
     def __init__(self, stream: IO[bytes], log: Path) -> None:
@@ -185,8 +186,10 @@ def service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
     if closed:
         return {"error": closed}
     with serving(sim, enforce) as service:
+        since = time.time()
         out = _burst(sim, "cudawrap", n, hold, "hold", NOBODY if enforce else (),
-                     name="service-enforce" if enforce else "service", granted_at=service.tap.granted)
+                     name="service-enforce" if enforce else "service",
+                     granted_at=lambda: ledger_grants(sim, since))
         granted = service.granted_pids()
     jobs = out["jobs"]
     pids = {j["pid"] for j in jobs if j["pid"] is not None}
@@ -195,8 +198,9 @@ def service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
     out.pop("after_startup_storm", None)  # it needs the queue directory, which the service's runs never enter
     out.update({"enforce": enforce, "as": "nobody" if enforce else "root",
                 "granted_by_service": len(pids & granted),
-                # The hand-over in two: a release to the service's grant line (its decision, the
-                # grant's messages), and that line to the run's exec (the shim's part).
+                # The hand-over in two: a release to the grant's record (the service's decision:
+                # 0 where it acted on the lease file's close, which comes before the exit the
+                # clock sees), and that record to the run's exec (the send, the shim's part).
                 "grant_service_part": out.pop("grant"),
                 "grant_run_part": summary_ms([j["start"] - j["granted"] for j in jobs
                                               if j["start"] is not None and j["granted"] is not None])})
@@ -205,6 +209,27 @@ def service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
         span = max(ends) - min(starts)
         out["makespan_from_first_start_s"] = round(span, 3)
         out["makespan_from_first_start_ratio"] = round(span / out["ideal_makespan_s"], 3)
+    return out
+
+
+def ledger_grants(sim: Sim, since: float) -> Dict[int, float]:
+    """pid -> when the service recorded its grant (the record's `seen`, time.time() just before
+    the descriptors were sent), for the service's grants recorded since SINCE."""
+    import json
+
+    out: Dict[int, float] = {}
+    try:
+        lines = (sim.layout.state_dir / "ledger").read_text(errors="replace").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if (isinstance(record, dict) and record.get("event") == "grant" and record.get("seen_by") == "service"
+                and isinstance(record.get("seen"), float) and record["seen"] >= since):
+            out.setdefault(record["pid"], record["seen"])
     return out
 
 
@@ -339,6 +364,7 @@ def many_waiters(sim: Sim, waiters: int, turnover: int, hold: float, quiet: floa
     run = Launched(logdir, sim.devices, turnover)
     out: dict = {"devices": sim.devices, "hold_s": hold, "turnover_jobs": turnover}
     with serving(sim) as service, open(logdir / "stderr.txt", "ab") as err:
+        since = time.time()
         try:
             run.holders = [_spawn(sim, [hold_w, "3600", str(log)], err, run.clock) for log in run.holder_logs]
             _until("the holders to start", lambda: _started(run.holder_logs) == sim.devices, 60)
@@ -378,7 +404,7 @@ def many_waiters(sim: Sim, waiters: int, turnover: int, hold: float, quiet: floa
                     proc.kill()
             wait_all(run.all(), time.monotonic() + 30)
             run.clock.stop()
-        granted = dict(service.tap.granted)
+        granted = ledger_grants(sim, since)
     out.update(_outcome(sim, run, hold, granted))
     return out
 
@@ -517,8 +543,8 @@ def show(result: dict) -> None:
         print(f"    ran {r['ok']}/{r['n']}, failures {r['failures']}, overlaps {r['overlap_pairs']}, "
               f"granted by the service {r['granted_by_service']}/{r['ok']}")
         print(f"    grant (release's exit -> waiter's exec): {_lat(r['grant_to_exec'])}")
-        print(f"      of which exit -> the service's grant line {_lat(r['grant_service_part'])}; "
-              f"that line -> exec {_lat(r['grant_run_part'])}")
+        print(f"      of which exit -> the grant's record {_lat(r['grant_service_part'])}; "
+              f"that record -> exec (the send, the shim's lock and exec) {_lat(r['grant_run_part'])}")
         if r["makespan_s"] is not None:
             print(f"    makespan {r['makespan_s']:.3f} s vs ideal {r['ideal_makespan_s']:g} s: "
                   f"x{r['makespan_s'] / r['ideal_makespan_s']:.3f}; from the first start "
@@ -542,7 +568,7 @@ def show(result: dict) -> None:
     if w["cpu_turnover"].get("waiter_started_inside"):
         print("    NOTE: a waiter started inside the turnover window (a turnover job failed?)")
     print(f"    turnover: ran {w['turnover_ok']}/{w['turnover_jobs']}, failures {w['turnover_failures']}; "
-          f"grant {_lat(w['grant_to_exec'])} (to the service's grant line {_lat(w['grant_service_part'])}); makespan {w['turnover_makespan_s']} s vs {w['turnover_ideal_s']:g} s "
+          f"grant {_lat(w['grant_to_exec'])} (to the grant's record {_lat(w['grant_service_part'])}); makespan {w['turnover_makespan_s']} s vs {w['turnover_ideal_s']:g} s "
           f"(x{w['turnover_makespan_ratio']})")
     print(f"    then the waiters: ran {w['waiters_ok']}/{w['waiters']}, failures {w['waiter_failures']}, drained in "
           f"{w['drain_s']} s (service {w['cpu_drain_service']['service']['pct_of_one_core']:.1f} % of a core); "

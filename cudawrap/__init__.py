@@ -17,8 +17,8 @@ locations) only: not even os, whose import (posixpath, stat, _collections_abc) c
 an eighth of the interpreter's own start. Where no service runs (no socket), it costs a
 launch three stat calls and nothing else is imported.
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations` here (nor in locations.py): at run time it imports
+# the module __future__, ~0.1 ms of every launch. Annotations naming typing's names are strings.
 import posix
 import sys
 
@@ -33,7 +33,7 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "acquire"]
 
 
-def acquire(count: int = 1, wait: Any = None, **kwargs: Any) -> List[str]:
+def acquire(count: int = 1, wait: "Any" = None, **kwargs: "Any") -> "List[str]":
     """Lease COUNT free devices for the life of this process and set CUDA_VISIBLE_DEVICES.
 
     Call it before anything initialises CUDA. Returns the leased UUIDs. See
@@ -58,7 +58,7 @@ _S_IFMT, _S_IFREG = 0o170000, 0o100000
 _EX_PROTOCOL, _EX_SOFTWARE = "76", 70
 
 
-def main(root: str, link: Optional[str] = None) -> NoReturn:
+def main(root: str, link: "Optional[str]" = None) -> "NoReturn":
     """Run the program wrapped at LINK (baked into its own shim; None: the shared shim of
     older installs, which finds it from how it was invoked)."""
     ticket = ""
@@ -77,7 +77,7 @@ def say(prog: str, message: str) -> None:
     posix.write(2, f"{prog}: {message}\n".encode("utf-8", "replace"))
 
 
-def original_environ() -> Dict[bytes, bytes]:
+def original_environ() -> "Dict[bytes, bytes]":
     """The caller's environment exactly as it was passed to us, byte for byte.
 
     Python adds LC_CTYPE when it coerces a C locale, and os.environ cannot tell us what
@@ -104,7 +104,7 @@ def original_environ() -> Dict[bytes, bytes]:
     return env
 
 
-def _served(root: str, link: str, argv: List[str]) -> str:
+def _served(root: str, link: str, argv: "List[str]") -> str:
     """Exec the real program with the devices the service grants; the ticket of a place in
     line ("" for none) when the general way must go on instead."""
     environ = posix.environ
@@ -151,7 +151,7 @@ def _served(root: str, link: str, argv: List[str]) -> str:
     _become(root, link, real, argv, *granted)
 
 
-def _converse(sock: Any, request: bytes, prog: str) -> Any:
+def _converse(sock: "Any", request: bytes, prog: str) -> "Any":
     """The service's grant, locked: (uuid -> lease descriptor, uuid -> slot descriptor, the
     grant's fields); or the ticket to go the general way with, if the service went away."""
     import _socket
@@ -210,7 +210,7 @@ def _converse(sock: Any, request: bytes, prog: str) -> Any:
     return ticket
 
 
-def received_fds(ancillary: List[Tuple[int, int, bytes]]) -> List[int]:
+def received_fds(ancillary: "List[Tuple[int, int, bytes]]") -> "List[int]":
     """The descriptors that came with a message (SCM_RIGHTS), from recvmsg's ancillary data."""
     import _socket
 
@@ -224,8 +224,8 @@ def received_fds(ancillary: List[Tuple[int, int, bytes]]) -> List[int]:
     return fds
 
 
-def lock_granted(fds: List[int], described: List[Tuple[str, str, bool]]
-                 ) -> Optional[Tuple[Dict[str, int], Dict[str, int]]]:
+def lock_granted(fds: "List[int]", described: "List[Tuple[str, str, bool]]"
+                 ) -> "Optional[Tuple[Dict[str, int], Dict[str, int]]]":
     """Each descriptor's lock, taken without blocking as a run deciding for itself takes it
     (a share: the lease file's shared lock, then its slot's exclusive one), DESCRIBED by its
     GRANT (wire.described): (uuid -> lease descriptor, uuid -> slot descriptor), or None if
@@ -238,13 +238,11 @@ def lock_granted(fds: List[int], described: List[Tuple[str, str, bool]]
     slots: Dict[str, int] = {}
     for fd, (uuid, what, exclusive) in zip(fds, described):
         how = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-        # Tried a few times over a millisecond, as a run deciding for itself takes a lease
-        # (Acquirer._lock): a probe (the service's, a waiting run's) holds one for microseconds.
-        for wait in (0.0, 0.0003, 0.0003, 0.0003):
-            if wait:
+        for attempt in range(wire.LOCK_TRIES):  # as a run deciding for itself: see wire.LOCK_TRIES
+            if attempt:
                 import time
 
-                time.sleep(wait)
+                time.sleep(wire.LOCK_GAP_S)
             try:
                 fcntl.flock(fd, how)
                 break
@@ -256,13 +254,13 @@ def lock_granted(fds: List[int], described: List[Tuple[str, str, bool]]
     return leases, slots
 
 
-def lease_marker(leases: Dict[str, int], slots: Dict[str, int]) -> str:
+def lease_marker(leases: "Dict[str, int]", slots: "Dict[str, int]") -> str:
     """LEASE_ENV's value for a lease (lease.files.inherited_lease reads it): "fd:uuid" for a
     whole device, "fd:uuid:slotfd" for a share."""
     return ",".join(f"{fd}:{uuid}:{slots[uuid]}" if uuid in slots else f"{fd}:{uuid}" for uuid, fd in leases.items())
 
 
-def _refused(prog: str, reply: Dict[str, str]) -> NoReturn:
+def _refused(prog: str, reply: "Dict[str, str]") -> "NoReturn":
     """The service's refusal, as the general way prints an error: one line, a hint, its exit status."""
     from .launch import fail
 
@@ -272,8 +270,8 @@ def _refused(prog: str, reply: Dict[str, str]) -> NoReturn:
          wire.exit_status(reply, _EX_SOFTWARE))
 
 
-def _become(root: str, link: str, real: str, argv: List[str], leases: Dict[str, int], slots: Dict[str, int],
-             reply: Dict[str, str]) -> NoReturn:
+def _become(root: str, link: str, real: str, argv: "List[str]", leases: "Dict[str, int]", slots: "Dict[str, int]",
+             reply: "Dict[str, str]") -> "NoReturn":
     """Exec REAL with the lease's descriptors and its variables, as launch.Grant.apply sets them."""
     from . import wire
 

@@ -21,8 +21,8 @@ ops/tickets.py); a client whose connection ends before its grant sends it back a
 ``ticket=`` of its next ``request``. Both fields are optional: a peer without them is
 answered as before, so the version stays 1.
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations` here (nor in locations.py): at run time it imports
+# the module __future__, ~0.1 ms of every launch. Annotations naming typing's names are strings.
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Dict, List, Optional, Tuple
@@ -61,14 +61,20 @@ ANSWER = "answer"  # the reply to a question
 LEASE, SLOT = "lease", "slot"
 EXCLUSIVE, SHARED = "ex", "sh"
 
+# How a run takes a lease's lock, granted or chosen by itself (Acquirer._lock): tried this
+# many times, this far apart, before it counts the lease taken, since a probe (the service's,
+# a waiting run's) holds the lock for microseconds.
+LOCK_TRIES = 4
+LOCK_GAP_S = 0.0003
 
-def pairs(variables: Dict[bytes, bytes]) -> str:
+
+def pairs(variables: "Dict[bytes, bytes]") -> str:
     """VARIABLES as one field's value: ``NAME=VALUE`` lines."""
     return "\n".join(f"{k.decode('utf-8', 'surrogateescape')}={v.decode('utf-8', 'surrogateescape')}"
                      for k, v in variables.items())
 
 
-def unpairs(text: str) -> Dict[bytes, bytes]:
+def unpairs(text: str) -> "Dict[bytes, bytes]":
     """The variables of a ``pairs`` value (lines without ``=`` are no variable)."""
     out: Dict[bytes, bytes] = {}
     for line in text.split("\n"):
@@ -78,7 +84,7 @@ def unpairs(text: str) -> Dict[bytes, bytes]:
     return out
 
 
-def described(reply: Dict[str, str]) -> Optional[List[Tuple[str, str, bool]]]:
+def described(reply: "Dict[str, str]") -> "Optional[List[Tuple[str, str, bool]]]":
     """(uuid, LEASE or SLOT, exclusive) of each descriptor of a GRANT, in the order they came;
     None for a grant that names no lease file, or names them wrongly."""
     devices = [u for u in reply.get("devices", "").split(",") if u]
@@ -94,7 +100,7 @@ def described(reply: Dict[str, str]) -> Optional[List[Tuple[str, str, bool]]]:
     return out if any(what == LEASE for _uuid, what, _ex in out) else None
 
 
-def exit_status(error: Dict[str, str], otherwise: int) -> int:
+def exit_status(error: "Dict[str, str]", otherwise: int) -> int:
     """The exit status an ERROR names (its code), or OTHERWISE when it names none that is one."""
     code = error.get("code", "")
     return int(code) if code.isascii() and code.isdigit() and 0 < int(code) < 256 else otherwise
@@ -129,7 +135,7 @@ def _key_ok(key: str) -> bool:
     return 0 < len(key) <= 32 and key.isascii() and key.replace("_", "a").isalnum() and key.islower()
 
 
-def encode(verb: str, fields: Dict[str, str]) -> bytes:
+def encode(verb: str, fields: "Dict[str, str]") -> bytes:
     """One message; ValueError for a key or size outside the format (a bug of ours)."""
     parts = [MAGIC, verb.encode("ascii"), b"\n"]
     for key, value in fields.items():
@@ -144,7 +150,7 @@ def encode(verb: str, fields: Dict[str, str]) -> bytes:
     return data
 
 
-def decode(frame: bytes) -> Tuple[str, Dict[str, str]]:
+def decode(frame: bytes) -> "Tuple[str, Dict[str, str]]":
     """(verb, fields) of one message without its final empty line; WireError if malformed."""
     if not frame.startswith(MAGIC):
         raise WireError("not a cudawrap/%d message" % VERSION)
@@ -176,7 +182,7 @@ class Reader:
         self.buffer = b""
         self.limit = limit
 
-    def feed(self, data: bytes) -> List[Tuple[str, Dict[str, str]]]:
+    def feed(self, data: bytes) -> "List[Tuple[str, Dict[str, str]]]":
         self.buffer += data
         out = []
         while True:

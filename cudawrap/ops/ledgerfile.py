@@ -65,7 +65,8 @@ def append(path: Path, records: Sequence[Dict[str, Any]], max_bytes: int, keep: 
             st = os.fstat(fd)
             if not (st.st_mode & 0o170000 == 0o100000) or st.st_uid != os.geteuid():
                 raise OSError(errno.EPERM, "not a regular file of ours", str(path))
-            os.fchmod(fd, mode)  # whatever the umask, and after an admin's chmod
+            if st.st_mode & 0o7777 != mode:
+                os.fchmod(fd, mode)  # whatever the umask, and after an admin's chmod
             if group is not None and st.st_gid != group:
                 os.fchown(fd, -1, group)
             if attempt == 1 and st.st_size and st.st_size + len(data) > max_bytes and keep > 0:

@@ -26,7 +26,7 @@ from .cancel import CANCELLED_EXIT
 from ..errors import CudawrapError
 from ..sched.schedule import GRANTED, Verdict
 from ..users import user_name
-from . import asks, peer, slurmjob, tickets
+from . import accounts, asks, peer, slurmjob, tickets
 from ..paths import Layout
 from .comeback import Comeback
 from .connection import Client, listen
@@ -42,7 +42,6 @@ MIN_GAP_S = 0.002
 # inotify reports a close before the kernel drops the file's flock (__fput): a lease that a
 # close of it left held is tried once more this much later (a later close comes otherwise).
 RECHECK_S = 0.002
-IDLE_SYNC_S = 0.05  # the ledger is made durable once nothing happened for this long
 MAX_CONNECTIONS_PER_UID = 1000  # as many runs as one user may have in the queue directory
 
 
@@ -96,6 +95,7 @@ class Service:
         self.grants.restore_mps_access()
 
     def close(self) -> None:
+        accounts.release()
         for client in list(self.clients.values()):
             self._drop(client)
         try:
@@ -135,13 +135,12 @@ class Service:
         return max(0.0, min(times) - now) if times else TICK_S * 30
 
     def step(self, timeout: float) -> None:
-        from . import accounts
-
-        ready = self.selector.select(min(timeout, IDLE_SYNC_S) if accounts.pending() else timeout)
-        if not ready and accounts.pending():
-            accounts.flush()  # idle: now the ledger's fsync costs nobody's launch
-        # One ledger turn for all of it: one state write, after the grants are sent (accounts.turn).
-        with accounts.turn(self.grants.layout):
+        ready = self.selector.select(accounts.idle_within(timeout))
+        if not ready:
+            accounts.idle()  # the ledger's state written now, its fsync later: neither costs a launch
+        # One ledger turn for all of it, carried on to the next while hand-overs follow each
+        # other: one state write, once the grants are sent (accounts.turn).
+        with accounts.turn(self.grants.layout, carry=True):
             # The files' news first: a request in the same turn is read with the lease files as they are.
             for key, _mask in sorted(ready, key=lambda r: r[0].data != "watch"):
                 if key.data == "listen":
@@ -172,6 +171,7 @@ class Service:
                     self._tick_tickets(now)  # nothing to grant: only the tickets age
                 elif self.freed or now - self.last_decision >= MIN_GAP_S:
                     self._decide()
+        accounts.release(older_than=accounts.CARRY_MAX_S)  # a look waits for its lock meanwhile
 
     def _all_held(self) -> bool:
         """Whether every device is held through a grant whose client runs, as its lock says:

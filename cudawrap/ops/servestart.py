@@ -36,13 +36,16 @@ def serve(root: str) -> None:
     lock = _hold_service_lock(root)
     from .accounts import recover
 
-    found = recover(Layout(Path(root)))  # before the monitor's first look: see recover
+    found, closed = recover(Layout(Path(root)))  # before the monitor's first look: see recover
     monitor = start_monitor(Layout(Path(root)), lock)  # before NVML is opened here: a fork must not share it
     try:
         service = Service(root, config["max_connections_per_uid"], config["private_status"])
         if found:
             service.notes.append(f"{found} grant(s) sent before a crash and missing from the ledger's state: "
                                  "followed from now on")
+        if closed:
+            service.notes.append(f"{closed} lease(s) whose end was recorded before a crash were still open "
+                                 "in the ledger's state: closed there")
         _say(f"listening on {service.path}")
         for note in service.notes:
             _say(note)

@@ -39,9 +39,7 @@ from .queue import Scan, WaitQueue, poke
 # decision.py (observers, the line's constants) is imported where a decision is made, as
 # schedule.py is: a launch nobody waits before needs neither.
 from .request import Request
-
-# Tries of a lease before a taker counts it taken (see Acquirer._lock).
-PROBE_TRIES = 4
+from ..wire import LOCK_GAP_S, LOCK_TRIES
 
 
 class Acquirer(MachineView):
@@ -180,10 +178,10 @@ class Acquirer(MachineView):
         it frees (_vacant), just as the run whose turn it is takes it, each probe
         holding a shared lock for microseconds. One try would lose that run its turn to a
         probe, and ~100 ms until the next full look."""
-        for _ in range(PROBE_TRIES - 1):
+        for _ in range(LOCK_TRIES - 1):
             if self.leases.try_lock(uuid):
                 return True
-            time.sleep(0.0003)
+            time.sleep(LOCK_GAP_S)
         return self.leases.try_lock(uuid)
 
     def _shares_hold(self, uuids: Sequence[str]) -> bool:
