@@ -301,3 +301,26 @@ def test_a_far_run_that_moved_near_and_is_poked_before_its_next_look_keeps_waiti
     assert not failed, failed
     assert got and got[0].uuids == [UUID], said
     got[0].release()
+
+
+def test_a_lease_held_by_nobody_named_is_not_searched_for_among_every_process(
+        runtime: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service deciding for one run alone marks the leases it found held UNNAMED_HOLDER:
+    held, counted for nobody, and no search of every process for the holder (heirs), which
+    cost the service's grant ~3 ms here and grows with the machine's processes. A taker gone
+    (UNKNOWN_HOLDER, the daemonless hand-over's) is still searched for."""
+    from cudawrap.lease import holders
+    from cudawrap.sched.decision import UNKNOWN_HOLDER
+    from cudawrap.sched.machine import UNNAMED_HOLDER
+
+    searched = []
+    real = holders.heirs
+    monkeypatch.setattr(holders, "heirs", lambda takers: searched.append(set(takers)) or real(takers))
+    device = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
+    leases = LeaseFiles(str(runtime.lease_dir))
+    acquirer = Acquirer(leases, WaitQueue(str(runtime.queue_dir)), [device], [device], Request(1))
+    ident = leases.ident(UUID)
+    free, held, busy, _shares = acquirer.machine({ident: [UNNAMED_HOLDER]})
+    assert free == [] and busy == {UUID} and held == {-1: 1} and searched == []
+    acquirer.machine({ident: [UNKNOWN_HOLDER]})
+    assert searched == [{ident}]

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import locations as loc
 from ..sched.acquirer import Acquirer
-from ..sched.decision import UNKNOWN_HOLDER
+from ..sched.machine import UNNAMED_HOLDER
 from ..devices.model import Inventory
 from ..errors import NvmlUnavailable
 from ..lease.files import LeaseFiles, lease_file_inventory
@@ -197,7 +197,7 @@ class Line:
                 continue
             ident = self.leases.ident(uuid)
             if ident is not None and not self._free(uuid, now):
-                table[ident] = [UNKNOWN_HOLDER]
+                table[ident] = [UNNAMED_HOLDER]
         return Scan([], table, {})
 
     def _known(self, granted: Optional[Dict[str, int]], claimed: Dict[str, List[Tuple[int, bool]]]) -> Optional[Scan]:

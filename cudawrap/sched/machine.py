@@ -27,6 +27,12 @@ from .queue import Scan
 FOREIGN_RECHECK_S = 1.0
 
 
+# In a lock table: a lease found held whose holder nobody needs named (pid -2): the service
+# deciding for one run alone, without limits or sharing (ops/line.py, _probed). Counted for no
+# user, and never looked for among every process as a gone taker is (_owners: heirs).
+UNNAMED_HOLDER = (-2, True)
+
+
 def _uid_of(pid: int) -> int:
     """PID's real uid (whose lease it is, a setuid program exec'd on it included); -1 if gone."""
     from ..proc import real_uid  # only once a lease is seen held
@@ -282,15 +288,17 @@ class MachineView:
         on that lease: a decision reads /proc only for leases taken since the last one.
         """
         keys = {ident: (ident, tuple(pid for pid, _ex in locks)) for ident, locks in held.items()}
-        new = {ident: [_uid_of(pid) for pid, _ex in held[ident]] for ident, key in keys.items()
-               if key not in self.owners}
-        gone = {ident: [None if uid < 0 else pid for (pid, _ex), uid in zip(held[ident], uids)]
-                for ident, uids in new.items() if -1 in uids}
+        unnamed = UNNAMED_HOLDER[0]
+        new = {ident: [-1 if pid == unnamed else _uid_of(pid) for pid, _ex in held[ident]]
+               for ident, key in keys.items() if key not in self.owners}
+        gone = {ident: [None if uid < 0 and pid != unnamed else pid for (pid, _ex), uid in zip(held[ident], uids)]
+                for ident, uids in new.items()}
+        gone = {ident: pids for ident, pids in gone.items() if None in pids}
         if gone:
             from ..lease.holders import heirs  # only with a taker gone: not on a launch's usual path
 
             for ident, pids in heirs(gone).items():
-                new[ident] = [-1 if p is None else _uid_of(p) for p in pids]
+                new[ident] = [-1 if p is None or p == unnamed else _uid_of(p) for p in pids]
         if len(self.owners) + len(new) > 4096:
             self.owners.clear()  # a long wait through many jobs: only the current leases matter
         self.owners.update((keys[ident], uids) for ident, uids in new.items())
