@@ -284,7 +284,11 @@ def test_a_device_a_run_that_left_may_have_taken_is_probed_as_its_locks_allow(ru
 
 def test_a_taker_that_meets_a_probe_tries_again(runtime: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
     """The run whose turn it is takes the lease just as the other watchers probe it: a lock
-    found held for a moment is tried again, and only one held throughout is lost."""
+    found held for a moment is tried again, and only one held throughout is lost. A run the
+    service granted tries its locks by the same rule (wire.LOCK_TRIES, the shim's fast path)."""
+    from cudawrap import wire
+
+    assert (ACQUIRE.PROBE_TRIES, ACQUIRE.PROBE_GAP_S) == (wire.LOCK_TRIES, wire.LOCK_GAP_S)
     acquirer, _idents, _waiter = amend_case(runtime)
     files = acquirer.leases
     real = files.try_lock
@@ -292,15 +296,15 @@ def test_a_taker_that_meets_a_probe_tries_again(runtime: Layout, monkeypatch: py
 
     def probed_meanwhile(uuid: str, *args):  # type: ignore[no-untyped-def]
         tries.append(uuid)
-        return len(tries) >= ACQUIRE.LOCK_TRIES and real(uuid, *args)
+        return len(tries) >= ACQUIRE.PROBE_TRIES and real(uuid, *args)
 
     monkeypatch.setattr(files, "try_lock", probed_meanwhile)
     lease = acquirer._take([UUIDS[0]])
-    assert lease is not None and lease.uuids == [UUIDS[0]] and len(tries) == ACQUIRE.LOCK_TRIES
+    assert lease is not None and lease.uuids == [UUIDS[0]] and len(tries) == ACQUIRE.PROBE_TRIES
     lease.release()
     tries.clear()
     monkeypatch.setattr(files, "try_lock", lambda uuid, *args: tries.append(uuid) and False)
-    assert acquirer._take([UUIDS[0]]) is None and len(tries) == ACQUIRE.LOCK_TRIES
+    assert acquirer._take([UUIDS[0]]) is None and len(tries) == ACQUIRE.PROBE_TRIES
 
 
 def test_events_that_change_nothing_are_not_decided_on(runtime: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
