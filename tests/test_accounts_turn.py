@@ -144,6 +144,12 @@ def test_a_restart_closes_in_the_state_what_the_ledger_ended_before_a_crash(tmp_
         assert accounts.recover(layout) == (1, 1)
         assert list(_state(layout)["open"]) == [b]
         assert accounts.recover(layout) == (0, 0)
+        # A state of an earlier boot is left to a look (which ends what that boot held).
+        state = _state(layout)
+        state["boot"] = "an-earlier-boot"
+        (layout.state_dir / ledgerfile.STATE).write_text(json.dumps(state))
+        assert accounts.recover(layout) == (0, 0)
+        assert list(_state(layout)["open"]) == [b]
     finally:
         for p in sleepers:
             p.kill()

@@ -300,7 +300,7 @@ def recover(layout: Layout) -> Tuple[int, int]:
         state = ledger._load_state(path)
         boot = ledger.boot_id()
         if state["boot"] not in ("", boot):
-            return 0  # a look after the reboot ends what the old boot held
+            return 0, 0  # a look after the reboot ends what the old boot held
         granted: Dict[str, Dict[str, Any]] = {}
         ended = set()
         for record in ledgerfile.tail(ledgerfile.ledger_path(layout), TAIL_BYTES):
