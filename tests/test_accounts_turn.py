@@ -7,14 +7,16 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Iterator, List
+
+import pytest
 
 from cudawrap.install.installation import prepare
 from cudawrap.ops import accounts, ledgerfile
 from cudawrap.paths import Layout
+from support.procs import Spawned
 
 
 def _layout(tmp_path: Path) -> Layout:
@@ -33,6 +35,21 @@ def _state(layout: Layout) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"open": {}}
 
 
+def _grant(layout: Layout, pid: int, device: str = "GPU-a", send=lambda: True):  # type: ignore[no-untyped-def]
+    return accounts.grant(layout, pid, os.getuid(), [device], "/bin/recon", 0.0, None, send)
+
+
+def _clients(spawned: Spawned, n: int) -> List[int]:
+    """N live pids to grant to (sleeps, reaped when the test ends)."""
+    return [spawned(["sleep", "30"]).pid for _ in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def _nothing_carried() -> Iterator[None]:
+    yield
+    accounts.release()  # a turn a test left carried holds the ledger's lock
+
+
 def _look_would_wait(layout: Layout) -> bool:
     fd = os.open(layout.state_dir / ledgerfile.LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -44,128 +61,95 @@ def _look_would_wait(layout: Layout) -> bool:
         os.close(fd)
 
 
-def test_a_turn_appends_each_record_at_once_and_writes_the_state_once_at_its_end(tmp_path: Path) -> None:
+def test_a_turn_appends_each_record_at_once_and_writes_the_state_once_at_its_end(
+        tmp_path: Path, spawned: Spawned) -> None:
     layout = _layout(tmp_path)
-    sleepers = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]  # the clients: live pids
+    pids = _clients(spawned, 3)
     sent: List[int] = []
-    try:
-        first = accounts.grant(layout, sleepers[0].pid, os.getuid(), ["GPU-a"], "/bin/recon", 0.0, None,
-                               lambda: True)
-        assert first is not None and first in _state(layout)["open"]  # alone: a turn of its own
-        with accounts.turn(layout):
-            accounts.end(layout, first)
-            ids = [accounts.grant(layout, p.pid, os.getuid(), [f"GPU-{p.pid}"], "/bin/recon", 0.0, None,
-                                  lambda p=p: sent.append(p.pid) or True) for p in sleepers[1:]]
-            # Appended as they happened, the grants before their descriptors left (send)...
-            assert [r["event"] for r in _records(layout)] == ["grant", "grant", "grant"]
-            assert sent == [p.pid for p in sleepers[1:]]
-            # ...while the state is written once, at the end, and a look waits for it.
-            assert first in _state(layout)["open"]
-            assert _look_would_wait(layout)
-        assert not _look_would_wait(layout)
-        assert sorted(_state(layout)["open"]) == sorted(i for i in ids if i)
-        # ...and the end after them, at the turn's end, with the time end() was called.
-        records = _records(layout)
-        assert [r["event"] for r in records] == ["grant", "grant", "grant", "end"]
-        assert records[-1]["id"] == first and records[-1]["end"] < records[-2]["seen"] + 1e-3
-    finally:
-        for p in sleepers:
-            p.kill()
-            p.wait()
+    first = _grant(layout, pids[0])
+    assert first is not None and first in _state(layout)["open"]  # alone: a turn of its own
+    with accounts.turn(layout):
+        accounts.end(layout, first)
+        ids = [_grant(layout, pid, f"GPU-{pid}", lambda pid=pid: sent.append(pid) or True) for pid in pids[1:]]
+        # Appended as they happened, the grants before their descriptors left (send)...
+        assert [r["event"] for r in _records(layout)] == ["grant", "grant", "grant"]
+        assert sent == pids[1:]
+        # ...while the state is written once, at the end, and a look waits for it.
+        assert first in _state(layout)["open"]
+        assert _look_would_wait(layout)
+    assert not _look_would_wait(layout)
+    assert sorted(_state(layout)["open"]) == sorted(i for i in ids if i)
+    # ...and the end after them, at the turn's end, with the time end() was called.
+    records = _records(layout)
+    assert [r["event"] for r in records] == ["grant", "grant", "grant", "end"]
+    assert records[-1]["id"] == first and records[-1]["end"] < records[-2]["seen"] + 1e-3
 
 
-def test_a_carried_turn_keeps_its_lock_and_state_until_released(tmp_path: Path) -> None:
+def test_a_carried_turn_keeps_its_lock_and_state_until_released(tmp_path: Path, spawned: Spawned) -> None:
     """The service's loop carries its turn on (turn(carry=True)): the ends are written at
     each turn's end, the state once, when the loop is idle or the turn old (release)."""
     layout = _layout(tmp_path)
-    sleepers = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
-    try:
-        with accounts.turn(layout, carry=True):
-            a = accounts.grant(layout, sleepers[0].pid, os.getuid(), ["GPU-a"], "/bin/recon", 0.0, None,
-                               lambda: True)
-        assert _look_would_wait(layout) and a not in _state(layout)["open"]  # carried: not written yet
-        assert accounts.idle_within(10.0) == accounts.CARRY_IDLE_S
-        with accounts.turn(layout, carry=True):
-            accounts.end(layout, a)
-            b = accounts.grant(layout, sleepers[1].pid, os.getuid(), ["GPU-a"], "/bin/recon", 0.0, None,
-                               lambda: True)
-        assert [r["event"] for r in _records(layout)] == ["grant", "grant", "end"]  # the end: at its turn's end
-        accounts.release(older_than=60.0)
-        assert _look_would_wait(layout)  # younger than that: still carried
-        accounts.idle()  # nothing happened for CARRY_IDLE_S: written once, let go
-        assert not _look_would_wait(layout)
-        assert list(_state(layout)["open"]) == [b]
-        assert accounts.idle_within(10.0) == accounts.IDLE_SYNC_S  # the fsync's turn next
-        with accounts.turn(layout, carry=True):
-            pass  # nothing recorded: nothing carried
-        assert not _look_would_wait(layout) and accounts.idle_within(10.0) == accounts.IDLE_SYNC_S
-        accounts.idle()
-        assert accounts.idle_within(10.0) == 10.0
-    finally:
-        accounts.release()
-        for p in sleepers:
-            p.kill()
-            p.wait()
+    pids = _clients(spawned, 2)
+    with accounts.turn(layout, carry=True):
+        a = _grant(layout, pids[0])
+    assert _look_would_wait(layout) and a not in _state(layout)["open"]  # carried: not written yet
+    assert accounts.idle_within(10.0) == accounts.CARRY_IDLE_S
+    with accounts.turn(layout, carry=True):
+        accounts.end(layout, a)
+        b = _grant(layout, pids[1])
+    assert [r["event"] for r in _records(layout)] == ["grant", "grant", "end"]  # the end: at its turn's end
+    accounts.release(older_than=60.0)
+    assert _look_would_wait(layout)  # younger than that: still carried
+    accounts.idle()  # nothing happened for CARRY_IDLE_S: written once, let go
+    assert not _look_would_wait(layout)
+    assert list(_state(layout)["open"]) == [b]
+    assert accounts.idle_within(10.0) == accounts.IDLE_SYNC_S  # the fsync's turn next
+    with accounts.turn(layout, carry=True):
+        pass  # nothing recorded: nothing carried
+    assert not _look_would_wait(layout) and accounts.idle_within(10.0) == accounts.IDLE_SYNC_S
+    accounts.idle()
+    assert accounts.idle_within(10.0) == 10.0
 
 
-def test_a_carried_turn_is_not_carried_past_an_error(tmp_path: Path) -> None:
+def test_a_carried_turn_is_not_carried_past_an_error(tmp_path: Path, spawned: Spawned) -> None:
     layout = _layout(tmp_path)
-    sleeper = subprocess.Popen(["sleep", "30"])
-    try:
-        try:
-            with accounts.turn(layout, carry=True):
-                a = accounts.grant(layout, sleeper.pid, os.getuid(), ["GPU-a"], "/bin/recon", 0.0, None,
-                                   lambda: True)
-                raise KeyboardInterrupt  # the service stopped by a signal mid-turn
-        except KeyboardInterrupt:
-            pass
-        assert not _look_would_wait(layout) and a in _state(layout)["open"]
-    finally:
-        sleeper.kill()
-        sleeper.wait()
+    (pid,) = _clients(spawned, 1)
+    with pytest.raises(KeyboardInterrupt):
+        with accounts.turn(layout, carry=True):
+            a = _grant(layout, pid)
+            raise KeyboardInterrupt  # the service stopped by a signal mid-turn
+    assert not _look_would_wait(layout) and a in _state(layout)["open"]
 
 
-def test_a_restart_closes_in_the_state_what_the_ledger_ended_before_a_crash(tmp_path: Path) -> None:
+def test_a_restart_closes_in_the_state_what_the_ledger_ended_before_a_crash(tmp_path: Path, spawned: Spawned) -> None:
     """Killed after a turn's ends were written and before its state was (a carried turn):
     the state still names the lease open. accounts.recover closes it there, so nobody records
     its end a second time; a grant recorded and missing from the state is entered."""
     layout = _layout(tmp_path)
-    sleepers = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
-    try:
-        a = accounts.grant(layout, sleepers[0].pid, os.getuid(), ["GPU-a"], "/bin/recon", 0.0, None,
-                           lambda: True)
-        state_before = (layout.state_dir / ledgerfile.STATE).read_bytes()
-        with accounts.turn(layout):
-            accounts.end(layout, a)
-            b = accounts.grant(layout, sleepers[1].pid, os.getuid(), ["GPU-b"], "/bin/recon", 0.0, None,
-                               lambda: True)
-        (layout.state_dir / ledgerfile.STATE).write_bytes(state_before)  # as if killed before the state's write
-        assert list(_state(layout)["open"]) == [a]
-        assert accounts.recover(layout) == (1, 1)
-        assert list(_state(layout)["open"]) == [b]
-        assert accounts.recover(layout) == (0, 0)
-        # A state of an earlier boot is left to a look (which ends what that boot held).
-        state = _state(layout)
-        state["boot"] = "an-earlier-boot"
-        (layout.state_dir / ledgerfile.STATE).write_text(json.dumps(state))
-        assert accounts.recover(layout) == (0, 0)
-        assert list(_state(layout)["open"]) == [b]
-    finally:
-        for p in sleepers:
-            p.kill()
-            p.wait()
+    pids = _clients(spawned, 2)
+    a = _grant(layout, pids[0])
+    state_before = (layout.state_dir / ledgerfile.STATE).read_bytes()
+    with accounts.turn(layout):
+        accounts.end(layout, a)
+        b = _grant(layout, pids[1], "GPU-b")
+    (layout.state_dir / ledgerfile.STATE).write_bytes(state_before)  # as if killed before the state's write
+    assert list(_state(layout)["open"]) == [a]
+    assert accounts.recover(layout) == (1, 1)
+    assert list(_state(layout)["open"]) == [b]
+    assert accounts.recover(layout) == (0, 0)
+    # A state of an earlier boot is left to a look (which ends what that boot held).
+    state = _state(layout)
+    state["boot"] = "an-earlier-boot"
+    (layout.state_dir / ledgerfile.STATE).write_text(json.dumps(state))
+    assert accounts.recover(layout) == (0, 0)
+    assert list(_state(layout)["open"]) == [b]
 
 
-def test_a_grant_whose_sending_fails_is_ended_at_once_and_never_open(tmp_path: Path) -> None:
+def test_a_grant_whose_sending_fails_is_ended_at_once_and_never_open(tmp_path: Path, spawned: Spawned) -> None:
     layout = _layout(tmp_path)
-    sleeper = subprocess.Popen(["sleep", "30"])
-    try:
-        with accounts.turn(layout):
-            assert accounts.grant(layout, sleeper.pid, os.getuid(), ["GPU-a"], "/bin/recon", 0.0, None,
-                                  lambda: False) is None
-        records = _records(layout)
-        assert [r["event"] for r in records] == ["grant", "end"]
-        assert "not taken" in records[1]["how"] and _state(layout)["open"] == {}  # never entered
-    finally:
-        sleeper.kill()
-        sleeper.wait()
+    (pid,) = _clients(spawned, 1)
+    with accounts.turn(layout):
+        assert _grant(layout, pid, send=lambda: False) is None
+    records = _records(layout)
+    assert [r["event"] for r in records] == ["grant", "end"]
+    assert "not taken" in records[1]["how"] and _state(layout)["open"] == {}  # never entered
