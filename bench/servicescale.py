@@ -225,19 +225,11 @@ def _handed_over(jobs: List[dict]) -> List[dict]:
 def ledger_grants(sim: Sim, since: float) -> Dict[int, float]:
     """pid -> when the service recorded its grant (the record's `seen`, time.time() just before
     the descriptors were sent), for the service's grants recorded since SINCE."""
-    import json
+    from cudawrap.ops import ledgerfile
 
     out: Dict[int, float] = {}
-    try:
-        lines = (sim.layout.state_dir / "ledger").read_text(errors="replace").splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if (isinstance(record, dict) and record.get("event") == "grant" and record.get("seen_by") == "service"
+    for record in ledgerfile.read([ledgerfile.ledger_path(sim.layout)], []):
+        if (record["event"] == "grant" and record.get("seen_by") == "service"
                 and isinstance(record.get("seen"), float) and record["seen"] >= since):
             out.setdefault(record["pid"], record["seen"])
     return out

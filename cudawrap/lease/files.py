@@ -129,10 +129,9 @@ class LeaseFiles:
 
     def ident(self, uuid: str) -> Optional[Tuple[int, int]]:
         """(device, inode) of UUID's lease file, as /proc/locks names it; None if it has none."""
-        ident = self._idents.get(uuid)  # kept with its descriptor (and dropped with it)
-        if ident is not None:
-            return ident
-        return self._idents.get(uuid) if self.fd(uuid) is not None else None
+        if uuid not in self._idents:
+            self.fd(uuid)  # opens it and notes its file; its entry goes with its descriptor
+        return self._idents.get(uuid)
 
     def try_lock(self, uuid: str, how: int = fcntl.LOCK_EX) -> bool:
         """Take UUID's lease without blocking; False if someone holds it or it is gone.
