@@ -1,8 +1,11 @@
 """Hand-overs and waiting through `cudawrap serve`: issue 30's grant and waiting-cost targets.
 
 burst: N simultaneous wrapped C jobs (bench/hold.c) holding their device H s each on the 7
-MIG instances, `cudawrap serve` running; once as root and once under `[service] enforce =
-true` with the jobs run by `nobody` (then no run can take a lease but through the service).
+MIG instances, `cudawrap serve` running; once as root, again as root with the install's
+waiter (shims/cudawrap-wait.c) moved aside, so that runs wait in the shim's interpreter
+(where no C compiler was found at install: the A/B of the waiter), and once under
+`[service] enforce = true` with the jobs run by `nobody` (then no run can take a lease but
+through the service).
 With bench/burst.py's machinery: a pidfd per job clocks its exit (its lease released); the
 grant is clocked from that exit to the next job's start line on the device (hold.c writes it
 right after its exec): p50/p95/max, and split where the service wrote the grant's record
@@ -176,8 +179,32 @@ def serving(sim: Sim, enforce: bool = False) -> Iterator[Service]:
 
 # ---- the burst ------------------------------------------------------------------------------
 
-def service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
-    """N wrapped hold.c jobs at once through the service (by `nobody` under ENFORCE)."""
+@contextlib.contextmanager
+def _waiter_aside(sim: Sim, keep: bool) -> Iterator[bool]:
+    """The install's waiter (shims/cudawrap-wait.c) as it is (KEEP), or moved aside meanwhile
+    so that runs wait in the shim's interpreter; yields whether runs will wait in it."""
+    waiter = sim.layout.waiter
+    if keep or not waiter.exists():
+        yield waiter.exists()
+        return
+    aside = waiter.with_name(waiter.name + ".aside")
+    os.replace(waiter, aside)
+    try:
+        yield False
+    finally:
+        os.replace(aside, waiter)
+
+
+def service_burst(sim: Sim, n: int, hold: float, enforce: bool, waiter: bool = True) -> dict:
+    """N wrapped hold.c jobs at once through the service (by `nobody` under ENFORCE); without
+    WAITER, with the install's waiter moved aside (an A/B of the same code)."""
+    with _waiter_aside(sim, waiter) as waits_in_it:
+        out = _service_burst(sim, n, hold, enforce)
+    out["waiter"] = waits_in_it
+    return out
+
+
+def _service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
     if sim.hold_wrapped is None:
         return {"error": "no C compiler: bench/hold.c was not built"}
     if enforce and shutil.which("setpriv") is None:
@@ -200,7 +227,8 @@ def service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
                 "granted_by_service": len(pids & granted),
                 # The hand-over in two: a release to the grant's record (the service's decision:
                 # 0 where it acted on the lease file's close, which comes before the exit the
-                # clock sees), and that record to the run's exec (the send, the shim's part).
+                # clock sees), and that record to the run's exec (the send, the run's part: in the
+                # waiter, or the shim where there is none).
                 "grant_service_part": out.pop("grant"),
                 "grant_run_part": summary_ms([j["start"] - j["granted"] for j in _handed_over(jobs)
                                               if j["granted"] is not None])})
@@ -518,6 +546,10 @@ def run_servicescale(sim_for: Callable[[str], Sim], mode: str, waiters: Optional
     if burst:
         b = sizes["burst"]
         out["burst"] = {"root": service_burst(sim_for("a100-mig7"), b["n"], b["hold"], False)}
+        if out["burst"]["root"].get("waiter"):
+            # The same burst with runs waiting in the shim's interpreter, as where no compiler was found.
+            out["burst"]["root, no waiter"] = service_burst(sim_for("a100-mig7"), b["n"], b["hold"], False,
+                                                            waiter=False)
         if enforce:
             out["burst"]["enforce"] = service_burst(sim_for("a100-mig7"), b["n"], b["hold"], True)
     if many:
@@ -540,13 +572,15 @@ def show(result: dict) -> None:
         if "error" in r:
             print(f"  burst ({name}): {r['error']}")
             continue
+        waits = ("the waiter (shims/cudawrap-wait.c)" if r.get("waiter")
+                 else "the shim's interpreter (no waiter" + (": moved aside)" if "no waiter" in name else " built)"))
         print(f"  burst through the service ({'[service] enforce = true' if r['enforce'] else 'enforce off'}, runs as {r['as']}): "
-              f"{r['n']} x {r['hold_s']:g} s hold.c on {r['devices']} devices")
+              f"{r['n']} x {r['hold_s']:g} s hold.c on {r['devices']} devices; runs wait in {waits}")
         print(f"    ran {r['ok']}/{r['n']}, failures {r['failures']}, overlaps {r['overlap_pairs']}, "
               f"granted by the service {r['granted_by_service']}/{r['ok']}")
         print(f"    grant (release's exit -> waiter's exec): {_lat(r['grant_to_exec'])}")
         print(f"      of which exit -> the grant's record {_lat(r['grant_service_part'])}; "
-              f"that record -> exec (the send, the shim's lock and exec; hand-overs only) {_lat(r['grant_run_part'])}")
+              f"that record -> exec (the send, the run's lock and exec; hand-overs only) {_lat(r['grant_run_part'])}")
         if r["makespan_s"] is not None:
             print(f"    makespan {r['makespan_s']:.3f} s vs ideal {r['ideal_makespan_s']:g} s: "
                   f"x{r['makespan_s'] / r['ideal_makespan_s']:.3f}; from the first start "

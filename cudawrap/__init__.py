@@ -54,6 +54,13 @@ _CVD = b"CUDA_VISIBLE_DEVICES"
 MPS_VARIABLES = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
                   b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", b"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
 _S_IFMT, _S_IFREG = 0o170000, 0o100000
+# Set by the waiter (shims/cudawrap-wait.c) when it hands a run back to this shim: "T" and the
+# ticket (the service went away: the general way asks again), or "E" and a refusal to report.
+# Whatever a user sets here affects that user's own run only, as CUDAWRAP_DEBUG does: a ticket
+# is the service's to honour (signed, bound to its uid, used once).
+_RESUME = b"CUDAWRAP_RESUME"
+# The waiter's argument list, as its first word (it refuses any other).
+_WAITER_LAYOUT = "cudawrap-wait/1"
 # os.EX_PROTOCOL and os.EX_SOFTWARE, without os.
 _EX_PROTOCOL, _EX_SOFTWARE = "76", 70
 
@@ -64,7 +71,11 @@ def main(root: str, link: "Optional[str]" = None) -> "NoReturn":
     ticket = ""
     if link is not None:
         try:
-            ticket = _served(root, link, sys.argv)  # returns only to go the general way
+            resumed = posix.environ.get(_RESUME)
+            if resumed is not None:  # back from the waiter (shims/cudawrap-wait.c)
+                ticket = _resumed(link, resumed.decode("utf-8", "surrogateescape"))
+            else:
+                ticket = _served(root, link, sys.argv)  # returns only to go the general way
         except KeyboardInterrupt:
             posix._exit(130)
     from .launch import main as general
@@ -101,6 +112,7 @@ def original_environ() -> "Dict[bytes, bytes]":
         key, sep, value = item.partition(b"=")
         if sep and key not in env:  # the first of duplicates wins, as with getenv()
             env[key] = value
+    env.pop(_RESUME, None)  # for this shim only, never the program's
     return env
 
 
@@ -145,20 +157,56 @@ def _served(root: str, link: str, argv: "List[str]") -> str:
     except OSError:
         sock.close()
         return ""  # a dead service's socket
-    granted = _converse(sock, request, link[cut:])
+    granted = _converse(sock, request, link[cut:], (root, real, argv, shim.st_uid))
     if isinstance(granted, str):
         return granted
     _become(root, link, real, argv, *granted)
 
 
-def _converse(sock: "Any", request: bytes, prog: str) -> "Any":
+def _resumed(link: str, why: str) -> str:
+    """What the waiter handed back (_RESUME): the ticket to go the general way with, or the
+    service's refusal reported (no return)."""
+    if why.startswith("E"):
+        code, _, rest = why[1:].partition("\x1f")
+        text, _, hint = rest.partition("\x1f")
+        _refused(link[link.rfind("/") + 1:], {"code": code, "text": text, "hint": hint})
+    return why[1:] if why.startswith("T") else ""
+
+
+def _wait_elsewhere(sock: "Any", prog: str, ticket: str, run: "Tuple[str, str, List[str], int]") -> None:
+    """Go on waiting in the waiter (shims/cudawrap-wait.c) on this connection: the run's
+    hand-over is then an exec from a small C process, not from this interpreter (whose
+    teardown in exec is ~1 ms, paid here instead, where nobody waits on it). Returns only
+    where there is no waiter of this install's owner's (not built: no C compiler at install)."""
+    root, real, argv, owner = run
+    if not sys.executable:
+        return  # it could not hand the run back to a shim (_RESUME)
+    waiter = loc.under(root, loc.WAITER)
+    try:
+        st = posix.stat(waiter)
+    except OSError:
+        return
+    if st.st_mode & _S_IFMT != _S_IFREG or st.st_uid != owner or st.st_mode & 0o022 or not st.st_mode & 0o100:
+        return  # not the install's own: wait here
+    fd = sock.fileno()
+    posix.set_inheritable(fd, True)
+    args = [waiter, _WAITER_LAYOUT, str(fd), prog, real, loc.under(root, loc.MPS_DIR), ticket,
+            sys.executable, argv[0], "--", argv[0]] + argv[1:]
+    try:
+        posix.execve(waiter, args, original_environ())
+    except OSError:
+        posix.set_inheritable(fd, False)
+
+
+def _converse(sock: "Any", request: bytes, prog: str, run: "Tuple[str, str, List[str], int]") -> "Any":
     """The service's grant, locked: (uuid -> lease descriptor, uuid -> slot descriptor, the
-    grant's fields); or the ticket to go the general way with, if the service went away."""
+    grant's fields); or the ticket to go the general way with, if the service went away.
+    RUN (root, real program, argv, the shim's owner): to go on waiting in the waiter."""
     import _socket
 
     from . import wire
 
-    reader, fds, ticket, granted = wire.Reader(), [], "", None
+    reader, fds, ticket, granted, elsewhere = wire.Reader(), [], "", None, True
     try:
         sock.sendall(request)
         # Loaded while the service decides, not once the grant is here (a C extension: ~0.2 ms
@@ -172,7 +220,8 @@ def _converse(sock: "Any", request: bytes, prog: str) -> "Any":
                 if granted is not None:
                     return granted  # the locks are ours: the kernel's word stands without the service
                 break
-            for verb, reply in reader.feed(data):
+            replies = reader.feed(data)
+            for verb, reply in replies:
                 if granted is not None:
                     if verb == wire.DONE:
                         return granted
@@ -202,6 +251,10 @@ def _converse(sock: "Any", request: bytes, prog: str) -> "Any":
                     # A share waits for DONE: under enforce the service opens the device's MPS
                     # pipe directory to this user then, before the program may connect to it.
                     granted = locked + (reply,)
+            if (elsewhere and granted is None and replies and replies[-1][0] == wire.WAIT
+                    and not fds and not reader.buffer):
+                elsewhere = False  # tried once: if there is none, wait here
+                _wait_elsewhere(sock, prog, ticket, run)
     except (OSError, ValueError):  # ValueError: a message too long to send, or a malformed reply
         if granted is not None:
             return granted  # the locks are ours: the kernel's word stands without the service

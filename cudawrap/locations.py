@@ -55,6 +55,9 @@ LIB_DIR = "opt/cudawrap"
 # The shim prototype: install.sh bakes the interpreter into it, and links made by cudawrap
 # before each program had its own shim still lead to it.
 SHIM = LIB_DIR + "/bin/cudawrap-shim"
+# Where a shim's run waits for the service without its interpreter (shims/cudawrap-wait.c),
+# built at install where a C compiler is found; without it the shim waits itself.
+WAITER = LIB_DIR + "/bin/cudawrap-wait"
 # One shim file per wrapped program (as pyenv gives each name its own): a deploy that copies
 # a new build through one program's link overwrites that program's shim and no other.
 SHIM_DIR = LIB_DIR + "/shims"

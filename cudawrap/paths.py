@@ -111,6 +111,10 @@ class Layout:
         return self.root / loc.SHIM
 
     @property
+    def waiter(self) -> Path:
+        return self.root / loc.WAITER
+
+    @property
     def shim_dir(self) -> Path:
         return self.root / loc.SHIM_DIR
 

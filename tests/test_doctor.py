@@ -260,6 +260,24 @@ def test_missing_shim_is_reinstalled(admin: Admin) -> None:
     assert os.access(admin.layout.shim, os.X_OK)
 
 
+def test_a_missing_waiter_is_a_note_and_repair_builds_it(admin: Admin) -> None:
+    admin.layout.waiter.unlink(missing_ok=True)
+    result = doctor(admin)
+    assert result.returncode == 0, result.stdout
+    assert any("cudawrap-wait is missing" in line for line in lines(result, "note"))
+    repaired = doctor(admin, "--repair")
+    assert any("built the waiter" in line for line in lines(repaired, "fixed")), repaired.stdout
+    assert os.access(admin.layout.waiter, os.X_OK)
+    assert any("runs told to wait wait in it" in line for line in lines(doctor(admin), "ok"))
+
+
+def test_a_waiter_the_shim_would_not_use_is_a_warning(admin: Admin) -> None:
+    admin.cli("doctor", "--repair")
+    admin.layout.waiter.chmod(0o777)
+    result = doctor(admin)
+    assert any("not the install's own" in line for line in lines(result, "warning")), result.stdout
+
+
 def test_shim_with_a_missing_interpreter(admin: Admin) -> None:
     admin.layout.shim.write_text("#!/nonexistent/python -IS\n")
     result = doctor(admin)

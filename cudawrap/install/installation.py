@@ -25,6 +25,7 @@ from .units import (  # noqa: F401
     render_service_unit, render_tmpfiles,
     render_unit, tmpfiles_file, unit_file, unit_wants_link,
 )
+from .waiter import build_waiter
 
 # The wrapped programs' shims, rewritten: yields one line per program (cudawrap.admin.wrap.refresh_shims).
 Refresh = Callable[[Layout], Iterable[str]]
@@ -181,6 +182,9 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
         manifest.add(FILE, layout.shim)
     say(f"==> shim {layout.shim} (interpreter {python}, version {shim_version(layout.shim)})")
     refresh_program_shims(layout, say, refresh)
+    waiter_existed = layout.waiter.exists()
+    if build_waiter(layout, say) and not waiter_existed:
+        manifest.add(FILE, layout.waiter)
 
     config = layout.config_file
     if os.path.lexists(config):

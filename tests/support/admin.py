@@ -20,10 +20,14 @@ from .procs import REPO, cli_code, write_program
 
 
 def install(layout: Layout) -> None:
-    """Lay out an install root with a working shim."""
+    """Lay out an install root with a working shim, and the waiter (a compiler was found)."""
+    import shutil
+
     from cudawrap.install.installation import prepare
+    from .installed import built_waiter
 
     prepare(layout)
+    shutil.copy2(built_waiter(), layout.waiter)
 
 
 def make_program(directory: Path, name: str, text: Optional[str] = None, mode: int = 0o755) -> Path:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequ
 import pytest
 
 from cudawrap.install.installation import install_program_shim, prepare
+from cudawrap.install.waiter import build_waiter
 from cudawrap.paths import Layout
 from .machine import FAKECUDA, FakeMachine
 from .procs import REPO, Spawned, cli_code
@@ -181,10 +182,30 @@ def ready_line(proc: subprocess.Popen) -> dict:
     return json.loads(line)
 
 
-def lay_out(directory: Path, python: str, mode: int = 0o755) -> Tuple[Layout, Path]:
-    """An install root (``root``) prepared for PYTHON and a program directory (``bin``) in DIRECTORY."""
+_built_waiter: List[Path] = []
+
+
+def built_waiter() -> Path:
+    """The waiter (shims/cudawrap-wait.c), built by the installer's own step once per session."""
+    if not _built_waiter:
+        import tempfile
+
+        scratch = Layout(Path(tempfile.mkdtemp(prefix="cudawrap-waiter-")))
+        said: List[str] = []
+        assert build_waiter(scratch, said.append), said
+        _built_waiter.append(scratch.waiter)
+    return _built_waiter[0]
+
+
+def lay_out(directory: Path, python: str, mode: int = 0o755, waiter: bool = True) -> Tuple[Layout, Path]:
+    """An install root (``root``) prepared for PYTHON and a program directory (``bin``) in
+    DIRECTORY; with the waiter, as an install where a C compiler was found has it."""
     layout = Layout(directory / "root")
     prepare(layout, python)
+    if waiter:
+        import shutil
+
+        shutil.copy2(built_waiter(), layout.waiter)
     bindir = directory / "bin"
     bindir.mkdir(mode=mode, exist_ok=True)
     return layout, bindir
