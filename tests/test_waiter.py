@@ -18,7 +18,10 @@ from cudawrap.install.waiter import build_waiter, compiler
 from cudawrap.paths import Layout
 from support.installed import ready_line
 from support.procs import root_only, wait_for
+from test_enforce_shares import _environment, configure, serving  # noqa: F401 - a fixture
+from test_mps import control_dir, mu_mps  # noqa: F401 - a fixture
 from test_service import Served, _locks_of, _status
+from support.users import MuInstall
 
 pytestmark = [pytest.mark.root, root_only]
 
@@ -121,6 +124,21 @@ def test_a_run_granted_in_the_waiter_holds_its_device_by_its_own_lock(served: Se
     _kill(holders + [waiter])
 
 
+def test_verbose_says_the_device_as_the_shim_says_it(served: Served) -> None:
+    inst = served.inst
+    holders = served.fill()
+    waiter = inst.start(inst.world.alice, "recon", CUDAWRAP_WAIT="60", CUDAWRAP_VERBOSE="1")
+    assert "waiting for a device" in waiter.stderr.readline().decode()
+    wait_for(lambda: _in_waiter(served, waiter))
+    holders[0].kill()
+    uuid = ready_line(waiter)["cvd"]
+    assert waiter.stderr.readline().decode() == f"recon: CUDA_VISIBLE_DEVICES={uuid} -> {inst.bindir}/CUDAWRAP_recon\n"
+    holders[0].wait()
+    at_once = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0", CUDAWRAP_VERBOSE="1")
+    assert at_once.stderr.decode() == f"recon: CUDA_VISIBLE_DEVICES={uuid} -> {inst.bindir}/CUDAWRAP_recon\n"
+    _kill(holders[1:] + [waiter])
+
+
 def _cancelled(served: Served) -> "tuple[int, str]":
     inst = served.inst
     holders = served.fill()
@@ -181,6 +199,37 @@ def test_an_exec_that_fails_after_the_wait_is_reported_as_the_shim_reports_it(se
     # The general way, given the lease, looks for the program (an unwrap may have put it back).
     assert code == 127 and err.startswith(f"recon: the real program {real} is missing\n"), (code, err)
     assert err.count("\n") == 2 and "hint: " in err
+    _kill(holders)
+
+
+def test_an_mps_share_granted_in_the_waiter_gets_what_one_granted_at_once_gets(
+        mu_mps: MuInstall, tmp_path: Path, serving) -> None:  # noqa: F811 - the fixture
+    """A share waits for DONE (the service opens the MPS pipe directory to its user then)
+    and gets the MPS variables of its slot, in the waiter as in the shim."""
+    inst = mu_mps
+    (d0,) = configure(inst, '[sharing]\nmode = "mps"\nslots = 2\n')
+    started = inst.cli(None, "mps", "start", PATH=f"{control_dir(tmp_path / 'mpsbin')}:/usr/bin:/bin")
+    assert started.returncode == 0, started.stderr
+    served = Served(inst)
+    serving.append(served)
+    at_once, waited = inst.dir / "at-once.env", inst.dir / "waited.env"
+    for path in (at_once, waited):
+        path.touch()
+        path.chmod(0o666)
+    alice = inst.world.alice
+    first = inst.run(alice, "recon", "--hold", "0", "--env-out", str(at_once), CUDAWRAP_SHARE="1", CUDAWRAP_WAIT="60")
+    assert first.returncode == 0, first.stderr
+    holders = [inst.start(alice, "recon", "--hold", "600", CUDAWRAP_SHARE="1") for _ in range(2)]
+    for h in holders:
+        ready_line(h)
+    run = inst.start(alice, "recon", "--hold", "0", "--env-out", str(waited), CUDAWRAP_SHARE="1", CUDAWRAP_WAIT="60")
+    assert "waiting" in run.stderr.readline().decode()
+    wait_for(lambda: _in_waiter(served, run))
+    holders[0].kill()
+    hello = ready_line(run)
+    assert hello["devices"] == [d0] and hello["mps_server"] is not None, hello
+    assert run.wait(timeout=30) == 0
+    assert _environment(waited) == _environment(at_once)
     _kill(holders)
 
 
