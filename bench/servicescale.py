@@ -538,6 +538,10 @@ SIZES = {
 }
 
 
+# Waiting runs measured in the shim's interpreter, for the waiter's memory comparison.
+SHIM_WAITERS = {"full": 100, "quick": 20}
+
+
 def run_servicescale(sim_for: Callable[[str], Sim], mode: str, waiters: Optional[int] = None,
                      enforce: bool = True, burst: bool = True, many: bool = True) -> dict:
     """Both measurements, each on a fresh a100-mig7 machine (SIM_FOR(topology) makes one)."""
@@ -556,8 +560,18 @@ def run_servicescale(sim_for: Callable[[str], Sim], mode: str, waiters: Optional
         w = dict(sizes["waiters"])
         if waiters is not None:
             w["waiters"] = waiters
-        out["waiters"] = many_waiters(sim_for("a100-mig7"), w["waiters"], w["turnover"], w["hold"], w["quiet"],
-                                      w["stagger"])
+        sim = sim_for("a100-mig7")
+        with _waiter_aside(sim, True) as in_waiter:
+            out["waiters"] = many_waiters(sim, w["waiters"], w["turnover"], w["hold"], w["quiet"], w["stagger"])
+        out["waiters"]["waiter"] = in_waiter
+        if in_waiter:
+            # What a waiting run costs in the shim's interpreter instead (the waiter moved aside):
+            # its memory, with fewer of them.
+            shim_sim = sim_for("a100-mig7")
+            with _waiter_aside(shim_sim, False):
+                shim = many_waiters(shim_sim, SHIM_WAITERS[mode], w["turnover"], w["hold"], 1.0, w["stagger"])
+            out["waiters_in_shim"] = {k: shim[k] for k in ("waiters", "waiter_rss_median_mib",
+                                                            "waiter_pss_median_mib", "waiters_rss_total_mib")}
     return out
 
 
@@ -591,11 +605,17 @@ def show(result: dict) -> None:
         return
     if not w:
         return
+    shim = result.get("waiters_in_shim")
     mem = w["memory"]
     capped = f" (asked {mem['asked']}: capped by memory)" if mem["capped_by_memory"] else ""
     print(f"  {w['waiters']} waiters{capped} while {w['turnover_jobs']} x {w['hold_s']:g} s jobs turn over on "
           f"{w['devices']} devices; waiter RSS median {w['waiter_rss_median_mib']} MiB (PSS "
-          f"{w['waiter_pss_median_mib']}), all {w['waiters_rss_total_mib']} MiB; queued in {w['waiters_queued_after_s']} s")
+          f"{w['waiter_pss_median_mib']}), all {w['waiters_rss_total_mib']} MiB; queued in {w['waiters_queued_after_s']} s; "
+          + ("they wait in the waiter (shims/cudawrap-wait.c)" if w.get("waiter") else "they wait in the shim (no waiter built)"))
+    if shim and "error" not in shim:
+        print(f"    the same waiting in the shim's interpreter (the waiter moved aside), {shim['waiters']} of them: "
+              f"RSS median {shim['waiter_rss_median_mib']} MiB (PSS {shim['waiter_pss_median_mib']}), "
+              f"all {shim['waiters_rss_total_mib']} MiB")
     for label, key in (("quiet", "cpu_quiet"), ("turnover", "cpu_turnover")):
         c = w[key]
         print(f"    {label} window {c['window_s']} s, % of one core (utime+stime / schedstat): "
