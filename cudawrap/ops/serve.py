@@ -64,10 +64,8 @@ class Service:
         self.grants = Grants(self.line.leases, layout, enforced(layout), _say)  # say: MPS's ACLs
         self.clients: Dict[int, Client] = {}  # socket fd -> client
         self.selector = selectors.DefaultSelector()
-        self.dirty = False
-        self.freed = False  # a grant ended: decided on at once, MIN_GAP_S or not
-        self.recheck_at = float("inf")
-        self.last_decision = 0.0
+        self.dirty, self.freed = False, False  # freed: a grant ended, decided on at once, MIN_GAP_S or not
+        self.recheck_at, self.last_decision = float("inf"), 0.0
         self.notes: List[str] = []  # for the log, once it listens
         self.path = loc.under(root, loc.SERVICE_SOCKET)
         self.listener = listen(self.path)
@@ -164,13 +162,15 @@ class Service:
             if self.comeback.ended(now):
                 self.dirty = True  # those who came meanwhile are decided on now
             waiting = self._waiting()
-            self.comeback.census.note(self._holders(waiting), now)
             due = any(c.wait_until <= now for c in waiting)
             if waiting and (self.dirty or now - self.last_decision >= TICK_S or due):
                 if not (self.dirty or due) and self._all_held():
                     self._tick_tickets(now)  # nothing to grant: only the tickets age
                 elif self.freed or now - self.last_decision >= MIN_GAP_S:
                     self._decide()
+            # After the grants are sent: its file is rewritten once a second while runs leave
+            # the line, and before the decision that rewrite delayed a second's first hand-over.
+            self.comeback.census.note(self._holders(waiting), now)
         accounts.release(older_than=accounts.CARRY_MAX_S)  # a look waits for its lock meanwhile
 
     def _all_held(self) -> bool:
