@@ -24,9 +24,7 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from burst import order_metrics, wait_all
