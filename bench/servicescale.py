@@ -68,7 +68,7 @@ class Tap(threading.Thread):
         super().__init__(daemon=True)
         self.stream = stream
         self.log = log
-        self.granted: Dict[int, float] = {}  # pid -> when the service said it granted it
+        self.granted: Set[int] = set()  # the pids the service said it granted
         self.start()
 
     def run(self) -> None:
@@ -81,7 +81,7 @@ class Tap(threading.Thread):
                 now = time.time()
                 found = GRANTED.search(line.decode(errors="replace"))
                 if found:
-                    self.granted.setdefault(int(found.group(1)), now)
+                    self.granted.add(int(found.group(1)))
                 out.write(b"%.6f " % now + line)
                 out.flush()
 
@@ -103,7 +103,7 @@ class Service:
         return int(children[0]) if children else None
 
     def granted_pids(self) -> Set[int]:
-        return set(self.tap.granted)
+        return set(self.tap.granted)  # a copy: the tap goes on adding
 
     def waiting(self, root: Path) -> Optional[Set[int]]:
         """The pids the service has in line now (its status answer), None if it does not answer."""
@@ -561,8 +561,8 @@ def run_servicescale(sim_for: Callable[[str], Sim], mode: str, waiters: Optional
         if waiters is not None:
             w["waiters"] = waiters
         sim = sim_for("a100-mig7")
-        with _waiter_aside(sim, True) as in_waiter:
-            out["waiters"] = many_waiters(sim, w["waiters"], w["turnover"], w["hold"], w["quiet"], w["stagger"])
+        in_waiter = sim.layout.waiter.exists()
+        out["waiters"] = many_waiters(sim, w["waiters"], w["turnover"], w["hold"], w["quiet"], w["stagger"])
         out["waiters"]["waiter"] = in_waiter
         if in_waiter:
             # What a waiting run costs in the shim's interpreter instead (the waiter moved aside):

@@ -173,6 +173,13 @@ def _resumed(link: str, why: str) -> str:
     return why[1:] if why.startswith("T") else ""
 
 
+def waiter_usable(st: "Any", owner: int) -> bool:
+    """Whether the shim execs the waiter whose stat is ST, the shim's own file being OWNER's:
+    a plain executable file of that owner that nobody else may write (doctor says the same)."""
+    return st.st_mode & _S_IFMT == _S_IFREG and st.st_uid == owner and not st.st_mode & 0o022 and bool(
+        st.st_mode & 0o100)
+
+
 def _wait_elsewhere(sock: "Any", prog: str, ticket: str, run: "Tuple[str, str, List[str], int]") -> None:
     """Go on waiting in the waiter (shims/cudawrap-wait.c) on this connection: the run's
     hand-over is then an exec from a small C process, not from this interpreter (whose
@@ -186,7 +193,7 @@ def _wait_elsewhere(sock: "Any", prog: str, ticket: str, run: "Tuple[str, str, L
         st = posix.stat(waiter)
     except OSError:
         return
-    if st.st_mode & _S_IFMT != _S_IFREG or st.st_uid != owner or st.st_mode & 0o022 or not st.st_mode & 0o100:
+    if not waiter_usable(st, owner):
         return  # not the install's own: wait here
     fd = sock.fileno()
     posix.set_inheritable(fd, True)

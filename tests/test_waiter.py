@@ -268,3 +268,28 @@ def test_an_install_without_a_compiler_has_no_waiter_and_says_so(tmp_path: Path,
     assert not build_waiter(layout, said.append)
     assert not layout.waiter.exists()  # an earlier build's waiter is not left to a newer shim
     assert "no C compiler" in said[-1] and "apt-get install gcc" in said[-1]
+
+
+def test_the_waiters_constants_are_the_shims_and_the_wires() -> None:
+    """The C side of the protocol keeps its own copies: they must not drift from wire.py and
+    the shim's (a waiter with another lock retry or message bound would grant differently)."""
+    import re
+
+    import cudawrap
+    from cudawrap import locations as loc, wire
+    from cudawrap.install.waiter import source
+
+    text = source().read_text()
+    defines = dict(re.findall(r"^#define (\w+) (.+?)\s*(?:/\*.*)?$", text, re.M))
+    assert defines["LAYOUT"] == f'"{cudawrap._WAITER_LAYOUT}"'
+    assert defines["MAGIC"] == f'"{wire.MAGIC.decode()}"'
+    assert eval(defines["MAX_MESSAGE"]) == wire.MAX_MESSAGE
+    assert int(defines["MAX_FDS"]) == wire.MAX_FDS
+    assert int(defines["LOCK_TRIES"]) == wire.LOCK_TRIES
+    assert int(defines["LOCK_GAP_NS"].rstrip("L")) == round(wire.LOCK_GAP_S * 1e9)
+    mps = re.search(r"MPS_VARIABLES\[\] = \{(.*?)\};", text, re.S)
+    assert mps and tuple(re.findall(r'"(\w+)"', mps.group(1))) == tuple(v.decode() for v in cudawrap.MPS_VARIABLES)
+    for name in (loc.LEASE_ENV, loc.PROGRAM_ENV, cudawrap._RESUME.decode(), "CUDA_VISIBLE_DEVICES"):
+        assert f'"{name}"' in text, name
+    for verb in (wire.WAIT, wire.ERROR, wire.GRANT, wire.DONE, wire.HELD, wire.LOST):
+        assert f'"{verb}"' in text, verb

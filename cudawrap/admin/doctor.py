@@ -136,7 +136,7 @@ class _Doctor:
     def check_waiter(self) -> None:
         """The waiter (install/waiter.py) is optional: without it, a run told to wait waits in
         the shim's interpreter, and its hand-over is ~1 ms slower."""
-        import stat
+        from .. import waiter_usable
 
         path, subject = self.layout.waiter, "waiter"
         try:
@@ -150,7 +150,7 @@ class _Doctor:
             owner = os.stat(self.layout.shim).st_uid
         except OSError:
             owner = st.st_uid  # check_shim reports a missing shim
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != owner or st.st_mode & 0o022 or not st.st_mode & 0o100:
+        if not waiter_usable(st, owner):
             self.problem(subject, f"{path} is not the install's own (owner or mode): the shim does not use it",
                          self._build_waiter(), level=LEVEL_WARNING)
             return

@@ -29,12 +29,12 @@ def source() -> Path:
     return Path(shims.__file__).parent / WAITER_SOURCE
 
 
-def compiler(environ: Optional[dict] = None) -> Optional[List[str]]:
+def compiler() -> Optional[List[str]]:
     """The C compiler command to build with (CC, else the first of COMPILERS on PATH), or None."""
-    env = os.environ if environ is None else environ
-    words = shlex.split(env.get("CC", ""))
-    if words and shutil.which(words[0]):
-        return [shutil.which(words[0]) or words[0]] + words[1:]
+    words = shlex.split(os.environ.get("CC", ""))
+    found = shutil.which(words[0]) if words else None
+    if found:
+        return [found] + words[1:]
     for name in COMPILERS:
         found = shutil.which(name)
         if found:
@@ -48,17 +48,17 @@ def build_waiter(layout: Layout, say: Callable[[str], None]) -> bool:
     it its arguments by this version's layout, and without one the shim waits itself."""
     from plumbum import local
 
-    target = layout.waiter
+    target, code = layout.waiter, source()
     cc = compiler()
     why = ""
     if cc is None:
         why = "no C compiler (cc, gcc or clang) found"
-    elif not source().is_file():
-        why = f"no {source()} in the package"
+    elif not code.is_file():
+        why = f"no {code} in the package"
     else:
         tmp = target.with_name(f".new.{os.getpid()}.{target.name}")
         target.parent.mkdir(parents=True, exist_ok=True)
-        rc, _out, err = local[cc[0]].run([*cc[1:], "-O2", "-o", str(tmp), str(source())], retcode=None)
+        rc, _out, err = local[cc[0]].run([*cc[1:], "-O2", "-o", str(tmp), str(code)], retcode=None)
         if rc == 0:
             os.chmod(tmp, 0o755)
             os.replace(tmp, target)  # a run waiting in the old one keeps it; the next gets this

@@ -64,8 +64,10 @@ class Service:
         self.grants = Grants(self.line.leases, layout, enforced(layout), _say)  # say: MPS's ACLs
         self.clients: Dict[int, Client] = {}  # socket fd -> client
         self.selector = selectors.DefaultSelector()
-        self.dirty, self.freed = False, False  # freed: a grant ended, decided on at once, MIN_GAP_S or not
-        self.recheck_at, self.last_decision = float("inf"), 0.0
+        self.dirty = False
+        self.freed = False  # a grant ended: decided on at once, MIN_GAP_S or not
+        self.recheck_at = float("inf")
+        self.last_decision = 0.0
         self.notes: List[str] = []  # for the log, once it listens
         self.path = loc.under(root, loc.SERVICE_SOCKET)
         self.listener = listen(self.path)
