@@ -19,6 +19,9 @@ from ..base import inotify
 
 _CLOSE = inotify.IN_CLOSE_WRITE | inotify.IN_CLOSE_NOWRITE
 _RENAME = inotify.IN_CREATE | inotify.IN_DELETE | inotify.IN_MOVED_TO
+# A watched directory opened and closed: someone listed it (the monitor's loop does, every
+# pass). Nothing in it changed.
+_LISTING = inotify.IN_ISDIR | inotify.IN_OPEN | _CLOSE
 
 
 @dataclass
@@ -51,7 +54,8 @@ class FileWatch:
 
     def read(self) -> News:
         events = [e for e in self.watch.events()
-                  if e[0] != self.state or e[2] == self.drains]  # not the ledger's writes
+                  if (e[0] != self.state or e[2] == self.drains)  # not the ledger's writes
+                  and not _listed(e[1], e[2])]
         news = News()
         if any(wd == -1 for wd, _mask, _name in events):  # some were lost
             return News(None, None, True, True)
@@ -66,3 +70,9 @@ class FileWatch:
             if mask & _CLOSE:
                 closed.add(name.rpartition(".")[0] if wd == self.shares else name)  # a slot file: UUID.K
         return news
+
+
+def _listed(mask: int, name: str) -> bool:
+    """Whether an event says only that a watched directory itself was listed: it woke a
+    decision over every waiter, once per listing, and freed nothing."""
+    return not name and mask & inotify.IN_ISDIR != 0 and mask & ~_LISTING == 0
