@@ -16,6 +16,7 @@ from typing import Iterator, List
 
 import pytest
 
+from cudawrap.install.units import MONITOR_NICE
 from support.installed import ready_line
 from support.procs import cli_code, root_only, wait_for
 from support.strace import STRACE, needs_strace
@@ -519,6 +520,8 @@ def test_the_service_keeps_the_snapshot_fresh_with_no_monitor_unit(served: Serve
     inst = served.inst
     child = _monitor_pid(inst)
     assert _parent_of(child) == served.proc.pid  # the service's own loop, not a unit's
+    # Below the grant path, as its own unit runs it (Nice=): a hand-over takes the CPU first.
+    assert os.getpriority(os.PRIO_PROCESS, child) == MONITOR_NICE
     snap = inst.layout.runtime_dir / "usage.snapshot"
     wait_for(snap.exists)
     first = snap.stat().st_mtime_ns

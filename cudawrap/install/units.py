@@ -6,6 +6,10 @@ from typing import Callable, Dict, Tuple
 
 from ..paths import Layout
 
+# The monitor's loop runs below the grant path, in its own unit and inside the service alike:
+# a hand-over (the service's decision, the run's exec) takes the CPU from one of its passes.
+MONITOR_NICE = 5
+
 UNIT_NAME = "cudawrap-sync.service"
 MONITOR_UNIT = "cudawrap-monitor.service"
 MPS_UNIT = "cudawrap-mps.service"
@@ -87,7 +91,7 @@ ConditionPathExists={cudawrap}
 ExecStart={command} monitor
 Restart=always
 RestartSec=5
-Nice=5
+Nice={MONITOR_NICE}
 
 [Install]
 WantedBy=multi-user.target

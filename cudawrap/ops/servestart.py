@@ -8,6 +8,7 @@ import signal
 
 from .. import locations as loc
 from ..errors import SetupError
+from ..install.units import MONITOR_NICE
 from ..paths import Layout
 from .serve import Service, _say
 
@@ -70,8 +71,9 @@ def _hold_service_lock(root: str) -> int:
 def start_monitor(layout: object, lock: int) -> int:
     """The monitor's loop (ops/monitor.py: the snapshot, the ledger's look at foreign work,
     health, memory, metrics) in a child of the service: it shares nothing with the grant
-    path (no lock, no interpreter), dies with the service (PR_SET_PDEATHSIG: also when the
-    service is killed with -9), and waits its turn while a cudawrap-monitor unit runs one.
+    path (no lock, no interpreter), runs at the monitor unit's Nice=, dies with the service
+    (PR_SET_PDEATHSIG: also when the service is killed with -9), and waits its turn while a
+    cudawrap-monitor unit runs one.
     It lets go of the service's LOCK: that says the service lives, not its monitor."""
     pid = os.fork()
     if pid:
@@ -80,6 +82,7 @@ def start_monitor(layout: object, lock: int) -> int:
     try:
         os.close(lock)
         _die_with(os.getppid())
+        os.setpriority(os.PRIO_PROCESS, 0, MONITOR_NICE)  # as its unit runs it: a hand-over comes first
         from .monitor import run
 
         run(layout)  # type: ignore[arg-type]
