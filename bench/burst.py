@@ -138,6 +138,7 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Seque
         job.rc = proc.returncode
         read_job_log(job, logdir / f"{job.index}.log")
         job.exited = watcher.exited.get(proc.pid)
+        job.execed = watcher.exec_before(proc.pid, job.start)
         job.queue_key = watcher.keys.get(proc.pid)
         job.granted = watcher.granted(proc.pid) if granted is None else granted.get(proc.pid)
     ran = [j for j in jobs if j.ran]
@@ -169,12 +170,23 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Seque
         "dispatch": summary_ms(lat),
         "grant": summary_ms(grant),
         "grant_to_exec": summary_ms(dispatch_latencies(ran, at="exec")) if program == "hold" else None,
+        "grant_to_line": summary_ms(dispatch_latencies(ran, at="line")) if program == "hold" else None,
+        "exec_clock": exec_clock(watcher, ran),
         "after_startup_storm": steady,
         "order": order_metrics(ran, min(ends) if ends else None),
         "stderr_sample": errors[-3:],
         "t0": t0,
         "jobs": [j.to_dict() for j in jobs],
     }
+
+
+def exec_clock(clock: Clock, jobs: List[Job]) -> str:
+    """What clocked JOBS' execs: the kernel's process events, or their start lines."""
+    if not clock.kernel:
+        return "start lines (the kernel's process events need root: each exec is its start line, after its loading)"
+    missing = sum(1 for j in jobs if j.execed is None)
+    return "the kernel's process events" + (f" ({missing} of {len(jobs)} runs without an exec stamp: "
+                                            "their start lines)" if missing else "")
 
 
 def _after(jobs: List[Job], settled: float, at: str) -> List[float]:

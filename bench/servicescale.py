@@ -6,11 +6,15 @@ waiter (shims/cudawrap-wait.c) moved aside, so that runs wait in the shim's inte
 (where no C compiler was found at install: the A/B of the waiter), and once under
 `[service] enforce = true` with the jobs run by `nobody` (then no run can take a lease but
 through the service).
-With bench/burst.py's machinery: a pidfd per job clocks its exit (its lease released); the
-grant is clocked from that exit to the next job's start line on the device (hold.c writes it
-right after its exec): p50/p95/max, and split where the service wrote the grant's record
-(its `seen` in the ledger, written just before the descriptors are sent): its decision
-before, the send, the shim's lock and exec after. Makespan (first launch to last end) against
+With bench/burst.py's machinery (bench/watch.py): the kernel's process events clock each
+job's exit (its lease released) and each exec, with the kernel's own times. The grant is
+clocked as the issue defines it, from that exit to the next job's exec of its program on
+the device: p50/p95/max, and split where the service wrote the grant's record (its `seen` in
+the ledger, written just before the descriptors are sent): its decision before, the send,
+the run's lock and exec after. Also to the program's first line (hold.c writes it right
+after its exec and its dynamic loading), which is what the run sees. Without root the
+process events are refused: a pidfd stamps the exit and the start line stands for the exec
+(the result says which clock it used). Makespan (first launch to last end) against
 ceil(N/devices) x H; overlaps; failures (a run that did not run is a failure, never a
 time); and how many runs the service's own log says it granted.
 
@@ -45,7 +49,7 @@ from typing import IO, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from burst import _burst, wait_all  # noqa: E402
+from burst import _burst, exec_clock, wait_all  # noqa: E402
 from scale import _cpu, _rss_kib  # noqa: E402
 from sim import Sim, stop  # noqa: E402
 from stats import Job, dispatch_latencies, median, overlaps, read_job_log, summary_ms  # noqa: E402
@@ -230,7 +234,7 @@ def _service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
                 # clock sees), and that record to the run's exec (the send, the run's part: in the
                 # waiter, or the shim where there is none).
                 "grant_service_part": out.pop("grant"),
-                "grant_run_part": summary_ms([j["start"] - j["granted"] for j in _handed_over(jobs)
+                "grant_run_part": summary_ms([(j["execed"] or j["start"]) - j["granted"] for j in _handed_over(jobs)
                                               if j["granted"] is not None])})
     if starts and ends:
         # Without the first round's launch (N shims starting at once on few cores).
@@ -484,6 +488,7 @@ def _outcome(sim: Sim, run: Launched, hold: float, granted: Dict[int, float]) ->
         job.rc = proc.returncode
         read_job_log(job, log)
         job.exited = run.clock.exited.get(proc.pid)
+        job.execed = run.clock.exec_before(proc.pid, job.start)
         job.granted = granted.get(proc.pid)
     ran = [j for j, _p in run.turn if j.ran]
     served = _read_shared_log(run.wlog)
@@ -499,6 +504,8 @@ def _outcome(sim: Sim, run: Launched, hold: float, granted: Dict[int, float]) ->
         "overlap_pairs": pairs, "jobs_in_overlaps": involved,
         "granted_by_service": len({j.pid for j in ran + waiters_ok} & set(granted)),
         "grant_to_exec": summary_ms(dispatch_latencies(ran, freed, at="exec")),
+        "grant_to_line": summary_ms(dispatch_latencies(ran, freed, at="line")),
+        "exec_clock": exec_clock(run.clock, ran),
         "grant_service_part": summary_ms(dispatch_latencies(ran, freed, at="granted")),
         "turnover_makespan_s": round(makespan, 3) if makespan else None, "turnover_ideal_s": ideal,
         "turnover_makespan_ratio": round(makespan / ideal, 3) if makespan else None,
@@ -592,9 +599,10 @@ def show(result: dict) -> None:
               f"{r['n']} x {r['hold_s']:g} s hold.c on {r['devices']} devices; runs wait in {waits}")
         print(f"    ran {r['ok']}/{r['n']}, failures {r['failures']}, overlaps {r['overlap_pairs']}, "
               f"granted by the service {r['granted_by_service']}/{r['ok']}")
-        print(f"    grant (release's exit -> waiter's exec): {_lat(r['grant_to_exec'])}")
+        print(f"    grant (release's exit -> waiter's exec): {_lat(r['grant_to_exec'])}; clocked by {r['exec_clock']}")
         print(f"      of which exit -> the grant's record {_lat(r['grant_service_part'])}; "
               f"that record -> exec (the send, the run's lock and exec; hand-overs only) {_lat(r['grant_run_part'])}")
+        print(f"    to the program's first line (exec, then its own dynamic loading): {_lat(r['grant_to_line'])}")
         if r["makespan_s"] is not None:
             print(f"    makespan {r['makespan_s']:.3f} s vs ideal {r['ideal_makespan_s']:g} s: "
                   f"x{r['makespan_s'] / r['ideal_makespan_s']:.3f}; from the first start "
@@ -624,7 +632,8 @@ def show(result: dict) -> None:
     if w["cpu_turnover"].get("waiter_started_inside"):
         print("    NOTE: a waiter started inside the turnover window (a turnover job failed?)")
     print(f"    turnover: ran {w['turnover_ok']}/{w['turnover_jobs']}, failures {w['turnover_failures']}; "
-          f"grant {_lat(w['grant_to_exec'])} (to the grant's record {_lat(w['grant_service_part'])}); makespan {w['turnover_makespan_s']} s vs {w['turnover_ideal_s']:g} s "
+          f"grant {_lat(w['grant_to_exec'])} (to the grant's record {_lat(w['grant_service_part'])}; to the "
+          f"program's first line {_lat(w['grant_to_line'])}); makespan {w['turnover_makespan_s']} s vs {w['turnover_ideal_s']:g} s "
           f"(x{w['turnover_makespan_ratio']})")
     print(f"    then the waiters: ran {w['waiters_ok']}/{w['waiters']}, failures {w['waiter_failures']}, drained in "
           f"{w['drain_s']} s (service {w['cpu_drain_service']['service']['pct_of_one_core']:.1f} % of a core); "

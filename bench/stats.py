@@ -71,6 +71,7 @@ class Job:
         self.queue_key: Optional[int] = None  # cudawrap's queue key, if it queued
         self.granted: Optional[float] = None  # when it left cudawrap's queue (~ got its device)
         self.exited: Optional[float] = None  # when its process exited (its lease released)
+        self.execed: Optional[float] = None  # when it exec'd the program that wrote its start line (kernel's word)
 
     @property
     def ran(self) -> bool:
@@ -79,7 +80,7 @@ class Job:
     def to_dict(self) -> dict:
         return {"i": self.index, "spawned": self.spawned, "pid": self.pid, "start": self.start,
                 "end": self.end, "devices": self.devices, "rc": self.rc, "queue_key": self.queue_key, "granted": self.granted,
-                "exited": self.exited}
+                "exited": self.exited, "execed": self.execed}
 
 
 def read_job_log(job: Job, path: Path) -> None:
@@ -135,8 +136,9 @@ def overlaps(jobs: Sequence[Job]) -> Tuple[int, int]:
 def released(job: Job, at: str) -> Optional[float]:
     """When JOB's device was freed, as seen from AT: for a dispatch (to the next start line)
     its end line; for a grant, its exit where that was clocked (the lease goes with the
-    process, after the stand-in's own teardown), else its end line; for "exec" as for a grant."""
-    if at in ("granted", "exec") and job.exited is not None:
+    process, after the stand-in's own teardown), else its end line; for "exec" and "line" as
+    for a grant."""
+    if at in ("granted", "exec", "line") and job.exited is not None:
         return job.exited
     return job.end
 
@@ -150,16 +152,20 @@ def dispatch_latencies(jobs: Sequence[Job], freed: Optional[Dict[str, float]] = 
     devices first held by someone else, as in the scale run). AT="granted" measures to
     the moment the job left cudawrap's queue instead of its start line (jobs that never
     queued are left out), from the moment the lease was released (see `released`).
-    AT="exec": from that release to the next job's start line, which a C job (bench/hold.c)
-    writes right after its exec: the grant as the run sees it, whatever decided it.
+    AT="exec": from that release to the next job's exec of its program (the kernel's process
+    events: Job.execed), or where that was not clocked, to its start line; AT="line": from
+    that release to the start line, which a C job (bench/hold.c) writes right after its exec
+    and its dynamic loading: the grant as the run sees it, whatever decided it.
     """
     out: List[float] = []
     for device, spans in intervals(jobs).items():
         previous_end = freed.get(device) if freed else None
         for job in spans:
             if previous_end is not None and job.spawned < previous_end <= job.start:
-                if at in ("start", "exec"):
+                if at in ("start", "line"):
                     out.append(job.start - previous_end)
+                elif at == "exec":
+                    out.append((job.execed if job.execed is not None else job.start) - previous_end)
                 elif job.granted is not None:
                     out.append(max(job.granted - previous_end, 0.0))
             end = released(job, at)

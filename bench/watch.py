@@ -3,10 +3,16 @@
 Both are stamped when the kernel says so, not by polling: a 5 ms poll adds up to 5 ms to a
 10 ms target and, on 2 cores, competes with what it measures.
 
-* exits: a pidfd per job; it becomes readable when the process has exited, after the
-  kernel closed its descriptors, so after its lease was released. A hand-over is measured
-  from then: the stand-in's end line comes before its own interpreter teardown (~7 ms),
-  which is no part of cudawrap's hand-over.
+* exits and execs: as root, the kernel's process events (the proc connector, netlink): each
+  comes with the kernel's own time (CLOCK_MONOTONIC), taken in the exiting or exec'ing
+  process itself, so no wake-up of this thread delays a stamp. A process's exit event comes
+  after its descriptors were closed, so after its lease was released; its exec event once
+  the new program is loaded, before its first instruction (and before a dynamically linked
+  program's loader runs). Without the connector (not root, or a kernel without it): a pidfd
+  per job, stamped when this thread wakes on it, and no exec times (the job's own start
+  line stands in: later by its loading). A hand-over is measured from the exit: the
+  stand-in's end line comes before its own interpreter teardown (~7 ms), which is no part
+  of cudawrap's hand-over.
 * grants: inotify on cudawrap's queue directory; a waiter's entry is removed right
   after it locked its devices (IN_DELETE), which is when cudawrap granted them.
 """
@@ -14,19 +20,69 @@ from __future__ import annotations
 
 import os
 import select
+import socket
+import struct
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set, Tuple
 
 from cudawrap.base import inotify
 from cudawrap.sched.queue import parse_name
+
+# linux/connector.h and linux/cn_proc.h
+_NETLINK_CONNECTOR = 11
+_CN_IDX_PROC = _CN_VAL_PROC = 1
+_PROC_CN_MCAST_LISTEN = 1
+_NLMSG_DONE = 3
+PROC_EVENT_EXEC = 0x00000002
+PROC_EVENT_EXIT = 0x80000000
+_NLMSG_HDR = 16  # nlmsghdr
+_CN_MSG = 20  # struct cn_msg before its data
+
+
+def proc_connector() -> Optional[socket.socket]:
+    """A socket subscribed to the kernel's process events, or None where that is refused
+    (it takes CAP_NET_ADMIN) or the kernel has no proc connector."""
+    try:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_CONNECTOR)
+    except (OSError, AttributeError):
+        return None
+    try:
+        sock.bind((0, _CN_IDX_PROC))
+        op = struct.pack("I", _PROC_CN_MCAST_LISTEN)
+        cn = struct.pack("IIIIHH", _CN_IDX_PROC, _CN_VAL_PROC, 0, 0, len(op), 0) + op
+        sock.send(struct.pack("IHHII", _NLMSG_HDR + len(cn), _NLMSG_DONE, 0, 0, 0) + cn)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def proc_events(data: bytes) -> List[Tuple[int, int, int]]:
+    """(what, tgid, kernel ns) of each exec and each process's exit in one datagram of the
+    proc connector (a thread's exit, whose pid is not its tgid, is left out)."""
+    out: List[Tuple[int, int, int]] = []
+    at = 0
+    while at + _NLMSG_HDR <= len(data):
+        size = struct.unpack_from("I", data, at)[0]
+        if size < _NLMSG_HDR:
+            break
+        body = at + _NLMSG_HDR + _CN_MSG  # struct proc_event: what, cpu, timestamp_ns, then the event
+        if body + 24 <= at + size:
+            what, _cpu, ns = struct.unpack_from("IIQ", data, body)
+            pid, tgid = struct.unpack_from("ii", data, body + 16)
+            if what == PROC_EVENT_EXEC or (what == PROC_EVENT_EXIT and pid == tgid):
+                out.append((what, tgid, ns))
+        at += (size + 3) & ~3
+    return out
 
 
 class Clock(threading.Thread):
     """One thread, woken by the kernel, for both ends of every hand-over.
 
     exited: pid -> time.time() of its exit, for every pid added (before it could be reaped);
+    execs: pid -> the times of its execs, where the kernel's process events are read (kernel);
     keys / first_seen / left: per waiter (by pid) its queue key (which orders arrivals), when
     its entry appeared and when it was removed.
 
@@ -38,6 +94,7 @@ class Clock(threading.Thread):
     def __init__(self, queue_dir: Optional[Path] = None) -> None:
         super().__init__(daemon=True)
         self.exited: Dict[int, float] = {}
+        self.execs: Dict[int, List[float]] = {}
         self.keys: Dict[int, int] = {}
         self.first_seen: Dict[int, float] = {}
         self.left: Dict[int, float] = {}
@@ -47,6 +104,9 @@ class Clock(threading.Thread):
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         self._halt = False
+        self._clocked: Set[int] = set()
+        self._events = proc_connector()
+        self.kernel = self._events is not None
         self._watch = None
         if self.queue_dir is not None:
             self._watch = inotify.Watch()
@@ -62,6 +122,7 @@ class Clock(threading.Thread):
         except OSError:
             return
         with self._lock:
+            self._clocked.add(pid)
             self._pidfds[fd] = pid
             self._new.append(fd)
         os.write(self._wake_w, b"x")
@@ -85,6 +146,14 @@ class Clock(threading.Thread):
         self.first_seen.setdefault(parsed[1], now)
         return True
 
+    def exec_before(self, pid: int, when: Optional[float]) -> Optional[float]:
+        """When PID last exec'd before WHEN (its start line: the exec of the program that
+        wrote it), where execs are clocked."""
+        if when is None:
+            return None
+        before = [t for t in self.execs.get(pid, ()) if t <= when]
+        return before[-1] if before else None
+
     def granted(self, pid: int) -> Optional[float]:
         """When PID's entry left the queue, if it was seen to."""
         return self.left.get(pid)
@@ -100,6 +169,8 @@ class Clock(threading.Thread):
         if self._watch is not None:
             poller.register(self._watch.fileno(), select.POLLIN)
             self.snapshot()
+        if self._events is not None:
+            poller.register(self._events.fileno(), select.POLLIN)
         while not self._halt:
             with self._lock:
                 for fd in self._new:
@@ -112,12 +183,33 @@ class Clock(threading.Thread):
                     os.read(self._wake_r, 4096)
                 elif self._watch is not None and fd == self._watch.fileno():
                     self._queue_events(now)
+                elif self._events is not None and fd == self._events.fileno():
+                    self._process_events()
                 else:
                     with self._lock:
                         pid = self._pidfds.pop(fd)
-                    self.exited[pid] = now
+                    # The kernel's stamp where there is one (its event may come a moment later).
+                    self.exited.setdefault(pid, now)
                     poller.unregister(fd)
                     os.close(fd)
+
+    def _process_events(self) -> None:
+        assert self._events is not None
+        try:
+            data = self._events.recv(65536)
+        except OSError:
+            return  # ENOBUFS: events lost; those exits keep their pidfd stamps
+        to_real = time.time() - time.monotonic()
+        with self._lock:
+            clocked = set(self._clocked)
+        for what, pid, ns in proc_events(data):
+            if pid not in clocked:
+                continue
+            when = ns / 1e9 + to_real
+            if what == PROC_EVENT_EXEC:
+                self.execs.setdefault(pid, []).append(when)
+            else:
+                self.exited[pid] = when
 
     def _queue_events(self, now: float) -> None:
         for _wd, mask, name in self._watch.events():
@@ -137,6 +229,8 @@ class Clock(threading.Thread):
         self.join()
         for fd in self._pidfds:
             os.close(fd)
+        if self._events is not None:
+            self._events.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
         if self._watch is not None:
