@@ -430,8 +430,15 @@ class Service:
     def _exited(self, held: Held) -> None:
         self.selector.unregister(held.pidfd)
         held.exited = True
+        # Its devices sent to the next runs already (the lease's close came first, and was
+        # decided on): nothing is freed, and a decision now would only take the CPU from
+        # their execs.
+        resent = not held.slots and all(self.grants.sent_since(held, u) for u in held.devices)
+        ended = self.grants.check(held)
+        if resent:
+            return
         # Decided on at once: a run's exit, unlike a close (anyone's, at any rate), comes once a grant.
-        self.freed = self.grants.check(held) or self.freed
+        self.freed = ended or self.freed
         self.dirty = True
 
     def _decide(self) -> None:
