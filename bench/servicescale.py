@@ -65,8 +65,9 @@ RESERVE_MIB = 3072
 class Tap(threading.Thread):
     """The service's output, to its log, each "granted ... pid N" line noted (which runs the
     service says it granted). Not to split a hand-over: the service prints that line once the
-    step is done, often after the run's exec; ledger_grants has when it decided. Root's
-    thread runs SCHED_FIFO, as the exit clock does, so the stamps do not wait for the load."""
+    step is done, often after the run's exec; ledger_grants has when it decided. No figure
+    is taken from its stamps (they are for reading the log), so it runs as any process
+    does: it must not take the CPU from the service or a run's exec on 2 cores."""
 
     def __init__(self, stream: IO[bytes], log: Path) -> None:
         super().__init__(daemon=True)
@@ -76,10 +77,6 @@ class Tap(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-        except (OSError, AttributeError):
-            pass
         with open(self.log, "ab") as out:
             for line in iter(self.stream.readline, b""):
                 now = time.time()

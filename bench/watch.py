@@ -18,6 +18,7 @@ Both are stamped when the kernel says so, not by polling: a 5 ms poll adds up to
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -39,6 +40,7 @@ PROC_EVENT_EXEC = 0x00000002
 PROC_EVENT_EXIT = 0x80000000
 _NLMSG_HDR = 16  # nlmsghdr
 _CN_MSG = 20  # struct cn_msg before its data
+_SO_RCVBUFFORCE = 33
 
 
 def proc_connector() -> Optional[socket.socket]:
@@ -86,9 +88,10 @@ class Clock(threading.Thread):
     keys / first_seen / left: per waiter (by pid) its queue key (which orders arrivals), when
     its entry appeared and when it was removed.
 
-    One thread, so a departure is never stamped before the exit that caused it; as root it
-    runs SCHED_FIFO, so the load it measures does not delay its stamps (it wakes, reads the
-    clock and sleeps again: negligible CPU).
+    One thread, so a departure is never stamped before the exit that caused it. With the
+    kernel's stamps it runs as any process does, and takes no CPU from what it measures;
+    with pidfds only, it runs SCHED_FIFO where it may, so the load it measures does not
+    delay its stamps (it wakes, reads the clock and sleeps again: negligible CPU).
     """
 
     def __init__(self, queue_dir: Optional[Path] = None) -> None:
@@ -160,10 +163,17 @@ class Clock(threading.Thread):
 
     # -- the thread ------------------------------------------------------------------
     def run(self) -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-        except (OSError, AttributeError):
-            pass  # not root: stamps may lag under load (the report says which)
+        if self.kernel:
+            # The kernel stamps each event: they may wait in the socket until this thread
+            # gets the CPU, and it must not take it from what it measures (the service, the
+            # waiter's exec) on 2 cores. Room for a burst's events meanwhile.
+            with contextlib.suppress(OSError):
+                self._events.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 32 << 20)
+        else:
+            with contextlib.suppress(OSError, AttributeError):
+                # A pidfd is stamped when this thread wakes: as root it runs first, so the
+                # load it measures does not delay its stamps. Not root: they may lag.
+                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         if self._watch is not None:
