@@ -221,6 +221,12 @@ def _service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
         granted = service.granted_pids()
     jobs = out["jobs"]
     pids = {j["pid"] for j in jobs if j["pid"] is not None}
+    # Every run in the ledger, each lease ended when its run did (its own end line, and its
+    # exit a moment later): a hand-over must not leave the previous grant open.
+    ends = ledger_ends(sim, pids)
+    out["ledger"] = {"runs": len(pids), "counted": len(ends),
+                     "end_after_own_end": summary_ms([ends[j["pid"]] - j["end"] for j in jobs
+                                                      if j["pid"] in ends and j["end"] is not None])}
     starts = [j["start"] for j in jobs if j["start"] is not None]
     ends = [j["end"] for j in jobs if j["end"] is not None]
     out.pop("after_startup_storm", None)  # it needs the queue directory, which the service's runs never enter
@@ -262,6 +268,15 @@ def ledger_grants(sim: Sim, since: float) -> Dict[int, float]:
                 and isinstance(record.get("seen"), float) and record["seen"] >= since):
             out.setdefault(record["pid"], record["seen"])
     return out
+
+
+def ledger_ends(sim: Sim, pids: Set[int]) -> Dict[int, float]:
+    """pid -> the end the ledger recorded for the service's grant to PIDS (its `end`, to the
+    millisecond)."""
+    from cudawrap.ops import ledgerfile
+
+    return {r["pid"]: r["end"] for r in ledgerfile.read([ledgerfile.ledger_path(sim.layout)], [])
+            if r["event"] == "end" and r.get("pid") in pids and r.get("seen_by") == "service"}
 
 
 def _open_to_all(sim: Sim) -> Optional[str]:
@@ -600,6 +615,9 @@ def show(result: dict) -> None:
         print(f"      of which exit -> the grant's record {_lat(r['grant_service_part'])}; "
               f"that record -> exec (the send, the run's lock and exec; hand-overs only) {_lat(r['grant_run_part'])}")
         print(f"    to the program's first line (exec, then its own dynamic loading): {_lat(r['grant_to_line'])}")
+        led = r["ledger"]["end_after_own_end"]
+        print(f"    ledger: {r['ledger']['counted']} of {r['ledger']['runs']} runs counted; each lease's end after "
+              f"the run's own end line p50 {led['median_ms']} / max {led['max_ms']} ms (recorded to the ms)")
         if r["makespan_s"] is not None:
             print(f"    makespan {r['makespan_s']:.3f} s vs ideal {r['ideal_makespan_s']:g} s: "
                   f"x{r['makespan_s'] / r['ideal_makespan_s']:.3f}; from the first start "
