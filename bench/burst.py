@@ -118,7 +118,9 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Seque
     if prefix:
         logdir.chmod(0o1777)
     env = sim.environ()
-    watcher = Clock(sim.layout.queue_dir if tool.startswith("cudawrap") else None)
+    # The queue directory's departures clock a run deciding for itself; a service's runs
+    # never enter it (GRANTED_AT says when it granted them).
+    watcher = Clock(sim.layout.queue_dir if tool.startswith("cudawrap") and granted_at is None else None)
     jobs = [Job(i, 0.0) for i in range(n)]
     procs: List[subprocess.Popen] = []
     with open(logdir / "stderr.txt", "ab") as err:

@@ -288,8 +288,9 @@ def _burst(burst: Dict[str, Any]) -> List[str]:
                    f"({standin.get('startup_ms')} ms from spawn to its start line when run alone) and "
                    f"its exit after its end line ({standin.get('end_to_exit_ms')} ms), and on 2 cores the "
                    f"start-ups of a round compete for CPU. Grant = the job's process exited (its lease "
-                   f"released; a pidfd) -> the waiter's queue entry removed (cudawrap has handed it the "
-                   f"device; inotify), both stamped by one SCHED_FIFO thread.")
+                   f"released; the kernel's process event, with the kernel's time; as root) -> the waiter's "
+                   f"queue entry removed (cudawrap has handed it the device; inotify, stamped by a "
+                   f"SCHED_FIFO thread).")
         out.append("")
         spans = data.get("makespan") or {}
         if spans:

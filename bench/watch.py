@@ -88,10 +88,11 @@ class Clock(threading.Thread):
     keys / first_seen / left: per waiter (by pid) its queue key (which orders arrivals), when
     its entry appeared and when it was removed.
 
-    One thread, so a departure is never stamped before the exit that caused it. With the
-    kernel's stamps it runs as any process does, and takes no CPU from what it measures;
-    with pidfds only, it runs SCHED_FIFO where it may, so the load it measures does not
-    delay its stamps (it wakes, reads the clock and sleeps again: negligible CPU).
+    One thread, so a departure is never stamped before the exit that caused it. Where it
+    stamps by waking (queue departures; pidfds without the kernel's events) it runs
+    SCHED_FIFO where it may, so the load it measures does not delay its stamps (it wakes,
+    reads the clock and sleeps again: negligible CPU); with the kernel's stamps alone, as
+    any process does.
     """
 
     def __init__(self, queue_dir: Optional[Path] = None) -> None:
@@ -163,16 +164,18 @@ class Clock(threading.Thread):
 
     # -- the thread ------------------------------------------------------------------
     def run(self) -> None:
-        if self.kernel:
-            # The kernel stamps each event: they may wait in the socket until this thread
-            # gets the CPU, and it must not take it from what it measures (the service, the
-            # waiter's exec) on 2 cores. Room for a burst's events meanwhile.
+        if self._events is not None:
+            # The kernel stamps each of its events: they may wait in the socket until this
+            # thread gets the CPU. Room for a burst's events meanwhile.
             with contextlib.suppress(OSError):
                 self._events.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 32 << 20)
-        else:
+        if self._watch is not None or self._events is None:
             with contextlib.suppress(OSError, AttributeError):
-                # A pidfd is stamped when this thread wakes: as root it runs first, so the
-                # load it measures does not delay its stamps. Not root: they may lag.
+                # A queue entry's removal (and, without the kernel's events, a pidfd) is
+                # stamped when this thread wakes: as root it runs first, so the load it
+                # measures does not delay its stamps. Not root: they may lag. With the
+                # kernel's stamps alone it runs as any process does, and takes no CPU from
+                # what it measures (the service, the waiter's exec) on 2 cores.
                 os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
