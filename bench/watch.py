@@ -91,8 +91,8 @@ class Clock(threading.Thread):
     One thread, so a departure is never stamped before the exit that caused it. Where it
     stamps by waking (queue departures; pidfds without the kernel's events) it runs
     SCHED_FIFO where it may, so the load it measures does not delay its stamps (it wakes,
-    reads the clock and sleeps again: negligible CPU); with the kernel's stamps alone, as
-    any process does.
+    reads the clock and sleeps again: negligible CPU); with the kernel's stamps alone,
+    SCHED_IDLE.
     """
 
     def __init__(self, queue_dir: Optional[Path] = None) -> None:
@@ -169,14 +169,17 @@ class Clock(threading.Thread):
             # thread gets the CPU. Room for a burst's events meanwhile.
             with contextlib.suppress(OSError):
                 self._events.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 32 << 20)
-        if self._watch is not None or self._events is None:
-            with contextlib.suppress(OSError, AttributeError):
+        with contextlib.suppress(OSError, AttributeError):
+            if self._watch is not None or self._events is None:
                 # A queue entry's removal (and, without the kernel's events, a pidfd) is
                 # stamped when this thread wakes: as root it runs first, so the load it
-                # measures does not delay its stamps. Not root: they may lag. With the
-                # kernel's stamps alone it runs as any process does, and takes no CPU from
-                # what it measures (the service, the waiter's exec) on 2 cores.
+                # measures does not delay its stamps. Not root: they may lag.
                 os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+            else:
+                # The kernel's stamps alone: it runs only when nothing else wants the CPU,
+                # so it takes none from what it measures (the service, the waiter's exec;
+                # it woke at every exec and exit on the machine, on 2 cores).
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         if self._watch is not None:
