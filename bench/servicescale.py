@@ -42,10 +42,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import IO, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -62,38 +61,16 @@ GRANTED = re.compile(r"granted \S+ to uid \d+ pid (\d+)")
 RESERVE_MIB = 3072
 
 
-class Tap(threading.Thread):
-    """The service's output, to its log, each "granted ... pid N" line noted (which runs the
-    service says it granted). Not to split a hand-over: the service prints that line once the
-    step is done, often after the run's exec; ledger_grants has when it decided. No figure
-    is taken from its stamps (they are for reading the log), so it runs as any process
-    does: it must not take the CPU from the service or a run's exec on 2 cores."""
-
-    def __init__(self, stream: IO[bytes], log: Path) -> None:
-        super().__init__(daemon=True)
-        self.stream = stream
-        self.log = log
-        self.granted: Set[int] = set()  # the pids the service said it granted
-        self.start()
-
-    def run(self) -> None:
-        with open(self.log, "ab") as out:
-            for line in iter(self.stream.readline, b""):
-                now = time.time()
-                found = GRANTED.search(line.decode(errors="replace"))
-                if found:
-                    self.granted.add(int(found.group(1)))
-                out.write(b"%.6f " % now + line)
-                out.flush()
-
-
 class Service:
-    """`cudawrap serve` running on a simulated machine, its output stamped into a log."""
+    """`cudawrap serve` running on a simulated machine, its output written to LOG from
+    offset SINCE (a file, not a pipe: nothing in the benchmark wakes at each of its lines,
+    such as the "granted" line it prints while a run execs, to take the CPU from the run)."""
 
-    def __init__(self, proc: subprocess.Popen, tap: Tap) -> None:
+    def __init__(self, proc: subprocess.Popen, log: Path, since: int) -> None:
         self.proc = proc
         self.pid = proc.pid
-        self.tap = tap
+        self.log = log
+        self.since = since
 
     def monitor_pid(self) -> Optional[int]:
         """The child the service forked for the monitor's loop."""
@@ -104,7 +81,11 @@ class Service:
         return int(children[0]) if children else None
 
     def granted_pids(self) -> Set[int]:
-        return set(self.tap.granted)  # a copy: the tap goes on adding
+        """The pids the service said it granted ("granted ... pid N" lines)."""
+        with open(self.log, "rb") as f:
+            f.seek(self.since)
+            text = f.read().decode(errors="replace")
+        return {int(found.group(1)) for found in GRANTED.finditer(text)}
 
     def waiting(self, root: Path) -> Optional[Set[int]]:
         """The pids the service has in line now (its status answer), None if it does not answer."""
@@ -156,20 +137,19 @@ def serving(sim: Sim, enforce: bool = False) -> Iterator[Service]:
         _set_enforce(config, True)
     sock = sim.layout.runtime_dir / "cudawrap.sock"
     log = sim.work / f"serve{'-enforce' if enforce else ''}.log"
-    proc = subprocess.Popen([sim.install.cudawrap, "serve"], env=sim.machine.environ(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    assert proc.stdout is not None
-    tap = Tap(proc.stdout, log)
+    with open(log, "ab") as out:
+        since = out.tell()
+        proc = subprocess.Popen([sim.install.cudawrap, "serve"], env=sim.machine.environ(),
+                                stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while not _answers(sock):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"cudawrap serve did not start: {log.read_text(errors='replace')[-1000:]}")
             time.sleep(0.05)
-        yield Service(proc, tap)
+        yield Service(proc, log, since)
     finally:
         stop(proc, 30)
-        tap.join(10)
         if enforce:
             if saved is None:
                 config.unlink()
