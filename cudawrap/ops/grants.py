@@ -213,7 +213,7 @@ class Grants:
         """Whether the whole device UUID of HELD was sent to another run since: the service
         found its lease free then. In a burst the next run has it locked before this
         client's exit is read, so its lease reads held; taken for this grant's, its end was
-        recorded at the next run's (a second late, test_ledger_service)."""
+        recorded at the next run's (a second late: tests/test_grants_ended.py)."""
         return (any(uuid in p.devices and uuid not in p.slots for p in self.pending.values())
                 or any(g is not held and g.since > held.since and uuid in g.devices and uuid not in g.slots
                        for g in self.held.values()))

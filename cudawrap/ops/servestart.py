@@ -70,11 +70,11 @@ def _hold_service_lock(root: str) -> int:
 
 def start_monitor(layout: object, lock: int) -> int:
     """The monitor's loop (ops/monitor.py: the snapshot, the ledger's look at foreign work,
-    health, memory, metrics) in a child of the service: it shares nothing with the grant
-    path (no lock, no interpreter), runs at the monitor unit's Nice=, dies with the service
-    (PR_SET_PDEATHSIG: also when the service is killed with -9), and waits its turn while a
-    cudawrap-monitor unit runs one.
-    It lets go of the service's LOCK: that says the service lives, not its monitor."""
+    health, memory, metrics) in a child of the service: it shares no interpreter with the
+    grant path, and one lock (the ledger's, which its look holds ~1-3 ms: ledger.observe);
+    it runs at the monitor unit's Nice=, dies with the service (PR_SET_PDEATHSIG: also when
+    the service is killed with -9), and waits its turn while a cudawrap-monitor unit runs
+    one. It lets go of the service's LOCK: that says the service lives, not its monitor."""
     pid = os.fork()
     if pid:
         return pid
