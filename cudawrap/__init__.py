@@ -89,11 +89,21 @@ def say(prog: str, message: str) -> None:
 
 
 def original_environ() -> "Dict[bytes, bytes]":
-    """The caller's environment exactly as it was passed to us, byte for byte.
+    """The caller's environment exactly as it was passed to us, byte for byte (a copy of its own).
 
     Python adds LC_CTYPE when it coerces a C locale, and os.environ cannot tell us what
-    it changed; the kernel's copy in /proc/self/environ is the untouched original.
+    it changed; the kernel's copy in /proc/self/environ is the untouched original, and it
+    never changes: read once, while the service decides (_converse).
     """
+    if not _ORIGINAL:
+        _ORIGINAL.append(_read_environ())
+    return dict(_ORIGINAL[0])
+
+
+_ORIGINAL: "List[Dict[bytes, bytes]]" = []
+
+
+def _read_environ() -> "Dict[bytes, bytes]":
     try:
         fd = posix.open("/proc/self/environ", posix.O_RDONLY | posix.O_CLOEXEC)
     except OSError:
@@ -217,8 +227,9 @@ def _converse(sock: "Any", request: bytes, prog: str, run: "Tuple[str, str, List
     try:
         sock.sendall(request)
         # Loaded while the service decides, not once the grant is here (a C extension: ~0.2 ms
-        # of a hand-over when lock_granted imported it first).
+        # of a hand-over when lock_granted imported it first); the environment to exec with too.
         import fcntl  # noqa: F401
+        original_environ()
         while True:
             data, ancillary, _flags, _addr = sock.recvmsg(
                 wire.MAX_MESSAGE, _socket.CMSG_SPACE(wire.MAX_FDS * wire.FD_BYTES))

@@ -9,7 +9,7 @@ import time
 from typing import Dict, Optional, Tuple
 
 from .. import wire
-from ..errors import SetupError
+from ..errors import CudawrapError, SetupError
 from ..sched.schedule import Waiter
 from . import asks, peer
 from .slurmjob import JobCgroup
@@ -34,6 +34,10 @@ class Client:
         self.told = ""
         self.arrival_ns = 0
         self.ticket_at = float("-inf")  # when it was last given a ticket (time.monotonic())
+        # What the kernel says of it, read when it connects (Service._learn): its Slurm job
+        # and the wrapped program it is a shim run of; or why they could not be read.
+        self.facts: Optional[Tuple[Optional[JobCgroup], Optional[str]]] = None
+        self.facts_error: Optional[CudawrapError] = None
 
     @property
     def fresh(self) -> bool:

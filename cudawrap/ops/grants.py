@@ -197,9 +197,8 @@ class Grants:
     def check(self, held: Held) -> bool:
         """Whether every lease of HELD is let go (its client has exited): free now, or sent
         since to another run; frees the pidfd then."""
-        held.ended = [u for u in held.devices if u in held.ended
-                      or (self._slot_let_go(held, u) if u in held.slots
-                          else self.sent_since(held, u) or self.leases.free_now(u))]
+        held.ended = [u for u in held.devices if u in held.ended or self.sent_since(held, u)
+                      or (self.leases.slot_free(u, held.slots[u]) if u in held.slots else self.leases.free_now(u))]
         if len(held.ended) < len(held.devices):
             self._mps_access(held)
             return False
@@ -210,20 +209,17 @@ class Grants:
         return True
 
     def sent_since(self, held: Held, uuid: str) -> bool:
-        """Whether the whole device UUID of HELD was sent to another run since: the service
-        found its lease free then. In a burst the next run has it locked before this
-        client's exit is read, so its lease reads held; taken for this grant's, its end was
-        recorded at the next run's (a second late: tests/test_grants_ended.py)."""
-        return (any(uuid in p.devices and uuid not in p.slots for p in self.pending.values())
-                or any(g is not held and g.since > held.since and uuid in g.devices and uuid not in g.slots
-                       for g in self.held.values()))
-
-    def _slot_let_go(self, held: Held, uuid: str) -> bool:
-        """Whether HELD's share of UUID is over: its slot is free, or was sent since to
-        another run (so it was free then)."""
-        slot = held.slots[uuid]
-        others = [g.slots for g in list(self.pending.values()) + list(self.held.values()) if g is not held]
-        return slot == 0 or any(s.get(uuid) == slot for s in others) or self.leases.slot_free(uuid, slot)
+        """Whether HELD's hold on UUID went to another run since, which the service found free
+        then: its share's slot (0: none was taken), or the whole device. In a burst the next
+        run has the device locked before this client's exit is read, so its lease reads held;
+        taken for this grant's, its end was recorded at the next run's (a second late:
+        tests/test_grants_ended.py)."""
+        pending, held_now = self.pending.values(), [g for g in self.held.values() if g is not held]
+        if uuid in held.slots:
+            slot = held.slots[uuid]
+            return slot == 0 or any(g.slots.get(uuid) == slot for g in list(pending) + held_now)
+        return (any(uuid in p.devices and uuid not in p.slots for p in pending)
+                or any(g.since > held.since and uuid in g.devices and uuid not in g.slots for g in held_now))
 
     def slots_held(self, pid: int, devices: List[str], slots: Dict[str, int]) -> Dict[str, int]:
         """uuid -> the slot of it whose lock PID took, as the lock table says (0: none now),

@@ -192,10 +192,9 @@ class Line:
         meet its client taking it (its lock is taken without waiting)."""
         table = {}
         now = time.monotonic()
-        for uuid in self.present:
+        for uuid, ident in self.leases.idents(self.present).items():
             if uuid in claimed:
                 continue
-            ident = self.leases.ident(uuid)
             if ident is not None and not self._free(uuid, now):
                 table[ident] = [UNNAMED_HOLDER]
         return Scan([], table, {})
@@ -215,8 +214,7 @@ class Line:
             return None
         table = {}
         now = time.monotonic()
-        for uuid in self.present:
-            ident = self.leases.ident(uuid)
+        for uuid, ident in self.leases.idents(self.present).items():
             if ident is None:
                 continue
             slots = self.acquirer.slots.get(uuid, 1)

@@ -237,7 +237,9 @@ class Service:
                 continue
             self.clients[sock.fileno()] = client
             self.selector.register(sock, selectors.EVENT_READ, client)
-            # A shim sends its request at once: read it now, not a turn later (else one EAGAIN).
+            # What the kernel says of it is read while its request is on the way: by the time
+            # that is done, the request is there, and read in this turn, not the next.
+            self._learn(client)
             self._readable(client)
 
     def _drop(self, client: Client) -> None:
@@ -289,16 +291,24 @@ class Service:
         else:
             self._fail(client, os.EX_PROTOCOL, f"the cudawrap service: a {verb} message out of turn")
 
+    def _learn(self, client: Client) -> None:
+        """What the kernel says of CLIENT (Client.facts): its Slurm job, from its cgroup, and
+        the wrapped program it is a shim run of (peer.program), from its command line."""
+        try:
+            client.facts = (slurmjob.job_of(client.peer.pid), peer.program(client.peer.pid, self.root))
+        except CudawrapError as exc:
+            client.facts_error = exc
+
     def _request(self, client: Client, fields: Dict[str, str]) -> None:
         client.arrival_ns = time.time_ns()  # its place in line: when it asked (or a ticket's, in _ask)
-        try:
-            job = slurmjob.job_of(client.peer.pid)
-        except CudawrapError as exc:
+        if client.facts_error is not None:
+            exc = client.facts_error
             self._fail(client, exc.exit_code, exc.message, exc.hint or "")
             return
-        if not client.peer.alive():
+        if client.facts is None or not client.peer.alive():
             self._drop(client)  # its pid may be another's now: what /proc said is not the client's
             return
+        job = client.facts[0]
         known = self.jobs.get(job) if job is not None else None
         if job is not None and known is None:
             client.resolving = (job, fields)  # Slurm answers on a worker; others are served meanwhile
@@ -325,8 +335,9 @@ class Service:
         if (self.renamed or not self.line.watched) and self.line.changed():
             self.line.load()
         self.renamed = False
+        assert client.facts is not None
+        link = client.facts[1]
         try:
-            link = peer.program(client.peer.pid, self.root)
             ask = asks.read_kept(self.root, self.line.inventory, fields, link, client.peer.uid, self.line.present, job)
         except CudawrapError as exc:
             self._fail(client, exc.exit_code, exc.message, exc.hint or "")

@@ -225,7 +225,7 @@ class MachineView:
         used: Dict[str, List[int]] = {}
         closed: Set[str] = set()  # shared, but to take no new shares
         self.foreign_busy = set()
-        idents = {uuid: self.leases.ident(uuid) for uuid in self.current}
+        idents = self.leases.idents(self.current)
         owners = self._owners({ident: table[ident] for ident in idents.values() if ident in table})
         for uuid, ident in idents.items():
             if ident is None:
@@ -382,7 +382,10 @@ class MachineView:
         self.joined = set(shares.used)
         self.used = shares.used
         limits = {w.uid: self._limit(w.uid) for w in waiters}
-        fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free or u in shares.used}
+        # Read only by the filters on free memory and utilisation (Waiter.can_use).
+        filtered = any(w.min_free_mib > 0 or w.max_util < 100 for w in waiters)
+        fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items()
+               if u in free or u in shares.used} if filtered else None
         from .schedule import decide
 
         verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares, self._bounds())
@@ -394,5 +397,6 @@ class MachineView:
 
         if self.admin_bounds is None:
             self.admin_bounds = self.admin() if self.admin is not None else (0.0, 0)
-        leasable = frozenset(u for u in self.current if u not in self.lost and self.leases.ident(u) is not None)
+        leasable = frozenset(u for u, ident in self.leases.idents(self.current).items()
+                             if ident is not None and u not in self.lost)
         return Bounds(self.admin_bounds[0], self.admin_bounds[1], leasable)

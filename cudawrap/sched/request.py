@@ -85,16 +85,14 @@ def place(eligible: Sequence[str], count: int, placement: str, parents: Mapping[
         total[parent] = total.get(parent, 0) + 1
         if uuid in busy:
             taken[parent] = taken.get(parent, 0) + 1
-    rank = {uuid: i for i, uuid in enumerate(eligible)}
     sign = -1 if placement == "pack" else 1
     chosen: List[str] = []
     pool = list(eligible)
     while len(chosen) < count:
-        def key(u: str) -> Tuple[float, int]:
-            parent = parents.get(u, u)
-            return (sign * taken.get(parent, 0) / total.get(parent, 1), rank[u])
-
-        best = min(pool, key=key)
+        # Each physical GPU's share of busy devices (signed); min() keeps the first of equals,
+        # and POOL is in the machine's order.
+        share = {parent: sign * taken.get(parent, 0) / n for parent, n in total.items()}
+        best = min(pool, key=lambda u: share.get(parents.get(u, u), 0.0))
         pool.remove(best)
         chosen.append(best)
         parent = parents.get(best, best)
