@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from about import checkout, machine_info  # noqa: E402
 from overhead import BARE, BARE_S, measure  # noqa: E402
 from report import machine_line  # noqa: E402
-from servicescale import run_servicescale, serving  # noqa: E402
+from servicescale import ledger_records, run_servicescale, serving  # noqa: E402
 from servicescale import show as show_servicescale  # noqa: E402
 from sim import Bench, Peers, Sim  # noqa: E402
 
@@ -78,13 +78,10 @@ def ledger_accuracy(sim: Sim, runs: int, hold: float) -> dict:
     for rec in map(json.loads, log.read_text().splitlines()):
         logged.setdefault(rec["pid"], {})[rec["event"]] = rec["time"]
     pids = set(logged)
-    ledger = sim.layout.state_dir / "ledger"
     deadline = time.monotonic() + 10
     ends: List[dict] = []
     while time.monotonic() < deadline:
-        if ledger.exists():
-            ends = [r for r in map(json.loads, ledger.read_text().splitlines())
-                    if r.get("event") == "end" and r.get("pid") in pids]
+        ends = ledger_records(sim, "end", pids, service=False)
         if len(ends) >= len(pids):
             break
         time.sleep(0.05)

@@ -237,15 +237,22 @@ def _handed_over(jobs: List[dict]) -> List[dict]:
     return [j for runs in by_device.values() for j in sorted(runs, key=lambda j: j["start"])[1:]]
 
 
+def ledger_records(sim: Sim, event: str, pids: Optional[Set[int]] = None, service: bool = True) -> List[dict]:
+    """The ledger's records of EVENT ("grant" or "end"): the service's (or anyone's, unless
+    SERVICE), of PIDS (None: every pid's)."""
+    from cudawrap.ops import ledgerfile
+
+    return [r for r in ledgerfile.read([ledgerfile.ledger_path(sim.layout)], [])
+            if r["event"] == event and (not service or r.get("seen_by") == "service")
+            and (pids is None or r.get("pid") in pids)]
+
+
 def ledger_grants(sim: Sim, since: float) -> Dict[int, float]:
     """pid -> when the service recorded its grant (the record's `seen`, time.time() just before
     the descriptors were sent), for the service's grants recorded since SINCE."""
-    from cudawrap.ops import ledgerfile
-
     out: Dict[int, float] = {}
-    for record in ledgerfile.read([ledgerfile.ledger_path(sim.layout)], []):
-        if (record["event"] == "grant" and record.get("seen_by") == "service"
-                and isinstance(record.get("seen"), float) and record["seen"] >= since):
+    for record in ledger_records(sim, "grant"):
+        if isinstance(record.get("seen"), float) and record["seen"] >= since:
             out.setdefault(record["pid"], record["seen"])
     return out
 
@@ -253,10 +260,7 @@ def ledger_grants(sim: Sim, since: float) -> Dict[int, float]:
 def ledger_ends(sim: Sim, pids: Set[int]) -> Dict[int, float]:
     """pid -> the end the ledger recorded for the service's grant to PIDS (its `end`, to the
     millisecond)."""
-    from cudawrap.ops import ledgerfile
-
-    return {r["pid"]: r["end"] for r in ledgerfile.read([ledgerfile.ledger_path(sim.layout)], [])
-            if r["event"] == "end" and r.get("pid") in pids and r.get("seen_by") == "service"}
+    return {r["pid"]: r["end"] for r in ledger_records(sim, "end", pids)}
 
 
 def _open_to_all(sim: Sim) -> Optional[str]:
