@@ -164,12 +164,21 @@ class Census:
     at once (a successor that expects too few would end its grace before all are back), a
     fall at most once a second (one that expects too many only waits out GRACE_S), and
     the same count again every REFRESH_S, so its time says whether those tickets may still
-    be live."""
+    be live.
+
+    It is written in place, one record of one length over the last, through a descriptor
+    kept open: a reader sees one record whole (a successor reads it once this service is
+    gone), and the loop that writes it between hand-overs pays a write, not a new file
+    renamed over the old one (~2.4 ms on ext4, which flushes the new file's data first: a
+    runtime directory that is no tmpfs, as in a prefix install)."""
+
+    WIDTH = 10  # digits of the count: every record is as long as the last
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.written = -1
         self.at = float("-inf")
+        self.fd = -1
 
     def previous(self, now: float) -> int:
         """How many runs waited in the service before this one (0 if it said nothing, or its
@@ -199,7 +208,25 @@ class Census:
         if count < self.written and now - self.at < 1.0:
             return
         try:
-            _replace(self.path, f"{count} {time.time():.3f}\n".encode("ascii"), 0o644)
+            self._write(f"{count:{self.WIDTH}d} {time.time():.3f}\n".encode("ascii"))
         except OSError:
             return  # the runtime directory is gone: a restart then waits for nobody
         self.written, self.at = count, now
+
+    def _write(self, record: bytes) -> None:
+        if self.fd >= 0 and os.fstat(self.fd).st_nlink == 0:
+            os.close(self.fd)  # removed meanwhile (the runtime directory made anew): a new file
+            self.fd = -1
+        if self.fd < 0:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+                    raise OSError(f"{self.path} is not a file of the service's own")
+                os.fchmod(fd, 0o644)  # whatever the umask
+                os.ftruncate(fd, 0)  # a longer record of an older version's
+            except OSError:
+                os.close(fd)
+                raise
+            self.fd = fd
+        os.pwrite(self.fd, record, 0)

@@ -202,18 +202,23 @@ def starving(waiter: Waiter, now: float, bounds: Bounds = UNBOUNDED) -> bool:
 def order(waiters: Sequence[Waiter], held: Mapping[int, int], now: float,
           bounds: Bounds = UNBOUNDED) -> List[Waiter]:
     """WAITERS in the order they are served (rules 1 and 2 above)."""
-    first = sorted((w for w in waiters if starving(w, now, bounds)), key=lambda w: (w.arrival, w.key))
+    first: List[Waiter] = []
     queues: Dict[int, List[Waiter]] = {}
-    for w in sorted((w for w in waiters if not starving(w, now, bounds)), key=lambda w: (w.arrival, w.key)):
-        queues.setdefault(w.uid, []).append(w)
+    for w in sorted(waiters, key=lambda w: (w.arrival, w.key)):
+        if starving(w, now, bounds):
+            first.append(w)
+        else:
+            queues.setdefault(w.uid, []).append(w)
     counts = {uid: held.get(uid, 0) for uid in queues}
+    served = {uid: 0 for uid in queues}  # how many of each user's queue are placed (no pop(0): a thousand waiters of one user made it quadratic)
     rest: List[Waiter] = []
     while queues:
-        uid = min(queues, key=lambda u: (counts[u], queues[u][0].arrival, queues[u][0].key))
-        w = queues[uid].pop(0)
+        uid = min(queues, key=lambda u: (counts[u], queues[u][served[u]].arrival, queues[u][served[u]].key))
+        w = queues[uid][served[uid]]
+        served[uid] += 1
         rest.append(w)
         counts[uid] += w.count
-        if not queues[uid]:
+        if served[uid] == len(queues[uid]):
             del queues[uid]
     return first + rest
 
