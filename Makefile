@@ -1,6 +1,6 @@
 # make test: the test suite in a private virtual environment (.venv), created on first use.
 # make test-fast: the same without the tests marked slow or root, for the edit loop.
-# make deb: build dist/cudawrap_VERSION_all.deb (dh + dh-virtualenv; see debian/rules).
+# make deb: build dist/cudawrap_VERSION_ARCH.deb (dh + dh-virtualenv; see debian/rules).
 # make packaging: regenerate packaging/ from the code (completion, units, tmpfiles entry, man pages).
 
 PYTHON ?= python3
@@ -62,6 +62,7 @@ deb:
 		if [ -n "$$(git -c safe.directory="$(CURDIR)" status --porcelain --untracked-files=no)" ]; then \
 		commit="$$commit with uncommitted changes"; fi && echo "$$commit" > build/deb/cudawrap/debian/build-commit
 	cd build/deb/cudawrap && dpkg-buildpackage -b -us -uc
+	rm -f dist/cudawrap_*.deb
 	cp build/deb/cudawrap_*.deb dist/
 	@ls dist/cudawrap_*.deb
 

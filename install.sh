@@ -50,7 +50,7 @@ Install cudawrap from this source directory, or upgrade an existing install in p
   --unwrap-all      with --uninstall: run `cudawrap unwrap --all` first
   --keep-wraps      with --uninstall, to move to the Debian package: keep the wrapped
                     programs, the registry, the config and the leases for it (they
-                    cannot start until `apt-get install ./cudawrap_VERSION_all.deb`)
+                    cannot start until `apt-get install ./cudawrap_VERSION_ARCH.deb`)
   -h, --help        show this help
 
 Exit codes: 0 done (also when no NVIDIA driver was found: that is a warning),

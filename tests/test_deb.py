@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cudawrap import __version__, locations as loc
+from cudawrap import __version__, locations as loc, waiter_usable
 from cudawrap.base.daemon import running
 from cudawrap.install.installation import Layout, manifest_file, wheel_dir
 from cudawrap.cli.manpages import PAGES
@@ -66,7 +66,7 @@ def run(*argv: object, env: dict, timeout: float = 600) -> subprocess.CompletedP
 
 @pytest.fixture(scope="module")
 def deb(wheelhouse) -> Path:
-    """dist/cudawrap_VERSION_all.deb, built by `make deb` (offline from the wheelhouse)."""
+    """dist/cudawrap_VERSION_ARCH.deb, built by `make deb` (offline from the wheelhouse)."""
     system_tests_allowed()  # the build alone takes a minute: only where the test will run
     env = clean_env()
     if wheelhouse:
@@ -74,7 +74,8 @@ def deb(wheelhouse) -> Path:
     r = subprocess.run(["make", "deb"], cwd=SOURCE, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    (built,) = (SOURCE / "dist").glob("cudawrap_*_all.deb")
+    arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
+    (built,) = (SOURCE / "dist").glob(f"cudawrap_*_{arch}.deb")
     return built
 
 
@@ -101,7 +102,7 @@ def test_deb_install_wrap_refuse_unwrap_purge(deb, public_dir, fakenvml_lib, whe
                  DEFAULT_CONFIG, wheel, "/lib/systemd/system/cudawrap-sync.service",
                  "/lib/systemd/system/cudawrap-monitor.service", "/lib/systemd/system/cudawrap-mps.service",
                  "/lib/systemd/system/cudawrap.service", "/usr/lib/tmpfiles.d/cudawrap.conf",
-                 "/usr/share/bash-completion/completions/cudawrap"):
+                 "/usr/share/bash-completion/completions/cudawrap", "/opt/cudawrap/bin/cudawrap-wait"):
         assert path in files, path
     for page in PAGES:
         section = page.rsplit(".", 1)[1]
@@ -118,6 +119,11 @@ def test_deb_install_wrap_refuse_unwrap_purge(deb, public_dir, fakenvml_lib, whe
         assert dpkg_status() == "install ok installed"
         # postinst made the shim and ran `cudawrap sync`: a lease file per simulated GPU.
         assert system.shim.read_text().startswith("#!/opt/cudawrap/venv/bin/python -IS\n")
+        # The waiter the package built: the shim's owner's, writable by nobody else (the shim
+        # uses it then), and a program of this machine's (it refuses a start not the shim's).
+        assert waiter_usable(os.stat(system.waiter), system.shim.stat().st_uid)
+        waited = run(system.waiter, env=env)
+        assert waited.returncode == 64 and "started by something other than the cudawrap shim" in waited.stderr
         assert sorted(os.listdir(system.lease_dir)) == sorted(fake.leaf_uuids())
         assert subprocess.run(["man", "-w", "cudawrap.toml"], capture_output=True).returncode == 0
         # The configuration is the commented default, written by postinst, not dpkg's.
@@ -193,7 +199,7 @@ def test_from_install_sh_to_the_deb_keeps_wraps_config_and_leases(deb, public_di
 
         r = install_sh("--uninstall", "--keep-wraps", env=env)
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "now run `sudo apt-get install ./cudawrap_VERSION_all.deb`" in r.stdout
+        assert "now run `sudo apt-get install ./cudawrap_VERSION_ARCH.deb`" in r.stdout
         assert not manifest_file(system).exists() and not system.venv_dir.exists()
         assert [p for p in INSTALL_SH_OWNED if os.path.lexists(p)] == []
         assert not wheel_dir(system).exists()

@@ -389,7 +389,7 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
         f"programs and their shims ({layout.shim_dir}), {layout.state_dir} (registry, drains, ledger), "
         f"{layout.config_file} and {layout.runtime_dir} (the leases of running programs)")
     say("==> wrapped programs cannot start until the package is installed: now run "
-        "`sudo apt-get install ./cudawrap_VERSION_all.deb` (or `sudo ./install.sh` to go back)")
+        "`sudo apt-get install ./cudawrap_VERSION_ARCH.deb` (or `sudo ./install.sh` to go back)")
 
 
 def _unwrap_all(layout: Layout, environ: Dict[str, str], count: int, say: Callable[[str], None]) -> None:
