@@ -120,6 +120,10 @@ def test_the_census_tells_a_successor_how_many_hold_tickets_while_they_may_be_li
     assert Census(path).previous(time.time()) == 5
     census.note(1, 101.2)
     assert Census(path).previous(time.time()) == 1
+    census.note(0, 101.3, exact=True)  # the service's last word as it stops: now
+    assert Census(path).previous(time.time()) == 0
+    census.note(4, 101.4)  # a rise: at once, whenever the last word was
+    assert Census(path).previous(time.time()) == 4
     assert Census(path).previous(time.time() + tickets.TTL_S + 1) == 0  # their tickets have lapsed
     path.chmod(0o666)  # writable by others: not the service's word
     assert Census(path).previous(time.time()) == 0
@@ -326,6 +330,46 @@ def test_a_waiter_stopped_across_the_restart_goes_before_a_newcomer_of_the_grace
     finally:
         second.terminate()
         second.wait(timeout=10)
+
+
+@pytest.mark.root
+@root_only
+def test_a_service_stopped_cleanly_leaves_its_successor_no_grace_for_runs_that_left_the_line(mu) -> None:
+    """The census's falls are written at most once a second, so the runs granted in the last
+    one still count there; a clean stop writes the count of that moment, and the next
+    service answers at once instead of waiting out its grace for runs that are not coming."""
+    inst = _enforced(mu, retry=30)
+    served = Served(inst)
+    holders = served.fill()
+    census = Census(inst.layout.service_waiters)
+    waiters = [inst.start(inst.world.alice, "recon", "--hold", "60", CUDAWRAP_WAIT="120") for _ in range(2)]
+    second: Optional[subprocess.Popen] = None
+    try:
+        for waiter in waiters:
+            assert b"waiting for a device" in waiter.stderr.readline()
+        assert census.previous(time.time()) == 2  # a rise is written at once
+        for holder in holders[:2]:
+            holder.kill()
+            holder.wait()
+        for waiter in waiters:
+            assert len(ready_line(waiter)["devices"]) == 1
+        served.proc.terminate()
+        assert served.proc.wait(timeout=10) == 0
+        assert census.previous(time.time()) == 0
+        out = inst.dir / "service-2.log"
+        second = _serve(inst, out)
+        hasty = inst.start(inst.world.bob, "recon", CUDAWRAP_WAIT="0")
+        assert hasty.wait(timeout=30) == 75
+        said = hasty.stderr.read()
+        assert b"no free device" in said and b"just restarted" not in said, said
+        assert not _said(out, "runs that waited before the restart")
+    finally:
+        if second is not None:
+            second.terminate()
+            second.wait(timeout=10)
+        for proc in holders[2:] + waiters:
+            proc.kill()
+            proc.wait()
 
 
 # A raw client: prints its pid, then opens one connection per line of stdin (a ticket, or

@@ -96,6 +96,9 @@ class Service:
 
     def close(self) -> None:
         accounts.release()
+        # The runs waiting now are those a successor waits for (those that left the line in
+        # the last second are not, though a fall is written at most once a second).
+        self.comeback.census.note(self._holders(), time.monotonic(), exact=True)
         for client in list(self.clients.values()):
             self._drop(client)
         try:

@@ -201,11 +201,13 @@ class Census:
             return 0
         return int(words[0]) if now - said < TTL_S else 0
 
-    def note(self, count: int, now: float) -> None:
-        """Record COUNT waiters (NOW: time.monotonic()), as often as the class says."""
-        if count == self.written and now - self.at < REFRESH_S:
+    def note(self, count: int, now: float, exact: bool = False) -> None:
+        """Record COUNT waiters (NOW: time.monotonic()), as often as the class says; EXACT:
+        now, whatever was written when (the service's last word as it stops: a successor
+        told of runs that left the line meanwhile would wait out its grace for them)."""
+        if not exact and count == self.written and now - self.at < REFRESH_S:
             return
-        if count < self.written and now - self.at < 1.0:
+        if not exact and count < self.written and now - self.at < 1.0:
             return
         try:
             self._write(f"{count:{self.WIDTH}d} {time.time():.3f}\n".encode("ascii"))
