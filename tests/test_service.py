@@ -368,6 +368,15 @@ def test_private_status_hides_other_users_and_bounds_come_from_the_config(mu) ->
                 "socks[5].settimeout(5); print(socks[5].recv(4096).decode().splitlines()[0])\n")
         done = inst.py(inst.world.bob, code, str(served.sock))
         assert done.stdout.decode().strip() == "cudawrap/1 error", done.stderr.decode()
+        # Those gone, bob may keep five open again: the count follows each connection out.
+        again = ("import socket, sys\n"
+                 "socks = [socket.socket(socket.AF_UNIX) for _ in range(5)]\n"
+                 "for s in socks: s.connect(sys.argv[1])\n"
+                 "socks[4].settimeout(0.5)\n"
+                 "try: print(socks[4].recv(4096).decode().splitlines()[0])\n"
+                 "except socket.timeout: print('accepted')\n")
+        wait_for(lambda: inst.py(inst.world.bob, again, str(served.sock)).stdout.decode().strip() == "accepted",
+                 timeout=10)
         for h in holders + [waiter]:
             h.kill()
     finally:

@@ -63,6 +63,7 @@ class Service:
         layout = Layout(Path(root))
         self.grants = Grants(self.line.leases, layout, enforced(layout), _say)  # say: MPS's ACLs
         self.clients: Dict[int, Client] = {}  # socket fd -> client
+        self.per_uid: Dict[int, int] = {}  # uid -> its connections (counting them was a pass over every client)
         self.selector = selectors.DefaultSelector()
         self.dirty = False
         self.freed = False  # a grant ended: decided on at once, MIN_GAP_S or not
@@ -228,7 +229,7 @@ class Service:
             if who is None:
                 sock.close()
                 continue
-            mine = sum(1 for c in self.clients.values() if c.peer.uid == who.uid)
+            mine = self.per_uid.get(who.uid, 0)
             client = Client(sock, who)
             if who.uid != 0 and mine >= self.max_per_uid:
                 client.send(wire.ERROR, {"code": str(os.EX_TEMPFAIL),
@@ -239,15 +240,20 @@ class Service:
                 who.close()
                 continue
             self.clients[sock.fileno()] = client
+            self.per_uid[who.uid] = mine + 1
             self.selector.register(sock, selectors.EVENT_READ, client)
-            # What the kernel says of it is read while its request is on the way: by the time
-            # that is done, the request is there, and read in this turn, not the next.
+            # What the kernel says of it, read at once: where the client runs on another CPU,
+            # its request arrives meanwhile and is read in this turn, not the next (where our
+            # wake-up took its CPU, the request comes next turn whatever is done first).
             self._learn(client)
             self._readable(client)
 
     def _drop(self, client: Client) -> None:
         if self.clients.pop(client.sock.fileno(), None) is None:
             return
+        left = self.per_uid.pop(client.peer.uid, 1) - 1
+        if left:
+            self.per_uid[client.peer.uid] = left
         self.selector.unregister(client.sock)
         if client.waiter is not None:
             self._void(client.waiter.key)

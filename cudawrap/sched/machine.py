@@ -81,29 +81,6 @@ def _exited(pid: int) -> bool:
     return exiting(pid)
 
 
-class _Readings(dict):  # type: ignore[type-arg]
-    """uuid -> (free MiB, utilisation %) of the devices a decision may give, made at the first
-    look: only filters on them look (Waiter.can_use), and a decision without one need not
-    read every device (nor ask each of a thousand waiters whether it has one)."""
-
-    def __init__(self, make: "Callable[[], Dict[str, Tuple[Optional[int], Optional[int]]]]") -> None:
-        super().__init__()
-        self._make: "Optional[Callable[[], Dict[str, Tuple[Optional[int], Optional[int]]]]]" = make
-
-    def _read(self) -> None:
-        if self._make is not None:
-            self.update(self._make())
-            self._make = None
-
-    def get(self, uuid: str, default: object = None) -> object:  # type: ignore[override]
-        self._read()
-        return super().get(uuid, default)
-
-    def __getitem__(self, uuid: str) -> "Tuple[Optional[int], Optional[int]]":
-        self._read()
-        return super().__getitem__(uuid)
-
-
 class MachineView:
     """What decisions are made on: the leases, the devices (CANDIDATES this run may use,
     of ALL_DEVICES), what NVML said of them and when, and the runs passed over."""
@@ -405,8 +382,7 @@ class MachineView:
         self.joined = set(shares.used)
         self.used = shares.used
         limits = {w.uid: self._limit(w.uid) for w in waiters}
-        fit = _Readings(lambda: {u: (_free_mib(d), d.utilization) for u, d in self.current.items()
-                                 if u in free or u in shares.used})
+        fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free or u in shares.used}
         from .schedule import decide
 
         verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares, self._bounds())
