@@ -203,10 +203,10 @@ def _service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
     pids = {j["pid"] for j in jobs if j["pid"] is not None}
     # Every run in the ledger, each lease ended when its run did (its own end line, and its
     # exit a moment later): a hand-over must not leave the previous grant open.
-    ends = ledger_ends(sim, pids)
-    out["ledger"] = {"runs": len(pids), "counted": len(ends),
-                     "end_after_own_end": summary_ms([ends[j["pid"]] - j["end"] for j in jobs
-                                                      if j["pid"] in ends and j["end"] is not None])}
+    recorded = ledger_ends(sim, pids)
+    out["ledger"] = {"runs": len(pids), "counted": len(recorded),
+                     "end_after_own_end": summary_ms([recorded[j["pid"]] - j["end"] for j in jobs
+                                                      if j["pid"] in recorded and j["end"] is not None])}
     starts = [j["start"] for j in jobs if j["start"] is not None]
     ends = [j["end"] for j in jobs if j["end"] is not None]
     out.pop("after_startup_storm", None)  # it needs the queue directory, which the service's runs never enter

@@ -221,7 +221,7 @@ def test_a_probe_seen_in_the_lock_table_holds_no_device_for_anyone(runtime: Layo
     leases = LeaseFiles(str(runtime.lease_dir))
     acquirer = Acquirer(leases, WaitQueue(str(runtime.queue_dir)), devices, devices, Request(1))
     probe = {leases.ident(other): [(os.getpid(), False)]}
-    free, held, _busy, _shares = acquirer.machine(probe)
+    free, held, _busy, _shares = acquirer.machine(probe, leases.idents(acquirer.current))
     assert other in free and held == {}
     me = make_waiter("1.me", os.getuid(), os.getpid(), 1, None)
     verdicts, free = acquirer.decide(Scan([], probe, {}), me, queued=False)
@@ -320,7 +320,7 @@ def test_a_lease_held_by_nobody_named_is_not_searched_for_among_every_process(
     leases = LeaseFiles(str(runtime.lease_dir))
     acquirer = Acquirer(leases, WaitQueue(str(runtime.queue_dir)), [device], [device], Request(1))
     ident = leases.ident(UUID)
-    free, held, busy, _shares = acquirer.machine({ident: [UNNAMED_HOLDER]})
+    free, held, busy, _shares = acquirer.machine({ident: [UNNAMED_HOLDER]}, leases.idents(acquirer.current))
     assert free == [] and busy == {UUID} and held == {-1: 1} and searched == []
-    acquirer.machine({ident: [UNKNOWN_HOLDER]})
+    acquirer.machine({ident: [UNKNOWN_HOLDER]}, leases.idents(acquirer.current))
     assert searched == [{ident}]

@@ -215,9 +215,10 @@ class MachineView:
             return self._recheck(uuid, now)
         return False
 
-    def machine(self, table: Dict[Tuple[int, int], List[Tuple[int, bool]]]
-                ) -> Tuple[List[str], Dict[int, float], Set[str], Shares]:
-        """(free devices in the machine's order, devices held per uid, busy devices, shares)."""
+    def machine(self, table: Dict[Tuple[int, int], List[Tuple[int, bool]]],
+                idents: Dict[str, Optional[Tuple[int, int]]]) -> Tuple[List[str], Dict[int, float], Set[str], Shares]:
+        """(free devices in the machine's order, devices held per uid, busy devices, shares);
+        IDENTS: each device's lease file (LeaseFiles.idents)."""
         now = self.clock()
         free: List[str] = []
         held: Dict[int, float] = {}
@@ -225,7 +226,6 @@ class MachineView:
         used: Dict[str, List[int]] = {}
         closed: Set[str] = set()  # shared, but to take no new shares
         self.foreign_busy = set()
-        idents = self.leases.idents(self.current)
         owners = self._owners({ident: table[ident] for ident in idents.values() if ident in table})
         for uuid, ident in idents.items():
             if ident is None:
@@ -378,22 +378,23 @@ class MachineView:
             waiters.append(me)
         if self.drained is not None:
             self.unavailable = set(self.drained())
-        free, held, busy, shares = self.machine(scan.table)
+        idents = self.leases.idents(self.current)  # read once, for the machine and the bounds
+        free, held, busy, shares = self.machine(scan.table, idents)
         self.joined = set(shares.used)
         self.used = shares.used
         limits = {w.uid: self._limit(w.uid) for w in waiters}
         fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free or u in shares.used}
         from .schedule import decide
 
-        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares, self._bounds())
+        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares, self._bounds(idents))
         return verdicts, free
 
-    def _bounds(self) -> Bounds:
-        """What the admin allows any run, and the devices that can be leased at all."""
+    def _bounds(self, idents: Dict[str, Optional[Tuple[int, int]]]) -> Bounds:
+        """What the admin allows any run, and the devices that can be leased at all (those
+        with a lease file: IDENTS)."""
         from .schedule import Bounds
 
         if self.admin_bounds is None:
             self.admin_bounds = self.admin() if self.admin is not None else (0.0, 0)
-        leasable = frozenset(u for u, ident in self.leases.idents(self.current).items()
-                             if ident is not None and u not in self.lost)
+        leasable = frozenset(u for u, ident in idents.items() if ident is not None and u not in self.lost)
         return Bounds(self.admin_bounds[0], self.admin_bounds[1], leasable)

@@ -210,7 +210,9 @@ def order(waiters: Sequence[Waiter], held: Mapping[int, int], now: float,
         else:
             queues.setdefault(w.uid, []).append(w)
     counts = {uid: held.get(uid, 0) for uid in queues}
-    served = {uid: 0 for uid in queues}  # how many of each user's queue are placed (no pop(0): a thousand waiters of one user made it quadratic)
+    # How many of each user's queue are placed (not pop(0): a thousand waiters of one user
+    # made it quadratic).
+    served = {uid: 0 for uid in queues}
     rest: List[Waiter] = []
     while queues:
         uid = min(queues, key=lambda u: (counts[u], queues[u][served[u]].arrival, queues[u][served[u]].key))
