@@ -8,13 +8,15 @@ import fcntl
 import json
 import os
 import sys
+import threading
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Tuple
 
 import pytest
 
 from cudawrap.install.installation import prepare
 from cudawrap.ops import accounts, ledgerfile
+from cudawrap.ops.ledgerwriter import Writer
 from cudawrap.paths import Layout
 from support.procs import Spawned
 
@@ -153,3 +155,78 @@ def test_a_grant_whose_sending_fails_is_ended_at_once_and_never_open(tmp_path: P
     records = _records(layout)
     assert [r["event"] for r in records] == ["grant", "end"]
     assert "not taken" in records[1]["how"] and _state(layout)["open"] == {}  # never entered
+
+
+@pytest.fixture
+def writer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Tuple[Writer, threading.Event]]:
+    """The service's writer (accounts.background()), held up until the Event is set: what the
+    loop does while the writer is inside a slow rename."""
+    w = Writer()
+    gate = threading.Event()
+    w.submit(lambda: gate.wait(10))
+    monkeypatch.setattr(accounts, "_writer", w)
+    yield w, gate
+    gate.set()
+    accounts.finish()
+    monkeypatch.setattr(accounts, "_writing", None)
+
+
+def test_in_the_service_the_writer_writes_the_state_and_then_lets_go_of_the_lock(
+        tmp_path: Path, spawned: Spawned, writer: Tuple[Writer, threading.Event]) -> None:
+    w, gate = writer
+    layout = _layout(tmp_path)
+    (pid,) = _clients(spawned, 1)
+    with accounts.turn(layout, carry=True):
+        a = _grant(layout, pid)
+    accounts.release()  # returns at once: the writer is held up
+    assert _look_would_wait(layout) and a not in _state(layout)["open"]
+    accounts.flush()
+    gate.set()
+    w.wait()
+    # In that order: a look that got the lock would find the grant in the state.
+    assert not _look_would_wait(layout) and list(_state(layout)["open"]) == [a]
+    assert accounts.idle_within(10.0) == 10.0  # the fsyncs were queued, nothing is left
+
+
+def test_a_hand_over_while_the_writer_writes_takes_the_turn_back_without_waiting(
+        tmp_path: Path, spawned: Spawned, writer: Tuple[Writer, threading.Event]) -> None:
+    """Without a wait for the lock nor a read of the state: nobody could have written the
+    ledger since its release, so the turn's state is still the truth."""
+    w, gate = writer
+    layout = _layout(tmp_path)
+    pids = _clients(spawned, 2)
+    with accounts.turn(layout, carry=True) as first:
+        a = _grant(layout, pids[0])
+    accounts.release()
+    with accounts.turn(layout, carry=True) as again:
+        accounts.end(layout, a)
+        b = _grant(layout, pids[1], "GPU-b")
+    assert again is first
+    gate.set()
+    w.wait()
+    # The release's state (a open) is written, and the lock kept: the turn goes on.
+    assert _look_would_wait(layout) and list(_state(layout)["open"]) == [a]
+    accounts.release()
+    w.wait()
+    assert not _look_would_wait(layout) and list(_state(layout)["open"]) == [b]
+    assert [r["event"] for r in _records(layout)] == ["grant", "grant", "end"]
+
+
+def test_a_turn_released_long_after_its_lock_was_taken_is_not_taken_back(
+        tmp_path: Path, spawned: Spawned, writer: Tuple[Writer, threading.Event],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A look waits for the lock at most CARRY_MAX_S while runs come and go: past that, the
+    writer lets go of it, and the next turn takes it anew (and reads the state a look may
+    have written)."""
+    w, gate = writer
+    layout = _layout(tmp_path)
+    (pid,) = _clients(spawned, 1)
+    with accounts.turn(layout, carry=True) as first:
+        a = _grant(layout, pid)
+    monkeypatch.setattr(accounts, "CARRY_MAX_S", 0.0)
+    accounts.release()
+    with accounts.turn(layout, carry=True) as then:
+        assert then is not first and then.lock is None  # its lock taken only when it records
+    gate.set()
+    w.wait()
+    assert not _look_would_wait(layout) and list(_state(layout)["open"]) == [a]

@@ -14,15 +14,20 @@ neither side records a lease twice.
 """
 from __future__ import annotations
 
+import json
+import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import ledger, ledgerfile
 from ..paths import Layout
 from ..users import user_name
 
+if TYPE_CHECKING:
+    from .ledgerwriter import Writer
 
 IDLE_SYNC_S = 0.05  # the ledger is made durable once nothing happened for this long
 CARRY_IDLE_S = 0.002  # a carried turn's state is written once nothing happened for this long
@@ -34,14 +39,44 @@ _unsynced: "set[Path]" = set()  # ledger files written since their last fsync
 # (Not the ledger's state: other processes replace it, and a file replaced within one tick of
 # the clock by one of the same size, on a reused inode, looks unchanged.)
 _kept: Dict[str, Any] = {}
+# The service's (background()): the state's rewrites and the fsyncs, off its loop. Elsewhere
+# each is made at once, by whoever records.
+_writer: Optional["Writer"] = None
+
+
+def background() -> None:
+    """From now on the state is rewritten, and records made durable, on a thread of their
+    own (ops/ledgerwriter.py): the service's loop goes on meanwhile."""
+    global _writer
+    if _writer is None:
+        from .ledgerwriter import Writer
+
+        _writer = Writer()
 
 
 def flush() -> None:
     """Make what was recorded durable (one fsync per file written since the last flush)."""
+    paths = sorted(_unsynced)
+    _unsynced.clear()
+    if _writer is None:
+        _fsync(paths)
+    else:
+        _writer.submit(lambda: _fsync(paths))
+
+
+def finish() -> None:
+    """The carried turn's state written, its lock let go and every record made durable,
+    before the service leaves."""
+    release()
+    flush()
+    if _writer is not None:
+        _writer.wait()
+
+
+def _fsync(paths: List[Path]) -> None:
     import os
 
-    while _unsynced:
-        path = _unsynced.pop()
+    for path in paths:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
@@ -117,6 +152,7 @@ class _Turn:
         self.changed = False
         self.ends: List[Tuple[str, float, str]] = []  # (lease id, when, how), written by settle()
         self.views: List[Dict[str, Any]] = []  # ends for their users' views
+        self.released = 0  # times handed to the writer (release()); its last write lets go of the lock
 
     def locked(self) -> None:
         """The ledger's lock, taken now if not yet (the state is read only when needed)."""
@@ -158,20 +194,49 @@ class _Turn:
         self.settle()
         if self.lock is None:
             return
+        if _writer is not None:
+            _writer.wait()  # a write of this turn's state queued earlier (_reclaimed) comes first
+        writes = self.writes()
         try:
-            if self.changed and self.state is not None:
-                ledger._save_state(self.path, self.state)
+            writes.write_state()
         finally:
             self.lock.__exit__()
             self.lock = None
-        limits = self._limits()
-        for done in self.views:
-            ledger._append_user_view(self.layout, done, limits, durable=False)
+        writes.write_views()
+
+    def writes(self) -> "_Writes":
+        """What is to be written of this turn now, taken from it (the state as text): the
+        writer's thread then shares nothing with the loop."""
+        text = json.dumps(self.state).encode() if self.changed and self.state is not None else None
+        views, self.views, self.changed = self.views, [], False
+        for done in views:
             _unsynced.add(ledgerfile.user_view_path(self.layout, done["uid"]))
+        return _Writes(self.layout, self.path, text, views, self._limits())
+
+
+@dataclass
+class _Writes:
+    layout: Layout
+    path: Path
+    text: Optional[bytes]  # the state, if it changed
+    views: List[Dict[str, Any]]  # ends for their users' views
+    limits: Tuple[int, int]
+
+    def write_state(self) -> None:
+        if self.text is not None:
+            ledger._write_state(self.path, self.text)
+
+    def write_views(self) -> None:
+        for done in self.views:
+            ledger._append_user_view(self.layout, done, self.limits, durable=False)
 
 
 _turn: Optional[_Turn] = None
 _carried: Optional[_Turn] = None  # a turn ended with carry: its lock still held, its state unwritten
+# A turn released to the writer: its lock is let go once its state is written, unless the loop
+# took it back meanwhile (_reclaimed). _handover decides which of the two comes first.
+_writing: Optional[_Turn] = None
+_handover = threading.Lock()
 
 
 @contextmanager
@@ -192,7 +257,7 @@ def turn(layout: Layout, carry: bool = False) -> Iterator[_Turn]:
     if _carried is not None and _carried.layout.root == layout.root:
         _turn, _carried = _carried, None
     else:
-        _turn = _Turn(layout)
+        _turn = _reclaimed(layout) or _Turn(layout)
     ok = False
     try:
         yield _turn
@@ -208,12 +273,51 @@ def turn(layout: Layout, carry: bool = False) -> Iterator[_Turn]:
 
 def release(older_than: float = 0.0) -> None:
     """End the turn carried (turn(carry=True)), if its lock was taken OLDER_THAN seconds ago
-    or more: its state written, its lock let go."""
-    global _carried
+    or more: its ends written now, its state then, and its lock let go after it (by the
+    writer, in the service: background())."""
+    global _carried, _writing
     if _carried is None or time.monotonic() - _carried.since < older_than:
         return
     done, _carried = _carried, None
-    done.close()
+    if _writer is None:
+        done.close()
+        return
+    done.settle()
+    writes = done.writes()
+    with _handover:
+        done.released += 1
+        released = done.released
+    _writing = done
+    _writer.submit(lambda: _let_go(done, writes, released))
+
+
+def _let_go(done: _Turn, writes: _Writes, released: int) -> None:
+    """On the writer's thread: DONE's state written, then its lock let go, unless the loop
+    took the turn back since (its RELEASED-th release is not its last then)."""
+    try:
+        writes.write_state()
+    finally:
+        with _handover:
+            if done.released == released and done.lock is not None:
+                done.lock.__exit__()
+                done.lock = None
+    writes.write_views()
+
+
+def _reclaimed(layout: Layout) -> Optional[_Turn]:
+    """The turn last released to the writer, taken back while its lock is still held and
+    young: nobody else could write the ledger since, so its state is still the truth, and a
+    hand-over that comes while the writer writes need not wait for it (nor read the state
+    again). An older one's lock is let go as it was to be: a look waits for it."""
+    global _writing
+    done, _writing = _writing, None
+    if done is None or done.layout.root != layout.root:
+        return None
+    with _handover:
+        if done.lock is None or time.monotonic() - done.since >= CARRY_MAX_S:
+            return None
+        done.released += 1  # the writes queued leave the lock held
+    return done
 
 
 def idle_within(timeout: float) -> float:

@@ -141,10 +141,14 @@ def _load_state(path: Path) -> Dict[str, Any]:
 
 
 def _save_state(path: Path, state: Dict[str, Any]) -> None:
+    _write_state(path, json.dumps(state).encode())
+
+
+def _write_state(path: Path, text: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, json.dumps(state).encode())
+        os.write(fd, text)
     finally:
         os.close(fd)
     os.replace(tmp, path)

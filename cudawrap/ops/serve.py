@@ -56,6 +56,7 @@ class Service:
         self.private_status = private_status
         self.renamed = True  # lease files made or removed since the last look (sync): list them again
         self.line = Line(root)
+        accounts.background()  # the ledger's state rewrites and fsyncs off this loop
         from pathlib import Path
 
         from ..install.runtime import enforced
@@ -96,7 +97,7 @@ class Service:
         self.grants.restore_mps_access()
 
     def close(self) -> None:
-        accounts.release()
+        accounts.finish()
         # The runs waiting now are those a successor waits for (those that left the line in
         # the last second are not, though a fall is written at most once a second).
         self.comeback.census.note(self._holders(), time.monotonic(), exact=True)
@@ -141,7 +142,7 @@ class Service:
     def step(self, timeout: float) -> None:
         ready = self.selector.select(accounts.idle_within(timeout))
         if not ready:
-            accounts.idle()  # the ledger's state written now, its fsync later: neither costs a launch
+            accounts.idle()  # the ledger's state written, its fsync later (on the writer's thread)
         # One ledger turn for all of it, carried on to the next while hand-overs follow each
         # other: one state write, once the grants are sent (accounts.turn).
         with accounts.turn(self.grants.layout, carry=True):
