@@ -1,8 +1,12 @@
 """The ledger's appends (bounded, rotated, never glued onto a torn line) and the metrics text."""
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
+from cudawrap.install.units import MONITOR_NICE
 from cudawrap.ops.ledger import Observation
 from cudawrap.ops.ledgerfile import append, read, rotated
 from cudawrap.ops.metrics import Counters, render
@@ -118,3 +122,25 @@ def test_the_metrics_text_counts_leftover_processes_per_device_and_user() -> Non
     assert "# TYPE cudawrap_leftover_processes gauge" in text
     assert 'cudawrap_leftover_processes{device="GPU-1",user="ann"} 2' in text
     assert 'cudawrap_leftover_processes{device="MIG-2",user="ben"} 1' in text
+
+
+def test_the_services_monitor_holds_the_ledgers_lock_at_the_services_nice(tmp_path: Path) -> None:
+    """The service's grants wait for this lock: its monitor (at MONITOR_NICE) holds it at the
+    service's nice, and goes back below once it lets go. Root raises a nice; CI runs as root."""
+    code = """
+import os
+from pathlib import Path
+from cudawrap.install.units import MONITOR_NICE
+from cudawrap.ops.ledgerfile import Locked, hold_at_nice
+from cudawrap.paths import Layout
+layout = Layout(Path(os.environ["ROOT"]))
+layout.state_dir.mkdir(parents=True)
+hold_at_nice(os.getpriority(os.PRIO_PROCESS, 0))
+os.setpriority(os.PRIO_PROCESS, 0, MONITOR_NICE)
+with Locked(layout):
+    inside = os.getpriority(os.PRIO_PROCESS, 0)
+print(inside, os.getpriority(os.PRIO_PROCESS, 0))
+"""
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ROOT": str(tmp_path / "root")},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(os.getpriority(os.PRIO_PROCESS, 0)), str(MONITOR_NICE)]

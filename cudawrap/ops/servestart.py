@@ -71,10 +71,11 @@ def _hold_service_lock(root: str) -> int:
 def start_monitor(layout: object, lock: int) -> int:
     """The monitor's loop (ops/monitor.py: the snapshot, the ledger's look at foreign work,
     health, memory, metrics) in a child of the service: it shares no interpreter with the
-    grant path, and one lock (the ledger's, which its look holds ~1-3 ms: ledger.observe);
-    it runs at the monitor unit's Nice=, dies with the service (PR_SET_PDEATHSIG: also when
-    the service is killed with -9), and waits its turn while a cudawrap-monitor unit runs
-    one. It lets go of the service's LOCK: that says the service lives, not its monitor."""
+    grant path, and one lock (the ledger's, which its look holds ~1-3 ms: ledger.observe;
+    it holds it at the service's nice: ledgerfile.hold_at_nice); it runs at the monitor
+    unit's Nice=, dies with the service (PR_SET_PDEATHSIG: also when the service is killed
+    with -9), and waits its turn while a cudawrap-monitor unit runs one. It lets go of the
+    service's LOCK: that says the service lives, not its monitor."""
     pid = os.fork()
     if pid:
         return pid
@@ -82,6 +83,9 @@ def start_monitor(layout: object, lock: int) -> int:
     try:
         os.close(lock)
         _die_with(os.getppid())
+        from .ledgerfile import hold_at_nice
+
+        hold_at_nice(os.getpriority(os.PRIO_PROCESS, 0))  # the lock the service's grants wait for
         os.setpriority(os.PRIO_PROCESS, 0, MONITOR_NICE)  # as its unit runs it: a hand-over comes first
         from .monitor import run
 
