@@ -60,6 +60,11 @@ class ConfigError(CudawrapError):
 
     exit_code = os.EX_CONFIG  # 78
 
+    def __init__(self, message: str, hint: Optional[str] = None) -> None:
+        # The line says what and where; what to do is the same for every such file.
+        super().__init__(message, hint or "correct what it names (a file of the administrator's: ask them to); "
+                                          "`cudawrap config` reads it back")
+
 
 class ProgramNotFound(CudawrapError):
     """The real program behind a shim is missing; reads like the shell's own error."""

@@ -405,8 +405,9 @@ def test_shim_exits_78_on_a_broken_config_and_runs_nothing(installed, text, wher
     r = inst.run("recon")
     assert r.returncode == 78, r.stderr
     assert r.stdout == b""  # the real program never ran
-    first = r.stderr.decode().splitlines()[0]
+    first, hint = r.stderr.decode().splitlines()[:2]
     assert first.startswith(f"recon: {inst.layout.config_file}{where}"), first
+    assert hint.startswith("recon: hint: "), hint  # what to do, after what and where
     inst.write_config("[policy]\ngpus = 1\n")
     assert inst.run("recon").returncode == 0
 
