@@ -15,6 +15,7 @@ from typing import Tuple
 from support.installed import ready_line
 from support.procs import wait_for
 
+from cudawrap.ops.ledgerwriter import Writer
 from cudawrap.sched.request import Request
 from cudawrap.sched.waiting import NEAR
 from cudawrap.sched.farwait import FarWait
@@ -162,6 +163,9 @@ def test_farwait_is_signalled_by_removals_and_writes_not_arrivals(tmp_path):  # 
     queue.mkdir(mode=0o1777)
     queue.chmod(0o1777)
     q = WaitQueue(str(queue))
+    # A thread of the service's ledger writer, as one stays in a process (this one) that ran
+    # a service: it must not take the SIGIO the main thread blocks while it waits for it.
+    Writer()
     far = FarWait(str(queue))
     try:
         assert far.notified and not far.moved()
@@ -171,6 +175,11 @@ def test_farwait_is_signalled_by_removals_and_writes_not_arrivals(tmp_path):  # 
         with open(other.path, "a") as f:  # what `cudawrap cancel` does
             f.write("cancel=root\n")
         assert far.moved() and not far.moved()
+        # Each write, every time: a thread that took the signal would lose it (~1 in 15 here).
+        for _ in range(100):
+            with open(other.path, "a") as f:
+                f.write("#\n")
+            assert far.moved()
         q.leave(entry)
         far.wait(0.0, 30.0, False)  # returns at once: the removal is already signalled
         assert far.moved()

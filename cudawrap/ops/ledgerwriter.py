@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import signal
 import threading
 from typing import Callable, Optional
 
@@ -33,6 +34,10 @@ class Writer:
         self._jobs.join()
 
     def _work(self) -> None:
+        # Signals are the main thread's: one sent to the process goes to a thread that does
+        # not block it, and taken here it would interrupt nothing (the loop's select sleeps
+        # on through a SIGTERM; a far waiter's SIGIO, blocked where it waits, is lost).
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         while True:
             job = self._jobs.get()
             try:

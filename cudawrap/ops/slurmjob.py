@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -289,6 +290,7 @@ class Lookups:
                 del self._kept[job_id]
 
     def _work(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())  # the main thread's (ledgerwriter.py)
         while True:
             job_id = self._asked.get()
             try:
