@@ -163,9 +163,12 @@ def test_farwait_is_signalled_by_removals_and_writes_not_arrivals(tmp_path):  # 
     queue.mkdir(mode=0o1777)
     queue.chmod(0o1777)
     q = WaitQueue(str(queue))
-    # A thread of the service's ledger writer, as one stays in a process (this one) that ran
-    # a service: it must not take the SIGIO the main thread blocks while it waits for it.
+    # Threads beside the waiter must not take the SIGIO its main thread blocks while it waits
+    # for it: the service's ledger writer, as one stays in a process (this one) that ran a
+    # service, and a program's own (the Python API's callers), which block nothing.
     Writer()
+    idle = threading.Event()
+    threading.Thread(target=idle.wait, daemon=True).start()
     far = FarWait(str(queue))
     try:
         assert far.notified and not far.moved()
@@ -188,6 +191,7 @@ def test_farwait_is_signalled_by_removals_and_writes_not_arrivals(tmp_path):  # 
         assert time.monotonic() - started >= 0.3 and not far.moved()
         q.leave(other)
     finally:
+        idle.set()
         far.close()
     # As it was: SIGIO neither blocked nor handled, nothing pending.
     assert signal.SIGIO not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
