@@ -4,6 +4,7 @@ The waiter's own timer (waiting.WATCH_S) is set to an hour here, so a run grante
 test was woken by the process's exit (a pidfd) or by the monitor rewriting its snapshot.
 """
 import importlib
+import os
 import subprocess
 import threading
 from typing import Callable, Dict, List
@@ -40,6 +41,20 @@ def foreign(inst, uuid: str) -> subprocess.Popen:  # type: ignore[no-untyped-def
     return proc
 
 
+def inotify_watching(directory: str) -> bool:
+    """Whether an inotify instance of this process watches DIRECTORY (its fdinfo lists the inode)."""
+    ino = f"ino:{os.stat(directory).st_ino:x} "
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify":
+                with open(f"/proc/self/fdinfo/{fd}") as f:
+                    if ino in f.read():
+                        return True
+        except OSError:
+            pass
+    return False
+
+
 class Waiter:
     """A run waiting for DEVICE in a thread of this process, its re-reads of the device counted."""
 
@@ -61,6 +76,8 @@ class Waiter:
         # It waits, and has looked from its place in line: it follows the foreign processes
         # (and the snapshot) right after, so what changes from here on is what it wakes on.
         wait_for(lambda: self.looks, 10, "the waiter's first look")
+        if watched:  # a rewrite between its look and its watch would wake it only at its timer
+            wait_for(lambda: inotify_watching(os.path.dirname(watched)), 10, "the waiter's watch on the snapshot")
 
     def _run(self) -> None:
         try:
