@@ -276,19 +276,23 @@ def release(older_than: float = 0.0) -> None:
     or more: its ends written now, its state then, and its lock let go after it (by the
     writer, in the service: background())."""
     global _carried, _writing
-    if _carried is None or time.monotonic() - _carried.since < older_than:
+    done = _carried
+    if done is None or time.monotonic() - done.since < older_than:
         return
-    done, _carried = _carried, None
     if _writer is None:
+        _carried = None
         done.close()
         return
+    # Still carried until handed over: the service's SIGTERM raises wherever its loop is, and
+    # a turn dropped on the way would keep the lock for good (the monitor, stopped after the
+    # service's loop, then waits for it). Handed over twice, the first write lets go of nothing.
     done.settle()
     writes = done.writes()
     with _handover:
         done.released += 1
         released = done.released
-    _writing = done
     _writer.submit(lambda: _let_go(done, writes, released))
+    _carried, _writing = None, done
 
 
 def _let_go(done: _Turn, writes: _Writes, released: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 from .. import locations as loc
 from ..errors import SetupError
@@ -108,9 +109,18 @@ def _die_with(parent: int) -> None:
         os._exit(0)
 
 
+STOP_MONITOR_S = 5.0  # then SIGKILL: a service's stop must not hang on its monitor
+
+
 def stop_monitor(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGTERM)
-        os.waitpid(pid, 0)
+        deadline = time.monotonic() + STOP_MONITOR_S
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() >= deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+            time.sleep(0.01)
     except (ProcessLookupError, ChildProcessError):
         pass
