@@ -14,14 +14,14 @@ import logging
 import queue
 import signal
 import threading
-from typing import Callable, Optional
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
 
 class Writer:
     def __init__(self) -> None:
-        self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self._jobs: "queue.Queue[Callable[[], None]]" = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="ledger-writer", daemon=True)
         self._thread.start()
 
@@ -41,8 +41,7 @@ class Writer:
         while True:
             job = self._jobs.get()
             try:
-                if job is not None:
-                    job()
+                job()
             except Exception:  # a full disk: the next write tries again, the loop goes on
                 log.exception("the ledger's writer")
             finally:
