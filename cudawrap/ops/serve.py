@@ -33,6 +33,7 @@ from .connection import Client, listen
 from .grants import Grants, Held
 from .line import Line
 from .news import FileWatch
+from .roster import Roster
 from .slurmjob import JobGpus
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class Service:
         layout = Layout(Path(root))
         self.grants = Grants(self.line.leases, layout, enforced(layout), _say)  # say: MPS's ACLs
         self.clients: Dict[int, Client] = {}  # socket fd -> client
+        self.roster = Roster()  # who waits, who has not asked yet: kept, not found by a pass over everyone
         self.per_uid: Dict[int, int] = {}  # uid -> its connections (counting them was a pass over every client)
         self.selector = selectors.DefaultSelector()
         self.dirty = False
@@ -100,7 +102,7 @@ class Service:
         accounts.finish()
         # The runs waiting now are those a successor waits for (those that left the line in
         # the last second are not, though a fall is written at most once a second).
-        self.comeback.census.note(self._holders(), time.monotonic(), exact=True)
+        self.comeback.census.note(self.roster.ticketed, time.monotonic(), exact=True)
         for client in list(self.clients.values()):
             self._drop(client)
         try:
@@ -126,13 +128,12 @@ class Service:
 
     def _timeout(self) -> float:
         now = time.monotonic()
-        times = [c.hello_by for c in self.clients.values() if c.fresh]
+        times = [c.hello_by for c in self.roster.unasked()]
         times += [p.deadline for p in self.grants.pending.values()]
         times += [self.recheck_at] if self.recheck_at < float("inf") else []
-        waiting = self._waiting()  # each pass over a thousand waiters costs every wake-up
-        if waiting:
+        if self.roster.waiting:
             times.append(now + TICK_S)
-            times += [c.wait_until for c in waiting]
+            times.append(self.roster.next_due())
             if self.comeback.grace_until > now:
                 times.append(self.comeback.grace_until)
             if self.dirty:
@@ -159,7 +160,7 @@ class Service:
                 else:
                     self._readable(key.data)
             now = time.monotonic()
-            for client in [c for c in self.clients.values() if c.fresh and c.hello_by <= now]:
+            for client in [c for c in self.roster.unasked() if c.hello_by <= now]:
                 self._drop(client)  # connected and never asked: its slot goes to others
             for key in self.grants.expired(now):
                 self._late(key)
@@ -168,8 +169,8 @@ class Service:
                 self._recheck(self.grants.lingering(), again=False)
             if self.comeback.ended(now):
                 self.dirty = True  # those who came meanwhile are decided on now
-            waiting = self._waiting()
-            due = any(c.wait_until <= now for c in waiting)
+            waiting = self.roster.waiting
+            due = self.roster.next_due() <= now
             if waiting and (self.dirty or now - self.last_decision >= TICK_S or due):
                 if not (self.dirty or due) and self._all_held():
                     self._tick_tickets(now)  # nothing to grant: only the tickets age
@@ -177,7 +178,7 @@ class Service:
                     self._decide()
             # After the grants are sent: its file is rewritten once a second while runs leave
             # the line, and before the decision that rewrite delayed a second's first hand-over.
-            self.comeback.census.note(self._holders(waiting), now)
+            self.comeback.census.note(self.roster.ticketed, now)
         accounts.release(older_than=accounts.CARRY_MAX_S)  # a look waits for its lock meanwhile
 
     def _all_held(self) -> bool:
@@ -195,7 +196,7 @@ class Service:
                 self._drop(client)
 
     def _waiting(self) -> List[Client]:
-        return [c for c in self.clients.values() if c.waiter is not None]
+        return list(self.roster.waiting.values())
 
     def _late(self, key: str) -> None:
         """The grant KEY is past its deadline: void, unless its client's word is waiting unread
@@ -210,10 +211,6 @@ class Service:
         """Take back the grant KEY sent (if it is not taken): its leases are tried again, and decided on."""
         self.line.touched(self.grants.void(key))
         self.dirty = True
-
-    def _holders(self, waiting: Optional[List[Client]] = None) -> int:
-        """Waiting runs that hold tickets: those told to wait (one granted at once never is)."""
-        return sum(1 for c in (self._waiting() if waiting is None else waiting) if c.ticket_at > float("-inf"))
 
     # -- connections ------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -241,6 +238,7 @@ class Service:
                 who.close()
                 continue
             self.clients[sock.fileno()] = client
+            self.roster.connected(sock.fileno(), client)
             self.per_uid[who.uid] = mine + 1
             self.selector.register(sock, selectors.EVENT_READ, client)
             # What the kernel says of it, read at once: where the client runs on another CPU,
@@ -252,6 +250,7 @@ class Service:
     def _drop(self, client: Client) -> None:
         if self.clients.pop(client.sock.fileno(), None) is None:
             return
+        self.roster.left(client.sock.fileno(), client)
         left = self.per_uid.pop(client.peer.uid, 1) - 1
         if left:
             self.per_uid[client.peer.uid] = left
@@ -361,10 +360,13 @@ class Service:
         # Its wait counts from its arrival, before a restart too.
         client.wait_until = now + max(0.0, ask.wait - max(0.0, time.time() - arrival))
         self.dirty = True
-        if self.comeback.in_grace(now):
+        grace = self.comeback.in_grace(now)
+        if grace:
             # Decided with everyone once the grace is over: a run that waited before the
             # restart goes in its old place, a newcomer in its own, as if nothing happened.
             client.wait_until = max(client.wait_until, self.comeback.grace_until)
+        self.roster.queued(client.sock.fileno(), client)
+        if grace:
             client.told = "grace"
             if not self._tell(client, "waiting for a device: the service has just restarted, and the runs that "
                                       f"waited in it are coming back in line (up to {tickets.GRACE_S:g} s)"):
@@ -379,9 +381,10 @@ class Service:
         now = time.monotonic()
         if now - client.ticket_at >= tickets.REFRESH_S:
             ticket = self.comeback.issue(client.peer.uid, client.peer.pid, client.arrival_ns,
-                                         client.ticket_at == float("-inf"), self._holders(), now)
+                                         client.ticket_at == float("-inf"), self.roster.ticketed, now)
             if ticket is not None:
                 fields["ticket"] = ticket
+                self.roster.ticket_given(client.sock.fileno(), client)
                 client.ticket_at = now
         return client.send(wire.WAIT, fields) if fields else True
 
@@ -405,6 +408,7 @@ class Service:
                   via="service")
         _say(f"granted {'a share of ' if pending.slots else ''}{','.join(pending.devices)} to uid "
              f"{client.peer.uid} pid {client.peer.pid} ({client.waiter.program})")
+        self.roster.left(client.sock.fileno(), client)
         client.waiter = None  # served: no longer waiting
         self._drop(client)
 

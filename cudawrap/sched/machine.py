@@ -373,7 +373,8 @@ class MachineView:
         """Verdicts for everyone in SCAN plus ME (not yet queued unless QUEUED); free devices."""
         now = self.clock()
         key = me.key if me is not None else None
-        waiters = [w for w in scan.waiters if not self._passed_over(w, key, now)]
+        waiters = ([w for w in scan.waiters if not self._passed_over(w, key, now)]
+                   if self.skip_keys or self.skip_users else list(scan.waiters))  # nobody passed over: no call per waiter
         if me is not None and not queued:
             waiters.append(me)
         if self.drained is not None:
@@ -382,7 +383,7 @@ class MachineView:
         free, held, busy, shares = self.machine(scan.table, idents)
         self.joined = set(shares.used)
         self.used = shares.used
-        limits = {w.uid: self._limit(w.uid) for w in waiters}
+        limits = {uid: self._limit(uid) for uid in {w.uid for w in waiters}}
         fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free or u in shares.used}
         from .schedule import decide
 

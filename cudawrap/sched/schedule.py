@@ -202,27 +202,44 @@ def starving(waiter: Waiter, now: float, bounds: Bounds = UNBOUNDED) -> bool:
 def order(waiters: Sequence[Waiter], held: Mapping[int, int], now: float,
           bounds: Bounds = UNBOUNDED) -> List[Waiter]:
     """WAITERS in the order they are served (rules 1 and 2 above)."""
+    ordered, _starving = _order(waiters, held, now, bounds)
+    return ordered
+
+
+def _order(waiters: Sequence[Waiter], held: Mapping[int, int], now: float,
+           bounds: Bounds) -> Tuple[List[Waiter], int]:
+    """order(), and how many of it are starving: they come first (rule 1)."""
     first: List[Waiter] = []
     queues: Dict[int, List[Waiter]] = {}
-    for w in sorted(waiters, key=lambda w: (w.arrival, w.key)):
+    for w in sorted(waiters, key=_arrival):
         if starving(w, now, bounds):
             first.append(w)
         else:
             queues.setdefault(w.uid, []).append(w)
-    counts = {uid: held.get(uid, 0) for uid in queues}
-    # How many of each user's queue are placed (not pop(0): a thousand waiters of one user
-    # made it quadratic).
-    served = {uid: 0 for uid in queues}
+    if len(queues) <= 1:
+        return first + [w for q in queues.values() for w in q], len(first)  # one user: arrival order
+    from heapq import heapify, heappop, heappush  # only where users take turns: not on every launch's path
+
+    # Each user's next run, by (what the user holds, that run's arrival): the user holding
+    # least goes next. A min() over the users for each run cost 1000 waiters ~1.5 ms.
+    heads = [(held.get(uid, 0), q[0].arrival, q[0].key, uid) for uid, q in queues.items()]
+    heapify(heads)
+    served = dict.fromkeys(queues, 0)  # how many of each user's queue are placed (not pop(0): quadratic)
     rest: List[Waiter] = []
-    while queues:
-        uid = min(queues, key=lambda u: (counts[u], queues[u][served[u]].arrival, queues[u][served[u]].key))
-        w = queues[uid][served[uid]]
-        served[uid] += 1
+    while heads:
+        counted, _arrived, _key, uid = heappop(heads)
+        queue, i = queues[uid], served[uid]
+        w = queue[i]
         rest.append(w)
-        counts[uid] += w.count
-        if served[uid] == len(queues[uid]):
-            del queues[uid]
-    return first + rest
+        served[uid] = i + 1
+        if i + 1 < len(queue):
+            after = queue[i + 1]
+            heappush(heads, (counted + w.count, after.arrival, after.key, uid))
+    return first + rest, len(first)
+
+
+def _arrival(w: Waiter) -> Tuple[float, str]:
+    return w.arrival, w.key
 
 
 def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, float],
@@ -247,12 +264,20 @@ def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, fl
     reserved: Dict[str, str] = {}  # device -> key of the starving run it is kept for
     holding: Dict[int, float] = dict(held)
     out: Dict[str, Verdict] = {}
-    for position, w in enumerate(order(waiters, held, now, bounds)):
-        reserving = starving(w, now, bounds)
+    ordered, starving_first = _order(waiters, held, now, bounds)
+    for position, w in enumerate(ordered):
+        reserving = position < starving_first
         limit = limits.get(w.uid, 0)
         mine = holding.get(w.uid, 0)
-        if not w.share and limit and mine + w.count > limit + EPSILON:
+        share, count = w.share, w.count
+        if not share and limit and mine + count > limit + EPSILON:
             out[w.key] = Verdict(LIMIT, position, _limit_text(mine, limit))
+            continue
+        if not avail and not reserving and not share and count > 0:
+            # Nothing is left to give: what the general way below concludes, without its
+            # lists. Past the head of a long line this is every waiter (1000 waiting: the
+            # decision a hand-over waits for went from ~7 to ~4 ms on a slow 2-core VM).
+            out[w.key] = Verdict(BUSY, position, f"every device it may use is busy; position {position + 1} in line")
             continue
         usable = w.usable(avail, fit)
         open_ = [u for u in usable if u not in reserved]
