@@ -222,6 +222,19 @@ def test_a_run_of_three_processes_is_summed(mu: Any) -> None:
 
 
 @root_only
+def test_a_child_without_the_lease_counts_by_descent(mu: Any) -> None:
+    """A child that closed what it inherited (a Python program's subprocess workers) holds no
+    lease: only its parent chain, read from /proc as the cycle walks it, makes it the run's."""
+    inst = one_device(mu)
+    run = inst.start(inst.world.alice, "recon", "--hold", "600", "--mem", "1500", "--children", "1", "--close-fds")
+    (child,) = ready_line(run)["children"]
+    assert not any(os.readlink(f"/proc/{child}/fd/{fd}").startswith(str(inst.layout.lease_dir))
+                   for fd in os.listdir(f"/proc/{child}/fd"))
+    (row,) = rows(memwatch.Watch(inst.layout).cycle(), run.pid)
+    assert row["used_mib"] == 2 * (1500 + CONTEXT) and row["processes"] == sorted([run.pid, child])
+
+
+@root_only
 def test_a_child_that_escaped_its_parent_counts_while_it_holds_the_lease(mu: Any) -> None:
     inst = one_device(mu)
     run = inst.start(inst.world.bob, "recon", "--hold", "600", "--mem", "2000", "--children", "1", "--escape")

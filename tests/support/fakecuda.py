@@ -45,8 +45,9 @@ Memory: each device shows ``--mem`` MiB plus what its context costs (``--context
 as the allocation grows, up to ``--max``. ``--children N`` forks N processes that register on
 the same devices as their own contexts and hold them alike (their pids in the ready line's
 ``"children"``); with ``--escape`` each is forked twice, so that its parent is gone and it is
-no descendant of the program, its inherited descriptors (a lease) still open. They end with
-the program.
+no descendant of the program, its inherited descriptors (a lease) still open; with
+``--close-fds`` each closes what it inherited, so that only its descent makes it the program's.
+They end with the program.
 
 On start it prints one JSON line to stdout, once its registration and its
 ``--log`` start record are in place, so a test can read that line as "ready":
@@ -532,6 +533,9 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="ignore SIGTERM (it and its children), as a program that traps it and carries on")
     parser.add_argument("--escape", action="store_true",
                         help="the children leave this process (double fork): reparented, the lease still open")
+    parser.add_argument("--close-fds", action="store_true",
+                        help="the children close what they inherited (as subprocess's close_fds does): "
+                             "no lease, only descent makes them the program's")
     parser.add_argument("--env-out", metavar="FILE", help="write the environment, NUL-terminated KEY=VALUE")
     parser.add_argument("--orphan", type=float, default=0.0, metavar="SECONDS",
                         help="at the end, leave a child on the devices for SECONDS that closed every "
@@ -708,6 +712,9 @@ def _child(args: argparse.Namespace, devices: Sequence[str], usage: Usage, ready
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN if args.stubborn else on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if args.close_fds:
+        os.closerange(3, ready)
+        os.closerange(ready + 1, os.sysconf("SC_OPEN_MAX"))
     registration.create(devices, usage.at(0.0))
     os.write(ready, f"{os.getpid()}\n".encode())
     os.close(ready)
