@@ -133,6 +133,18 @@ def test_users_take_turns_whatever_the_arrival_order() -> None:
     assert [w.key for w in order(waiters, {1: 1, 2: 0}, 20)] == ["b0", "a0", "a1", "a2", "a3", "a4"]
 
 
+def test_grants_first_stops_where_nothing_is_left_to_give() -> None:
+    """decide(grants_first=True), as the service asks before a hand-over's send: the line is
+    worked out only as far as the last grant; the rest (1000 waiters: most of a decision)
+    waits for finish()."""
+    waiters = [make_waiter(f"w{i:03d}", 1 + i % 3, i, 1, None, arrival=i) for i in range(50)]
+    early = decide(waiters, ["GPU-0", "GPU-1"], {}, {}, now=100, grants_first=True)
+    assert sorted(v.kind for v in early.values()) == [GRANTED, GRANTED]
+    assert [k for k, v in early.items()] == ["w000", "w001"]
+    whole = early.finish()
+    assert len(whole) == 50 and whole["w049"].text == "every device it may use is busy; position 50 in line"
+
+
 def test_a_large_run_does_not_idle_a_device_a_small_one_can_use() -> None:
     big = make_waiter("0", 1, 1, 4, None, arrival=0)
     small = make_waiter("1", 2, 2, 1, None, arrival=1)

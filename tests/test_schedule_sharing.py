@@ -146,3 +146,18 @@ def test_no_slot_is_given_twice_and_nothing_exclusive_is_shared(case) -> None:  
         assert len(could) < w.count, (w, could)
     kinds = {v.kind for v in verdicts.values()}
     assert kinds <= {GRANTED, BUSY, RESERVED, RESERVING, LIMIT}
+
+
+@given(machines())
+def test_a_decision_made_grants_first_holds_every_grant_before_it_finishes(case) -> None:  # type: ignore[no-untyped-def]
+    """The service sends grants before it works out every other waiter's verdict
+    (decide(grants_first=True)): what it has by then must be every grant the whole decision
+    makes, and finishing must give the whole decision."""
+    shares, free, waiters, limits = case
+    held: Dict[int, float] = {}
+    whole = decide(waiters, free, held, limits, 60.0, shares=shares)
+    early = decide(waiters, free, held, limits, 60.0, shares=shares, grants_first=True)
+    granted = {k: v.devices for k, v in whole.items() if v.kind == GRANTED}
+    assert {k: v.devices for k, v in early.items() if v.kind == GRANTED} == granted
+    assert {k: (v.kind, v.devices, v.position, v.text) for k, v in early.finish().items()} == \
+        {k: (v.kind, v.devices, v.position, v.text) for k, v in whole.items()}

@@ -21,7 +21,7 @@ from ..devices.model import Inventory
 from ..errors import NvmlUnavailable
 from ..lease.files import LeaseFiles, lease_file_inventory
 from ..sched.request import Request
-from ..sched.schedule import GRANTED, Verdict, Waiter
+from ..sched.schedule import GRANTED, Decision, Verdict, Waiter
 from ..sched.queue import Scan, WaitQueue
 from ..sched.turns import STALL_S, Offers
 
@@ -137,8 +137,9 @@ class Line:
         return w
 
     def decide(self, mine: Sequence[Waiter], claimed: Dict[str, List[Tuple[int, bool]]],
-               granted: Optional[Dict[str, int]] = None) -> Dict[str, Verdict]:
-        """Verdicts for MINE (the service's waiters) and the believable queue entries.
+               granted: Optional[Dict[str, int]] = None) -> Decision:
+        """Verdicts for MINE (the service's waiters) and the believable queue entries: every
+        grant, the others' once the Decision is finished (the grants are sent first).
 
         CLAIMED: devices sent to a client whose lock may not show yet (uuid -> its pid and
         whether exclusive, or a share, for each): held, for this decision. GRANTED: the
@@ -160,8 +161,9 @@ class Line:
             else:  # a share already taken shows in the table: counted once
                 table[ident] = seen + [lock for lock in locks if not lock[1] and lock not in seen]
         self.entries, self.paths = entries, scan.paths
-        verdicts, _free = self.acquirer.decide(Scan(entries + list(mine), table, scan.paths), None, True)
-        self._pass_over_idle(entries, verdicts, now)
+        verdicts, _free = self.acquirer.decide(Scan(entries + list(mine), table, scan.paths), None, True,
+                                               grants_first=True)
+        self._pass_over_idle(entries, verdicts, now)  # grants only: all there
         return verdicts
 
     def joinable(self, uuids: Sequence[str], uid: int) -> bool:

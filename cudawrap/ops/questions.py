@@ -104,7 +104,7 @@ def status(root: str, deciding: Any, claimed: Dict[str, Any], held: List[Any], c
     now with CLAIMED (the grants sent), the HELD grants and the service's waiting CLIENTS,
     as ASKER may see them; WITH_WHOLE, the user's whole status too (under enforce)."""
     mine = [c.waiter for c in clients if c.waiter is not None]
-    verdicts = deciding.decide(mine, claimed)
+    verdicts = deciding.decide(mine, claimed).finish()  # every waiter's verdict, not the grants alone
     waiting = line(deciding.entries, mine, verdicts, deciding.programs(), asker, private)
     reply = answer(waiting, holders(held, asker, private))
     reply["service_pids"] = ",".join(f"{c.peer.pid}:{c.peer.uid}" for c in clients)

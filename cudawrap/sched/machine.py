@@ -14,7 +14,7 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-    from .schedule import Bounds, Shares, Verdict, Waiter
+    from .schedule import Bounds, Decision, Shares, Waiter
 
 from ..devices.model import Device
 from ..lease.files import LeaseFiles
@@ -369,8 +369,11 @@ class MachineView:
             return True
         return w.uid != self.uid and self.skip_users.get(w.uid, 0) > now
 
-    def decide(self, scan: Scan, me: Optional[Waiter], queued: bool) -> Tuple[Dict[str, Verdict], List[str]]:
-        """Verdicts for everyone in SCAN plus ME (not yet queued unless QUEUED); free devices."""
+    def decide(self, scan: Scan, me: Optional[Waiter], queued: bool,
+               grants_first: bool = False) -> Tuple[Decision, List[str]]:
+        """Verdicts for everyone in SCAN plus ME (not yet queued unless QUEUED); free devices.
+        GRANTS_FIRST: the verdicts are a schedule.Decision holding every grant, the rest
+        once it is finished."""
         now = self.clock()
         key = me.key if me is not None else None
         waiters = ([w for w in scan.waiters if not self._passed_over(w, key, now)]
@@ -387,7 +390,8 @@ class MachineView:
         fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free or u in shares.used}
         from .schedule import decide
 
-        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares, self._bounds(idents))
+        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares, self._bounds(idents),
+                          grants_first)
         return verdicts, free
 
     def _bounds(self, idents: Dict[str, Optional[Tuple[int, int]]]) -> Bounds:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import AbstractSet, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
+    from typing import AbstractSet, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .request import Request, place
 
@@ -242,19 +242,48 @@ def _arrival(w: Waiter) -> Tuple[float, str]:
     return w.arrival, w.key
 
 
+class Decision(dict):
+    """A decision's verdicts, key -> Verdict. One made with grants_first holds every grant
+    from the start, and the other waiters' verdicts once finish() has run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rest: Iterator[None] = iter(())
+
+    def finish(self) -> Decision:
+        for _ in self._rest:
+            pass
+        return self
+
+
 def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, float],
            limits: Mapping[int, int], now: float, parents: Optional[Mapping[str, str]] = None,
            busy: Optional[Set[str]] = None,
            fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]] = None,
-           shares: Optional[Shares] = None, bounds: Bounds = UNBOUNDED) -> Dict[str, Verdict]:
+           shares: Optional[Shares] = None, bounds: Bounds = UNBOUNDED, grants_first: bool = False) -> Decision:
     """A Verdict for every waiter: what it may take now (FREE, in the machine's order), or why not.
 
     HELD: devices each uid holds now (a share as its cost); LIMITS: uid -> most devices
     (absent or 0: no limit). PARENTS and BUSY feed the placement (physical GPU of each
     device, devices in use); FIT has the readings that free-memory and utilisation filters
     are judged by; SHARES the shared devices and slots; BOUNDS what the admin allows any
-    run, whatever the waiters' entries claim.
+    run, whatever the waiters' entries claim. GRANTS_FIRST: return once nobody further in
+    line can be granted anything (the grants are all in it), the rest at Decision.finish():
+    the service sends the grants first.
     """
+    out = Decision()
+    steps = _steps(out, waiters, free, held, limits, now, parents, busy, fit, shares, bounds)
+    next(steps, None)
+    out._rest = steps
+    return out if grants_first else out.finish()
+
+
+def _steps(out: Dict[str, Verdict], waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, float],
+           limits: Mapping[int, int], now: float, parents: Optional[Mapping[str, str]], busy: Optional[Set[str]],
+           fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]], shares: Optional[Shares],
+           bounds: Bounds) -> Iterator[None]:
+    """decide()'s verdicts, into OUT in the order of the line; it pauses once, when nothing
+    is left that anyone further in line could be given."""
     parents = parents if parents is not None else {u: u for u in free}
     busy = set(busy or ())
     shares = shares if shares is not None else Shares()
@@ -263,9 +292,12 @@ def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, fl
     avail = list(free)
     reserved: Dict[str, str] = {}  # device -> key of the starving run it is kept for
     holding: Dict[int, float] = dict(held)
-    out: Dict[str, Verdict] = {}
     ordered, starving_first = _order(waiters, held, now, bounds)
+    granting = True
     for position, w in enumerate(ordered):
+        if granting and not avail and not any(len(uids) < shares.slots_of(u) for u, uids in used.items()):
+            granting = False  # no free device, no shared one with room: no grant past this point
+            yield
         reserving = position < starving_first
         limit = limits.get(w.uid, 0)
         mine = holding.get(w.uid, 0)
@@ -325,7 +357,6 @@ def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, fl
             what = "every device it may use is busy" if not usable else (
                 f"{_plural(len(usable), 'usable device')} free, {need} more needed")
             out[w.key] = Verdict(BUSY, position, f"{what}; position {position + 1} in line")
-    return out
 
 
 def _limit_text(mine: float, limit: int) -> str:
