@@ -66,18 +66,16 @@ def test_tickets_are_counted_once_per_waiting_client_and_uncounted_when_it_leave
     a, b = clients(), clients()
     for client in (a, b):
         _queue(roster, client)
-    for _ in range(3):  # a ticket renewed is the same holder
-        roster.ticket_given(a.sock.fileno(), a)
-        a.ticket_at = 1.0
-    assert roster.ticketed == 1
-    roster.ticket_given(b.sock.fileno(), b)
-    b.ticket_at = 2.0
+    for renewed in (1.0, 2.0, 3.0):  # a ticket renewed is the same holder
+        roster.ticket_given(a.sock.fileno(), a, renewed)
+    assert roster.ticketed == 1 and a.ticket_at == 3.0
+    roster.ticket_given(b.sock.fileno(), b, 2.0)
     assert roster.ticketed == 2
     roster.left(a.sock.fileno(), a)
     roster.left(a.sock.fileno(), a)  # left twice (served, then its connection dropped): once
     assert roster.ticketed == 1
     stranger = clients()  # connected, never in line
-    roster.ticket_given(stranger.sock.fileno(), stranger)
+    roster.ticket_given(stranger.sock.fileno(), stranger, 4.0)
     assert roster.ticketed == 1
 
 

@@ -43,10 +43,11 @@ class Roster:
             self._due = [e for e in self._due if self._current(e)]
             heapq.heapify(self._due)
 
-    def ticket_given(self, fd: int, client: Client) -> None:
-        """CLIENT, waiting, is given its first ticket (call before setting its ticket_at)."""
+    def ticket_given(self, fd: int, client: Client, now: float) -> None:
+        """CLIENT was given a ticket NOW (time.monotonic()): counted once while it waits."""
         if client.ticket_at == float("-inf") and self.waiting.get(fd) is client:
             self.ticketed += 1
+        client.ticket_at = now
 
     def left(self, fd: int, client: Client) -> None:
         """CLIENT is out of line: served, or gone."""

@@ -384,8 +384,7 @@ class Service:
                                          client.ticket_at == float("-inf"), self.roster.ticketed, now)
             if ticket is not None:
                 fields["ticket"] = ticket
-                self.roster.ticket_given(client.sock.fileno(), client)
-                client.ticket_at = now
+                self.roster.ticket_given(client.sock.fileno(), client, now)
         return client.send(wire.WAIT, fields) if fields else True
 
     def _held(self, client: Client) -> None:
@@ -471,22 +470,22 @@ class Service:
         self.dirty = self.freed = False
         if self.comeback.in_grace(self.last_decision):
             return  # nobody is granted before the runs that waited are back (ops/tickets.py)
-        waiting = [c for c in self._waiting() if c.waiter is not None and c.waiter.key not in self.grants.pending]
+        waiting = {c.waiter.key: c for c in self._waiting()
+                   if c.waiter is not None and c.waiter.key not in self.grants.pending}
         if not waiting:
             return
-        verdicts = self.line.decide([c.waiter for c in waiting if c.waiter is not None], self.grants.claimed(),
-                                    self.grants.holders())
+        verdicts = self.line.decide([c.waiter for c in waiting.values() if c.waiter is not None],
+                                    self.grants.claimed(), self.grants.holders())
         # The grants are sent first: the decision has worked the line out only as far as its
         # last grant, and the others' verdicts (most of the work with 1000 waiting: their
         # places, why each waits) come after, while the runs granted start.
-        by_key = {c.waiter.key: c for c in waiting if c.waiter is not None}
         for key, verdict in verdicts.items():
-            client = by_key.get(key)  # or a queue entry's: a run deciding for itself takes its own
+            client = waiting.get(key)  # or a queue entry's: a run deciding for itself takes its own
             if client is not None and verdict.kind == GRANTED and not self._offer(client, list(verdict.devices)):
                 self._drop(client)
         verdicts.finish()
         now = time.monotonic()
-        for client in waiting:
+        for client in waiting.values():
             assert client.waiter is not None and client.ask is not None
             verdict = verdicts.get(client.waiter.key)
             if verdict is None or verdict.kind == GRANTED:

@@ -43,6 +43,7 @@ RESERVED = "reserved"  # free devices it could use are reserved for a run that w
 RESERVING = "reserving"  # it waited long: free devices are held back for it until it has enough
 LIMIT = "limit"  # its user's limit would be exceeded
 
+ALL_BUSY = "every device it may use is busy"  # a BUSY verdict's text, with the place in line after it
 EPSILON = 1e-9  # shares add up in floating point: 4 x 0.25 must not exceed a limit of 1
 
 
@@ -309,7 +310,7 @@ def _steps(out: Dict[str, Verdict], waiters: Sequence[Waiter], free: Sequence[st
             # Nothing is left to give: what the general way below concludes, without its
             # lists. Past the head of a long line this is every waiter (1000 waiting: the
             # decision a hand-over waits for went from ~7 to ~4 ms on a slow 2-core VM).
-            out[w.key] = Verdict(BUSY, position, f"every device it may use is busy; position {position + 1} in line")
+            out[w.key] = Verdict(BUSY, position, f"{ALL_BUSY}; position {position + 1} in line")
             continue
         usable = w.usable(avail, fit)
         open_ = [u for u in usable if u not in reserved]
@@ -354,7 +355,7 @@ def _steps(out: Dict[str, Verdict], waiters: Sequence[Waiter], free: Sequence[st
             out[w.key] = Verdict(RESERVED, position, _reserved_text(len(usable) - len(open_), position))
         else:
             need = w.count - len(usable)
-            what = "every device it may use is busy" if not usable else (
+            what = ALL_BUSY if not usable else (
                 f"{_plural(len(usable), 'usable device')} free, {need} more needed")
             out[w.key] = Verdict(BUSY, position, f"{what}; position {position + 1} in line")
 
