@@ -35,14 +35,15 @@ def test_a_waiter_rereads_what_aged_while_it_slept(runtime: Layout) -> None:
     """The job seen on the device when the waiter queued has ended by its turn: no stale wait."""
     queue = WaitQueue(str(runtime.queue_dir))
     ahead = queue.enqueue(Request(1), b"pid=1\n")  # someone queued before us
-    seen_busy = Device(UUID, "H100", UUID, 0, None, 80000, 4000, (4242,))
+    # The job: a live process (a pidfd opens on it), which ends as the run ahead leaves.
+    seen_busy = Device(UUID, "H100", UUID, 0, None, 80000, 4000, (os.getpid(),))
     now_free = Device(UUID, "H100", UUID, 0, None, 80000, 0, ())
     reads = []
     left = []
 
     def refresh(device: Device) -> Device:
         reads.append((device.uuid, bool(left)))
-        return now_free
+        return now_free if left else seen_busy
 
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [seen_busy], [seen_busy], Request(1),
                         refresh=refresh)

@@ -5,9 +5,10 @@ test was woken by the process's exit (a pidfd) or by the monitor rewriting its s
 """
 import importlib
 import os
+import select
 import subprocess
 import threading
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Union
 
 import pytest
 
@@ -15,6 +16,8 @@ from cudawrap.sched.request import Request
 from cudawrap.sched.run import acquire
 from cudawrap.devices import nvml, snapshot
 from cudawrap.sched.acquirer import Acquirer
+from cudawrap.sched.decision import Decision
+from cudawrap.sched.foreignwake import ForeignWake
 from cudawrap.devices.model import Device
 from cudawrap.lease.files import Lease, LeaseFiles
 from cudawrap.ops.monitor import refresh_once
@@ -56,9 +59,11 @@ def inotify_watching(directory: str) -> bool:
 
 
 class Waiter:
-    """A run waiting for DEVICE in a thread of this process, its re-reads of the device counted."""
+    """A run waiting for DEVICE (or the first free of a list) in a thread of this process, its
+    re-reads of the devices counted."""
 
-    def __init__(self, inst, device: Device, refresh: Callable[[Device], Device], watched: str = "") -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, inst, device: Union[Device, List[Device]], refresh: Callable[[Device], Device], watched: str = "",  # type: ignore[no-untyped-def]
+                 on_look: Callable[[], None] = lambda: None) -> None:
         self.reads: List[str] = []
         self.queue = WaitQueue(str(inst.layout.queue_dir))
         self.outcome: Dict[str, object] = {}
@@ -68,9 +73,16 @@ class Waiter:
             return refresh(d)
 
         self.looks: List[object] = []
-        self.acquirer = Acquirer(LeaseFiles(str(inst.layout.lease_dir)), self.queue, [device], [device], Request(1),
+
+        def looked(decision: Decision) -> None:
+            if decision.cause == decision.LOOK:
+                on_look()  # in the waiter's thread, between its look and what it follows
+                self.looks.append(decision)
+
+        devices = device if isinstance(device, list) else [device]
+        self.acquirer = Acquirer(LeaseFiles(str(inst.layout.lease_dir)), self.queue, devices, devices, Request(1),
                                  refresh=counted, snapshot=watched or None,
-                                 observe=lambda d: self.looks.append(d) if d.cause == d.LOOK else None)
+                                 observe=looked)
         self.thread = threading.Thread(target=self._run)
         self.thread.start()
         # It waits, and has looked from its place in line: it follows the foreign processes
@@ -105,6 +117,50 @@ def test_a_waiter_wakes_as_the_foreign_process_exits(installed) -> None:  # type
     lease = waiter.granted()
     assert lease.uuids == [gpus[0]]
     lease.release()
+
+
+@pytest.mark.parametrize("others", [0, 1], ids=["re-read-free", "no-pidfd"])
+def test_a_process_gone_between_the_look_and_its_pidfd_wakes_the_waiter(installed, others: int) -> None:  # type: ignore[no-untyped-def]
+    """The process exits after the waiter's look named it and before the waiter opens its
+    pidfd, so no pidfd will ever wake it (CI saw this race leave a waiter asleep until its
+    timer). Alone, the waiter's warm-up re-reads its device and finds it free since the look;
+    behind another busy device (warmed instead), the pidfd it cannot open is the wake."""
+    inst = installed("four-gpus")
+    gpus = inst.machine.leaf_uuids()
+    stays = [foreign(inst, gpu) for gpu in gpus[1:1 + others]]
+    job = foreign(inst, gpus[0])
+    devices = [nvml.inventory().by_uuid(gpu) for gpu in gpus[1:1 + others] + gpus[:1]]
+    assert devices[-1].pids == (job.pid,)
+
+    def exit_now() -> None:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+
+    lease = Waiter(inst, devices, nvml.refresh, on_look=exit_now).granted()
+    assert lease.uuids == [gpus[0]]
+    lease.release()
+    for proc in stays:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_pid_gone_before_it_is_followed_is_one_wake_and_never_followed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An exited pid (or one from another pid namespace: the same ESRCH) wakes once, and is
+    not tried again: an unseen process costs one re-read, not one per look."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        wake = ForeignWake(select.poll(), None)
+        assert wake.follow([child.pid, alive.pid]) is True
+        assert set(wake.pidfds) == {alive.pid}
+        assert wake.follow([child.pid, alive.pid]) is False
+        assert wake.follow([alive.pid]) is False
+        wake.close()
+    finally:
+        alive.kill()
+        alive.wait()
 
 
 def test_a_waiter_wakes_as_the_snapshot_drops_an_unseen_process_and_not_before(installed) -> None:  # type: ignore[no-untyped-def]

@@ -14,6 +14,7 @@ instances, the waiter keeps its timer).
 """
 from __future__ import annotations
 
+import errno
 import os
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
@@ -28,13 +29,16 @@ if TYPE_CHECKING:
 _GONE_MAX = 4096
 
 
-def _pidfd(pid: int) -> Optional[int]:
-    """A pidfd for PID, readable once it exits; None where it is not visible here or the
-    kernel or Python has no pidfd_open."""
+def _pidfd(pid: int) -> Tuple[Optional[int], bool]:
+    """A pidfd for PID, readable once it exits (None where there is none), and whether PID
+    may have exited already: no such process here (ESRCH), which is also what a pid from
+    another pid namespace gives."""
     try:
-        return os.pidfd_open(pid)  # type: ignore[attr-defined]
-    except (AttributeError, OSError):
-        return None
+        return os.pidfd_open(pid), False  # type: ignore[attr-defined]
+    except OSError as exc:
+        return None, exc.errno == errno.ESRCH
+    except AttributeError:  # no pidfd_open (Linux < 5.3, Python < 3.9)
+        return None, False
 
 
 class ForeignWake:
@@ -47,14 +51,20 @@ class ForeignWake:
         self.gone: Set[int] = set()
         self.watch: Optional[Watch] = None
 
-    def follow(self, pids: Iterable[int]) -> None:
+    def follow(self, pids: Iterable[int]) -> bool:
         """Wake on the exit of each of PIDS, and on the snapshot's rewrite while there is any;
-        stop following every other process."""
-        wanted = set(pids) - self.gone
+        stop following every other process. True: one of PIDS was gone already (it exited
+        between the look that named it and now), which is a wake like its exit."""
+        listed = set(pids)
+        wanted = listed - self.gone
         for pid in set(self.pidfds) - wanted:
             self._drop(pid)
+        missed = False
         for pid in wanted - set(self.pidfds):
-            fd = _pidfd(pid)
+            fd, gone = _pidfd(pid)
+            if gone:  # never followed again: an unseen pid costs one re-read, not one per look
+                self._gone(pid)
+                missed = True
             if fd is not None:
                 import select
 
@@ -62,10 +72,13 @@ class ForeignWake:
                 # closes us) must not leave a name that poll does not know.
                 self.poller.register(fd, select.POLLIN)
                 self.pidfds[pid] = fd
-        if wanted and self.watch is None and self.snapshot is not None:
+        # The snapshot is watched while any is listed, followed or not: it is what tells of
+        # one we cannot follow (another pid namespace's) leaving, or of one gone still listed.
+        if listed and self.watch is None and self.snapshot is not None:
             self._watch_snapshot()
-        elif not wanted and self.watch is not None:
+        elif not listed and self.watch is not None:
             self._unwatch_snapshot()
+        return missed
 
     def woken(self, ready: List[Tuple[int, int]]) -> bool:
         """Whether READY (what poll returned) holds an exit or a snapshot rewrite; consumes them."""
@@ -74,9 +87,7 @@ class ForeignWake:
         for pid, fd in list(self.pidfds.items()):
             if fd in fds:
                 self._drop(pid)
-                if len(self.gone) >= _GONE_MAX:
-                    self.gone.clear()
-                self.gone.add(pid)
+                self._gone(pid)
                 woke = True
         if self.watch is not None and self.watch.fileno() in fds:
             name = os.path.basename(self.snapshot or "")
@@ -88,6 +99,11 @@ class ForeignWake:
             self._drop(pid)
         if self.watch is not None:
             self._unwatch_snapshot()
+
+    def _gone(self, pid: int) -> None:
+        if len(self.gone) >= _GONE_MAX:
+            self.gone.clear()
+        self.gone.add(pid)
 
     def _drop(self, pid: int) -> None:
         fd = self.pidfds.pop(pid)

@@ -347,6 +347,11 @@ class MachineView:
         """The processes on the devices that only processes cudawrap did not start keep from us."""
         return {pid for uuid in self.foreign_busy for pid in self.current[uuid].pids or ()}
 
+    def foreign_freed(self) -> bool:
+        """Whether a device that only such processes kept from us at the look reads free since
+        (a later re-read: warm's, say): the look is out of date, and there is nothing to follow."""
+        return any(not self.occupied(self.current[uuid]) for uuid in self.foreign_busy)
+
     def foreign_left(self) -> bool:
         """Re-read those devices (one of their processes exited, or the snapshot was
         rewritten): whether any is free of them now."""

@@ -169,7 +169,12 @@ class Waiting:
         if self.own is None:
             time.sleep(timeout)
             return
-        self.wake.follow(self.acq.foreign_pids() if self.watcher else ())
+        # A process that exits between our look and its pidfd wakes nothing: read free since
+        # the look (warm's re-read), or gone before it is followed, it is a full look now.
+        if self.watcher and self.acq.foreign_freed():
+            return
+        if self.wake.follow(self.acq.foreign_pids() if self.watcher else ()) and self.acq.foreign_left():
+            return
         self._listen(timeout)
 
     def _check(self, now: float) -> None:
