@@ -338,38 +338,38 @@ if [ "${copied[0]}" -gt 1 ] || [ "${copied[1]}" -ne 0 ]; then  # GNU tar: 1 = a 
     die 1 "cannot copy the source $SRC to $tmp/src for pip (see tar's message above)"
 fi
 
-pip_args=(install --upgrade --no-warn-script-location)
+# Built once, as a wheel: pip installs from it, and it is kept for users to pip-install into
+# their own environments (`import cudawrap; cudawrap.acquire()` from their venv or conda
+# env). Installing the source directory instead would build it a second time.
+index_args=()
 if [ -n "$wheelhouse" ]; then
-    pip_args+=(--no-index --find-links "$wheelhouse")
+    index_args=(--no-index --find-links "$wheelhouse")
     step "installing cudawrap from $SRC with pip, offline from $wheelhouse"
 else
     step "installing cudawrap from $SRC with pip"
 fi
-if ! (cd "$tmp" && "$vpy" -I -m pip "${pip_args[@]}" "$tmp/src$extras") >"$tmp/pip.log" 2>&1; then
-    { grep -v '^WARNING: Location .* is ignored' "$tmp/pip.log" || true; } | tail -n 12 | sed 's/^/    pip: /' >&2
+pip_failed() { # LOG: its last lines, the rollback, and one line saying what to check
+    { grep -v '^WARNING: Location .* is ignored' "$1" || true; } | tail -n 12 | sed 's/^/    pip: /' >&2
     rollback
     if [ -n "$wheelhouse" ]; then
         die 1 "pip could not install cudawrap into $venv (its last lines are above): does $wheelhouse hold every dependency and setuptools?"
     fi
     die 1 "pip could not install cudawrap into $venv (its last lines are above): check access to the package index, or install offline with --wheelhouse DIR"
-fi
+}
+(cd "$tmp" && "$vpy" -I -m pip wheel -q --no-deps ${index_args[@]+"${index_args[@]}"} -w "$tmp/wheel" "$tmp/src") \
+    >"$tmp/pip.log" 2>&1 || pip_failed "$tmp/pip.log"
+wheel=$(ls "$tmp"/wheel/cudawrap-*.whl 2>/dev/null | head -n 1)
+[ -n "$wheel" ] || { echo "pip wheel left no cudawrap-*.whl in $tmp/wheel" >>"$tmp/pip.log"; pip_failed "$tmp/pip.log"; }
+# The dependencies (and a cudawrap of another version), then this very build: an upgrade
+# in place keeps the version number, which alone would count as installed already.
+(cd "$tmp" && "$vpy" -I -m pip install --upgrade --no-warn-script-location ${index_args[@]+"${index_args[@]}"} \
+    "$wheel$extras" && "$vpy" -I -m pip install --force-reinstall --no-deps --no-warn-script-location "$wheel") \
+    >>"$tmp/pip.log" 2>&1 || pip_failed "$tmp/pip.log"
 if ! (cd "$tmp" && "$vpy" -I -c 'import cudawrap.cli.installer, cudawrap.launch, cudawrap.install.installation as i; i._template()') 2>"$tmp/check.log"; then
     rollback
     die $EX_SOFTWARE "the package pip installed is incomplete ($(tail -n 1 "$tmp/check.log")): the source's packaging is broken"
 fi
-
-# The same package as a wheel, for users to pip-install into their own environments
-# (`import cudawrap; cudawrap.acquire()` from their venv or conda env). Optional: a failure
-# to build it is a warning.
-wheel_args=()
-index_args=()
-[ -n "$wheelhouse" ] && index_args=(--no-index --find-links "$wheelhouse")
-if (cd "$tmp" && "$vpy" -I -m pip wheel -q --no-deps ${index_args[@]+"${index_args[@]}"} -w "$tmp/wheel" "$tmp/src") \
-        >"$tmp/wheel.log" 2>&1 && [ -n "$(ls "$tmp"/wheel/cudawrap-*.whl 2>/dev/null)" ]; then
-    wheel_args=(--wheel "$(ls "$tmp"/wheel/cudawrap-*.whl | head -n 1)")
-else
-    warn "could not build the client wheel for users (pip wheel: $(tail -n 1 "$tmp/wheel.log")); the install goes on without it"
-fi
+wheel_args=(--wheel "$wheel")
 
 # Which build this is, for `cudawrap --version` and doctor: the checkout's commit (git is
 # asked once, here), and the day of the install.
