@@ -604,8 +604,18 @@ signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
 fds = [os.open(os.path.join(sys.argv[1], name), os.O_RDONLY) for name in sorted(os.listdir(sys.argv[1]))]
 print("opened", flush=True)
 signal.sigwait([signal.SIGUSR1])
+import time
 for fd in fds:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    # The service probes a lease its run let go of with a lock of its own, for a moment:
+    # met here, it is tried again (no run holds these devices).
+    for _ in range(500):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            time.sleep(0.01)
+    else:
+        sys.exit("a lease stayed locked")
 print("locked", flush=True)
 signal.sigwait([signal.SIGUSR1])
 """
