@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
@@ -73,6 +74,36 @@ def _ensure_users() -> Dict[str, User]:
             pw = pwd.getpwnam(name)
         users[name] = User(name, pw.pw_uid, pw.pw_gid)
     return users
+
+
+def _existing_users() -> Optional[Dict[str, User]]:
+    try:
+        return {name: User(name, pw.pw_uid, pw.pw_gid) for name in USER_NAMES for pw in [pwd.getpwnam(name)]}
+    except KeyError:
+        return None
+
+
+def _take_users(lock: int) -> Dict[str, User]:
+    """The accounts, with LOCK held shared for as long as this session uses them.
+
+    Shared at once where they exist: a session that waited for the exclusive lock first
+    waited for every other session to end, so the two workers of `make test` (-n 2) ran one
+    after the other from the moment both needed the accounts. Made under the exclusive lock,
+    taken without waiting: a session holding it shared has them already."""
+    while True:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        users = _existing_users()
+        if users is not None:
+            return users
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            time.sleep(0.05)  # another session is making them, or removing them
+            continue
+        users = _ensure_users()
+        fcntl.flock(lock, fcntl.LOCK_SH)  # converted: other sessions may use them now
+        return users
 
 
 def _remove_users() -> None:
@@ -143,11 +174,9 @@ def mu_world() -> Iterator[World]:
         if shutil.which(tool) is None:
             pytest.skip(f"needs {tool}")
     lock = os.open(USERS_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX)
     base = Path(tempfile.mkdtemp(prefix="cudawrap-mu-", dir="/tmp"))
     try:
-        users = _ensure_users()
-        fcntl.flock(lock, fcntl.LOCK_SH)  # converted: other sessions may use them now
+        users = _take_users(lock)
         base.chmod(0o755)
         lib_dir = build_fakenvml(base / "fakenvml")
         lib_dir.chmod(0o755)
