@@ -14,10 +14,10 @@ STAMP := $(VENV)/.cudawrap-installed
 # -ra: the summary names every skip with its reason (CI must have none), besides failures and
 # xfails; a bare -rs would replace pyproject's -ra and drop the FAILED lines.
 # lint-imports: the package's layers (pyproject's [tool.importlinter]) before the tests.
-# -n 2 --dist loadgroup: two halves side by side, one worker each (tests/conftest.py says which).
+# -n 2: two halves side by side, one worker each (tests/conftest.py says which).
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(VPY) -m pytest -q -ra -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -ra -n 2 $(PYTEST_ARGS)
 
 # The edit loop: all but the slow tests and those needing root (CI still runs everything).
 test-fast: $(STAMP)

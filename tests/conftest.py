@@ -1,3 +1,5 @@
+import pytest
+
 from support.admin import admin, shared_tmp  # noqa: F401
 from support.installed import installed  # noqa: F401
 from support.installsh import wheelhouse  # noqa: F401
@@ -6,8 +8,8 @@ from support.procs import spawned  # noqa: F401
 from support.users import mu, mu_world  # noqa: F401
 
 
-# `make test` runs the suite as two halves side by side (pytest-xdist: -n 2 --dist loadgroup,
-# one worker per group). One half is the tests that chain installs, package builds and strace
+# `make test` runs the suite as two halves side by side (pytest-xdist, -n 2: one worker for
+# each, pytest_xdist_make_scheduler below). One half is the tests that chain installs, package builds and strace
 # sweeps: each is a long line of busy processes, one after another, with nothing to share
 # with each other half. The other half is the rest, which mostly waits on its processes. Side
 # by side on 2 cores each half ran about as fast as alone (test_install.py 195 s beside 127 s
@@ -19,10 +21,15 @@ CHAINED = frozenset({
 })
 
 
-def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    import pytest
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent without it
+def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
+    """Two scopes, the chained files and the rest, one to each worker. (xdist's own loadgroup
+    would do it from marks, but it names the group in the test id through an attribute that
+    pytest 9 no longer reads, and then spreads every test.)"""
+    from xdist.scheduler import LoadScopeScheduling
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("chained" if item.path.name in CHAINED else "rest"))
+    class TwoHalves(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "chained" if nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in CHAINED else "rest"
+
+    return TwoHalves(config, log)

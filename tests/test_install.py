@@ -15,7 +15,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import pytest
 
@@ -256,6 +256,19 @@ def readme_block(name: str) -> str:
     return "\n".join(line for line in block.splitlines() if not line.startswith("```"))
 
 
+def run_walk_through(script: str, env: Dict[str, str]) -> subprocess.CompletedProcess:
+    """SCRIPT, a README walk-through, run with bash -e; its exit 0 asserted, and on a failure
+    or a hang its output shown (a hang: a run that failed before its ready line)."""
+    try:
+        r = subprocess.run(["bash", "-e", "-c", script], cwd=SOURCE, env=env, stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as exc:
+        out = [s.decode(errors="replace") if isinstance(s, bytes) else (s or "") for s in (exc.stdout, exc.stderr)]
+        pytest.fail(f"the walk-through hung for 300 s; its output:\n{out[0][-3000:]}\n{out[1][-3000:]}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
 @pytest.mark.slow
 def test_readme_try_it_without_a_gpu_works_as_written(tmp_path, wheelhouse):
     """README's walk-through, run as one script with `bash -e`, in tmp_path instead of /tmp."""
@@ -271,10 +284,7 @@ def test_readme_try_it_without_a_gpu_works_as_written(tmp_path, wheelhouse):
         script = script.replace("./install.sh ", f"./install.sh --wheelhouse {wheelhouse} ", 1)
     # Under the stock PATH of a Debian/Ubuntu server, as a new admin runs it: python3 is then
     # the system's own, the case that once failed (issue 28), whatever this machine's PATH.
-    r = subprocess.run(["bash", "-e", "-c", script], cwd=SOURCE, env=clean_env(PATH=STOCK_SUDO_PATH),
-                       stdin=subprocess.DEVNULL,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_walk_through(script, clean_env(PATH=STOCK_SUDO_PATH))
     assert "exit 75" in r.stdout
     # What the text after the walk-through quotes is what the commands said.
     after = text.split("<!-- try:end -->", 1)[1].split("\n## ", 1)[0]
@@ -304,9 +314,7 @@ def test_readme_try_it_with_several_users_works_as_written(mu_world, wheelhouse)
         script = script.replace("sudo ", "")
         if wheelhouse:
             script = script.replace("./install.sh ", f"./install.sh --wheelhouse {wheelhouse} ", 1)
-        r = subprocess.run(["bash", "-e", "-c", script], cwd=SOURCE, env=clean_env(PATH=STOCK_SUDO_PATH),
-                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stdout + r.stderr
+        r = run_walk_through(script, clean_env(PATH=STOCK_SUDO_PATH))
         tables = [t for t in r.stdout.split("install root ")[1:]]
         bobs, roots = tables[-2], tables[-1]  # the two status tables of step 3
         assert bobs.count("held (holder not visible to you)") == 4, r.stdout
