@@ -64,6 +64,7 @@ class Service:
         self.roster = Roster()  # who waits, who has not asked yet: kept, not found by a pass over everyone
         self.per_uid: Dict[int, int] = {}  # uid -> its connections (counting them was a pass over every client)
         self.selector = selectors.DefaultSelector()
+        self._catch_stops()  # before the socket exists: a stop from here on removes it
         self.dirty = False
         self.freed = False  # a grant ended: decided on at once, MIN_GAP_S or not
         self.recheck_at = float("inf")
@@ -108,26 +109,28 @@ class Service:
         self.listener.close()
 
     # -- the loop ---------------------------------------------------------------------------
-    def run(self) -> None:
-        """Steps until SIGTERM, SIGINT or SIGHUP; then the socket closed, and the ledger made
-        durable. A signal only sets a flag, and its byte on the wakeup pipe wakes the select
-        at once: the loop leaves between two steps. (The handler raised before, wherever the
-        loop was: half-way into a lock or a queue put, the stop then waited on it for good,
-        a service alive 10 s after its SIGTERM.)"""
+    def _catch_stops(self) -> None:
+        """SIGTERM, SIGINT and SIGHUP only set a flag, and the signal's byte on the wakeup
+        pipe wakes the select at once: the loop leaves between two steps (run). The handler
+        raised before, wherever the loop was: half-way into a lock or a queue put, the stop
+        then waited on it for good (a service alive 10 s after its SIGTERM)."""
         self.stopping = False
-        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.selector.register(wake_r, selectors.EVENT_READ, "signal")
-        previous = signal.set_wakeup_fd(wake_w)
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "signal")
+        self.previous_wakeup = signal.set_wakeup_fd(self.wake_w)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._stop)
+
+    def run(self) -> None:
+        """Steps until a stop signal; then the socket is removed and the ledger made durable."""
         try:
             while not self.stopping:
                 self.step(self._timeout())
         finally:
-            signal.set_wakeup_fd(previous)
-            self.selector.unregister(wake_r)
-            os.close(wake_r)
-            os.close(wake_w)
+            signal.set_wakeup_fd(self.previous_wakeup)
+            self.selector.unregister(self.wake_r)
+            os.close(self.wake_r)
+            os.close(self.wake_w)
             self.close()
 
     def _stop(self, signum: int, frame: object) -> None:
