@@ -125,3 +125,23 @@ def test_a_job_cgroup_of_someone_elses_is_not_slurms(tmp_path: Path) -> None:
         sleeper.wait()
         for directory in (step, job, job.parent, top):  # a cgroup goes once it has no process
             directory.rmdir()
+
+
+def test_the_wake_pipe_wakes_once_and_never_blocks_its_waker() -> None:
+    """Lookups' workers wake the loop through it, and the service's signals too: a wake on a
+    full pipe returns at once (the loop wakes anyway), and drain() leaves it empty, so the
+    next select sleeps."""
+    import select
+
+    from cudawrap.base.wakepipe import WakePipe
+
+    pipe = WakePipe()
+    try:
+        assert select.select([pipe], [], [], 0)[0] == []
+        for _ in range(70000):  # past a pipe's 64 KiB
+            pipe.wake()
+        assert select.select([pipe], [], [], 0)[0] == [pipe]
+        pipe.drain()
+        assert select.select([pipe], [], [], 0)[0] == []
+    finally:
+        pipe.close()

@@ -44,14 +44,18 @@ _kept: Dict[str, Any] = {}
 _writer: Optional["Writer"] = None
 
 
-def background() -> None:
+def background(layout: Layout) -> None:
     """From now on the state is rewritten, and records made durable, on a thread of their
-    own (ops/ledgerwriter.py): the service's loop goes on meanwhile."""
+    own (ops/ledgerwriter.py): the service's loop goes on meanwhile. What the first grant
+    would otherwise read is read now: the configuration's [ledger] limits (parsing it took
+    25 ms of the first hand-over) and the boot id."""
     global _writer
     if _writer is None:
         from .ledgerwriter import Writer
 
         _writer = Writer()
+    _limits(layout)
+    _boot()
 
 
 def flush() -> None:

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 from .. import locations as loc
 from .. import wire
 from ..base import audit
+from ..base.wakepipe import WakePipe
 from .cancel import CANCELLED_EXIT
 from ..errors import CudawrapError
 from ..sched.schedule import GRANTED, Verdict
@@ -53,12 +54,12 @@ class Service:
         self.private_status = private_status
         self.renamed = True  # lease files made or removed since the last look (sync): list them again
         self.line = Line(root)
-        accounts.background()  # the ledger's state rewrites and fsyncs off this loop
         from pathlib import Path
 
         from ..install.runtime import enforced
 
         layout = Layout(Path(root))
+        accounts.background(layout)  # the ledger's state rewrites and fsyncs off this loop
         self.grants = Grants(self.line.leases, layout, enforced(layout), _say)  # say: MPS's ACLs
         self.clients: Dict[int, Client] = {}  # socket fd -> client
         self.roster = Roster()  # who waits, who has not asked yet: kept, not found by a pass over everyone
@@ -115,9 +116,9 @@ class Service:
         raised before, wherever the loop was: half-way into a lock or a queue put, the stop
         then waited on it for good (a service alive 10 s after its SIGTERM)."""
         self.stopping = False
-        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.selector.register(self.wake_r, selectors.EVENT_READ, "signal")
-        self.previous_wakeup = signal.set_wakeup_fd(self.wake_w)
+        self.wake = WakePipe()
+        self.selector.register(self.wake.fileno(), selectors.EVENT_READ, "signal")
+        self.previous_wakeup = signal.set_wakeup_fd(self.wake.w)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._stop)
 
@@ -128,9 +129,8 @@ class Service:
                 self.step(self._timeout())
         finally:
             signal.set_wakeup_fd(self.previous_wakeup)
-            self.selector.unregister(self.wake_r)
-            os.close(self.wake_r)
-            os.close(self.wake_w)
+            self.selector.unregister(self.wake.fileno())
+            self.wake.close()
             self.close()
 
     def _stop(self, signum: int, frame: object) -> None:
@@ -160,7 +160,7 @@ class Service:
             # The files' news first: a request in the same turn is read with the lease files as they are.
             for key, _mask in sorted(ready, key=lambda r: r[0].data != "watch"):
                 if key.data == "signal":
-                    _drain(key.fd)  # a stop signal's byte: run() leaves after this step
+                    self.wake.drain()  # a stop signal's byte: run() leaves after this step
                 elif key.data == "listen":
                     self._accept()
                 elif key.data == "watch":
@@ -548,11 +548,3 @@ class Service:
 def _say(line: str) -> None:
     """A line for the journal (or the --daemon log): the service's own account of what it did."""
     print(f"cudawrap serve: {line}", flush=True)
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 512):
-            pass
-    except BlockingIOError:
-        pass

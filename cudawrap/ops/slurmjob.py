@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, Optional, Set, Tuple, Union
 
+from ..base.wakepipe import WakePipe
 from ..errors import CudawrapError, DataError, SlurmUnavailable
 
 CGROUP_FS = "/sys/fs/cgroup"
@@ -222,7 +223,7 @@ class Lookups:
     thread calls get() and ready()."""
 
     def __init__(self, workers: int = WORKERS) -> None:
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake = WakePipe()
         self._asked: "queue.Queue[str]" = queue.Queue()
         self._answers: "queue.Queue[Tuple[str, Outcome]]" = queue.Queue()
         self._in_flight: Dict[str, JobCgroup] = {}
@@ -231,7 +232,7 @@ class Lookups:
         self._threads: List[threading.Thread] = []
 
     def fileno(self) -> int:
-        return self._wake_r
+        return self._wake.fileno()
 
     def get(self, job: JobCgroup) -> Optional[JobGpus]:
         """The kept answer for JOB (while its cgroup is the one it was asked for); else None,
@@ -255,11 +256,7 @@ class Lookups:
 
     def ready(self) -> List[Tuple[str, Outcome]]:
         """The answers that came since the last call (each kept, when it is one)."""
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self._wake.drain()
         answers = []
         while True:
             try:
@@ -300,7 +297,4 @@ class Lookups:
             except Exception as exc:  # a worker that died would leave its job's runs waiting forever
                 outcome = SlurmUnavailable(f"Slurm job {job_id}: asking Slurm failed: {exc}")
             self._answers.put((job_id, outcome))
-            try:
-                os.write(self._wake_w, b"!")
-            except BlockingIOError:
-                pass  # full: the loop wakes anyway
+            self._wake.wake()
