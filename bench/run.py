@@ -3,7 +3,7 @@
 unwrapped CUDA program, side by side with the peers (gpuselect, nvisel, a getgpu-style script),
 on the simulated machine.
 
-    python3 bench/run.py            # the full run (~9-10 min on 2 idle cores); updates bench/RESULTS.md
+    python3 bench/run.py            # the full run (~9-13 min on 2 idle cores); updates bench/RESULTS.md
                                     # and the README's benchmark block
     python3 bench/run.py --quick    # the same sections, smaller (~2 min)
     python3 bench/run.py --tiny     # a few seconds per section; what tests/test_bench.py runs
