@@ -325,3 +325,61 @@ def test_a_lease_held_by_nobody_named_is_not_searched_for_among_every_process(
     assert free == [] and busy == {UUID} and held == {-1: 1} and searched == []
     acquirer.machine({ident: [UNKNOWN_HOLDER]}, leases.idents(acquirer.current))
     assert searched == [{ident}]
+
+
+def test_a_run_behind_the_watchers_that_loses_the_race_for_its_grant_looks_again_at_once(runtime: Layout) -> None:
+    """Two devices free up for a run behind the watchers (those ahead need more than there
+    is), it is poked, and another process locks the one its look gave it between the look
+    and its lock: it looks again at once and takes the other. It used to sleep behind the
+    runs ahead as if told to wait, up to IDLE_S (30 s): in the 500-waiter bench, seven such
+    losers at once left freed devices idle for ~25 s."""
+    import time
+
+    from cudawrap.sched.queue import poke
+    from cudawrap.sched.waiting import IDLE_S, WATCHERS
+
+    uuids = [UUID] + [f"GPU-00000000-aaaa-bbbb-cccc-00000000000{i}" for i in (2, 3)]
+    sync_lease_files(str(runtime.lease_dir), uuids)
+    devices = [Device(u, "H100", u, i, None, 80000, 0, ()) for i, u in enumerate(uuids)]
+    queue = WaitQueue(str(runtime.queue_dir))
+    ahead = [queue.enqueue(Request(3), b"pid=1\n") for _ in range(WATCHERS + 2)]  # all three each: none can start
+    holder = LeaseFiles(str(runtime.lease_dir))
+    assert all(holder.try_lock(u) for u in uuids)
+    thief = LeaseFiles(str(runtime.lease_dir))
+    thief.idents(uuids)  # its descriptors open already, as the winner's were: its lock makes no event
+    stolen: list = []
+    said: list = []
+    got: list = []
+
+    def steal(decision) -> None:  # type: ignore[no-untyped-def]
+        verdict = decision.verdicts.get(decision.key)
+        if decision.cause == decision.LOOK and verdict is not None and verdict.kind == "granted" and not stolen:
+            stolen.extend(verdict.devices)
+            assert thief.try_lock(verdict.devices[0])  # taken between its look and its lock
+
+    acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, devices, devices, Request(1))
+    acquirer.observers.append(steal)
+    thread = threading.Thread(target=lambda: got.append(acquire(acquirer, IDLE_S + 10, b"pid=2\n", said.append)))
+    thread.start()
+    try:
+        wait_for(lambda: said, 5, "its wait behind the runs ahead")
+        assert "position" in said[0] and f"position {WATCHERS + 3}" in said[0], said
+        names = {e.name for e in ahead}
+        (mine,) = [n for n in os.listdir(runtime.queue_dir) if n not in names]
+        holder.unlock(uuids[0])
+        holder.unlock(uuids[1])
+        began = time.monotonic()
+        poke(str(runtime.queue_dir / mine))  # as a watcher's look that freed them pokes it
+        thread.join(timeout=IDLE_S + 15)
+        took = time.monotonic() - began
+        assert got and stolen, (said, stolen)
+        assert got[0].uuids != stolen and got[0].uuids[0] in uuids[:2]
+        assert took < 5.0, f"took its device {took:.1f} s after the devices freed"
+    finally:
+        for lease in got:
+            lease.release()
+        thief.close()
+        holder.close()
+        for entry in ahead:
+            queue.leave(entry)
+        thread.join(timeout=IDLE_S + 15)

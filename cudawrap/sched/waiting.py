@@ -106,6 +106,7 @@ class Waiting:
         self.before: Optional[Set[str]] = ahead  # the runs ahead of us at our last look
         self.far: Optional[FarWait] = None  # far back: woken when runs leave the queue
         self.poked = False  # woken while not watching by a poke: we moved up, or were given devices
+        self.lost_race = False  # our look gave us devices and another run locked them first: look again
         # Once devices are reserved for us (policy reserve_after) we move up: look then.
         self.reserve_at = self.clock() + acq.request.reserve_after
         self.told = ""  # the kind of wait last reported
@@ -154,9 +155,14 @@ class Waiting:
         changed (or, far back, until enough runs ahead have left)."""
         now = self.clock()
         self._check(now)
-        if self._far_asleep(now):
+        # After a lost race the next look comes at once, wherever we are in line: devices were
+        # free for us, and others may be. Asleep behind the runs ahead instead, as if told to
+        # wait, a run lost up to IDLE_S (500 waiters: seven losers at once left freed devices
+        # idle ~25 s, their next looks due only then).
+        lost_race, self.lost_race = self.lost_race, False
+        if not lost_race and self._far_asleep(now):
             return
-        if self._near_asleep(now):
+        if not lost_race and self._near_asleep(now):
             self._listen(min(NEAR_CHECK_S, max(0.0, self.deadline - now)), again=True)
             return
         if self._decide(now):
@@ -272,6 +278,7 @@ class Waiting:
                 hand_over(acq, self.verdicts, scan, entry.name)
                 return True
             jitter()
+            self.lost_race = True
             return True
         if acq.usable() < acq.request.count:
             if any(d.uuid in acq.unavailable for d in acq.candidates):
