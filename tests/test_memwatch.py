@@ -22,7 +22,7 @@ import pytest
 
 from support import fakecuda
 from support.installed import ready_line
-from support.procs import root_only, wait_for
+from support.procs import open_files, root_only, wait_for
 from support.machine import FAKECUDA
 
 from cudawrap.ops import memwatch
@@ -221,18 +221,6 @@ def test_a_run_of_three_processes_is_summed(mu: Any) -> None:
     assert f"pid {run.pid} {inst.world.alice.name} recon {3 * (1000 + CONTEXT) / 1024:.1f} GiB" in shown, shown
 
 
-def _open_files(pid: int) -> List[str]:
-    """What PID's descriptors name now. One closed between the listing and its link is left
-    out: the child closes its ready pipe right after its line (CI once met fd 5 gone)."""
-    links = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except FileNotFoundError:
-            pass
-    return links
-
-
 @root_only
 def test_a_child_without_the_lease_counts_by_descent(mu: Any) -> None:
     """A child that closed what it inherited (a Python program's subprocess workers) holds no
@@ -240,7 +228,7 @@ def test_a_child_without_the_lease_counts_by_descent(mu: Any) -> None:
     inst = one_device(mu)
     run = inst.start(inst.world.alice, "recon", "--hold", "600", "--mem", "1500", "--children", "1", "--close-fds")
     (child,) = ready_line(run)["children"]
-    assert not any(link.startswith(str(inst.layout.lease_dir)) for link in _open_files(child))
+    assert not any(link.startswith(str(inst.layout.lease_dir)) for link in open_files(child))
     (row,) = rows(memwatch.Watch(inst.layout).cycle(), run.pid)
     assert row["used_mib"] == 2 * (1500 + CONTEXT) and row["processes"] == sorted([run.pid, child])
 

@@ -17,7 +17,7 @@ import pytest
 from cudawrap.install.waiter import build_waiter, compiler
 from cudawrap.paths import Layout
 from support.installed import ready_line
-from support.procs import root_only, wait_for
+from support.procs import open_files, root_only, wait_for
 from test_enforce_shares import _environment, configure, serving  # noqa: F401 - a fixture
 from test_mps import control_dir, mu_mps  # noqa: F401 - a fixture
 from test_service import Served, _locks_of, _status
@@ -119,8 +119,7 @@ def test_a_run_granted_in_the_waiter_holds_its_device_by_its_own_lock(served: Se
     ino = os.stat(inst.layout.lease_dir / hello["cvd"]).st_ino
     assert any(line.split()[5].endswith(f":{ino}") for line in _locks_of(waiter.pid))
     # The connection to the service is the waiter's, not the program's.
-    assert not [fd for fd in os.listdir(f"/proc/{waiter.pid}/fd")
-                if os.readlink(f"/proc/{waiter.pid}/fd/{fd}").startswith("socket:")]
+    assert not [link for link in open_files(waiter.pid) if link.startswith("socket:")]
     _kill(holders + [waiter])
 
 

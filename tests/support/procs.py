@@ -50,6 +50,18 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "c
         pause = min(pause * 2, _LONGEST_PAUSE)
 
 
+def open_files(pid: int) -> List[str]:
+    """What PID's descriptors name now. One closed between the listing and its link is left
+    out: a running program opens and closes files meanwhile (CI once met /proc/PID/fd/5 gone)."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass
+    return links
+
+
 def reap(proc: subprocess.Popen) -> None:
     """Kill PROC if it still runs, wait for it and close its pipes."""
     if proc.poll() is None:
