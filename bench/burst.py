@@ -131,7 +131,7 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Seque
             job.spawned = time.time()
             procs.append(subprocess.Popen(list(prefix) + argv, env=env, stdout=subprocess.DEVNULL, stderr=err,
                                           cwd=logdir))
-            watcher.add(procs[-1].pid)
+            watcher.add(procs[-1].pid, job.spawned)
         ideal = math.ceil(n / sim.devices) * hold
         killed = wait_all(procs, time.monotonic() + 3 * ideal + 60)
     watcher.stop()
@@ -251,7 +251,7 @@ def _release(sim: Sim, lead: float, hold: float) -> dict:
             job.spawned = time.time()
             procs.append(subprocess.Popen(sim.argv("cudawrap", "job", sim.job_args(hold, logdir / f"{job.index}.log")),
                                           env=env, stdout=subprocess.DEVNULL, stderr=err))
-            watcher.add(procs[-1].pid)
+            watcher.add(procs[-1].pid, job.spawned)
         deadline = time.monotonic() + 60
         while len([p for p in procs if p.pid in watcher.keys]) < k and time.monotonic() < deadline:
             time.sleep(0.01)

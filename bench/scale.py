@@ -162,7 +162,7 @@ def scale_once(sim: Sim, waiters: int, hold: float, window: float, settle: float
             argv = sim.argv("cudawrap", "job", sim.job_args(hold, logdir / f"{job.index}.log"))
             job.spawned = time.time()
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=logdir))
-            watcher.add(procs[-1].pid)
+            watcher.add(procs[-1].pid, job.spawned)
             if stagger:
                 time.sleep(stagger)
         deadline = time.monotonic() + 60 + waiters * 0.5

@@ -334,9 +334,10 @@ class Window:
 
 
 def _spawn(sim: Sim, argv: List[str], err: object, clock: Optional[Clock] = None) -> subprocess.Popen:
+    spawned = time.time()
     proc = subprocess.Popen(argv, env=sim.environ(), stdout=subprocess.DEVNULL, stderr=err, cwd=sim.work)
     if clock is not None:
-        clock.add(proc.pid)
+        clock.add(proc.pid, spawned)
     return proc
 
 

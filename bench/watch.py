@@ -41,6 +41,7 @@ PROC_EVENT_EXIT = 0x80000000
 _NLMSG_HDR = 16  # nlmsghdr
 _CN_MSG = 20  # struct cn_msg before its data
 _SO_RCVBUFFORCE = 33
+_EARLY_S = 5.0  # how long events of a pid not yet added are kept (at least)
 
 
 def proc_connector() -> Optional[socket.socket]:
@@ -109,6 +110,12 @@ class Clock(threading.Thread):
         self._wake_r, self._wake_w = os.pipe()
         self._halt = False
         self._clocked: Set[int] = set()
+        # Events of pids not (yet) added, kept a while in two generations (so each stays
+        # _EARLY_S at least): a child execs before Popen returns, and its next exec or even
+        # its exit can come before add(), which takes them over.
+        self._early: Dict[int, List[Tuple[int, float]]] = {}
+        self._earlier: Dict[int, List[Tuple[int, float]]] = {}
+        self._early_since = time.monotonic()
         self._events = proc_connector()
         self.kernel = self._events is not None
         self._watch = None
@@ -119,8 +126,10 @@ class Clock(threading.Thread):
         self.start()
 
     # -- processes -------------------------------------------------------------------
-    def add(self, pid: int) -> None:
-        """Clock PID's exit (call it right after spawning: a reaped pid has no pidfd)."""
+    def add(self, pid: int, spawned: Optional[float] = None) -> None:
+        """Clock PID's exit and execs (call it right after spawning: a reaped pid has no
+        pidfd). SPAWNED, time.time() before the spawn, tells its events from those of an
+        earlier process with the same pid."""
         try:
             fd = os.pidfd_open(pid)
         except OSError:
@@ -129,6 +138,10 @@ class Clock(threading.Thread):
             self._clocked.add(pid)
             self._pidfds[fd] = pid
             self._new.append(fd)
+            early = self._earlier.pop(pid, []) + self._early.pop(pid, [])
+            for what, when in early:
+                if spawned is None or when >= spawned:
+                    self._stamp(pid, what, when)
         os.write(self._wake_w, b"x")
 
     # -- the queue -------------------------------------------------------------------
@@ -217,15 +230,21 @@ class Clock(threading.Thread):
             return  # ENOBUFS: events lost; those exits keep their pidfd stamps
         to_real = time.time() - time.monotonic()
         with self._lock:
-            clocked = set(self._clocked)
-        for what, pid, ns in proc_events(data):
-            if pid not in clocked:
-                continue
-            when = ns / 1e9 + to_real
-            if what == PROC_EVENT_EXEC:
-                self.execs.setdefault(pid, []).append(when)
-            else:
-                self.exited[pid] = when
+            if time.monotonic() - self._early_since > _EARLY_S:
+                # Kept for a spawn's add() only: a few seconds is ample, and bounds the memory.
+                self._earlier, self._early, self._early_since = self._early, {}, time.monotonic()
+            for what, pid, ns in proc_events(data):
+                when = ns / 1e9 + to_real
+                if pid in self._clocked:
+                    self._stamp(pid, what, when)
+                else:
+                    self._early.setdefault(pid, []).append((what, when))
+
+    def _stamp(self, pid: int, what: int, when: float) -> None:
+        if what == PROC_EVENT_EXEC:
+            self.execs.setdefault(pid, []).append(when)
+        else:
+            self.exited[pid] = when
 
     def _queue_events(self, now: float) -> None:
         for _wd, mask, name in self._watch.events():

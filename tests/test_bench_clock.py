@@ -64,6 +64,39 @@ def test_the_clock_stamps_a_childs_exec_and_exit_with_the_kernels_times() -> Non
     assert clock.exec_before(child.pid, before) is None
 
 
+def test_events_before_add_are_taken_over_and_an_earlier_process_with_the_pid_is_left_out() -> None:
+    # Popen returns after the child's exec, and sh's exec of sleep can come before add():
+    # CI once lost it. Here add() comes only once the clock has surely read both execs.
+    clock = watch.Clock()
+    try:
+        if not clock.kernel:
+            assert os.geteuid() != 0, "root was refused the kernel's process events"
+            return
+        spawned = time.time()
+        child = subprocess.Popen(["sh", "-c", "exec sleep 0.5"])
+        deadline = time.monotonic() + 5
+        while os.readlink(f"/proc/{child.pid}/exe").rsplit("/", 1)[-1] != "sleep":
+            assert time.monotonic() < deadline, "sh never exec'd sleep"
+            time.sleep(0.005)
+        time.sleep(0.1)  # the clock reads the events meanwhile, before the pid is added
+        clock.add(child.pid, spawned)
+        child.wait()
+        while child.pid not in clock.exited and time.monotonic() < deadline:
+            time.sleep(0.01)
+        execs = clock.execs.get(child.pid, [])
+        assert len(execs) == 2 and spawned < execs[0] <= execs[1] < clock.exited[child.pid]
+        # An earlier process's events with the same pid (before SPAWNED) are not its own.
+        other = subprocess.Popen(["sh", "-c", "exec sleep 0.3"])
+        while os.readlink(f"/proc/{other.pid}/exe").rsplit("/", 1)[-1] != "sleep":
+            time.sleep(0.005)
+        time.sleep(0.1)
+        clock.add(other.pid, time.time())
+        other.wait()
+        assert clock.execs.get(other.pid, []) == []
+    finally:
+        clock.stop()
+
+
 def test_a_hand_over_is_clocked_to_the_exec_where_there_is_one_else_to_the_start_line() -> None:
     first, second, third = Job(0, 0.0), Job(1, 0.0), Job(2, 0.0)
     first.start, first.end, first.exited, first.devices = 10.0, 11.0, 11.010, ["GPU-1"]
