@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from sim import MONITORED, Bench, Sim
-from stats import (Job, dispatch_latencies, intervals, kendall_distance, median, ms, overlaps,
+from stats import (Job, crowding, dispatch_latencies, dispatch_pairs, intervals, kendall_distance, median, ms, overlaps,
                    rank_displacement, read_job_log, released, summary_ms)
 from watch import Clock
 
@@ -173,6 +173,7 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Seque
         "grant": summary_ms(grant),
         "grant_to_exec": summary_ms(dispatch_latencies(ran, at="exec")) if program == "hold" else None,
         "grant_to_line": summary_ms(dispatch_latencies(ran, at="line")) if program == "hold" else None,
+        "grant_to_exec_crowding": _crowding(ran) if program == "hold" else None,
         "exec_clock": exec_clock(watcher, ran),
         "after_startup_storm": steady,
         "order": order_metrics(ran, min(ends) if ends else None),
@@ -180,6 +181,16 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Seque
         "t0": t0,
         "jobs": [j.to_dict() for j in jobs],
     }
+
+
+CROWD_S = 0.005  # another release this close: two hand-overs' work on the same few cores at once
+
+
+def _crowding(jobs: List[Job]) -> dict:
+    """The hand-overs (to the exec) apart: alone, and with another release within CROWD_S."""
+    releases = [r for r in (released(j, "exec") for j in jobs) if r is not None]
+    alone, crowded = crowding(dispatch_pairs(jobs, at="exec"), releases, CROWD_S)
+    return {"window_ms": CROWD_S * 1e3, "alone": summary_ms(alone), "crowded": summary_ms(crowded)}
 
 
 def exec_clock(clock: Clock, jobs: List[Job]) -> str:

@@ -599,6 +599,10 @@ def show(result: dict) -> None:
         print(f"    grant (release's exit -> waiter's exec): {_lat(r['grant_to_exec'])}; clocked by {r['exec_clock']}")
         print(f"      of which exit -> the grant's record {_lat(r['grant_service_part'])}; "
               f"that record -> exec (the send, the run's lock and exec; hand-overs only) {_lat(r['grant_run_part'])}")
+        crowd = r.get("grant_to_exec_crowding")
+        if crowd:
+            print(f"      alone (no other release within {crowd['window_ms']:g} ms) {_lat(crowd['alone'])}; "
+                  f"with one (their work on the same cores at once) {_lat(crowd['crowded'])}")
         print(f"    to the program's first line (exec, then its own dynamic loading): {_lat(r['grant_to_line'])}")
         led = r["ledger"]["end_after_own_end"]
         print(f"    ledger: {r['ledger']['counted']} of {r['ledger']['runs']} runs counted; each lease's end after "

@@ -1,6 +1,7 @@
 """Small statistics on timings and on job logs (who ran on which device, when)."""
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections import defaultdict
@@ -157,18 +158,42 @@ def dispatch_latencies(jobs: Sequence[Job], freed: Optional[Dict[str, float]] = 
     that release to the start line, which a C job (bench/hold.c) writes right after its exec
     and its dynamic loading: the grant as the run sees it, whatever decided it.
     """
-    out: List[float] = []
+    return [latency for _release, latency in dispatch_pairs(jobs, freed, at)]
+
+
+def dispatch_pairs(jobs: Sequence[Job], freed: Optional[Dict[str, float]] = None,
+                   at: str = "start") -> List[Tuple[float, float]]:
+    """dispatch_latencies' hand-overs as (the release, its latency)."""
+    out: List[Tuple[float, float]] = []
     for device, spans in intervals(jobs).items():
         previous_end = freed.get(device) if freed else None
         for job in spans:
             if previous_end is not None and job.spawned < previous_end <= job.start:
                 if at in ("start", "line"):
-                    out.append(job.start - previous_end)
+                    out.append((previous_end, job.start - previous_end))
                 elif at == "exec":
-                    out.append((job.execed if job.execed is not None else job.start) - previous_end)
+                    out.append((previous_end, (job.execed if job.execed is not None else job.start) - previous_end))
                 elif job.granted is not None:
-                    out.append(max(job.granted - previous_end, 0.0))
+                    out.append((previous_end, max(job.granted - previous_end, 0.0)))
             end = released(job, at)
             if end is not None:
                 previous_end = end if previous_end is None else max(previous_end, end)
     return out
+
+
+def crowding(pairs: Sequence[Tuple[float, float]], releases: Sequence[float],
+             window: float) -> Tuple[List[float], List[float]]:
+    """PAIRS' latencies split in two: hand-overs with no other of RELEASES within WINDOW
+    seconds of their own (before or after: each hand-over is work for the same few cores),
+    and those with one."""
+    ordered = sorted(releases)
+    alone: List[float] = []
+    crowded: List[float] = []
+    for release, latency in pairs:
+        i = bisect.bisect_left(ordered, release - window)
+        near = 0
+        while i < len(ordered) and ordered[i] <= release + window:
+            near += 1
+            i += 1
+        (crowded if near > 1 else alone).append(latency)  # itself among them
+    return alone, crowded

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 import watch  # noqa: E402
-from stats import Job, dispatch_latencies  # noqa: E402
+from stats import Job, crowding, dispatch_latencies, dispatch_pairs  # noqa: E402
 
 
 def _datagram(what: int, pid: int, tgid: int, ns: int) -> bytes:
@@ -107,3 +107,17 @@ def test_a_hand_over_is_clocked_to_the_exec_where_there_is_one_else_to_the_start
     line_ms = [round(x * 1e3, 3) for x in dispatch_latencies([first, second, third], at="line")]
     assert exec_ms == [2.0, 25.0]  # the second to its exec; the third has none: its start line
     assert line_ms == [10.0, 25.0]
+
+
+def test_hand_overs_are_told_apart_by_another_release_close_to_their_own() -> None:
+    first, second = Job(0, 0.0), Job(1, 0.0)
+    first.start, first.end, first.exited, first.devices = 10.0, 11.0, 11.010, ["GPU-1"]
+    second.start, second.end, second.exited, second.devices, second.spawned = 11.013, 12.0, 12.5, ["GPU-1"], 9.0
+    second.execed = 11.012
+    pairs = dispatch_pairs([first, second], at="exec")
+    assert [(r, round(x * 1e3, 3)) for r, x in pairs] == [(11.010, 2.0)]
+    # Its own release alone within 5 ms: alone; another 4 ms after it, or 4 ms before: crowded.
+    assert crowding(pairs, [11.010, 12.5], 0.005) == ([pairs[0][1]], [])
+    assert crowding(pairs, [11.010, 11.014], 0.005) == ([], [pairs[0][1]])
+    assert crowding(pairs, [11.006, 11.010], 0.005) == ([], [pairs[0][1]])
+    assert crowding(pairs, [11.004, 11.010, 11.016], 0.005) == ([pairs[0][1]], [])
