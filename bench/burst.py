@@ -11,7 +11,7 @@ import math
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from sim import MONITORED, Bench, Sim
 from stats import (Job, crowding, dispatch_latencies, dispatch_pairs, intervals, kendall_distance, median, ms, overlaps,
@@ -149,6 +149,7 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Seque
     makespan = (max(ends) - t0) if ends else None
     devices_used = sorted({d for j in ran for d in j.devices})
     lat = dispatch_latencies(ran)
+    to_exec = dispatch_pairs(ran, at="exec")  # (release, latency) of each hand-over, to the exec
     grant = dispatch_latencies(ran, at="granted")
     steady: dict = {}
     if tool.startswith("cudawrap"):
@@ -171,9 +172,9 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Seque
         "makespan_ratio": _round(makespan / ideal, 2) if makespan else None,
         "dispatch": summary_ms(lat),
         "grant": summary_ms(grant),
-        "grant_to_exec": summary_ms(dispatch_latencies(ran, at="exec")) if program == "hold" else None,
+        "grant_to_exec": summary_ms([x for _release, x in to_exec]) if program == "hold" else None,
         "grant_to_line": summary_ms(dispatch_latencies(ran, at="line")) if program == "hold" else None,
-        "grant_to_exec_crowding": _crowding(ran) if program == "hold" else None,
+        "grant_to_exec_crowding": _crowding(ran, to_exec) if program == "hold" else None,
         "exec_clock": exec_clock(watcher, ran),
         "after_startup_storm": steady,
         "order": order_metrics(ran, min(ends) if ends else None),
@@ -186,10 +187,10 @@ def _burst(sim: Sim, tool: str, n: int, hold: float, program: str, prefix: Seque
 CROWD_S = 0.005  # another release this close: two hand-overs' work on the same few cores at once
 
 
-def _crowding(jobs: List[Job]) -> dict:
-    """The hand-overs (to the exec) apart: alone, and with another release within CROWD_S."""
+def _crowding(jobs: List[Job], to_exec: List[Tuple[float, float]]) -> dict:
+    """JOBS' hand-overs TO_EXEC (dispatch_pairs) apart: alone, and with another release within CROWD_S."""
     releases = [r for r in (released(j, "exec") for j in jobs) if r is not None]
-    alone, crowded = crowding(dispatch_pairs(jobs, at="exec"), releases, CROWD_S)
+    alone, crowded = crowding(to_exec, releases, CROWD_S)
     return {"window_ms": CROWD_S * 1e3, "alone": summary_ms(alone), "crowded": summary_ms(crowded)}
 
 

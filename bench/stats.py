@@ -190,10 +190,6 @@ def crowding(pairs: Sequence[Tuple[float, float]], releases: Sequence[float],
     alone: List[float] = []
     crowded: List[float] = []
     for release, latency in pairs:
-        i = bisect.bisect_left(ordered, release - window)
-        near = 0
-        while i < len(ordered) and ordered[i] <= release + window:
-            near += 1
-            i += 1
+        near = bisect.bisect_right(ordered, release + window) - bisect.bisect_left(ordered, release - window)
         (crowded if near > 1 else alone).append(latency)  # itself among them
     return alone, crowded

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
 
 from cudawrap.base import inotify
+from cudawrap.base.wakepipe import WakePipe
 from cudawrap.sched.queue import parse_name
 
 # linux/connector.h and linux/cn_proc.h
@@ -107,7 +108,7 @@ class Clock(threading.Thread):
         self._pidfds: Dict[int, int] = {}  # pidfd -> pid
         self._new: List[int] = []
         self._lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
+        self._wake = WakePipe()  # add() and stop() wake the thread
         self._halt = False
         self._clocked: Set[int] = set()
         # Events of pids not (yet) added, kept a while in two generations (so each stays
@@ -142,7 +143,7 @@ class Clock(threading.Thread):
             for what, when in early:
                 if spawned is None or when >= spawned:
                     self._stamp(pid, what, when)
-        os.write(self._wake_w, b"x")
+        self._wake.wake()
 
     # -- the queue -------------------------------------------------------------------
     def snapshot(self) -> int:
@@ -194,7 +195,7 @@ class Clock(threading.Thread):
                 # it woke at every exec and exit on the machine, on 2 cores).
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
+        poller.register(self._wake.fileno(), select.POLLIN)
         if self._watch is not None:
             poller.register(self._watch.fileno(), select.POLLIN)
             self.snapshot()
@@ -208,8 +209,8 @@ class Clock(threading.Thread):
             ready = poller.poll(200)
             now = time.time()
             for fd, _mask in ready:
-                if fd == self._wake_r:
-                    os.read(self._wake_r, 4096)
+                if fd == self._wake.fileno():
+                    self._wake.drain()
                 elif self._watch is not None and fd == self._watch.fileno():
                     self._queue_events(now)
                 elif self._events is not None and fd == self._events.fileno():
@@ -260,13 +261,12 @@ class Clock(threading.Thread):
 
     def stop(self) -> None:
         self._halt = True
-        os.write(self._wake_w, b"x")
+        self._wake.wake()
         self.join()
         for fd in self._pidfds:
             os.close(fd)
         if self._events is not None:
             self._events.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wake.close()
         if self._watch is not None:
             self._watch.close()

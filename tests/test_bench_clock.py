@@ -64,6 +64,14 @@ def test_the_clock_stamps_a_childs_exec_and_exit_with_the_kernels_times() -> Non
     assert clock.exec_before(child.pid, before) is None
 
 
+def _until_sleeping(pid: int, deadline: float) -> None:
+    """Until PID's sh has exec'd sleep, and the clock has had time to read both execs."""
+    while os.readlink(f"/proc/{pid}/exe").rsplit("/", 1)[-1] != "sleep":
+        assert time.monotonic() < deadline, "sh never exec'd sleep"
+        time.sleep(0.005)
+    time.sleep(0.1)  # the clock reads the events meanwhile, before the pid is added
+
+
 def test_events_before_add_are_taken_over_and_an_earlier_process_with_the_pid_is_left_out() -> None:
     # Popen returns after the child's exec, and sh's exec of sleep can come before add():
     # CI once lost it. Here add() comes only once the clock has surely read both execs.
@@ -75,10 +83,7 @@ def test_events_before_add_are_taken_over_and_an_earlier_process_with_the_pid_is
         spawned = time.time()
         child = subprocess.Popen(["sh", "-c", "exec sleep 0.5"])
         deadline = time.monotonic() + 5
-        while os.readlink(f"/proc/{child.pid}/exe").rsplit("/", 1)[-1] != "sleep":
-            assert time.monotonic() < deadline, "sh never exec'd sleep"
-            time.sleep(0.005)
-        time.sleep(0.1)  # the clock reads the events meanwhile, before the pid is added
+        _until_sleeping(child.pid, deadline)
         clock.add(child.pid, spawned)
         child.wait()
         while child.pid not in clock.exited and time.monotonic() < deadline:
@@ -87,9 +92,7 @@ def test_events_before_add_are_taken_over_and_an_earlier_process_with_the_pid_is
         assert len(execs) == 2 and spawned < execs[0] <= execs[1] < clock.exited[child.pid]
         # An earlier process's events with the same pid (before SPAWNED) are not its own.
         other = subprocess.Popen(["sh", "-c", "exec sleep 0.3"])
-        while os.readlink(f"/proc/{other.pid}/exe").rsplit("/", 1)[-1] != "sleep":
-            time.sleep(0.005)
-        time.sleep(0.1)
+        _until_sleeping(other.pid, time.monotonic() + 5)
         clock.add(other.pid, time.time())
         other.wait()
         assert clock.execs.get(other.pid, []) == []
