@@ -57,6 +57,8 @@ from watch import Clock  # noqa: E402
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
 GRANTED = re.compile(r"granted \S+ to uid \d+ pid (\d+)")
+# A grant decided at a release on the last decision's look carried on (serve.py _hand_over).
+HANDED = re.compile(r"granted \S+ to uid \d+ pid (\d+) \(.*\), handed over as pid \d+ let go")
 # Memory left to everything else on the machine when W is capped by what is free.
 RESERVE_MIB = 3072
 
@@ -80,12 +82,13 @@ class Service:
             return None
         return int(children[0]) if children else None
 
-    def granted_pids(self) -> Set[int]:
-        """The pids the service said it granted ("granted ... pid N" lines)."""
+    def granted_pids(self, pattern: "re.Pattern[str]" = GRANTED) -> Set[int]:
+        """The pids the service said it granted ("granted ... pid N" lines; PATTERN: those of
+        them it names as handed over at a release, HANDED)."""
         with open(self.log, "rb") as f:
             f.seek(self.since)
             text = f.read().decode(errors="replace")
-        return {int(found.group(1)) for found in GRANTED.finditer(text)}
+        return {int(found.group(1)) for found in pattern.finditer(text)}
 
     def waiting(self, root: Path) -> Optional[Set[int]]:
         """The pids the service has in line now (its status answer), None if it does not answer."""
@@ -199,6 +202,7 @@ def _service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
                      name="service-enforce" if enforce else "service",
                      granted_at=lambda: ledger_grants(sim, since))
         granted = service.granted_pids()
+        handed = service.granted_pids(HANDED)
     jobs = out["jobs"]
     pids = {j["pid"] for j in jobs if j["pid"] is not None}
     # Every run in the ledger, each lease ended when its run did (its own end line, and its
@@ -212,6 +216,7 @@ def _service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
     out.pop("after_startup_storm", None)  # it needs the queue directory, which the service's runs never enter
     out.update({"enforce": enforce, "as": "nobody" if enforce else "root",
                 "granted_by_service": len(pids & granted),
+                "handed_over": len(pids & handed),  # of those, decided on the last look at a release
                 # The hand-over in two: a release to the grant's record (the service's decision:
                 # 0 where it acted on the lease file's close, which comes before the exit the
                 # clock sees), and that record to the run's exec (the send, the run's part: in the
@@ -595,7 +600,8 @@ def show(result: dict) -> None:
         print(f"  burst through the service ({'[service] enforce = true' if r['enforce'] else 'enforce off'}, runs as {r['as']}): "
               f"{r['n']} x {r['hold_s']:g} s hold.c on {r['devices']} devices; runs wait in {waits}")
         print(f"    ran {r['ok']}/{r['n']}, failures {r['failures']}, overlaps {r['overlap_pairs']}, "
-              f"granted by the service {r['granted_by_service']}/{r['ok']}")
+              f"granted by the service {r['granted_by_service']}/{r['ok']}"
+              + (f", {r['handed_over']} of them at a release on the last look" if "handed_over" in r else ""))
         print(f"    grant (release's exit -> waiter's exec): {_lat(r['grant_to_exec'])}; clocked by {r['exec_clock']}")
         print(f"      of which exit -> the grant's record {_lat(r['grant_service_part'])}; "
               f"that record -> exec (the send, the run's lock and exec; hand-overs only) {_lat(r['grant_run_part'])}")

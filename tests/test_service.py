@@ -137,6 +137,51 @@ def test_a_hand_over_between_its_own_grants_reads_no_lock_table(served: Served) 
         p.kill()
 
 
+def test_each_release_is_handed_over_at_once_to_the_next_run_in_turn(served: Served) -> None:
+    """Every GPU Alice's, her run waiting before Bob's: each device let go goes straight to the
+    next run in turn, decided on the service's last look carried on (its line names whose
+    release it was), and in the rule's order: Bob's first (he holds none), then Alice's."""
+    inst = served.inst
+    holders = served.fill()
+    for _ in holders:
+        served.granted()
+    alice = served.waiting(inst.world.alice)
+    bob = served.waiting(inst.world.bob)
+    for holder, waiter in ((holders[0], bob), (holders[1], alice)):
+        holder.kill()
+        holder.wait()
+        line = served.granted()
+        assert f"pid {waiter.pid} (recon), handed over as pid {holder.pid} let go" in line, line
+        hello = ready_line(waiter)
+        assert len(hello["devices"]) == 1
+    for p in holders + [alice, bob]:
+        p.kill()
+
+
+def test_a_device_drained_while_held_is_not_handed_over_at_its_release(served: Served) -> None:
+    """A drain read after the last decision: the device's release is not handed over on that
+    decision's look; the next release is, and the drained device waits for its resume."""
+    inst = served.inst
+    holders = [inst.start(inst.world.alice, "recon", "--hold", "60") for _ in range(4)]
+    devices = [ready_line(h)["cvd"] for h in holders]
+    for _ in holders:
+        served.granted()
+    waiter = served.waiting(inst.world.bob)
+    done = inst.cli(None, "drain", devices[0], "--reason", "maintenance")
+    assert done.returncode == 0, done.stderr.decode()
+    holders[0].kill()
+    holders[0].wait()
+    time.sleep(1.5)  # a tick's full decision included
+    assert waiter.poll() is None
+    holders[1].kill()
+    holders[1].wait()
+    line = served.granted()
+    assert f"pid {waiter.pid} (recon), handed over as pid {holders[1].pid} let go" in line, line
+    assert ready_line(waiter)["cvd"] == devices[1]
+    for p in holders + [waiter]:
+        p.kill()
+
+
 def test_garbage_huge_and_silent_clients_do_not_stop_others(served: Served) -> None:
     inst = served.inst
     silent = []

@@ -122,16 +122,17 @@ def _boot() -> str:
     return _kept["boot"]
 
 
-def _client(pid: int, program: str) -> Optional[Tuple[int, str, str]]:
+def _client(pid: int, program: str, ticks: Optional[int] = None) -> Optional[Tuple[int, str, str]]:
     """PID's start (clock ticks since boot), its program's name and its executable; None when
     it is gone. PROGRAM (a shim's run: the link the kernel says it runs) spares reading /proc
-    for a name."""
+    for a name, and TICKS (read when it connected) for its start: a client gone since is
+    told by the send, which then fails."""
     from ..proc import executable, start_time
 
     if not program:
         p = ledger.proc(pid)
         return (p.ticks, p.program, p.exe) if p is not None else None
-    ticks = start_time(pid)
+    ticks = start_time(pid) if ticks is None else ticks
     return None if ticks is None else (ticks, program.rsplit("/", 1)[-1], executable(pid))
 
 
@@ -346,16 +347,17 @@ def idle() -> None:
 
 
 def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, asked: float,
-          shared: Optional[float], send: Callable[[], bool]) -> Optional[str]:
+          shared: Optional[float], send: Callable[[], bool], ticks: Optional[int] = None) -> Optional[str]:
     """Record the grant of DEVICES to PID (asked at ASKED, time.time()), SEND it (its
     descriptors), then enter it in the ledger's state as open; its lease id, or None when PID
     is gone already or the sending failed (its end is recorded then). SHARED: a grant of
-    shares, and what it counts as, in devices (as a look records a share: ledger._grant).
+    shares, and what it counts as, in devices (as a look records a share: ledger._grant);
+    TICKS: PID's start, where it was read before (_client).
 
     The record is written before the descriptors leave (a crash between the two loses no
     record), the state after (_Turn), so the launch waits for neither the state's rewrite
     nor a look."""
-    client = _client(pid, program)
+    client = _client(pid, program, ticks)
     if client is None:
         return None
     ticks, name, exe = client

@@ -38,6 +38,7 @@ class Client:
         # and the wrapped program it is a shim run of; or why they could not be read.
         self.facts: Optional[Tuple[Optional[JobCgroup], Optional[str]]] = None
         self.facts_error: Optional[CudawrapError] = None
+        self.ticks: Optional[int] = None  # its start (proc.start_time), read then too: its grant's record names it
 
     @property
     def fresh(self) -> bool:

@@ -48,6 +48,7 @@ class Pending:
     lease_id: str = ""  # its ledger record
     exclusive: List[bool] = field(default_factory=list)  # the lock each of FDS must hold
     slots: Dict[str, int] = field(default_factory=dict)  # uuid -> the slot file sent, for a share
+    released_by: int = 0  # the pid whose release it was handed over at, on the last look (0: a new look)
 
     def close(self) -> None:
         for fd in self.fds:
@@ -124,11 +125,12 @@ class Grants:
 
     def offer(self, sock: socket.socket, key: str, pid: int, uid: int, devices: List[str], program: str,
               asked: float, slots: Optional[Dict[str, int]] = None, fields: Optional[Dict[str, str]] = None,
-              counts_as: Optional[float] = None) -> bool:
+              counts_as: Optional[float] = None, ticks: Optional[int] = None) -> bool:
         """Open DEVICES' lease files, record the grant and send their descriptors to the client
         PID on SOCK (accounts.grant); False if that failed (a record then ends at once). SLOTS: uuid -> the slot file of each
         device taken as a share; FIELDS: more of the GRANT (the run's variables); COUNTS_AS:
-        what a grant with shares counts as, in devices."""
+        what a grant with shares counts as, in devices; TICKS: the client's start, where
+        it was read when it connected."""
         slots = slots or {}
         fds: List[int] = []
         described: List[str] = []
@@ -158,7 +160,8 @@ class Grants:
                 return False
             return sent == len(data)
 
-        lease_id = accounts.grant(self.layout, pid, uid, devices, program, asked, counts_as if slots else None, send)
+        lease_id = accounts.grant(self.layout, pid, uid, devices, program, asked, counts_as if slots else None, send,
+                                  ticks)
         if lease_id is None:
             for fd in fds:
                 os.close(fd)

@@ -16,13 +16,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import locations as loc
 from ..sched.acquirer import Acquirer
-from ..sched.machine import UNNAMED_HOLDER
+from ..sched.machine import UNNAMED_HOLDER, _free_mib
 from ..devices.model import Inventory
 from ..errors import NvmlUnavailable
 from ..lease.files import LeaseFiles, lease_file_inventory
 from ..sched.request import Request
 from ..sched.schedule import GRANTED, Decision, Verdict, Waiter
 from ..sched.queue import Scan, WaitQueue
+from ..sched.successor import State, after, released
 from ..sched.turns import STALL_S, Offers
 
 # A lease found free is tried again after this long even if the watch reported nothing.
@@ -61,6 +62,9 @@ class Line:
         # the lease files says nobody has opened, closed or replaced it since (when WATCHED).
         self.free_at: Dict[str, float] = {}
         self.watched = False
+        # The last decision's look, carried on through its grants: a release decides on it
+        # (hand_over) while the caller sees nothing else change (forget() otherwise).
+        self.prepared: Optional[State] = None
         self.load()
 
     def load(self) -> None:
@@ -70,6 +74,7 @@ class Line:
 
         self.inventory, refresh = _inventory(self.root)
         self.free_at.clear()
+        self.prepared = None
         self.present = frozenset(self.leases.names())
         value = policy.effective(self.root, None, {}).values()
         self.reserve_after = float(value.get("reserve_after", 300.0))
@@ -137,17 +142,23 @@ class Line:
         return w
 
     def decide(self, mine: Sequence[Waiter], claimed: Dict[str, List[Tuple[int, bool]]],
-               granted: Optional[Dict[str, int]] = None) -> Decision:
+               granted: Optional[Dict[str, int]] = None, carry: bool = False) -> Decision:
         """Verdicts for MINE (the service's waiters) and the believable queue entries: every
         grant, the others' once the Decision is finished (the grants are sent first).
 
         CLAIMED: devices sent to a client whose lock may not show yet (uuid -> its pid and
         whether exclusive, or a share, for each): held, for this decision. GRANTED: the
-        devices the service granted and sees held (uuid -> its client's pid)."""
+        devices the service granted and sees held (uuid -> its client's pid). CARRY: the
+        decision's grants are sent, and its look is kept for the next release (hand_over);
+        a status's look leaves what is kept as it was."""
+        if carry:
+            self.prepared = None
+        known: Optional[Scan] = None
         if self._alone(mine):
-            scan = self._probed(claimed)
+            scan = known = self._probed(claimed)
         else:
-            scan = self._known(granted, claimed) or self.queue.scan()
+            known = self._known(granted, claimed)
+            scan = known or self.queue.scan()
         now = time.monotonic()
         entries = [w for w in (self._believable(w) for w in scan.waiters) if w is not None]
         table = dict(scan.table)
@@ -164,7 +175,55 @@ class Line:
         verdicts, _free = self.acquirer.decide(Scan(entries + list(mine), table, scan.paths), None, True,
                                                grants_first=True)
         self._pass_over_idle(entries, verdicts, now)  # grants only: all there
+        if carry and known is not None:
+            self.prepared = self._carried(verdicts)
         return verdicts
+
+    def _carried(self, verdicts: Decision) -> Optional[State]:
+        """The decision's look once its grants are taken, where a release can carry it on:
+        every holder known to the service (no lock table read), no device shared, nobody
+        passed over for a while (that ends with the clock, not with an event)."""
+        a = self.acquirer
+        if a.last is None or a.sharing.anywhere or a.skip_keys or a.skip_users:
+            return None
+        waiters, free, held, limits, busy, fit, shares, bounds, idents = a.last
+        state = State(waiters, free, held, limits, a.parents, busy, fit, shares, bounds, list(idents), a.whole)
+        return after(state, {key: v.devices for key, v in verdicts.items() if v.kind == GRANTED})
+
+    def held_by(self, pid: int) -> None:
+        """PID took a lease the service granted: once it is exiting, its processes NVML still
+        lists on the device are no work (MachineView.holders), named by a look or not (a lone
+        waiter's look names no holder: _probed). Else a release read at its lease's close,
+        the run not yet gone, kept its device busy until a re-read a second later."""
+        self.acquirer.holders.add(pid)
+
+    def forget(self) -> None:
+        """Something a release does not account for changed (a run came or left, a drain, a
+        lease taken past the service): the next release waits for a full decision."""
+        self.prepared = None
+
+    def hand_over(self, devices: Sequence[str]) -> Optional[Dict[str, Tuple[str, ...]]]:
+        """The grants once DEVICES, held whole and now found free, are let go: decided on the
+        last look carried on (key -> devices), each device read again first as a decision
+        reads a device let go (foreign work on it, or lost: not free). None where nothing is
+        carried on, or a device is not plainly free now: a full decision is needed."""
+        state, self.prepared = self.prepared, None
+        if state is None:
+            return None
+        a = self.acquirer
+        now = time.monotonic()
+        fit: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
+        for uuid in devices:
+            if uuid not in a.mine or uuid in a.lost or uuid in a.unavailable or not a._eligible(uuid, now):
+                return None
+            device = a.current[uuid]
+            fit[uuid] = (_free_mib(device), device.utilization)
+        state = released(state, devices, fit)
+        if state is None:
+            return None
+        grants = state.decide(time.time())
+        self.prepared = after(state, grants)
+        return grants
 
     def joinable(self, uuids: Sequence[str], uid: int) -> bool:
         """Whether UID may join the sharers of those of UUIDS that had sharers at the last

@@ -29,6 +29,7 @@ class News:
     touched: Optional[List[str]] = field(default_factory=list)  # lease files opened, closed or replaced (None: any)
     closed: Optional[Set[str]] = field(default_factory=set)  # uuids whose lease or slot file was closed (None: any)
     renamed: bool = False  # lease files made or removed (a sync)
+    elsewhere: bool = False  # of anything but the lease files: the queue, a share's slot, the drains
     decide: bool = False  # anything that may let someone in
 
 
@@ -58,8 +59,9 @@ class FileWatch:
                   and not _listed(e[1], e[2])]
         news = News()
         if any(wd == -1 for wd, _mask, _name in events):  # some were lost
-            return News(None, None, True, True)
+            return News(None, None, True, True, True)
         news.touched = [name for wd, _mask, name in events if wd == self.leases]
+        news.elsewhere = len(news.touched) < len(events)
         news.closed = closed = set()
         for wd, mask, name in events:
             if wd == self.leases and mask & ~inotify.IN_OPEN == 0:

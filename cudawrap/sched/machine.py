@@ -153,6 +153,12 @@ class MachineView:
         # Our devices whose lease was free at the last look but which processes cudawrap did
         # not start kept from us.
         self.foreign_busy: Set[str] = set()
+        # The last decision's inputs, and uuid -> the uid holding it whole (machine): what a
+        # release carries on without a new look (successor.py; the service's hand-over).
+        self.last: Optional[Tuple[Sequence[Waiter], List[str], Dict[int, float], Dict[int, int], Set[str],
+                                  Dict[str, Tuple[Optional[int], Optional[int]]], Shares, Bounds,
+                                  Dict[str, Optional[Tuple[int, int]]]]] = None
+        self.whole: Dict[str, int] = {}
 
     # -- judging devices -------------------------------------------------------------
     def occupied(self, device: Device) -> bool:
@@ -226,6 +232,7 @@ class MachineView:
         used: Dict[str, List[int]] = {}
         closed: Set[str] = set()  # shared, but to take no new shares
         self.foreign_busy = set()
+        self.whole = {}
         owners = self._owners({ident: table[ident] for ident in idents.values() if ident in table})
         for uuid, ident in idents.items():
             if ident is None:
@@ -247,6 +254,7 @@ class MachineView:
                 if locks is not None and any(exclusive for _pid, exclusive in locks):
                     uid = owners[ident][0]
                     held[uid] = held.get(uid, 0) + 1
+                    self.whole[uuid] = uid
                     for uid in map(_uid_of, apart):
                         held[uid] = held.get(uid, 0) + self.sharing.cost(self.slots[uuid])
                     continue
@@ -395,8 +403,9 @@ class MachineView:
         fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free or u in shares.used}
         from .schedule import decide
 
-        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares, self._bounds(idents),
-                          grants_first)
+        bounds = self._bounds(idents)
+        self.last = (waiters, free, held, limits, busy, fit, shares, bounds, idents)
+        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares, bounds, grants_first)
         return verdicts, free
 
     def _bounds(self, idents: Dict[str, Optional[Tuple[int, int]]]) -> Bounds:
