@@ -90,10 +90,13 @@ class Line:
 
             self.limit_of = lambda uid: limit_for(uid, limits)
         devices = [d for d in self.inventory.devices if d.uuid in self.present]
+        previous: Optional[Acquirer] = getattr(self, "acquirer", None)
         self.acquirer = Acquirer(
             self.leases, self.queue, devices, self.inventory.devices, Request(1, reserve_after=self.reserve_after),
             foreign=value["foreign"], busy_memory_mib=value["busy_memory_mib"], refresh=refresh,
             limit_of=self.limit_of, drained=self._drained, sharing=Sharing(value.get("sharing")))
+        if previous is not None:
+            self.acquirer.holders = previous.holders  # who held leases (held_by) outlives a new look at the machine
 
     def _drained(self) -> "set[str]":
         import os

@@ -370,8 +370,6 @@ class Service:
         # request ~0.03 ms); without a watch, or once it lost events, the listing does.
         if (self.renamed or not self.line.watched) and self.line.changed():
             self.line.load()
-            for held in self.grants.held.values():
-                self.line.held_by(held.pid)  # the new look's, as the old one's
         self.renamed = False
         assert client.facts is not None
         link = client.facts[1]
