@@ -87,6 +87,30 @@ def test_a_turn_appends_each_record_at_once_and_writes_the_state_once_at_its_end
     assert records[-1]["id"] == first and records[-1]["end"] < records[-2]["seen"] + 1e-3
 
 
+def test_a_turns_grants_are_sent_before_the_state_is_read_and_entered_open_at_its_end(
+        tmp_path: Path, spawned: Spawned, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seven releases at once are seven grants in one turn: none waits for the state's read
+    (only the lock is taken before a send), and each is open in the state the turn writes;
+    one ended in the same turn is not."""
+    layout = _layout(tmp_path)
+    pids = _clients(spawned, 3)
+    assert _grant(layout, pids[0]) is not None  # the state is seen to be this boot's from now on
+    loads: List[str] = []
+    real_load = accounts.ledger._load_state
+    monkeypatch.setattr(accounts.ledger, "_load_state", lambda path: loads.append("load") or real_load(path))
+    sent: List[str] = []
+    with accounts.turn(layout):
+        ids = [_grant(layout, pid, f"GPU-{pid}", lambda pid=pid: sent.append(f"sent {pid}") or True)
+               for pid in pids[1:]]
+        assert loads == [] and len(sent) == 2  # both sent, the state not read yet
+        accounts.end(layout, ids[0])  # the first of them ends within the same turn
+    assert loads == ["load"]  # once, at the turn's end
+    state = _state(layout)["open"]
+    assert ids[1] in state and ids[0] not in state
+    records = _records(layout)
+    assert [(r["event"], r["id"]) for r in records[-3:]] == [("grant", ids[0]), ("grant", ids[1]), ("end", ids[0])]
+
+
 def test_a_carried_turn_keeps_its_lock_and_state_until_released(tmp_path: Path, spawned: Spawned) -> None:
     """The service's loop carries its turn on (turn(carry=True)): the ends are written at
     each turn's end, the state once, when the loop is idle or the turn old (release)."""

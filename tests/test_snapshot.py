@@ -127,6 +127,11 @@ def test_an_exited_foreign_process_is_discounted_at_once_and_an_unseen_one_keeps
     seen = snapshot.read_fresh(root)
     assert seen.by_uuid(gpus[0]).pids == ()
     assert seen.by_uuid(gpus[1]).pids == (UNSEEN_PID,)
+    # One device read alone (the service's look at a freed device) says the same.
+    for uuid in gpus:
+        assert snapshot.read_fresh_device(root, uuid) == (True, seen.by_uuid(uuid))
+    assert snapshot.read_fresh_device(root, "GPU-not-there") == (True, None)
+    assert snapshot.read_fresh_device(root, gpus[0], max_age=0) == (False, None)
     # The launch takes the device it left at once, and never the one the unseen process is on.
     r = run_without_nvml(inst, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=f"{gpus[1]},{gpus[0]}")
     assert r.returncode == 0, r.stderr
