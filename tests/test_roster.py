@@ -104,3 +104,25 @@ def test_waits_that_never_run_out_do_not_pile_up(clients):
         roster.left(client.sock.fileno(), client)
     assert len(roster._due) <= 2 * len(roster.waiting) + 64
     assert roster.next_due() == NEVER and list(roster.waiting.values()) == [keep]
+
+
+class _Waiter:
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def test_each_client_in_line_is_found_by_its_waiters_key_and_only_while_in_line(clients):
+    """A release's grants name their runs by key: the roster finds each at once, and never one
+    that has left the line (served or gone), nor one that has not asked."""
+    roster = Roster()
+    a, b, c = clients(), clients(), clients()
+    for client, key in ((a, "k-a"), (b, "k-b")):
+        client.waiter = _Waiter(key)  # type: ignore[assignment]
+        _queue(roster, client)
+    roster.connected(c.sock.fileno(), c)  # connected, not asked: no waiter, no key
+    assert roster.by_key == {"k-a": a, "k-b": b}
+    roster.left(a.sock.fileno(), a)
+    assert roster.by_key == {"k-b": b}
+    roster.left(a.sock.fileno(), a)  # twice (a drop after a grant): nothing else goes
+    roster.left(c.sock.fileno(), c)
+    assert roster.by_key == {"k-b": b}

@@ -122,18 +122,33 @@ def _boot() -> str:
     return _kept["boot"]
 
 
-def _client(pid: int, program: str, ticks: Optional[int] = None) -> Optional[Tuple[int, str, str]]:
+def _client(pid: int, program: str, ticks: Optional[int] = None, exe: Optional[str] = None
+            ) -> Optional[Tuple[int, str, str]]:
     """PID's start (clock ticks since boot), its program's name and its executable; None when
     it is gone. PROGRAM (a shim's run: the link the kernel says it runs) spares reading /proc
-    for a name, and TICKS (read when it connected) for its start: a client gone since is
-    told by the send, which then fails."""
+    for a name, and TICKS and EXE (read when it connected) for its start and its executable
+    (for a run waiting in the waiter, the waiter's at its grant, the interpreter's then): a
+    client gone since is told by the send, which then fails."""
     from ..proc import executable, start_time
 
     if not program:
         p = ledger.proc(pid)
         return (p.ticks, p.program, p.exe) if p is not None else None
     ticks = start_time(pid) if ticks is None else ticks
-    return None if ticks is None else (ticks, program.rsplit("/", 1)[-1], executable(pid))
+    return None if ticks is None else (ticks, program.rsplit("/", 1)[-1], executable(pid) if exe is None else exe)
+
+
+# root -> (the ledger's state, the ledger): a turn begins each hand-over, where building the
+# paths again cost ~0.05 ms of a cold CPU.
+_paths: Dict[str, Tuple[Path, Path]] = {}
+
+
+def _turn_paths(layout: Layout) -> Tuple[Path, Path]:
+    key = str(layout.root)
+    paths = _paths.get(key)
+    if paths is None:
+        paths = _paths[key] = (layout.state_dir / ledgerfile.STATE, ledgerfile.ledger_path(layout))
+    return paths
 
 
 class _Turn:
@@ -148,8 +163,7 @@ class _Turn:
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
-        self.path = layout.state_dir / ledgerfile.STATE
-        self.ledger = ledgerfile.ledger_path(layout)
+        self.path, self.ledger = _turn_paths(layout)
         self.lock: Optional[ledgerfile.Locked] = None
         self.since = 0.0  # when the lock was taken (time.monotonic())
         self.state: Optional[Dict[str, Any]] = None
@@ -357,17 +371,18 @@ def idle() -> None:
 
 
 def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, asked: float,
-          shared: Optional[float], send: Callable[[], bool], ticks: Optional[int] = None) -> Optional[str]:
+          shared: Optional[float], send: Callable[[], bool], ticks: Optional[int] = None,
+          exe: Optional[str] = None) -> Optional[str]:
     """Record the grant of DEVICES to PID (asked at ASKED, time.time()), SEND it (its
     descriptors), then enter it in the ledger's state as open; its lease id, or None when PID
     is gone already or the sending failed (its end is recorded then). SHARED: a grant of
     shares, and what it counts as, in devices (as a look records a share: ledger._grant);
-    TICKS: PID's start, where it was read before (_client).
+    TICKS, EXE: PID's start and executable, where they were read before (_client).
 
     The record is written before the descriptors leave (a crash between the two loses no
     record), the state after (_Turn), so the launch waits for neither the state's rewrite
     nor a look."""
-    client = _client(pid, program, ticks)
+    client = _client(pid, program, ticks, exe)
     if client is None:
         return None
     ticks, name, exe = client

@@ -39,6 +39,7 @@ class Client:
         self.facts: Optional[Tuple[Optional[JobCgroup], Optional[str]]] = None
         self.facts_error: Optional[CudawrapError] = None
         self.ticks: Optional[int] = None  # its start (proc.start_time), read then too: its grant's record names it
+        self.exe: Optional[str] = None  # its executable, likewise
 
     @property
     def fresh(self) -> bool:

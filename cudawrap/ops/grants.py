@@ -125,12 +125,12 @@ class Grants:
 
     def offer(self, sock: socket.socket, key: str, pid: int, uid: int, devices: List[str], program: str,
               asked: float, slots: Optional[Dict[str, int]] = None, fields: Optional[Dict[str, str]] = None,
-              counts_as: Optional[float] = None, ticks: Optional[int] = None) -> bool:
+              counts_as: Optional[float] = None, ticks: Optional[int] = None, exe: Optional[str] = None) -> bool:
         """Open DEVICES' lease files, record the grant and send their descriptors to the client
         PID on SOCK (accounts.grant); False if that failed (a record then ends at once). SLOTS: uuid -> the slot file of each
         device taken as a share; FIELDS: more of the GRANT (the run's variables); COUNTS_AS:
-        what a grant with shares counts as, in devices; TICKS: the client's start, where
-        it was read when it connected."""
+        what a grant with shares counts as, in devices; TICKS, EXE: the client's start and
+        executable, where they were read when it connected."""
         slots = slots or {}
         fds: List[int] = []
         described: List[str] = []
@@ -161,7 +161,7 @@ class Grants:
             return sent == len(data)
 
         lease_id = accounts.grant(self.layout, pid, uid, devices, program, asked, counts_as if slots else None, send,
-                                  ticks)
+                                  ticks, exe)
         if lease_id is None:
             for fd in fds:
                 os.close(fd)

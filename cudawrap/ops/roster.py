@@ -19,11 +19,14 @@ NEVER = float("inf")
 
 
 class Roster:
-    """WAITING: socket fd -> each client in line (its waiter set); the clients that have not
-    asked yet; the soonest end of a wait; how many waiting clients hold a ticket."""
+    """WAITING: socket fd -> each client in line (its waiter set); BY_KEY: the same by its
+    waiter's key (a release's grants name their runs by key: looked up, not found by a pass
+    over the line); the clients that have not asked yet; the soonest end of a wait; how many
+    waiting clients hold a ticket."""
 
     def __init__(self) -> None:
         self.waiting: Dict[int, Client] = {}
+        self.by_key: Dict[str, Client] = {}
         self.ticketed = 0
         self._unasked: Dict[int, Client] = {}  # pruned lazily: those that asked leave at the next look
         self._due: List[Tuple[float, int, int, Client]] = []  # (wait_until, seq, fd, client), stale ones lazily
@@ -35,6 +38,8 @@ class Roster:
     def queued(self, fd: int, client: Client) -> None:
         """CLIENT is in line now, its wait_until set."""
         self.waiting[fd] = client
+        if client.waiter is not None:
+            self.by_key[client.waiter.key] = client
         self._seq += 1
         heapq.heappush(self._due, (client.wait_until, self._seq, fd, client))
         if len(self._due) > 2 * len(self.waiting) + 64:
@@ -55,6 +60,8 @@ class Roster:
             del self._unasked[fd]
         if self.waiting.get(fd) is client:
             del self.waiting[fd]
+            if client.waiter is not None and self.by_key.get(client.waiter.key) is client:
+                del self.by_key[client.waiter.key]
             if client.ticket_at > float("-inf"):
                 self.ticketed -= 1
 

@@ -26,7 +26,7 @@ from ..base.wakepipe import WakePipe
 from .cancel import CANCELLED_EXIT
 from ..errors import CudawrapError
 from ..sched.schedule import GRANTED, Verdict
-from ..proc import start_time
+from ..proc import executable, start_time
 from ..users import user_name
 from . import accounts, asks, peer, slurmjob, tickets
 from ..paths import Layout
@@ -226,7 +226,7 @@ class Service:
     def _late(self, key: str) -> None:
         """The grant KEY is past its deadline: void, unless its client's word is waiting unread
         (a long step, such as a burst of requests, can outlast the deadline by itself)."""
-        client = next((c for c in self._waiting() if c.waiter is not None and c.waiter.key == key), None)
+        client = self.roster.by_key.get(key)
         if client is not None:
             self._readable(client)
         if key in self.grants.pending:
@@ -333,7 +333,9 @@ class Service:
             client.facts = (slurmjob.job_of(client.peer.pid), peer.program(client.peer.pid, self.root))
         except CudawrapError as exc:
             client.facts_error = exc
-        client.ticks = start_time(client.peer.pid)  # read here, not at its grant (a hand-over's path)
+        # Read here, not at its grant (a hand-over's path): what its grant's record names.
+        client.ticks = start_time(client.peer.pid)
+        client.exe = executable(client.peer.pid)
 
     def _request(self, client: Client, fields: Dict[str, str]) -> None:
         client.arrival_ns = time.time_ns()  # its place in line: when it asked (or a ticket's, in _ask)
@@ -542,9 +544,8 @@ class Service:
         grants = self.line.hand_over(held.devices)
         if grants is None:
             return False
-        waiting = {c.waiter.key: c for c in self._waiting() if c.waiter is not None}
         for key, devices in grants.items():
-            client = waiting.get(key)
+            client = self.roster.by_key.get(key)
             if client is None or key in self.grants.pending:
                 self.line.forget()  # not the line the look counted: the full decision sees to it
                 continue
@@ -612,7 +613,7 @@ class Service:
         return self.grants.offer(client.sock, client.waiter.key, client.peer.pid, client.peer.uid, devices,
                                  ask.program, client.waiter.arrival, chosen,
                                  ask.variables(self.root, shared, self.line.acquirer.current, slots),
-                                 sum(sharing.cost(slots.get(u, 1)) for u in devices), client.ticks)
+                                 sum(sharing.cost(slots.get(u, 1)) for u in devices), client.ticks, client.exe)
 
     def _timed_out(self, client: Client, verdict: Verdict) -> None:
         assert client.ask is not None
