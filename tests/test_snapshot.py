@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from cudawrap import proc
 from cudawrap.devices import snapshot
 from cudawrap.ops.monitor import refresh_once
 from support.installed import ready_line
@@ -109,7 +110,7 @@ def foreign(inst, uuid: str) -> subprocess.Popen:
     return proc
 
 
-def test_an_exited_foreign_process_is_discounted_at_once_and_an_unseen_one_keeps_counting(installed):
+def test_an_exited_foreign_process_is_discounted_at_once_and_an_unseen_one_keeps_counting(installed, monkeypatch):
     """An unwrapped CUDA program the snapshot lists stops counting as it exits (or as its pid
     names another process), not at the next snapshot; a pid the monitor never saw counts."""
     inst = installed("four-gpus")
@@ -143,6 +144,15 @@ def test_an_exited_foreign_process_is_discounted_at_once_and_an_unseen_one_keeps
     try:
         refresh_once(inst.layout)
         assert snapshot.read_fresh(root).by_uuid(gpus[2]).pids == (second.pid,)
+        # A device read alone looks up its own processes only (the service, at each
+        # hand-over): not the one on another device.
+        asked = []
+        real_started_as = proc.started_as
+        monkeypatch.setattr(proc, "started_as", lambda pid, started: asked.append(pid) or real_started_as(pid, started))
+        assert snapshot.read_fresh_device(root, gpus[2])[1].pids == (second.pid,)
+        assert snapshot.read_fresh_device(root, gpus[3])[1].pids == ()
+        assert asked == [second.pid]
+        monkeypatch.undo()
         path = inst.layout.usage_snapshot
         data = marshal.loads(path.read_bytes())
         data["started"][second.pid] += 1
