@@ -123,3 +123,29 @@ def test_a_release_frees_its_holders_share_of_the_turns() -> None:
     carried = released(state, ["GPU-1"], {})
     assert carried is not None
     assert carried.decide(NOW) == {"0001": ("GPU-1",)}
+
+
+def _line_after_a_decision(waiting: int):  # type: ignore[no-untyped-def]
+    """A service's Line whose last decision (Acquirer.last) saw WAITING runs in line, every
+    device held: what Line._carried reads, nothing else of a machine."""
+    from types import SimpleNamespace
+
+    from cudawrap.ops.line import Line
+
+    line = Line.__new__(Line)  # the decision's look alone: no machine read
+    waiters = [SimpleNamespace(key=f"run-{i}", uid=1000 + i % 3) for i in range(waiting)]
+    last = (waiters, [], {1000: 1.0}, {}, {"GPU-a"}, {}, None, None, ["GPU-a"])
+    line.acquirer = SimpleNamespace(last=last, sharing=SimpleNamespace(anywhere=False), skip_keys=set(),
+                                    skip_users=set(), parents={}, whole={"GPU-a": 1000})
+    return line
+
+
+def test_a_line_longer_than_the_cap_is_not_carried_on_to_a_release() -> None:
+    """With more than CARRY_MAX_WAITERS in line, a release waits for the full decision (the
+    rule's order over a long line at each release cost the service its CPU target)."""
+    from cudawrap.ops.line import CARRY_MAX_WAITERS
+
+    kept = _line_after_a_decision(CARRY_MAX_WAITERS)._carried({})  # type: ignore[arg-type]
+    assert kept is not None and len(kept.waiters) == CARRY_MAX_WAITERS
+    assert kept.owners == {"GPU-a": 1000}
+    assert _line_after_a_decision(CARRY_MAX_WAITERS + 1)._carried({}) is None  # type: ignore[arg-type]
