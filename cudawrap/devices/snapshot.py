@@ -106,10 +106,8 @@ def read_fresh(root: str, max_age: float = MAX_AGE_S) -> Optional[Inventory]:
     if fresh is None:
         return None
     data, inventory = fresh
-    try:
-        return Inventory(inventory.driver_version, inventory.gpus, _current(data, inventory.devices), inventory.lost)
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return None
+    devices = _current(data, inventory.devices)
+    return None if devices is None else Inventory(inventory.driver_version, inventory.gpus, devices, inventory.lost)
 
 
 def read_fresh_device(root: str, uuid: str, max_age: float = MAX_AGE_S) -> "tuple[bool, Optional[Device]]":
@@ -127,10 +125,8 @@ def read_fresh_device(root: str, uuid: str, max_age: float = MAX_AGE_S) -> "tupl
     device = inventory.by_uuid(uuid)
     if device is None:
         return True, None
-    try:
-        return True, _current(data, [device])[0]
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return False, None
+    current = _current(data, [device])
+    return (False, None) if current is None else (True, current[0])
 
 
 def _fresh(root: str, max_age: float) -> "Optional[tuple]":
@@ -138,20 +134,23 @@ def _fresh(root: str, max_age: float) -> "Optional[tuple]":
     read = _read(root)
     if read is None:
         return None
-    data, _inventory = read
     try:
-        if not 0 <= time.monotonic() - data["written"] < max_age:
+        if not 0 <= time.monotonic() - read[0]["written"] < max_age:
             return None
     except (KeyError, TypeError):
         return None
     return read
 
 
-def _current(data: dict, devices: "list[Device]") -> "list[Device]":
-    """DEVICES less the processes the monitor saw (DATA) that have exited since."""
-    listed = {p for d in devices for p in d.pids or ()}
-    exited = _exited(data["started"], listed, tuple(data["namespace"]) if data["namespace"] else None)
-    return [_without_exited(d, exited) for d in devices]
+def _current(data: dict, devices: "list[Device]") -> "Optional[list[Device]]":
+    """DEVICES less the processes the monitor saw (DATA) that have exited since; None where
+    DATA does not say (not a snapshot this version writes)."""
+    try:
+        listed = {p for d in devices for p in d.pids or ()}
+        exited = _exited(data["started"], listed, tuple(data["namespace"]) if data["namespace"] else None)
+        return [_without_exited(d, exited) for d in devices]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
 
 
 class SnapshotRefresh:

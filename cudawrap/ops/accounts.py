@@ -204,10 +204,11 @@ class _Turn:
         """Enter the grants sent meanwhile as open (grant()); write the ends recorded meanwhile
         (end()), each unless a look recorded it already."""
         opened, self.opened = self.opened, []
-        for lid, record, boot in opened:
+        if opened:
             state = self.open()
-            state["boot"] = boot
-            state["open"][lid] = record
+            for lid, record, boot in opened:
+                state["boot"] = boot
+                state["open"][lid] = record
             self.changed = True
         ends, self.ends = self.ends, []
         for lid, at, how in ends:
