@@ -263,11 +263,14 @@ def _converse(sock: "Any", request: bytes, prog: str, run: "Tuple[str, str, List
                         sock.sendall(wire.encode(wire.LOST, {"devices": reply.get("devices", "")}))
                         continue
                     fds = []
-                    sock.sendall(wire.encode(wire.HELD, {"devices": reply.get("devices", "")}))
                     if not locked[1]:
+                        # Whole devices: nothing more to say. The connection closes before the
+                        # exec, and the service checks the locks then, as it checks a HELD's.
                         return locked + (reply,)
-                    # A share waits for DONE: under enforce the service opens the device's MPS
-                    # pipe directory to this user then, before the program may connect to it.
+                    # A share says HELD and waits for DONE: under enforce the service opens the
+                    # device's MPS pipe directory to this user then, before the program may
+                    # connect to it.
+                    sock.sendall(wire.encode(wire.HELD, {"devices": reply.get("devices", "")}))
                     granted = locked + (reply,)
             if (elsewhere and granted is None and replies and replies[-1][0] == wire.WAIT
                     and not fds and not reader.buffer):

@@ -45,7 +45,7 @@ REQUEST = "request"  # ask for devices (share=1: a share of each; ticket=: the p
 # environment; visible=, order= and ticket= as in a request. A service that does not know it
 # answers an error of code 76 (EX_PROTOCOL), and the shim asks again the general way.
 RUN = "run"
-HELD = "held"  # the grant's locks are taken
+HELD = "held"  # the grant's locks are taken (a run granted whole devices may close instead: checked alike)
 LOST = "lost"  # a lock of the grant was taken by someone else first
 STATUS = "status"  # anyone's question: who holds and who waits (answer: json=)
 CANCEL = "cancel"  # pids=: end those waiting runs (their owner's or root's word, by the kernel)

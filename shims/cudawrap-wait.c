@@ -10,8 +10,10 @@
  *
  * It does what the shim's fast path does with the rest of the conversation (wire.py has the
  * format): prints the service's WAIT lines, takes the locks on the descriptors of a GRANT
- * (sends HELD, or LOST if one was taken past the service, and waits on), for a share waits
- * for DONE, sets the variables as the shim's _become sets them, and execs the program.
+ * (or sends LOST if one was taken past the service, and waits on), for a share sends HELD
+ * and waits for DONE, sets the variables as the shim's _become sets them, and execs the
+ * program. A whole grant says nothing more: its connection closes as it execs, and the
+ * service checks the locks then, one wake-up of the service less in the hand-over.
  * Anything else goes back to the shim, exec'd again with CUDAWRAP_RESUME saying why:
  *   "T" TICKET                  the service went away before granting: the general way asks
  *                               again (or decides alone), keeping the place in line;
@@ -437,7 +439,9 @@ int main(int argc, char **argv) {
             }
             int shared = 0;
             for (int i = 0; i < n; i++) shared |= !described[i].lease;
-            send_message("held", field(&m, "devices"));
+            /* Whole devices: nothing to say; the connection closes in become(), before the
+             * exec, and the service checks the locks then. A share says HELD (below). */
+            if (shared) send_message("held", field(&m, "devices"));
             /* A share waits for DONE: under enforce the service opens the device's MPS pipe
              * directory to this user then, before the program may connect to it. The locks
              * are ours either way: a connection that ends means the kernel's word stands. */

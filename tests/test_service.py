@@ -734,6 +734,75 @@ def test_a_lease_let_go_by_a_running_holder_reaches_a_waiter(served: Served) -> 
         p.kill()
 
 
+SILENT = r"""
+import fcntl, os, signal, sys
+sys.path[:0] = @PATH@
+from cudawrap import wire
+from cudawrap.client import Connection
+import socket
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(@SOCK@)
+conn = Connection(sock)
+conn.send(wire.REQUEST, {"count": "1", "wait": "0"})
+verb, reply = conn.receive()
+assert verb == wire.GRANT, (verb, reply)
+fds = conn.take_fds(len(reply["fds"].split(",")))
+if @LOCK@:
+    for fd in fds:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+sock.close()  # not a word more: as a whole grant's run, which locks and execs
+print(reply["devices"], flush=True)
+signal.sigwait([signal.SIGUSR1])
+"""
+
+
+def test_a_whole_grant_locked_and_closed_without_a_word_is_held_and_one_not_locked_is_void(served: Served) -> None:
+    """A run granted whole devices says nothing after its grant: it locks and execs, and its
+    connection closes in the exec. The service checks the locks then, as it checks a HELD's:
+    locked, the grant is held (said, followed to its end, the device given to nobody else);
+    not locked, it is void and the device goes to the next run at once."""
+    inst = served.inst
+    started: List[subprocess.Popen] = []
+
+    def start(p: subprocess.Popen) -> subprocess.Popen:
+        started.append(p)
+        return p
+
+    try:
+        for _ in range(3):
+            ready_line(start(inst.start(inst.world.alice, "recon", "--hold", "60")))
+            served.granted()
+        script = SILENT.replace("@PATH@", repr(list(inst.world.path))).replace("@SOCK@", repr(str(served.sock)))
+        silent = start(inst.py_start(inst.world.alice, script.replace("@LOCK@", "True")))
+        uuid = silent.stdout.readline().decode().strip()
+        assert uuid, silent.stderr.read().decode()
+        ino = os.stat(inst.layout.lease_dir / uuid).st_ino
+        assert any(line.split()[5].endswith(f":{ino}") for line in _locks_of(silent.pid))
+        waiter = start(served.waiting(inst.world.bob))  # every device held: it waits
+        time.sleep(2.5)  # past a grant's 2 s deadline: a held grant is not taken back
+        assert waiter.poll() is None
+        assert not [r for r in _ledger(inst, "end") if r["pid"] == silent.pid]  # not "not taken"
+        assert f"pid {silent.pid} " in served.granted()  # held: said as a HELD's grant is
+        os.kill(silent.pid, signal.SIGUSR1)  # it exits, and lets go
+        assert ready_line(waiter)["devices"] == [uuid]
+        wait_for(lambda: any(r["pid"] == silent.pid for r in _ledger(inst, "end")))
+        (end,) = [r for r in _ledger(inst, "end") if r["pid"] == silent.pid]
+        assert "not taken" not in end["how"]
+        waiter.kill()
+        waiter.wait()
+        # Closed without locking: void at once, and the device goes to the next run.
+        unlocked = start(inst.py_start(inst.world.alice, script.replace("@LOCK@", "False")))
+        lost = unlocked.stdout.readline().decode().strip()
+        assert lost, unlocked.stderr.read().decode()
+        nxt = start(inst.start(inst.world.bob, "recon", "--hold", "1", CUDAWRAP_WAIT="10"))
+        assert ready_line(nxt)["devices"] == [lost]
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
+
+
 def test_a_grant_sent_just_before_a_crash_is_followed_by_the_restarted_service(served: Served) -> None:
     """The service writes a grant's record before the send and the ledger's state at the end
     of its turn: killed in between, the state misses a lease the ledger records. The

@@ -1,12 +1,13 @@
 """Each grant from the descriptors sent to the lock taken, and on to its release.
 
 The service opens a granted device's lease file read-only and sends the descriptor; the
-client takes the lock on it. Until the client says so (HELD), the devices count as
-claimed by it (held, in every decision), for at most DEADLINE_S: then the service closes
-its copies and the grant is void (a stopped or slow client holds nothing: an unlocked
-descriptor holds no device; should it lock later, the lock table shows it, as any lock).
-HELD is checked, not believed: the service still has the same open file descriptions,
-and /proc/self/fdinfo lists the locks each of them holds, and of which kind.
+client takes the lock on it. Until the client says so (HELD; a run granted whole devices
+instead closes its connection as it execs), the devices count as claimed by it (held, in
+every decision), for at most DEADLINE_S: then the service closes its copies and the grant
+is void (a stopped or slow client holds nothing: an unlocked descriptor holds no device;
+should it lock later, the lock table shows it, as any lock). Either word is checked, not
+believed: the service still has the same open file descriptions, and /proc/self/fdinfo
+lists the locks each of them holds, and of which kind.
 
 A share (README "Sharing a GPU") is sent as two descriptors, as a run deciding for itself
 holds it: the device's lease file, to be locked shared, and one of its slot files, chosen

@@ -298,6 +298,11 @@ class Service:
         except OSError:
             data = b""
         if not data:
+            if client.waiter is not None and client.waiter.key in self.grants.pending:
+                # A run whose grant is whole says nothing more: it locks and execs, and its
+                # connection closes in the exec. Its locks are checked, as a HELD's are.
+                self._held(client)
+                return
             self._drop(client)
             return
         try:
