@@ -751,7 +751,8 @@ fds = conn.take_fds(len(reply["fds"].split(",")))
 if @LOCK@:
     for fd in fds:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-sock.close()  # not a word more: as a whole grant's run, which locks and execs
+if @CLOSE@:
+    sock.close()  # not a word more: as a whole grant's run, which locks and execs
 print(reply["devices"], flush=True)
 signal.sigwait([signal.SIGUSR1])
 """
@@ -773,7 +774,7 @@ def test_a_whole_grant_locked_and_closed_without_a_word_is_held_and_one_not_lock
         for _ in range(3):
             ready_line(start(inst.start(inst.world.alice, "recon", "--hold", "60")))
             served.granted()
-        script = SILENT.replace("@PATH@", repr(list(inst.world.path))).replace("@SOCK@", repr(str(served.sock)))
+        script = _silent(served, close=True)
         silent = start(inst.py_start(inst.world.alice, script.replace("@LOCK@", "True")))
         uuid = silent.stdout.readline().decode().strip()
         assert uuid, silent.stderr.read().decode()
@@ -797,6 +798,49 @@ def test_a_whole_grant_locked_and_closed_without_a_word_is_held_and_one_not_lock
         assert lost, unlocked.stderr.read().decode()
         nxt = start(inst.start(inst.world.bob, "recon", "--hold", "1", CUDAWRAP_WAIT="10"))
         assert ready_line(nxt)["devices"] == [lost]
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
+
+
+def _silent(served: Served, close: bool) -> str:
+    """SILENT for SERVED's install: a client that closes its connection after its grant (CLOSE) or stays."""
+    return (SILENT.replace("@PATH@", repr(list(served.inst.world.path))).replace("@SOCK@", repr(str(served.sock)))
+            .replace("@CLOSE@", repr(close)))
+
+
+def test_a_grant_locked_by_a_client_that_never_says_so_is_held_at_the_deadline_and_one_not_locked_is_void(
+        served: Served) -> None:
+    """The lock is the truth: a client that locks its grant and says nothing, its connection
+    open, is counted as holding it once the grant's deadline comes (said, followed to its
+    end, not taken back), and one that has not locked by then holds nothing (void: "not
+    taken" in the ledger)."""
+    inst = served.inst
+    started: List[subprocess.Popen] = []
+    try:
+        for _ in range(2):
+            started.append(inst.start(inst.world.alice, "recon", "--hold", "60"))
+            ready_line(started[-1])
+            served.granted()
+        script = _silent(served, close=False)
+        quiet = inst.py_start(inst.world.alice, script.replace("@LOCK@", "True"))
+        started.append(quiet)
+        uuid = quiet.stdout.readline().decode().strip()
+        assert uuid, quiet.stderr.read().decode()
+        idle = inst.py_start(inst.world.bob, script.replace("@LOCK@", "False"))
+        started.append(idle)
+        other = idle.stdout.readline().decode().strip()
+        assert other and other != uuid, idle.stderr.read().decode()
+        time.sleep(3)  # past the grants' 2 s deadline
+        ends = {r["pid"]: r["how"] for r in _ledger(inst, "end")}
+        assert quiet.pid not in ends  # held: not taken back
+        assert "not taken" in ends.get(idle.pid, "")  # void
+        assert f"pid {quiet.pid} " in served.granted()  # said at the deadline, as a HELD's grant is
+        os.kill(quiet.pid, signal.SIGUSR1)  # it exits, and lets go
+        wait_for(lambda: quiet.pid in {r["pid"] for r in _ledger(inst, "end")})
+        (end,) = [r for r in _ledger(inst, "end") if r["pid"] == quiet.pid]
+        assert "not taken" not in end["how"]
     finally:
         for p in started:
             p.kill()

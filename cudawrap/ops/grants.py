@@ -56,6 +56,10 @@ class Pending:
             os.close(fd)
         self.fds = []
 
+    def taken(self) -> bool:
+        """Whether every lock is held through what was sent, each of its kind."""
+        return all(lock_kind(fd) is kind for fd, kind in zip(self.fds, self.exclusive))
+
 
 @dataclass
 class Held:
@@ -185,7 +189,7 @@ class Grants:
         pending = self.pending.pop(key, None)
         if pending is None:
             return None
-        ok = all(lock_kind(fd) is kind for fd, kind in zip(pending.fds, pending.exclusive))
+        ok = pending.taken()
         pending.close()
         if not ok:
             accounts.end(self.layout, pending.lease_id, "not taken")

@@ -225,11 +225,18 @@ class Service:
 
     def _late(self, key: str) -> None:
         """The grant KEY is past its deadline: void, unless its client's word is waiting unread
-        (a long step, such as a burst of requests, can outlast the deadline by itself)."""
+        (a long step, such as a burst of requests, can outlast the deadline by itself) or its
+        locks are held all the same (a client that locked and has not said so: the lock is
+        the truth, and its run is counted from it)."""
         client = self.roster.by_key.get(key)
         if client is not None:
             self._readable(client)
-        if key in self.grants.pending:
+        pending = self.grants.pending.get(key)
+        if pending is None:
+            return
+        if client is not None and client.waiter is not None and pending.taken():
+            self._held(client)
+        else:
             self._void(key)
 
     def _void(self, key: str) -> None:
