@@ -183,11 +183,15 @@ def test_a_zombie_lessee_is_discounted_before_its_parent_reaps_it(installed):
 def monitoring(inst):  # type: ignore[no-untyped-def]
     """A thread rewriting the snapshot meanwhile, as the monitor service would."""
     stop = threading.Event()
+    failed = []
 
     def loop() -> None:
-        while not stop.is_set():
-            refresh_once(inst.layout)
-            time.sleep(0.1)
+        try:
+            while not stop.is_set():
+                refresh_once(inst.layout)
+                time.sleep(0.1)
+        except BaseException as exc:  # said at the end: a dead loop leaves a stale snapshot
+            failed.append(exc)
 
     thread = threading.Thread(target=loop)
     thread.start()
@@ -196,6 +200,7 @@ def monitoring(inst):  # type: ignore[no-untyped-def]
     finally:
         stop.set()
         thread.join()
+    assert failed == [], f"the monitor loop died: {failed}"
 
 
 def test_a_foreign_process_on_a_leased_device_still_counts_once_the_lease_is_free(installed):
@@ -217,6 +222,30 @@ def test_a_foreign_process_on_a_leased_device_still_counts_once_the_lease_is_fre
         r = run_without_nvml(inst, "recon", CUDAWRAP_WAIT="0")
         assert r.returncode == 75, r.stdout
     assert inst.jobs() == []
+
+
+def test_two_threads_writing_the_snapshot_at_once_never_fail(installed):
+    """The service's threads, or a test's monitor loop beside a refresh of its own, write the
+    same root files: a temporary name per process alone made one's rename find the other's
+    already gone (CannotWrite), and a monitor loop died of it, its snapshot going stale."""
+    inst = installed("four-gpus")
+    errors = []
+
+    def write() -> None:
+        try:
+            for _ in range(300):
+                refresh_once(inst.layout)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert snapshot.read_fresh(str(inst.layout.root)) is not None
+    assert [n for n in os.listdir(inst.layout.runtime_dir) if n.endswith(".tmp")] == []
 
 
 def test_burst_with_the_monitor_running_never_shares_a_device(installed):

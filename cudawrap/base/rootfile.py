@@ -6,6 +6,7 @@ else can write it, so a user cannot plant data that steers other users' launches
 """
 from __future__ import annotations
 
+import _thread
 import marshal
 import os
 
@@ -18,8 +19,15 @@ from .. import locations as loc
 _MAX_SIZE = 8 << 20
 
 
+def private_tmp(path: str) -> str:
+    """A temporary name beside PATH that no other writer uses: the pid alone is not enough,
+    as two threads of one process (the service's, a test's monitor loop) would write the
+    same file and one's rename would find it gone."""
+    return f"{path}.{os.getpid()}.{_thread.get_ident()}.tmp"
+
+
 def write(path: str, data: Any) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = private_tmp(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         os.write(fd, marshal.dumps(data))

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+from ..base.rootfile import private_tmp
 from ..lease.files import lock_table
 from ..lease.holders import holdings
 from ..paths import Layout
@@ -145,7 +146,7 @@ def _save_state(path: Path, state: Dict[str, Any]) -> None:
 
 
 def _write_state(path: Path, text: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name("." + private_tmp(path.name))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, text)
