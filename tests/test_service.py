@@ -804,6 +804,29 @@ def test_a_whole_grant_locked_and_closed_without_a_word_is_held_and_one_not_lock
             p.wait()
 
 
+def test_a_whole_grant_whose_run_ends_at_once_after_its_close_is_counted_as_a_run(served: Served) -> None:
+    """Its locks are checked when its connection closes; a run that has ended by then (a
+    `--version`, a `true`) still holds them through the service's own copies of the
+    descriptors it sent (a flock belongs to the open file, which they share), so it is counted
+    as a run that held its device, not a grant "not taken", and its device goes on once the
+    service lets its copies go."""
+    inst = served.inst
+    script = _silent(served, close=True).replace("@LOCK@", "True").replace(
+        "signal.sigwait([signal.SIGUSR1])", "os._exit(0)  # at once: gone before it is counted")
+    for _ in range(3):
+        brief = inst.py_start(inst.world.alice, script)
+        uuid = brief.stdout.readline().decode().strip()
+        assert uuid, brief.stderr.read().decode()
+        assert brief.wait(timeout=10) == 0
+        assert f"pid {brief.pid} " in served.granted()  # said as a held grant
+        wait_for(lambda: any(r["pid"] == brief.pid for r in _ledger(inst, "end")))
+        (end,) = [r for r in _ledger(inst, "end") if r["pid"] == brief.pid]
+        assert "not taken" not in end["how"], end
+    nxt = inst.start(inst.world.bob, "recon", "--hold", "0", CUDAWRAP_WAIT="10")
+    assert ready_line(nxt)["devices"]
+    assert nxt.wait(timeout=10) == 0
+
+
 def _silent(served: Served, close: bool) -> str:
     """SILENT for SERVED's install: a client that closes its connection after its grant (CLOSE) or stays."""
     return (SILENT.replace("@PATH@", repr(list(served.inst.world.path))).replace("@SOCK@", repr(str(served.sock)))
