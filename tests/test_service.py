@@ -754,7 +754,7 @@ if @LOCK@:
 if @CLOSE@:
     sock.close()  # not a word more: as a whole grant's run, which locks and execs
 print(reply["devices"], flush=True)
-signal.sigwait([signal.SIGUSR1])
+@THEN@
 """
 
 
@@ -787,9 +787,7 @@ def test_a_whole_grant_locked_and_closed_without_a_word_is_held_and_one_not_lock
         assert f"pid {silent.pid} " in served.granted()  # held: said as a HELD's grant is
         os.kill(silent.pid, signal.SIGUSR1)  # it exits, and lets go
         assert ready_line(waiter)["devices"] == [uuid]
-        wait_for(lambda: any(r["pid"] == silent.pid for r in _ledger(inst, "end")))
-        (end,) = [r for r in _ledger(inst, "end") if r["pid"] == silent.pid]
-        assert "not taken" not in end["how"]
+        assert "not taken" not in _end_of(inst, silent.pid)["how"]
         waiter.kill()
         waiter.wait()
         # Closed without locking: void at once, and the device goes to the next run.
@@ -811,26 +809,32 @@ def test_a_whole_grant_whose_run_ends_at_once_after_its_close_is_counted_as_a_ru
     as a run that held its device, not a grant "not taken", and its device goes on once the
     service lets its copies go."""
     inst = served.inst
-    script = _silent(served, close=True).replace("@LOCK@", "True").replace(
-        "signal.sigwait([signal.SIGUSR1])", "os._exit(0)  # at once: gone before it is counted")
+    script = _silent(served, close=True, then="os._exit(0)").replace("@LOCK@", "True")  # gone before it is counted
     for _ in range(3):
         brief = inst.py_start(inst.world.alice, script)
         uuid = brief.stdout.readline().decode().strip()
         assert uuid, brief.stderr.read().decode()
         assert brief.wait(timeout=10) == 0
         assert f"pid {brief.pid} " in served.granted()  # said as a held grant
-        wait_for(lambda: any(r["pid"] == brief.pid for r in _ledger(inst, "end")))
-        (end,) = [r for r in _ledger(inst, "end") if r["pid"] == brief.pid]
+        end = _end_of(inst, brief.pid)
         assert "not taken" not in end["how"], end
     nxt = inst.start(inst.world.bob, "recon", "--hold", "0", CUDAWRAP_WAIT="10")
     assert ready_line(nxt)["devices"]
     assert nxt.wait(timeout=10) == 0
 
 
-def _silent(served: Served, close: bool) -> str:
-    """SILENT for SERVED's install: a client that closes its connection after its grant (CLOSE) or stays."""
+def _silent(served: Served, close: bool, then: str = "signal.sigwait([signal.SIGUSR1])") -> str:
+    """SILENT for SERVED's install: a client that closes its connection after its grant (CLOSE)
+    or stays, and then runs THEN (by default it waits for SIGUSR1, and exits)."""
     return (SILENT.replace("@PATH@", repr(list(served.inst.world.path))).replace("@SOCK@", repr(str(served.sock)))
-            .replace("@CLOSE@", repr(close)))
+            .replace("@CLOSE@", repr(close)).replace("@THEN@", then))
+
+
+def _end_of(inst: MuInstall, pid: int) -> dict:
+    """The ledger's end record of PID's lease, once it is written."""
+    wait_for(lambda: any(r["pid"] == pid for r in _ledger(inst, "end")))
+    (end,) = [r for r in _ledger(inst, "end") if r["pid"] == pid]
+    return end
 
 
 def test_a_grant_locked_by_a_client_that_never_says_so_is_held_at_the_deadline_and_one_not_locked_is_void(
@@ -861,9 +865,7 @@ def test_a_grant_locked_by_a_client_that_never_says_so_is_held_at_the_deadline_a
         assert "not taken" in ends.get(idle.pid, "")  # void
         assert f"pid {quiet.pid} " in served.granted()  # said at the deadline, as a HELD's grant is
         os.kill(quiet.pid, signal.SIGUSR1)  # it exits, and lets go
-        wait_for(lambda: quiet.pid in {r["pid"] for r in _ledger(inst, "end")})
-        (end,) = [r for r in _ledger(inst, "end") if r["pid"] == quiet.pid]
-        assert "not taken" not in end["how"]
+        assert "not taken" not in _end_of(inst, quiet.pid)["how"]
     finally:
         for p in started:
             p.kill()
