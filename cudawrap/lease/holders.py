@@ -143,6 +143,13 @@ def heirs(takers: Dict[Tuple[int, int], List[Optional[int]]]) -> Dict[Tuple[int,
     return out
 
 
+def takers(lease_dir: str, table: Table) -> Dict[str, List[int]]:
+    """uuid -> the pids that took the locks on its lease file, as TABLE (the lock table)
+    names them: no descriptor is read, so a taker may have exited since (its child holding the
+    lease) or its pid been reused. For a look that only asks whether anything changed."""
+    return {name: [pid for pid, _ex in table[key]] for key, name in _locked(lease_dir, table).items()}
+
+
 def holders(lease_dir: str) -> Dict[str, Optional[int]]:
     """uuid -> pid of a process holding each held lease (one of its sharers for a shared
     device); None where none can be named. See holdings."""

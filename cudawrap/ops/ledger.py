@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..base.rootfile import private_tmp
 from ..lease.files import lock_table
-from ..lease.holders import holdings
+from ..lease.holders import holdings, takers
 from ..paths import Layout
 from ..users import user_name
 from .ledgerfile import RECORD_VERSION, STATE, Locked, _append_user_view, append, ledger_path, read
@@ -182,18 +182,26 @@ class _Look:
         return self._share_cost
 
 
-def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = (64 << 20, 4)) -> Observation:
+def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = (64 << 20, 4),
+            unless_quiet: bool = False) -> Observation:
     """Compare the leases held now with the last look; record grants and ends (root only).
 
-    LIMITS: (max bytes of a ledger file, rotated files kept).
+    LIMITS: (max bytes of a ledger file, rotated files kept). UNLESS_QUIET (the monitor's
+    look, every half second): nothing is done, and the ledger's lock not taken, where the
+    look would record nothing (quiet()); the Observation then only names the leases open.
     """
     obs = Observation()
     state_path = layout.state_dir / STATE
-    # The lock table read once before the lock, and dropped: the kernel makes a read that
-    # follows none a moment before wait ~8 ms (the _known docstring in ops/line.py), and the
-    # read under the lock then takes ~0.05 ms. The service's grant waits for this lock: a
-    # look held it ~8 ms every half second, so a hand-over met it now and then.
-    lock_table()
+    # The lock table read once before the lock: the kernel makes a read that follows none a
+    # moment before wait ~8 ms (the _known docstring in ops/line.py), and the read under the
+    # lock then takes ~0.05 ms. The service's grant waits for this lock: a look held it ~8 ms
+    # every half second, so a hand-over met it now and then.
+    table = lock_table()
+    if unless_quiet:
+        state = _load_state(state_path)
+        if quiet(layout, state, table):
+            obs.open = state["open"]
+            return obs
     with Locked(layout):
         state = _load_state(state_path)
         now = time.time()
@@ -211,6 +219,51 @@ def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = 
         except OSError as exc:
             obs.error = f"cannot write {state_path}: {exc.strerror}"
     return obs
+
+
+# While the service runs it records every lease it grants, exactly (ops/accounts.py), and
+# the monitor's look, every half second, mostly finds nothing to record; yet each held the
+# ledger's lock for 2-7 ms (its reads of /proc, cold, and the state's rewrite), and a grant
+# waits for that lock: in one burst of bench/service.py three hand-overs of 43 took 7-11 ms
+# behind it (ftrace, 2026-11-28). So the monitor first asks, without the lock, whether a look
+# could record anything; and looks in full at least every QUIET_MAX_S all the same, which
+# bounds how old its times can grow ("looked", from which a lease first seen next is dated,
+# and each open lease's "seen", from which its end is dated if the service dies meanwhile).
+QUIET_MAX_S = 10.0
+
+
+def quiet(layout: Layout, state: Dict[str, Any], table: Dict[Tuple[int, int], List[Tuple[int, bool]]],
+          now: Optional[float] = None) -> bool:
+    """Whether a look now would record nothing, and change nothing but its own time, by
+    STATE (the ledger's state, read without its lock: it is replaced whole, by a rename) and
+    TABLE (the kernel's lock table): the service runs; every lease open in the state is one
+    it granted; the lock on each lease file held was taken by the client of one of those
+    grants, for that device; no run waits in the queue directory, and none did at the last
+    look; and that look, in full, is younger than QUIET_MAX_S. Anything else (a lease taken
+    past the service, a child holding a lease its client left, a queue entry, a restart) is
+    a full look's to record. Read a moment apart, the state and the table can only disagree
+    the other way: then the full look, under the lock, decides."""
+    now = time.time() if now is None else now
+    looked = state.get("looked")
+    if state.get("boot") != boot_id() or state.get("waiting") or not isinstance(looked, (int, float)) \
+            or not 0 <= now - looked < QUIET_MAX_S:
+        return False
+    served: Dict[int, Set[str]] = {}
+    for record in state.get("open", {}).values():
+        if record.get("seen_by") != "service":
+            return False
+        served.setdefault(record.get("pid"), set()).update(record.get("devices", ()))
+    for uuid, pids in takers(str(layout.lease_dir), table).items():
+        if any(uuid not in served.get(pid, ()) for pid in pids):
+            return False
+    try:
+        if os.listdir(layout.queue_dir):
+            return False
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return service_running(layout)
 
 
 def _since_last_look(state: Dict[str, Any], obs: Observation, boot: str, booted: float, now: float,

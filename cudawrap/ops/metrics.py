@@ -262,7 +262,8 @@ class MonitorHook:
 
     def cycle(self, inventory: Any = None) -> ledger.Observation:
         self._reload()
-        obs = ledger.observe(self.layout, "monitor", (self.settings["max_mib"] << 20, self.settings["keep"]))
+        obs = ledger.observe(self.layout, "monitor", (self.settings["max_mib"] << 20, self.settings["keep"]),
+                             unless_quiet=True)
         self.counters.add(obs)
         error = obs.error
         path = self.settings["textfile"]
