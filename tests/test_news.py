@@ -56,3 +56,25 @@ def test_a_slot_files_close_and_a_lease_file_made_are_news(watched: tuple) -> No
     (lease_dir / "GPU-2").write_text("")
     news = watch.read()
     assert news.decide and news.renamed
+
+
+def test_the_ledgers_writes_beside_the_drains_wake_nothing_and_a_drain_is_news(watched: tuple, tmp_path: Path) -> None:
+    """The ledger is written in the drains' directory: each grant appended to it, and its lock
+    taken and let go, closed a file open for writing there, and woke the service's loop once
+    more while the run it had just granted started."""
+    import select
+
+    from cudawrap.ops import ledgerfile
+    from cudawrap.paths import Layout
+    from cudawrap.sched.drains import drain, resume
+
+    watch = watched[0]
+    layout = Layout(tmp_path)
+    with ledgerfile.Locked(layout):
+        ledgerfile.append(ledgerfile.ledger_path(layout), [{"v": 1, "event": "grant", "id": "x"}], 1 << 20, 4)
+    assert select.select([watch.fileno()], [], [], 0)[0] == []
+    drain(str(tmp_path), ["GPU-1"], "maintenance", "root")
+    news = watch.read()
+    assert news.decide and news.elsewhere
+    resume(str(tmp_path), ["GPU-1"])
+    assert watch.read().decide

@@ -45,9 +45,14 @@ class FileWatch:
         watch.add(queue_dir, _RENAME)
         # A share's end is its slot file's close (its lease file's other sharers hold on).
         self.shares = watch.add(loc.under(root, loc.SHARE_DIR), _CLOSE)
-        # The admin's drains (state directory): a drain or resume is decided on at once.
-        self.state = watch.add(os.path.dirname(loc.under(root, loc.DRAINS)),
-                               inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO | inotify.IN_DELETE)
+        # The admin's drains (state directory): a drain or resume is decided on at once. The
+        # drains file is only ever replaced whole (rootfile.write: a rename), so a rename onto
+        # it or its removal is all there is to see. Not the closes of files written there: the
+        # ledger's lock and every append to the ledger closed a file open for writing, so each
+        # grant woke the service's loop again, after its send, while the run it had just granted
+        # started beside it (two to four needless wake-ups per hand-over, and more at each
+        # pass of the monitor).
+        self.state = watch.add(os.path.dirname(loc.under(root, loc.DRAINS)), inotify.IN_MOVED_TO | inotify.IN_DELETE)
         self.drains = os.path.basename(loc.DRAINS)
 
     def fileno(self) -> int:
