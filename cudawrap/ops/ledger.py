@@ -4,7 +4,8 @@ A wrapped run is an ordinary user: it cannot append to a file only root may writ
 nothing a user can write is taken as a fact here. So root observes and records: who holds
 a lease comes from the kernel (flock holders in /proc/locks), the holder's uid, start time
 and command line from /proc. The monitor looks every cycle (half a second), so a grant or
-an end is known to within a cycle; without it, whichever root command next looks
+an end is known to within a cycle (while the service runs, which records its own grants
+exactly, only where there is something to record: quiet()); without it, whichever root command next looks
 (`cudawrap status`, `usage`, `sync` run by root) records what changed since the last look,
 and every time is stored with the interval it is sure of (``*_lo``, ``*_hi``).
 
