@@ -79,7 +79,7 @@ def _records(layout: Layout) -> List[dict]:
 
 
 def _quiet(layout: Layout) -> bool:
-    return ledger.quiet(layout, _state(layout), lock_table())
+    return ledger.quiet(layout, lock_table()) is not None
 
 
 def test_a_monitors_look_while_the_service_recorded_every_lease_takes_no_lock(
@@ -105,7 +105,7 @@ def test_whatever_a_look_could_record_makes_the_monitor_look_in_full(
     ledger.observe(layout, "monitor")
     assert _quiet(layout)  # so that each refusal below is the case's own
     state = _state(layout)
-    assert not ledger.quiet(layout, state, lock_table(), now=state["looked"] + ledger.QUIET_MAX_S)
+    assert ledger.quiet(layout, lock_table(), now=state["looked"] + ledger.QUIET_MAX_S) is None
 
     entry = layout.queue_dir / "123.456.1.0.wait"
     entry.write_text("")

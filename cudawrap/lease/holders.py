@@ -95,6 +95,13 @@ def holdings(lease_dir: str, table: Optional[Table] = None) -> Dict[str, Holding
     return _holdings(_locked(lease_dir, table), table)
 
 
+def takers(lease_dir: str, table: Table) -> Dict[str, List[int]]:
+    """uuid -> the pids that took the locks on its lease file, as TABLE (the lock table)
+    names them: no descriptor is read, so a taker may have exited since (its child holding the
+    lease) or its pid been reused. For a look that only asks whether anything changed."""
+    return {name: [pid for pid, _ex in table[key]] for key, name in _locked(lease_dir, table).items()}
+
+
 def slots_apart(lease_dir: str, share_dir: str, table: Optional[Table] = None) -> Dict[str, List[Optional[int]]]:
     """uuid -> the holder of each of its slot files locked apart from its lease file (by a
     process that took no lock on the lease file: a share nobody sees in the lease, which
@@ -103,8 +110,7 @@ def slots_apart(lease_dir: str, share_dir: str, table: Optional[Table] = None) -
     from ..proc import closing
 
     table = lock_table() if table is None else table
-    lease_pids: Dict[str, List[int]] = {name: [pid for pid, _ex in table[key]]
-                                        for key, name in _locked(lease_dir, table).items()}
+    lease_pids = takers(lease_dir, table)
     apart = {key: name for key, name in _locked(share_dir, table).items()
              if any(pid not in lease_pids.get(name.rpartition(".")[0], ()) and not closing(pid)
                     for pid, _ex in table[key])}
@@ -141,13 +147,6 @@ def heirs(takers: Dict[Tuple[int, int], List[Optional[int]]]) -> Dict[Tuple[int,
         others = [p for p in found.get(key, []) if p not in takers[key]]
         out[key] = [p if p is not None else (others.pop(0) if others else None) for p in takers[key]]
     return out
-
-
-def takers(lease_dir: str, table: Table) -> Dict[str, List[int]]:
-    """uuid -> the pids that took the locks on its lease file, as TABLE (the lock table)
-    names them: no descriptor is read, so a taker may have exited since (its child holding the
-    lease) or its pid been reused. For a look that only asks whether anything changed."""
-    return {name: [pid for pid, _ex in table[key]] for key, name in _locked(lease_dir, table).items()}
 
 
 def holders(lease_dir: str) -> Dict[str, Optional[int]]:

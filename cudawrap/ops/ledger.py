@@ -199,9 +199,9 @@ def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = 
     # every half second, so a hand-over met it now and then.
     table = lock_table()
     if unless_quiet:
-        state = _load_state(state_path)
-        if quiet(layout, state, table):
-            obs.open = state["open"]
+        kept = quiet(layout, table)
+        if kept is not None:
+            obs.open = kept["open"]
             return obs
     with Locked(layout):
         state = _load_state(state_path)
@@ -233,38 +233,42 @@ def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = 
 QUIET_MAX_S = 10.0
 
 
-def quiet(layout: Layout, state: Dict[str, Any], table: Dict[Tuple[int, int], List[Tuple[int, bool]]],
-          now: Optional[float] = None) -> bool:
-    """Whether a look now would record nothing, and change nothing but its own time, by
-    STATE (the ledger's state, read without its lock: it is replaced whole, by a rename) and
-    TABLE (the kernel's lock table): the service runs; every lease open in the state is one
+def quiet(layout: Layout, table: Dict[Tuple[int, int], List[Tuple[int, bool]]],
+          now: Optional[float] = None) -> Optional[Dict[str, Any]]:
+    """The ledger's state where a look now would record nothing, and change nothing but its
+    own time; None where it might. By the state (read without its lock: it is replaced whole,
+    by a rename) and TABLE (the kernel's lock table): the service runs (asked first, so that
+    a monitor without it reads nothing more each pass); every lease open in the state is one
     it granted; the lock on each lease file held was taken by the client of one of those
     grants, for that device; no run waits in the queue directory, and none did at the last
     look; and that look, in full, is younger than QUIET_MAX_S. Anything else (a lease taken
     past the service, a child holding a lease its client left, a queue entry, a restart) is
     a full look's to record. Read a moment apart, the state and the table can only disagree
     the other way: then the full look, under the lock, decides."""
+    if not service_running(layout):
+        return None
+    state = _load_state(layout.state_dir / STATE)
     now = time.time() if now is None else now
     looked = state.get("looked")
     if state.get("boot") != boot_id() or state.get("waiting") or not isinstance(looked, (int, float)) \
             or not 0 <= now - looked < QUIET_MAX_S:
-        return False
+        return None
     served: Dict[int, Set[str]] = {}
     for record in state.get("open", {}).values():
         if record.get("seen_by") != "service":
-            return False
+            return None
         served.setdefault(record.get("pid"), set()).update(record.get("devices", ()))
     for uuid, pids in takers(str(layout.lease_dir), table).items():
         if any(uuid not in served.get(pid, ()) for pid in pids):
-            return False
+            return None
     try:
         if os.listdir(layout.queue_dir):
-            return False
+            return None
     except FileNotFoundError:
         pass
     except OSError:
-        return False
-    return service_running(layout)
+        return None
+    return state
 
 
 def _since_last_look(state: Dict[str, Any], obs: Observation, boot: str, booted: float, now: float,
