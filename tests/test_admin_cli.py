@@ -214,6 +214,21 @@ def test_no_program_given(admin: Admin) -> None:
     assert admin.snapshot() == before
 
 
+@pytest.mark.parametrize("argv, said, guess", [
+    (["stauts"], "cudawrap: unknown command 'stauts'", "did you mean 'cudawrap status'? "),
+    (["mps", "strat"], "cudawrap: unknown command 'strat'", "did you mean 'cudawrap mps start'? "),
+    (["frobnicate"], "cudawrap: unknown command 'frobnicate'", ""),
+])
+def test_a_mistyped_command_gets_a_did_you_mean_and_exit_64(admin: Admin, argv: List[str], said: str,
+                                                               guess: str) -> None:
+    before = admin.snapshot()
+    result = admin.cli(*argv)
+    group = " ".join(["cudawrap", *argv[:-1]])
+    assert (result.returncode, result.stdout) == (64, "")
+    assert result.stderr.splitlines() == [said, f"hint: {guess}run '{group} --help' for the commands"]
+    assert admin.snapshot() == before
+
+
 # --- unwrap ---------------------------------------------------------------------------
 
 

@@ -34,13 +34,13 @@ def help_switches(text: str) -> set:
     return names
 
 
-def rendered(page: str) -> str:
-    """PAGE as man shows it (plain text), checking man and groff have nothing to complain about."""
+def rendered(page: str, lang: str = "C.UTF-8") -> str:
+    """PAGE as man shows it (plain text) in LANG, checking man and groff have nothing to complain about."""
     if shutil.which("man") is None:
         pytest.fail("man (man-db) is not installed: .ci/run installs it")
     done = subprocess.run(["man", "--warnings", "-l", str(MAN / page)], capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", "MANWIDTH": "100", "MAN_KEEP_FORMATTING": "0",
-                               "LANG": "C.UTF-8"})
+                               "LANG": lang, "LC_ALL": lang})
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr
     # Plain text: no overstrike bold, no hyphenation at line ends.
@@ -90,6 +90,35 @@ def test_exit_status_lists_every_error_class():
     for code in exit_codes():
         assert f" {code} " in section, code
     assert {64, 65, 69, 72, 75, 77, 78, 126, 127} <= set(exit_codes())
+
+
+@pytest.mark.parametrize("page", list(PAGES))
+def test_pages_are_ascii_and_render_without_warnings_in_the_c_locale(page):
+    # An ellipsis written as itself made groff warn "can't find special character 'u2026'"
+    # on a terminal without UTF-8 (rendered() fails on any warning).
+    assert (MAN / page).read_bytes().isascii()
+    text = rendered(page, lang="C")
+    if page == "cudawrap.1":
+        assert "DEVICE... (index, UUID or UUID prefix" in " ".join(text.split())
+
+
+def test_exit_status_lists_each_meaning_of_a_code_as_its_own_item():
+    text = rendered("cudawrap.1")
+    section = text.split("EXIT STATUS", 1)[1].split("FILES", 1)[0]
+    items: list = []
+    for line in section.splitlines():
+        words = line.split()
+        starts = bool(words) and words[0].isdigit()  # a code's tag, then its text or its first item
+        words = words[1:] if starts else words
+        if words[:1] == ["\u2022"]:  # an item of a code's list
+            words, starts = words[1:], True
+        if starts:
+            items.append("")
+        if words:
+            items[-1] = " ".join([items[-1], *words]).strip()
+    meanings = [m for ms in exit_codes().values() for m in ms]
+    for meaning in meanings:  # each a sentence of its own, never run on into the next
+        assert f"{' '.join(meaning.split())}." in items, (meaning, items)
 
 
 def test_help_has_no_plumbum_glitches():

@@ -49,6 +49,20 @@ def test_a_run_whose_devices_are_all_drained_has_no_estimate_and_says_why() -> N
     seconds, why = estimate(row, [row], [device], {"x": (600.0, 20)}, now)
     assert seconds is None and "only 0 undrained device(s) it may use, 1 needed" in why
 
+def test_a_program_without_run_lengths_is_named_with_where_it_runs() -> None:
+    # Which run's length is missing, in words: the holder of a device, or a run ahead in line.
+    now = time.time()
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now - 10))
+    device = {"uuid": "GPU-abcdef123456-x", "holder": {"program": "recon", "since": since, "user": "alice"},
+              "drains": []}
+    row = {"pid": 1, "user": "bob", "count": 1, "candidates": None, "position": 2, "kind": "busy", "program": "x"}
+    seconds, why = estimate(row, [row], [device], {"x": (600.0, 20)}, now)
+    assert (seconds, why) == (None, "no finished run in the ledger of recon, the program on GPU-abcdef12")
+    ahead = dict(row, pid=2, position=1, program="other")
+    seconds, why = estimate(row, [ahead, row], [dict(device, holder=None)], {"x": (600.0, 20)}, now)
+    assert (seconds, why) == (None, "no finished run in the ledger of other, which waits ahead in line")
+
+
 def write_ledger(inst: Any) -> None:
     t0 = time.time() - 100000
     records = ends("recon", [5.0] * 6 + [600.0] * 20, t0) + ends("other", [60.0, 60.0, 60.0], t0)

@@ -93,7 +93,11 @@ class Group(Command):
 
     def main(self, *args: str) -> int:
         if args:
-            raise_usage(f"unknown command '{args[0]}'", f"run '{self.PROGNAME} --help' for the commands")
+            import difflib
+
+            close = difflib.get_close_matches(args[0], sorted(self._subcommands), n=1)
+            guess = f"did you mean '{self.PROGNAME} {close[0]}'? " if close else ""
+            raise_usage(f"unknown command '{args[0]}'", f"{guess}run '{self.PROGNAME} --help' for the commands")
         if not self.nested_command:
             self.help()
             return os.EX_USAGE

@@ -17,9 +17,23 @@ PAGES = {"cudawrap.1": "cudawrap", "create-cudawrap.8": "create-cudawrap", "cuda
 DATE = "2026"
 
 
+# Non-ASCII text as groff draws it on every device, a terminal in the C locale included:
+# ASCII where groff has no fallback of its own (it warns "can't find special character"
+# for an ellipsis), its named glyphs where it has one, \[uXXXX] for the rest.
+_GLYPHS = {"\u2026": "...", "\u2013": "\\(en", "\u2014": "\\(em", "\u00d7": "\\(mu", "\u2018": "\\(oq",
+           "\u2019": "\\(cq", "\u201c": "\\(lq", "\u201d": "\\(rq", "\u2192": "\\(->", "\u2264": "\\(<=",
+           "\u2265": "\\(>=", "\u00b0": "\\(de", "\u00b1": "\\(+-", "\u00b2": "\\(S2"}
+
+
+def _glyph(char: str) -> str:
+    return char if char < "\x80" else _GLYPHS.get(char, f"\\[u{ord(char):04X}]")
+
+
 def esc(text: str) -> str:
-    """TEXT safe in a roff line: backslashes, hyphens, and a leading dot or quote escaped."""
+    """TEXT safe in a roff line: backslashes, hyphens, and a leading dot or quote escaped;
+    every non-ASCII character written as groff's glyph for it, or as ASCII (_GLYPHS)."""
     text = text.replace("\\", "\\e").replace("-", "\\-")
+    text = "".join(map(_glyph, text))
     return "\\&" + text if text[:1] in (".", "'") else text
 
 
@@ -58,10 +72,23 @@ def _usage(app: Any) -> str:
 
 
 def _exit_status() -> List[str]:
-    lines = [".SH EXIT STATUS", ".TP", "\\fB0\\fR", "success"]
+    """A tagged paragraph per code; a code of several meanings lists them, one sentence each
+    (joined on one line, they read as one run-on sentence)."""
+    lines = [".SH EXIT STATUS", ".TP", "\\fB0\\fR", "Success."]
     for code, meanings in exit_codes().items():
-        lines += [".TP", f"\\fB{code}\\fR", esc("; ".join(meanings))]
+        lines += [".TP", f"\\fB{code}\\fR"]
+        if len(meanings) == 1:
+            lines.append(esc(_sentence(meanings[0])))
+            continue
+        lines += [".PD 0"]
+        for meaning in meanings:
+            lines += [".RS", ".IP \\(bu 2", esc(_sentence(meaning)), ".RE"]
+        lines += [".PD"]
     return lines
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:].rstrip(".") + "."
 
 
 def _files() -> List[str]:

@@ -142,9 +142,10 @@ def _usable(row: Mapping[str, Any], devices: Sequence[Mapping[str, Any]]) -> Lis
     return [d for d in devices if (cands is None or d["uuid"] in cands) and not d.get("drains")]
 
 
-def _median(program: str, runs: Medians, whose: str) -> float:
+def _median(program: str, runs: Medians, which: str) -> float:
+    """PROGRAM's median run length; _Unknown naming it and WHICH run of it the estimate needs."""
     if program not in runs:
-        raise _Unknown(f"no finished run of {program} in the ledger ({whose})")
+        raise _Unknown(f"no finished run in the ledger of {program}, {which}")
     return runs[program][0]
 
 
@@ -160,7 +161,7 @@ def _free_at(device: Mapping[str, Any], runs: Medians, ends: Ends, now: float) -
             raise _Unknown(f"the run on {device['uuid'][:12]} has run past its program's median")
         return end - now
     program, started = holder.get("program", "?"), _since(holder.get("since"))
-    median = _median(program, runs, "a holder")
+    median = _median(program, runs, f"the program on {device['uuid'][:12]}")
     if started is None:
         raise _Unknown(f"the start of the holder of {device['uuid'][:12]} is not known")
     left = median - (now - started)
@@ -200,7 +201,7 @@ def estimate(row: Mapping[str, Any], waiting: Sequence[Mapping[str, Any]],
             ahead.append(other["program"])
             start = max(free[u] for u in theirs)
             for u in theirs:
-                free[u] = start + _median(other["program"], runs, "a run ahead")
+                free[u] = start + _median(other["program"], runs, "which waits ahead in line")
         start = sorted(free.values())[row["count"] - 1]
     except _Unknown as why:
         return None, str(why)
