@@ -139,6 +139,13 @@ class Layout:
     def is_system(self) -> bool:
         return self.root == Path("/")
 
+    @property
+    def installed(self) -> bool:
+        """Whether an install is at the root: the shim, the state directory or the config that
+        install.sh, the .deb or a --prefix install lays out (the runtime area alone is not one:
+        it is gone after a reboot, and `cudawrap sync` makes it)."""
+        return self.shim.exists() or self.state_dir.is_dir() or self.config_file.exists()
+
     def lease_file(self, uuid: str) -> Path:
         return self.lease_dir / uuid
 

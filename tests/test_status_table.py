@@ -1,5 +1,6 @@
 """`cudawrap status` as a table: 80 columns, the holder's program by name, the install root."""
 import json
+import subprocess
 import sys
 
 import pytest
@@ -175,3 +176,32 @@ def test_what_an_ordinary_user_sees_as_readme_says(mu):
 
     readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
     assert "another user's run shows as `held (holder not visible to you)`" in readme
+
+
+def test_status_on_a_broken_config_says_what_is_wrong_and_exits_78(installed):
+    # Every run exits 78 on this config: status must not look healthy.
+    inst = installed("four-gpus")
+    recon = inst.wrap("recon")
+    inst.write_config("[policy]\ngpus = \n")
+    run = inst.run(str(recon))
+    assert run.returncode == 78, run.stderr
+    for argv in (["status"], ["status", "--json"]):
+        r = inst.cli(*argv)
+        err = r.stderr.decode().splitlines()
+        assert r.returncode == 78, (argv, r.stderr)
+        assert err[0].startswith(f"cudawrap: {inst.layout.config_file}"), err
+        assert len(err) <= 2 and "Traceback" not in r.stderr.decode(), err
+
+
+def test_status_where_no_install_is_says_so_and_exits_non_zero(installed, tmp_path):
+    inst = installed("four-gpus")
+    nowhere = tmp_path / "no-install"
+    for root, command in ((nowhere, "status"), (tmp_path, "status"), (tmp_path, "why")):
+        # A root that does not exist, one that is no install; why reads the same status.
+        env = dict(inst.environ(), CUDAWRAP_ROOT=str(root))
+        r = subprocess.run(inst._cli_argv([command], "cudawrap"), env=env, capture_output=True, timeout=60)
+        err = r.stderr.decode().splitlines()
+        assert r.returncode == 72, r
+        assert r.stdout == b"" and b"no lease file" not in r.stderr, r
+        assert err[0] == f"cudawrap: no cudawrap install at {root}", err
+        assert err[1].startswith("hint: CUDAWRAP_ROOT names the install root"), err

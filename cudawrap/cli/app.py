@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import sys
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from plumbum import cli
 from plumbum.cli.switches import SwitchError
@@ -108,6 +108,23 @@ def raise_usage(message: str, hint: Optional[str] = None) -> None:
     from ..errors import UsageError
 
     raise UsageError(message, hint)
+
+
+def require_install(layout: Any) -> None:
+    """SetupError (72) where LAYOUT's root holds no install: a command that reads the devices'
+    leases there would show every device as having no lease file, as if all were well."""
+    import os
+
+    from ..errors import SetupError
+
+    if layout.installed:
+        return
+    if os.environ.get("CUDAWRAP_ROOT"):
+        hint = ("CUDAWRAP_ROOT names the install root: set it to the directory given to "
+                "`install.sh --prefix`, or unset it for the installed root")
+    else:
+        hint = "install cudawrap (install.sh, or the .deb), or set CUDAWRAP_ROOT to a --prefix install's root"
+    raise SetupError(f"no cudawrap install at {layout.root}", hint)
 
 
 def report(prog: str, exc: CudawrapError, debug: bool) -> int:

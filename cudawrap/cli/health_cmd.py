@@ -7,7 +7,7 @@ import time
 from plumbum import cli
 
 from ..paths import default_layout
-from .app import Command
+from .app import Command, require_install
 
 
 class HealthCommand(Command):
@@ -49,6 +49,7 @@ class WhyCommand(Command):
         if pid and not (pid.isascii() and pid.isdigit() and 0 < int(pid) < 1 << 22):
             raise UsageError(f"PID {pid[:20]!r}: not a process id", hint="`cudawrap status` lists the waiting runs")
         layout = default_layout()
+        require_install(layout)
         me = user_name(os.getuid())
         rows = machine_status(layout)["waiting"]
         if pid:

@@ -16,7 +16,7 @@ from ..policy.config import parse_gpus, parse_wait
 from ..errors import NvmlUnavailable, ProgramNotFound, UsageError
 from ..paths import Layout, default_layout
 from ..ops.status import machine_status
-from .app import Command
+from .app import Command, require_install
 from .filterswitches import FilterSwitches
 
 
@@ -118,19 +118,30 @@ class StatusCommand(Command):
         from ..ops.status import render
 
         layout = default_layout()
+        require_install(layout)
         _record(layout, "cudawrap status")
         status = machine_status(layout)
         if self.as_json:
             print(json.dumps(status, indent=None if self.watch else 2))  # nvml_error says when there is no driver
+            _config_usable(layout)
             return 0
         for line in render(status, cut=sys.stdout.isatty() if self.terminal is None else self.terminal):
             print(line)
+        _config_usable(layout)
         if status["nvml_error"]:
             # The devices are unknown: the table shows at most the lease files of the last sync.
             raise NvmlUnavailable(f"cannot list the devices: {status['nvml_error']}",
                                   "install or load the NVIDIA driver (`nvidia-smi` should work), then run "
                                   "`cudawrap sync`")
         return 0
+
+
+def _config_usable(layout: Layout) -> None:
+    """ConfigError (78) where the config cannot be used: every run exits 78 on it, so status,
+    having shown the leases (the locks stand whatever the config says), does not exit 0."""
+    from ..policy.config import load_config
+
+    load_config(layout.config_file)
 
 
 def _watch(command: StatusCommand, period: float, count: Optional[int]) -> int:
