@@ -178,7 +178,25 @@ def _attempt(root: str, fields: Dict[str, str], on_wait: Callable[[str], None]) 
 # Between tries to reach a service that is not answering (a restart takes ~0.5 s).
 RETRY_GAP_S = 0.2
 NOT_RUNNING = "the cudawrap service is not running"
-START_IT = "ask the administrator to start it (systemctl start cudawrap)"
+
+
+def start_command(root: str) -> str:
+    """How the service of the install at ROOT is started on this machine: by its systemd unit
+    where install.sh enabled one (a system install where systemd runs, as install.sh decides),
+    else `cudawrap serve --daemon` (with the root, for a --prefix install)."""
+    system = root.rstrip("/") == ""
+    if system and os.path.isdir("/run/systemd/system"):
+        return "systemctl start cudawrap"
+    if system:
+        return "cudawrap serve --daemon"
+    import shlex
+
+    return f"CUDAWRAP_ROOT={shlex.quote(root)} cudawrap serve --daemon"
+
+
+def start_it(root: str) -> str:
+    """The hint of a run or status that found no service where it needs one."""
+    return f"ask the administrator to start it ({start_command(root)})"
 
 
 def ask_retrying(root: str, fields: Dict[str, str], on_wait: Callable[[str], None],
@@ -203,7 +221,7 @@ def ask_retrying(root: str, fields: Dict[str, str], on_wait: Callable[[str], Non
             # every request at once is not running, and counts as that).
             deadline = time.monotonic() + retry_s
         elif time.monotonic() >= deadline:
-            raise ServiceUnavailable(NOT_RUNNING, hint=START_IT)
+            raise ServiceUnavailable(NOT_RUNNING, hint=start_it(root))
         if not told:
             on_wait(f"{NOT_RUNNING} (or restarting): trying again for up to {retry_s:g} s")
             told = True

@@ -360,3 +360,36 @@ def test_links_to_the_shared_shim_get_their_own(admin: Admin) -> None:
     assert os.readlink(prog) == str(admin.layout.program_shim(str(prog)))
     assert run_plain(prog) == "recon \n"
     assert lines(doctor(admin), "warning") == []
+
+
+@root_only
+@pytest.mark.root
+def test_doctor_says_the_services_state_and_fails_where_runs_need_it(mu) -> None:  # type: ignore[no-untyped-def]
+    from test_service import Served
+
+    inst = mu("four-gpus")
+    found = inst.cli(None, "doctor")
+    assert "ok: service: not used by this install: runs decide for themselves" in found.stdout.decode()
+    # Under enforce, with no service, every user's run fails: doctor says so, how to start it here
+    # (no systemd on this machine, a --prefix root), and exits non-zero.
+    inst.layout.config_file.write_text("[service]\nenforce = true\nconnect_retry_s = 1\n")
+    inst.layout.config_file.chmod(0o644)
+    assert inst.cli(None, "sync").returncode == 0
+    found = inst.cli(None, "doctor")
+    (line,) = [line for line in found.stdout.decode().splitlines() if line.startswith("error: service: ")]
+    assert found.returncode == 65, found.stdout
+    assert line == ("error: service: not running, and [service] enforce says only it grants leases: every run of "
+                    "a user other than root fails after 1 s (exit 69); start it: "
+                    f"CUDAWRAP_ROOT={inst.layout.root} cudawrap serve --daemon")
+    served = Served(inst)
+    try:
+        found = inst.cli(None, "doctor")
+        out = found.stdout.decode()
+        assert f"ok: service: running: answering on {inst.layout.runtime_dir / 'cudawrap.sock'}" in out
+        # (The fixture wraps recon by hand, without a registry entry: doctor's only error.)
+        assert [line for line in out.splitlines() if line.startswith("error: ")] == [
+            f"error: {served.link}: a shim link with its real program {inst.bindir / 'CUDAWRAP_recon'} but no "
+            "registry entry"], out
+    finally:
+        served.proc.terminate()
+        served.proc.wait(timeout=10)

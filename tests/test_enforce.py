@@ -77,11 +77,24 @@ def test_without_the_service_a_users_run_exits_69_with_one_line_and_leaves_nothi
     # What it does meanwhile, then the error and its hint (the one-line error format).
     assert len(lines) == 3 and "trying again" in lines[0], lines
     assert lines[1] == "recon: the cudawrap service is not running", lines
-    assert "systemctl start cudawrap" in lines[2], lines
+    # The hint fits this machine: no systemd runs here, and a --prefix install has no unit.
+    assert lines[2] == (f"recon: hint: ask the administrator to start it (CUDAWRAP_ROOT={inst.layout.root} "
+                        "cudawrap serve --daemon)"), lines
     assert took >= 1.0  # it tried for connect_retry_s
     assert os.listdir(inst.layout.queue_dir) == []
     # Root may still decide for itself: a stopped service does not lock the admin out.
     assert inst.run(None, "recon", CUDAWRAP_WAIT="0").returncode == 0
+
+
+def test_the_hint_to_start_the_service_fits_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    # systemd's unit only where install.sh enables one: a system install where systemd runs.
+    from cudawrap import client
+
+    real = os.path.isdir
+    for systemd in (True, False):
+        monkeypatch.setattr(os.path, "isdir", lambda p: systemd if p == "/run/systemd/system" else real(p))
+        assert client.start_command("/") == ("systemctl start cudawrap" if systemd else "cudawrap serve --daemon")
+        assert client.start_command("/opt/c w") == "CUDAWRAP_ROOT='/opt/c w' cudawrap serve --daemon"
 
 
 def test_a_run_that_finds_the_service_restarting_is_served_once_it_is_back(mu) -> None:

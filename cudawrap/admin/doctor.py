@@ -290,6 +290,35 @@ class _Doctor:
                                         "it ('systemctl enable --now cudawrap', or without systemd "
                                         "'cudawrap serve --daemon'), or alone: 'cudawrap monitor --daemon'")
 
+    def check_service(self) -> None:
+        """Whether the service answers, and whether runs need it: under [service] enforce a
+        user's run is granted by it alone, and without it fails after connect_retry_s."""
+        from .. import client
+        from ..install.units import SERVICE_UNIT, unit_wants_link
+        from ..policy.config import load_config
+
+        root = os.fspath(self.layout.root)
+        sock = client.connect(root)
+        if sock is not None:
+            sock.close()
+            self.add(LEVEL_OK, "service", f"running: answering on {client.socket_path(root)}")
+            return
+        try:
+            config = load_config(self.layout.config_file)
+        except CudawrapError:
+            return  # check_config reports it
+        start = client.start_command(root)
+        if config["enforce"]:
+            self.add(LEVEL_ERROR, "service", f"not running, and [service] enforce says only it grants leases: "
+                                             f"every run of a user other than root fails after "
+                                             f"{float(config['connect_retry_s']):g} s (exit 69); start it: {start}")
+        elif unit_wants_link(self.layout, SERVICE_UNIT).is_symlink():
+            self.add(LEVEL_WARNING, "service", f"not running, though its systemd unit is enabled: runs decide for "
+                                               f"themselves meanwhile; start it: {start}")
+        else:
+            self.add(LEVEL_OK, "service", "not used by this install: runs decide for themselves ([service] enforce "
+                                          "is off)")
+
     def _devices(self) -> Optional[Inventory]:
         try:
             from ..devices import nvml
@@ -513,6 +542,7 @@ def check(
     doctor.check_waiter()
     doctor.check_config()
     doctor.check_runtime()
+    doctor.check_service()
     doctor.check_monitor()
     doctor.check_metrics()
     doctor.check_audit()
