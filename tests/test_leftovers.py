@@ -49,7 +49,8 @@ def test_a_leftover_is_reported_keeps_exclusive_runs_away_and_is_killed_when_ask
     for user in (None, world.alice, world.bob):
         status = inst.cli(user, "status").stdout.decode()
         assert f"{device}: {words}" in status, status
-        assert "leftover" not in status.replace(f"{device}: {words}", "")  # the foreign one is not
+        # The foreign one is not (its own line names its command: this test's, "…test_leftovers.py").
+        assert "leftover:" not in status.replace(f"{device}: {words}", "")
     assert words in inst.cli(world.bob, "health").stdout.decode()
     from cudawrap.ops.metrics import leftover_counts
 
@@ -73,7 +74,7 @@ def test_a_leftover_is_reported_keeps_exclusive_runs_away_and_is_killed_when_ask
     cycle(hook, inst)
     wait_for(lambda: not pid_alive(orphan), timeout=30)
     cycle(hook, inst)
-    assert "leftover" not in inst.cli(None, "status").stdout.decode()
+    assert "leftover:" not in inst.cli(None, "status").stdout.decode()
     assert [(n["device"], n["pid"]) for n in notes(inst, "leftover-killed")] == [(device, orphan)]
     assert len(notes(inst, "leftover")) == 1 and leftover_counts(inst.layout) == {}
 

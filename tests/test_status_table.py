@@ -205,3 +205,32 @@ def test_status_where_no_install_is_says_so_and_exits_non_zero(installed, tmp_pa
         assert r.stdout == b"" and b"no lease file" not in r.stderr, r
         assert err[0] == f"cudawrap: no cudawrap install at {root}", err
         assert err[1].startswith("hint: CUDAWRAP_ROOT names the install root"), err
+
+
+@pytest.mark.root
+def test_root_sees_whose_a_process_holding_no_lease_is_and_its_command(mu):
+    # bob runs the real program by hand: on GPU 0 without a lease (a process cudawrap did not start).
+    inst = mu("four-gpus")
+    bob = inst.world.bob
+    inst.wrap("recon")
+    gpu = inst.machine.leaf_uuids()[0]
+    real = inst.bindir / "CUDAWRAP_recon"
+    by_hand = inst.start(bob, str(real), "--hold", "60", CUDA_VISIBLE_DEVICES=gpu)
+    ready_line(by_hand)
+    try:
+        done = inst.cli(None, "status")
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.decode().splitlines()
+        row = next(line for line in lines if line.split()[1:2] == [gpu[:12]])
+        assert row.split()[-1] == str(by_hand.pid), lines  # OTHERS: the pid
+        assert f"{gpu}: pid {by_hand.pid} of {bob.name} holds no lease here: " in "\n".join(lines), lines
+        (line,) = [line for line in lines if line.startswith(f"{gpu}: pid {by_hand.pid}")]
+        assert line.endswith(f"{real} --hold 60"), line
+        # The same in --json, for a script (and for private_status to withhold).
+        (device,) = [d for d in inst.status(None)["devices"] if d["uuid"] == gpu]
+        assert device["foreign_pids"] == [by_hand.pid]
+        (proc,) = [p for p in device["processes"] if p["pid"] == by_hand.pid]
+        assert proc["user"] == bob.name and proc["command"].endswith(f"{real} --hold 60")
+    finally:
+        by_hand.kill()
+        by_hand.wait()

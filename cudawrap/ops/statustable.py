@@ -84,6 +84,22 @@ def _others(d: Dict[str, Any]) -> str:
     return "unknown" if pids is None else (",".join(map(str, pids)) or "-")
 
 
+def _foreign(d: Dict[str, Any], cut: bool) -> List[str]:
+    """A line per process on D that holds no lease there (OTHERS has only its pid): whose it is
+    and its command, from the device's processes (the pid alone where they are not shown).
+    Not "not started by cudawrap": a run's worker that closed its lease descriptor is one too."""
+    known = {p["pid"]: p for p in d.get("processes") or ()}
+    out = []
+    for pid in d.get("foreign_pids") or ():
+        p = known.get(pid) or {}
+        who = f"pid {pid} of {p['user']}" if p.get("user") else f"pid {pid}"
+        line = f"{d['uuid']}: {who} holds no lease here"
+        if p.get("command"):  # a line of its own: on a terminal it may wrap, but not for 4 KiB
+            line += f": {_cut(p['command'], 60 if cut else 0)}"
+        out.append(line)
+    return out
+
+
 DEVICE_COLUMNS: List[Column] = [
     ("DEVICE", _device, 0),
     ("MEMORY MiB", _memory, 0),
@@ -135,6 +151,7 @@ def render(status: Dict[str, Any], cut: bool = True) -> List[str]:
                             for p in d["mps_without_share"])
             lines.append(f"{d['uuid']}: MPS client(s) holding no share: {who}; "
                          "the device's shares wait for them to end")
+    lines += [line for d in status["devices"] for line in _foreign(d, cut)]
     lines += [f"{d['uuid']}: {text}" for d in status["devices"] for text in d.get("leftovers", ())]
     lines += [f"{d['uuid']}: IDLE for {d['idle']['idle_s'] / 60:.0f} min: pid {d['idle']['pid']} {d['idle']['user']} "
               f"({d['idle']['basis']})" for d in status["devices"] if d.get("idle")]
