@@ -145,6 +145,7 @@ def test_private_status_shows_a_user_others_runs_only_as_busy_devices_and_counts
             assert sorted(w["user"] for w in status["waiting"]) == ["?", bob.name]  # fair share: bob first
             assert sum(len(d["processes"] or ()) for d in status["devices"]) >= 5
             assert "leftover: another user's process" in seen["status"]
+            assert re.search(r"^\d+\s+\?\s+\?\s+1\s+\?\s", seen["status"], re.M), seen["status"]  # POS USER PID N PROGRAM
             assert seen["file memory.json"] == "EACCES" and seen["file health.state"] == "EACCES"
             for verb in ("why", "cancel"):  # not told whose it is
                 done = inst.cli(bob, verb, str(hers.pid))

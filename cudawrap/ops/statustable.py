@@ -98,7 +98,7 @@ DEVICE_COLUMNS: List[Column] = [
 WAITING_COLUMNS: List[Column] = [
     ("POS", lambda w: str(w["position"] or "?"), 0),
     ("USER", lambda w: w["user"], 8),
-    ("PID", lambda w: str(w["pid"]), 0),
+    ("PID", lambda w: "?" if w["pid"] is None else str(w["pid"]), 0),  # None: another user's, hidden
     ("N", lambda w: str(w["count"]), 0),
     ("PROGRAM", lambda w: w["program"], 12),
     ("START", lambda w: w.get("start", "unknown"), 10),  # README "Why am I waiting"
