@@ -77,3 +77,34 @@ def test_a_directory_others_may_write_is_refused_and_doctor_says_so(mu) -> None:
     findings = [line for line in report.splitlines() if line.startswith(("error: metrics:", "ok: metrics:"))]
     assert len(findings) == 1 and findings[0].startswith(f"error: metrics: [metrics] textfile {path}: "), report
     assert "the monitor refuses to write it" in findings[0]
+
+
+READ = r"""
+import sys
+try:
+    print("cudawrap_device_held" in open(sys.argv[1]).read())
+except PermissionError:
+    print("EACCES")
+"""
+
+
+def test_under_private_status_only_the_directorys_group_reads_the_metrics_file(mu) -> None:  # type: ignore[no-untyped-def]
+    """The file names users, pids and programs: with [service] private_status it is root's
+    and the group's of its directory (node_exporter's), mode 0640; alice stands in for the
+    collector's group here, and bob, another user, reads nothing. Without it, everyone reads."""
+    from cudawrap.ops.metrics import MonitorHook
+
+    inst = mu("four-gpus")
+    path = textfile(inst, 0o755)
+    os.chown(path.parent, 0, inst.world.alice.gid)
+    config = inst.layout.config_file.read_text()
+    inst.write_config(config + "[service]\nprivate_status = true\n")
+    MonitorHook(inst.layout).cycle()
+    st = path.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, inst.world.alice.gid, 0o640)
+    assert [inst.py(u, READ, str(path)).stdout.decode().strip() for u in (inst.world.alice, inst.world.bob)] \
+        == ["True", "EACCES"]
+    inst.write_config(config)
+    MonitorHook(inst.layout).cycle()
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert inst.py(inst.world.bob, READ, str(path)).stdout.decode().strip() == "True"

@@ -26,12 +26,13 @@ def private_tmp(path: str) -> str:
     return f"{path}.{os.getpid()}.{_thread.get_ident()}.tmp"
 
 
-def write(path: str, data: Any) -> None:
+def write(path: str, data: Any, mode: int = 0o644) -> None:
+    """DATA at PATH, atomically; MODE 0o644 (the default) lets every user read it."""
     tmp = private_tmp(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         os.write(fd, marshal.dumps(data))
-        os.fchmod(fd, 0o644)  # readable by every user whatever root's umask
+        os.fchmod(fd, mode)  # whatever root's umask
     finally:
         os.close(fd)
     os.replace(tmp, path)

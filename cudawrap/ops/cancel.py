@@ -68,8 +68,10 @@ def parse_pids(args: Sequence[str]) -> List[int]:
     return out
 
 
-def check(pid: int, waiting: Dict[int, Waiter], held: Dict[int, List[str]], caller_uid: int) -> Waiter:
-    """The waiter PID if CALLER_UID may cancel it; raises saying why not. Changes nothing."""
+def check(pid: int, waiting: Dict[int, Waiter], held: Dict[int, List[str]], caller_uid: int,
+          private: bool = False) -> Waiter:
+    """The waiter PID if CALLER_UID may cancel it; raises saying why not (PRIVATE, [service]
+    private_status: without naming another user). Changes nothing."""
     if pid in held:
         raise StateError(f"pid {pid} holds {', '.join(held[pid])}: it is a running program, not a waiting run",
                          hint=f"to stop it, signal it: kill {pid} (as its owner or root)")
@@ -79,11 +81,13 @@ def check(pid: int, waiting: Dict[int, Waiter], held: Dict[int, List[str]], call
         raise StateError(f"pid {pid} is not a run waiting for a device ({what})",
                          hint="`cudawrap status` lists the waiting runs and their pids")
     if caller_uid != 0 and waiter.uid != caller_uid:
-        raise _not_yours(waiter)
+        raise _not_yours(waiter, private)
     return waiter
 
 
-def _not_yours(waiter: Waiter) -> NotPermitted:
+def _not_yours(waiter: Waiter, private: bool = False) -> NotPermitted:
+    if private:
+        return NotPermitted(f"pid {waiter.pid} is not your run; only its owner or root may cancel it")
     return NotPermitted(f"pid {waiter.pid} is {user_name(waiter.uid)}'s run; only {either(waiter.uid, 0)} "
                         "may cancel it")
 
@@ -103,7 +107,10 @@ def cancel(layout: Layout, pids: Sequence[int], caller_uid: Optional[int] = None
     from .view import cancel as cancel_served, service_waiters
 
     waiting.update((pid, Waiter(pid, uid, "")) for pid, uid in service_waiters(layout).items())
-    chosen = [check(pid, waiting, held, caller_uid) for pid in pids]
+    from .privacy import hidden_from
+
+    private = hidden_from(str(layout.root), caller_uid) is not None
+    chosen = [check(pid, waiting, held, caller_uid, private) for pid in pids]
     served = [w.pid for w in chosen if not w.paths]  # waiting in the service: it answers them
     if served:
         cancel_served(layout, served)
@@ -114,5 +121,5 @@ def cancel(layout: Layout, pids: Sequence[int], caller_uid: Optional[int] = None
             except FileNotFoundError:
                 pass  # it got its device or ended since the check: nothing left to cancel
             except PermissionError:
-                raise _not_yours(waiter) from None
+                raise _not_yours(waiter, private) from None
     return chosen

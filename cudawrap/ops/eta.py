@@ -198,6 +198,8 @@ def estimate(row: Mapping[str, Any], waiting: Sequence[Mapping[str, Any]],
                             key=lambda u: free[u])[:other["count"]]
             if not theirs or other.get("kind") == "limit":
                 continue
+            if other.get("pid") is None:  # another user's, hidden ([service] private_status)
+                raise _Unknown("another user's run is ahead, and its program is not shown to you")
             ahead.append(other["program"])
             start = max(free[u] for u in theirs)
             for u in theirs:

@@ -39,6 +39,7 @@ class HealthKeeper:
         self.by_index: Dict[int, str] = {}
         self.leftovers: Sequence[Any] = ()  # this cycle's leftover processes (leftovers.py), saved with the rest
         self.idle: Dict[str, Any] = {}  # this cycle's held devices and how long each has been quiet (idle.py)
+        self.private = False  # [service] private_status: the state file root's, a copy naming nobody for users
         self.gpus: Dict[str, GpuHealth] = self._restore()
 
     def _restore(self) -> Dict[str, GpuHealth]:
@@ -73,7 +74,7 @@ class HealthKeeper:
             gpu.notes = notes.get(uuid, "")
         for t in transitions:
             self._apply(t)
-        save(self.root, self.gpus, policy, now, self.leftovers, self.idle)
+        save(self.root, self.gpus, policy, now, self.leftovers, self.idle, self.private)
         return transitions
 
     def _apply(self, t: Transition) -> None:
@@ -141,6 +142,7 @@ class MonitorHealth:
             config = load_config(self.layout.config_file)
             self.policy = Policy.from_config(config)
             self.ledger_limits = (config["max_mib"] << 20, config["keep"])
+            self.keeper.private = bool(config["private_status"])
         except ConfigError as exc:  # keep the last good settings; the shims say what is wrong
             if strict:
                 raise

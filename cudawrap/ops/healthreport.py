@@ -1,10 +1,12 @@
 """`cudawrap health`: each GPU's health as the monitor last recorded it, for any user."""
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Mapping
 
 from .healthrule import clock
 from .healthstate import leftovers, load
+from .privacy import hidden_from
 
 
 def report(root: str, now: float) -> Dict[str, Any]:
@@ -16,7 +18,7 @@ def report(root: str, now: float) -> Dict[str, Any]:
     inventory = invcache.read(root)
     index = {g.uuid: g.index for g in inventory.gpus} if inventory is not None else {}
     drains = drained(root)
-    left = leftovers(root)
+    left = leftovers(root, hidden_from(root, os.geteuid()))  # [service] private_status: others' unnamed
     parents = _parents(inventory)
     rows = []
     for uuid, gpu in sorted(gpus.items(), key=lambda kv: (index.get(kv[0], 1 << 20), kv[0])):

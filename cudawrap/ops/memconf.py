@@ -74,7 +74,7 @@ def memory_settings(config: Any) -> Dict[str, Any]:
                 for n, t in config.programs.items()}
     slots = {n: s.value for n, s in config.sharing["devices"].items()}
     return {"sharing": sharing, "devices": tables, "programs": programs, "slots": slots,
-            "default_slots": config.sharing["slots"].value}
+            "default_slots": config.sharing["slots"].value, "private_status": bool(config["private_status"])}
 
 
 def share_limit(settings: Mapping[str, Any], d: Any, program: str) -> Limit:

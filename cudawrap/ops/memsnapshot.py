@@ -16,9 +16,10 @@ log = logging.getLogger(__name__)
 SNAPSHOT = "memory.json"  # in the runtime directory: what status and the metrics show
 
 
-def write_snapshot(layout: Layout, snapshot: Mapping[str, Any]) -> None:
+def write_snapshot(layout: Layout, snapshot: Mapping[str, Any], private: bool = False) -> None:
     """SNAPSHOT as the runtime directory's memory.json, whole or not at all (a new file renamed
-    over the old): a reader never sees half of one."""
+    over the old): a reader never sees half of one. PRIVATE ([service] private_status): root
+    alone may read it, as it names each run's pid, user and program."""
     from ..base.safepath import create_new
 
     directory = str(layout.runtime_dir)
@@ -27,7 +28,8 @@ def write_snapshot(layout: Layout, snapshot: Mapping[str, Any]) -> None:
     except OSError:
         return
     try:
-        tmp = create_new(dfd, f".{SNAPSHOT}.", json.dumps(snapshot).encode(), suffix=".tmp")
+        tmp = create_new(dfd, f".{SNAPSHOT}.", json.dumps(snapshot).encode(), suffix=".tmp",
+                         mode=0o600 if private else 0o644)
         os.replace(tmp, SNAPSHOT, src_dir_fd=dfd, dst_dir_fd=dfd)
     except OSError as exc:
         log.warning("cannot write %s/%s: %s", directory, SNAPSHOT, exc.strerror or exc)

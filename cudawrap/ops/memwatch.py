@@ -89,7 +89,8 @@ class Watch:
         self._ledger(rows, now)
         self._ended = {pid: why for pid, why in self._ended.items() if any(r.pid == pid for r in held)}
         snapshot = {"time": now, "runs": rows}
-        write_snapshot(self.layout, snapshot)
+        # [service] private_status (or a config that cannot be read): root's alone, as it names runs.
+        write_snapshot(self.layout, snapshot, private=settings is None or settings["private_status"])
         return snapshot
 
     # -- settings

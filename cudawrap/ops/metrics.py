@@ -167,19 +167,23 @@ def refuse_unsafe_textfile(layout: Layout) -> None:
                           hint="choose a directory only root may write (or a sticky one of root's, like /tmp)")
 
 
-def write_textfile(path: str, text: str) -> None:
+def write_textfile(path: str, text: str, private: bool = False) -> None:
     """Replace PATH with TEXT atomically (node_exporter reads only complete *.prom files).
 
     The text goes to a new file of a random name (O_EXCL, not *.prom: never collected) in the
     checked directory, then is renamed over PATH there; rename replaces whatever a user left
-    at PATH in a sticky directory, and never follows it."""
+    at PATH in a sticky directory, and never follows it. PRIVATE ([service] private_status):
+    the file names users, pids and programs, so it is readable by root and the directory's
+    group only (node_exporter's, where it keeps its textfile directory), not by every user."""
     from ..base.safepath import create_new
 
     name = os.path.basename(path)
     dfd = open_textfile_dir(path)
     try:
-        tmp = create_new(dfd, f".{name}.", text.encode(), suffix=".tmp")
+        tmp = create_new(dfd, f".{name}.", text.encode(), suffix=".tmp", mode=0o640 if private else 0o644)
         try:
+            if private:
+                os.chown(tmp, -1, os.fstat(dfd).st_gid, dir_fd=dfd, follow_symlinks=False)
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except OSError:
             os.unlink(tmp, dir_fd=dfd)
@@ -246,10 +250,10 @@ class MonitorHook:
         self._signature = signature
         try:
             config = load_config(path)
-            self.settings = {k: config[k] for k in ("textfile", "max_mib", "keep")}
+            self.settings = {k: config[k] for k in ("textfile", "max_mib", "keep", "private_status")}
         except Exception as exc:  # a broken config is the launch path's to report (exit 78)
             self._say(f"{exc}; accounting keeps its previous settings")
-            self.settings = self.settings or {k: DEFAULTS[k] for k in ("textfile", "max_mib", "keep")}
+            self.settings = self.settings or {k: DEFAULTS[k] for k in ("textfile", "max_mib", "keep", "private_status")}
 
     def _say(self, error: Optional[str]) -> None:
         """Log a problem once, and once when it is over: every half second would flood the journal."""
@@ -272,7 +276,8 @@ class MonitorHook:
                 if inventory is None:
                     inventory = _inventory()
                 write_textfile(path, render(device_rows(self.layout, inventory), obs.waiting, self.counters,
-                                            _run_rows(self.layout), leftover_counts(self.layout)))
+                                            _run_rows(self.layout), leftover_counts(self.layout)),
+                               self.settings["private_status"])
             except OSError as exc:
                 error = error or f"cannot write the metrics file {path}: {exc.strerror or exc}"
             except Unsafe as exc:

@@ -267,6 +267,7 @@ def _text(data: Any) -> str:
 
 def status(layout: Layout) -> Dict[str, Any]:
     """Mode, and per device its slots and daemon: pid, servers with their user and clients."""
+    from .privacy import HIDDEN, hidden_from
     from .procinfo import process_info
 
     share, where = sharing_of(layout)
@@ -292,6 +293,10 @@ def status(layout: Layout) -> Dict[str, Any]:
         for pid in _pids(servers):
             clients = _pids(ask(control, pipe, f"get_client_list {pid}"))
             row["servers"].append({"pid": pid, "user": process_info(pid)["user"], "clients": clients})
+    me = hidden_from(str(layout.root), os.geteuid())
+    for row in rows.values() if me is not None else ():  # [service] private_status: others' counted only
+        row["servers"] = [s if s["user"] == me else {"pid": None, "user": HIDDEN, "clients": [None] * len(s["clients"])}
+                          for s in row["servers"]]
     out["devices"] = list(rows.values())
     return out
 
@@ -312,7 +317,7 @@ def _daemon(row: Dict[str, Any]) -> str:
 
 
 def _servers(row: Dict[str, Any], key: str) -> str:
-    return ",".join(str(server[key]) for server in row["servers"]) or "-"
+    return ",".join("?" if server[key] is None else str(server[key]) for server in row["servers"]) or "-"
 
 
 COLUMNS = [

@@ -22,7 +22,8 @@ HIDDEN = "?"
 
 
 def _waiter(w: Waiter, verdict: Optional[Verdict], program: str, visible: bool) -> Dict[str, Any]:
-    return {"key": w.key, "user": user_name(w.uid) if visible else HIDDEN, "pid": w.pid if visible else None,
+    return {"key": w.key if visible else HIDDEN,  # a key holds its pid
+            "user": user_name(w.uid) if visible else HIDDEN, "pid": w.pid if visible else None,
             "count": w.count, "program": printable(program) if visible else HIDDEN,
             "waiting_s": round(max(0.0, time.time() - w.arrival), 1),
             "position": verdict.position + 1 if verdict else None,
@@ -51,7 +52,7 @@ def holders(held: Sequence[Any], asker: int, private: bool) -> Dict[str, Dict[st
                 continue
             out[uuid] = {"pid": h.pid if visible else None, "user": user_name(h.uid) if visible else HIDDEN,
                          "program": (h.program.rsplit("/", 1)[-1] or "(not a wrapped program)") if visible else HIDDEN,
-                         "since": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(h.since))}
+                         "since": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(h.since)) if visible else HIDDEN}
     return out
 
 
@@ -59,9 +60,10 @@ def answer(waiting: List[Dict[str, Any]], held: Dict[str, Dict[str, Any]]) -> Di
     return {"json": json.dumps({"waiting": waiting, "holders": held})}
 
 
-def cancellable(pids_text: str, waiting: Dict[int, Any], asker: int) -> List[Any]:
+def cancellable(pids_text: str, waiting: Dict[int, Any], asker: int, private: bool = False) -> List[Any]:
     """The service's waiting clients among PIDS_TEXT that ASKER may cancel, all checked
-    first; NotPermitted for one that is someone else's (nothing is cancelled then)."""
+    first; NotPermitted for one that is someone else's (nothing is cancelled then), who is
+    not named where PRIVATE."""
     chosen = []
     for text in pids_text.split(","):
         if not (text.isascii() and text.isdigit() and len(text) <= 9):
@@ -69,6 +71,8 @@ def cancellable(pids_text: str, waiting: Dict[int, Any], asker: int) -> List[Any
         client = waiting.get(int(text))
         if client is None:
             continue
+        if asker != 0 and client.peer.uid != asker and private:
+            raise NotPermitted(f"pid {text} is not your run; only its owner or root may cancel it")
         if asker != 0 and client.peer.uid != asker:
             raise NotPermitted(f"pid {text} is {user_name(client.peer.uid)}'s run; only "
                                f"{either(client.peer.uid, 0)} may cancel it")
@@ -86,15 +90,13 @@ def whole(root: str, waiting: List[Dict[str, Any]], asker: int, private: bool, h
     from ..paths import Layout
     from .status import machine_status
 
-    status = machine_status(Layout(Path(root)), ask_service=False, line=waiting)
+    # Others' runs, processes and leftovers are hidden there, as for the asker's own look.
+    status = machine_status(Layout(Path(root)), ask_service=False, line=waiting, viewer=asker, private=private)
     named = holders(held, asker, private)
-    me = user_name(asker)
     for device in status["devices"]:
         holder = device.get("holder")
-        if device["uuid"] in named and holder is not None:
+        if device["uuid"] in named and holder is not None and named[device["uuid"]]["pid"] is not None:
             device["holder"] = dict(holder, **named[device["uuid"]])
-        elif private and asker != 0 and holder is not None and holder.get("user") != me:
-            device["holder"] = dict(holder, pid=None, user=HIDDEN, program=HIDDEN, command=HIDDEN)
     return json.dumps(status, default=str)
 
 
@@ -107,7 +109,9 @@ def status(root: str, deciding: Any, claimed: Dict[str, Any], held: List[Any], c
     verdicts = deciding.decide(mine, claimed).finish()  # every waiter's verdict, not the grants alone
     waiting = line(deciding.entries, mine, verdicts, deciding.programs(), asker, private)
     reply = answer(waiting, holders(held, asker, private))
-    reply["service_pids"] = ",".join(f"{c.peer.pid}:{c.peer.uid}" for c in clients)
+    # For `cudawrap cancel`: under private_status, the asker's own waiting runs only.
+    reply["service_pids"] = ",".join(f"{c.peer.pid}:{c.peer.uid}" for c in clients
+                                     if not private or asker in (0, c.peer.uid))
     if with_whole:
         reply["status"] = whole(root, waiting, asker, private, held)
     return reply

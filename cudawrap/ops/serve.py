@@ -462,7 +462,7 @@ class Service:
         try:
             if verb == wire.CANCEL:
                 waiting = {c.peer.pid: c for c in self._waiting()}
-                chosen = questions.cancellable(fields.get("pids", ""), waiting, asker)
+                chosen = questions.cancellable(fields.get("pids", ""), waiting, asker, self.private_status)
                 by = user_name(asker)
                 for victim in chosen:
                     _say(f"pid {victim.peer.pid} cancelled by {by}")

@@ -189,11 +189,18 @@ def _gpus(inventory: Any) -> List[Dict[str, Any]]:
 
 
 def machine_status(layout: Layout, ask_service: bool = True,
-                   line: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
+                   line: Optional[List[Dict[str, Any]]] = None, viewer: Optional[int] = None,
+                   private: Optional[bool] = None) -> Dict[str, Any]:
     """Every device, its holder and state, and everyone waiting. ASK_SERVICE: the service's
     line and holders complete it (False: the service itself asks, and gives its own LINE,
-    which then stands for the queue's)."""
+    which then stands for the queue's). As VIEWER (a uid; default this process's) may see it
+    where PRIVATE ([service] private_status; default the config's): others' runs hidden."""
     from ..devices import nvml
+    from .privacy import hidden_from
+
+    viewer = os.geteuid() if viewer is None else viewer
+    me = hidden_from(str(layout.root), viewer) if private is None else (
+        user_name(viewer) if private and viewer != 0 else None)
 
     if ask_service and not os.access(layout.lease_dir, os.X_OK) and layout.lease_dir.exists():
         return _through_service_whole(layout)  # [service] enforce: only root reads the leases
@@ -206,13 +213,15 @@ def machine_status(layout: Layout, ask_service: bool = True,
         inventory = None
     devices = _devices(layout, inventory, leases)
     drains = _add_drains(str(layout.root), devices)
-    _add_health(str(layout.root), devices)
+    _add_health(str(layout.root), devices, me)
     _run_memory(layout, devices)
     waiting = _waiting(layout, inventory) if line is None else line
     if ask_service:
         from .view import through_service
 
         waiting = through_service(layout, devices, waiting)  # the service's line, where one runs
+    if me is not None:  # [service] private_status: before the estimates, which name programs
+        waiting = _hide(devices, waiting, me, viewer)
     from .eta import annotate
 
     annotate(waiting, devices, layout)  # when each may start (README "Why am I waiting")
@@ -223,6 +232,18 @@ def machine_status(layout: Layout, ask_service: bool = True,
             "nvml_error": nvml_error,
             "lost": list(inventory.lost) if inventory else [],
             "gpus": _gpus(inventory) if inventory else []}
+
+
+def _hide(devices: List[Dict[str, Any]], waiting: List[Dict[str, Any]], me: str,
+          viewer: int) -> List[Dict[str, Any]]:
+    """DEVICES (in place) and WAITING as ME (uid VIEWER) may see them under private_status."""
+    from ..proc import real_uid
+    from .privacy import redact
+
+    own = {p for d in devices for p in d.get("foreign_pids") or () if real_uid(p) == viewer}
+    view = {"devices": devices, "waiting": waiting}
+    redact(view, me, own)
+    return view["waiting"]
 
 
 def _through_service_whole(layout: Layout) -> Dict[str, Any]:
@@ -312,11 +333,12 @@ def _add_drains(root: str, devices: List[Dict[str, Any]]) -> Dict[str, Any]:
     return drains
 
 
-def _add_health(root: str, devices: List[Dict[str, Any]]) -> None:
-    """Each device's leftover processes of ended runs, and its lease if idle (the monitor's look)."""
+def _add_health(root: str, devices: List[Dict[str, Any]], me: Optional[str] = None) -> None:
+    """Each device's leftover processes of ended runs, and its lease if idle (the monitor's
+    look); where ME is given (private_status), others' leftovers without who or what."""
     from .healthstate import idle_leases, leftovers
 
-    left = leftovers(root)  # processes of ended runs still on a device (the monitor's look)
+    left = leftovers(root, me)  # processes of ended runs still on a device (the monitor's look)
     quiet, idle_after_s, sampled = idle_leases(root)
     for device in devices:
         device["leftovers"] = left.get(device["uuid"], [])

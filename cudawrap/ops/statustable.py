@@ -81,7 +81,10 @@ def _sharer(h: Dict[str, Any]) -> str:
 
 def _others(d: Dict[str, Any]) -> str:
     pids = d["foreign_pids"]
-    return "unknown" if pids is None else (",".join(map(str, pids)) or "-")
+    if pids is None:
+        return "unknown"
+    hidden = d.get("foreign_hidden")  # [service] private_status: others' processes, counted
+    return ",".join([*map(str, pids), *([f"{hidden} hidden"] if hidden else [])]) or "-"
 
 
 def _foreign(d: Dict[str, Any], cut: bool) -> List[str]:
@@ -111,7 +114,7 @@ DEVICE_COLUMNS: List[Column] = [
 WAITING_COLUMNS: List[Column] = [
     ("POS", lambda w: str(w["position"] or "?"), 0),
     ("USER", lambda w: w["user"], 8),
-    ("PID", lambda w: str(w["pid"]), 0),
+    ("PID", lambda w: "?" if w["pid"] is None else str(w["pid"]), 0),  # None: another user's, hidden
     ("N", lambda w: str(w["count"]), 0),
     ("PROGRAM", lambda w: w["program"], 12),
     ("START", lambda w: w.get("start", "unknown"), 10),  # README "Why am I waiting"
@@ -147,14 +150,16 @@ def render(status: Dict[str, Any], cut: bool = True) -> List[str]:
         lines += table(status["devices"], DEVICE_COLUMNS, cut)
     for d in status["devices"]:
         if d.get("mps_without_share"):
-            who = ", ".join(f"{_cut(p['user'], 8)} pid {p['pid']} {_cut(p['program'], 16)}"
+            who = ", ".join("another user's" if p["pid"] is None else
+                            f"{_cut(p['user'], 8)} pid {p['pid']} {_cut(p['program'], 16)}"
                             for p in d["mps_without_share"])
             lines.append(f"{d['uuid']}: MPS client(s) holding no share: {who}; "
                          "the device's shares wait for them to end")
     lines += [line for d in status["devices"] for line in _foreign(d, cut)]
     lines += [f"{d['uuid']}: {text}" for d in status["devices"] for text in d.get("leftovers", ())]
-    lines += [f"{d['uuid']}: IDLE for {d['idle']['idle_s'] / 60:.0f} min: pid {d['idle']['pid']} {d['idle']['user']} "
-              f"({d['idle']['basis']})" for d in status["devices"] if d.get("idle")]
+    lines += [f"{d['uuid']}: IDLE for {d['idle']['idle_s'] / 60:.0f} min: "
+              + ("another user's run" if d["idle"]["pid"] is None else f"pid {d['idle']['pid']} {d['idle']['user']}")
+              + f" ({d['idle']['basis']})" for d in status["devices"] if d.get("idle")]
     if status.get("drained"):
         lines.append("")
         lines += table([dict(d, uuid=u) for u, d in sorted(status["drained"].items())], DRAINED_COLUMNS, cut)

@@ -102,8 +102,8 @@ DESCRIPTIONS: Dict[str, str] = {
                 "directory, *.prom), or \"\" for none",
     "max_mib": "size at which the ledger of leases is rotated (MiB)",
     "keep": "rotated ledger files kept (ledger.1 is the newest)",
-    "private_status": "with `cudawrap serve`: status through it shows a user others' leases and waits "
-                      "without their names, pids and programs (root sees all)",
+    "private_status": "with or without `cudawrap serve`: a user sees others' runs and processes only as busy "
+                      "devices and counts (status, why, health, mps status, the monitor's files; root sees all)",
     "max_connections_per_uid": "with `cudawrap serve`: the most connections one user may keep open to it, "
                                "so runs waiting at once (root is not limited)",
     "enforce": "only `cudawrap serve` may take a lease: lease, slot and queue directories root-only, "
