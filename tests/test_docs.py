@@ -278,3 +278,19 @@ def test_the_grafana_dashboard_queries_only_what_the_exporter_writes() -> None:
     # Every family the exporter writes is shown somewhere.
     families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported()}
     assert families <= {re.sub(r"_(bucket|sum|count)$", "", n) for n in queried}, sorted(families)
+
+
+@pytest.mark.parametrize("name", ["README.md", "SECURITY.md"])
+def test_readme_and_security_links_lead_somewhere(name: str) -> None:
+    """Their links into docs/ (which the site's strict build does not see) name real files,
+    and their own anchors real headings."""
+    text = (REPO / name).read_text(encoding="utf-8")
+    headings = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^#+ (.*)$", text, re.M)}
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        path, _, anchor = target.partition("#")
+        if re.match(r"\w+://", target):
+            continue
+        if path:
+            assert (REPO / path).exists(), f"{name}: {target}"
+        else:
+            assert anchor in headings, f"{name}: {target}"
