@@ -2,6 +2,7 @@
 # make test-fast: the same without the tests marked slow or root, for the edit loop.
 # make deb: build dist/cudawrap_VERSION_ARCH.deb (dh + dh-virtualenv; see debian/rules).
 # make packaging: regenerate packaging/ from the code (completion, units, tmpfiles entry, man pages).
+# make docs: the documentation site, built strictly into build/site (open build/site/index.html).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +10,7 @@ PYTEST_ARGS ?=
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.cudawrap-installed
 
-.PHONY: test test-fast venv packaging completion deb clean
+.PHONY: test test-fast venv packaging completion docs deb clean
 
 # -ra: the summary names every skip with its reason (CI must have none), besides failures and
 # xfails; a bare -rs would replace pyproject's -ra and drop the FAILED lines.
@@ -30,9 +31,13 @@ $(VPY):
 	$(PYTHON) -m venv $(VENV)
 
 # Reinstalled when the package's metadata changes; the code itself is an editable install.
+# docs: mkdocs and its theme, for tests/test_docs.py's strict build of the site.
 $(STAMP): $(VPY) pyproject.toml
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test,docs]'
 	@touch $@
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict
 
 packaging: $(STAMP)
 	$(VPY) -m cudawrap.cli.installer render-completion > packaging/cudawrap.bash-completion.tmp

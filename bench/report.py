@@ -7,8 +7,8 @@ TARGET_LAUNCH_X = 2.0
 TARGET_LAUNCH_MONITOR_X = 1.2
 TARGET_DISPATCH_P95_MS = 100.0
 TARGET_WAITERS_CPU_PCT = 5.0
-TARGET_GRANT_P95_MS = 10.0  # issue 11: a freed device reaches the next waiter's grant
-TARGET_MAKESPAN_X = 1.05  # issue 11: 50 one-second runs on 7 MIG instances
+TARGET_GRANT_P95_MS = 10.0  # a freed device reaches the next waiter's grant
+TARGET_MAKESPAN_X = 1.05  # 50 one-second runs on 7 MIG instances
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -168,9 +168,9 @@ def _targets(results: Dict[str, Any]) -> List[str]:
         "burst_dispatch_p95_under_100ms_with_monitor": "burst: the same with the monitor",
         "burst_steady_dispatch_p95_under_100ms": "burst: cudawrap dispatch p95 < 100 ms once the start-up storm is over",
         "burst_grant_p95_under_100ms": "burst: cudawrap's own hand-over (grant) p95 < 100 ms, with and without monitor",
-        "makespan_within_1_05x": "issue 11: 50 one-second runs (a C program) on 7 MIG, makespan ≤ 1.05× the ideal, "
+        "makespan_within_1_05x": "burst: 50 one-second runs (a C program) on 7 MIG, makespan ≤ 1.05× the ideal, "
                                  "with and without monitor",
-        "grant_p95_within_10ms": "issue 11: released lease → next waiter's grant p95 ≤ 10 ms, in those bursts, "
+        "grant_p95_within_10ms": "burst: released lease → next waiter's grant p95 ≤ 10 ms, in those bursts, "
                                  "with and without monitor",
         "burst_grant_p95_within_10ms_python": "the same in the bursts of Python stand-ins (each round's "
                                               "start-ups compete for the 2 cores)",
@@ -178,7 +178,7 @@ def _targets(results: Dict[str, Any]) -> List[str]:
         "scale_no_overlap": "scale: 0 overlaps, 0 failures",
         "scale_dispatch_p95_under_100ms": "scale: dispatch p95 < 100 ms",
         "waiters_cpu_under_5pct": "scale: all waiters together < 5 % of one core while they wait (after the arrivals' tail)",
-        "foreign_exit_launch_within_250ms": "issue 31: a wrapped launch right after an unwrapped CUDA run ended "
+        "foreign_exit_launch_within_250ms": "a wrapped launch right after an unwrapped CUDA run ended "
                                             "(monitor running) ≤ 0.25 s, the slowest of the rounds",
     }
     verdict = targets(results)
@@ -380,7 +380,7 @@ def _nvml(nvml: Dict[str, Any]) -> List[str]:
     return out
 
 
-# ---- the README's table ---------------------------------------------------------------
+# ---- the summary block -------------------------------------------------------------------
 
 START = "<!-- bench:start -->"
 END = "<!-- bench:end -->"
@@ -403,7 +403,7 @@ def _short(topology: str, data: Dict[str, Any]) -> str:
 
 
 def summary(results: Dict[str, Any]) -> str:
-    """The README's benchmark block; RESULTS.md carries the same text (tests/test_bench.py)."""
+    """The summary block at the top of RESULTS.md (the docs' benchmark pages include it as it is)."""
     co = results.get("checkout") or {}
     machine = results["machine"]
     provisional = [] if results["mode"] == "full" else [
@@ -415,8 +415,7 @@ def summary(results: Dict[str, Any]) -> str:
            + (" with uncommitted changes" if co.get("cudawrap_uncommitted_files") else "")
            + f"; {machine['cpu']}, {machine['cores']} cores. Interpreter: {interp_line(results['interpreter'])}."
            if results.get("interpreter") else f"Measured in one run of `{results['command']}`.",
-           "Everything below is in [bench/RESULTS.md](bench/RESULTS.md); how it is measured: "
-           "[bench/README.md](bench/README.md).", ""]
+           "How it is measured: `bench/README.md`.", ""]
     launch = results.get("launch") or {}
     if launch:
         tops = list(launch.items())
@@ -512,12 +511,6 @@ def summary(results: Dict[str, Any]) -> str:
                 "launch: " + ", ".join(parts) + ".", ""]
     out.append(END)
     return "\n".join(out) + "\n"
-
-
-def replace_block(text: str, block: str) -> str:
-    """TEXT with its START..END block replaced by BLOCK (which carries the markers)."""
-    start, end = text.index(START), text.index(END) + len(END)
-    return text[:start] + block.rstrip("\n") + text[end:]
 
 
 def block_of(text: str) -> str:

@@ -4,7 +4,6 @@ unwrapped CUDA program, side by side with the peers (gpuselect, nvisel, a getgpu
 on the simulated machine.
 
     python3 bench/run.py            # the full run (~9-13 min on 2 idle cores); updates bench/RESULTS.md
-                                    # and the README's benchmark block
     python3 bench/run.py --quick    # the same sections, smaller (~2 min)
     python3 bench/run.py --tiny     # a few seconds per section; what tests/test_bench.py runs
 
@@ -177,10 +176,8 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--keep-work", action="store_true", help="keep the temporary work directory")
     parser.add_argument("--results-md", type=Path, default=BENCH / "RESULTS.md",
                         help="file the full run's tables go to (only written by a full run)")
-    parser.add_argument("--readme", type=Path, default=REPO / "README.md",
-                        help="README whose benchmark block a full run replaces")
     parser.add_argument("--publish", action="store_true",
-                        help="write RESULTS.md and the README block from a --quick or --tiny run too "
+                        help="write RESULTS.md from a --quick or --tiny run too "
                              "(marked with its mode; for checking the output, not for publishing figures)")
     args = parser.parse_args(argv)
     mode = "tiny" if args.tiny else ("quick" if args.quick else "full")
@@ -243,10 +240,9 @@ def main(argv: List[str]) -> int:
         args.results_md.write_text(
             "# Benchmark results\n\n" + provisional +
             "Written by `python3 bench/run.py`; how it measures: bench/README.md. The summary below is "
-            "the README's Benchmarks block, written by the same run.\n\n## Summary\n\n" + block + "\n" + text)
-        readme = args.readme.read_text(encoding="utf-8")
-        args.readme.write_text(report.replace_block(readme, block), encoding="utf-8")
-        print(f"tables: {args.results_md}; README block: {args.readme}")
+            "the block the documentation's benchmark pages show, written by the same run.\n\n## Summary\n\n"
+            + block + "\n" + text)
+        print(f"tables: {args.results_md}")
     return 0
 
 

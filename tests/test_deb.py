@@ -102,8 +102,11 @@ def test_deb_install_wrap_refuse_unwrap_purge(deb, public_dir, fakenvml_lib, whe
                  DEFAULT_CONFIG, wheel, "/lib/systemd/system/cudawrap-sync.service",
                  "/lib/systemd/system/cudawrap-monitor.service", "/lib/systemd/system/cudawrap-mps.service",
                  "/lib/systemd/system/cudawrap.service", "/usr/lib/tmpfiles.d/cudawrap.conf",
-                 "/usr/share/bash-completion/completions/cudawrap", "/opt/cudawrap/bin/cudawrap-wait"):
+                 "/usr/share/bash-completion/completions/cudawrap", "/opt/cudawrap/bin/cudawrap-wait",
+                 "/usr/share/doc/cudawrap/html/index.html", "/usr/share/doc/cudawrap/html/reference/commands.html",
+                 "/usr/share/doc/cudawrap/html/assets/javascripts/mermaid.min.js"):
         assert path in files, path
+    assert not any(f.startswith("/opt/cudawrap/venv/") and "mkdocs" in f for f in files)  # the site's tools stay out
     for page in PAGES:
         section = page.rsplit(".", 1)[1]
         assert f"/usr/share/man/man{section}/{page}.gz" in files, page

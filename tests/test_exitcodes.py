@@ -1,5 +1,5 @@
-"""Every exit code README.md documents is the one the programs' own --help lists and the
-one they return: the lists cannot drift apart again."""
+"""Every exit code README.md (and docs/admin/install.md, for install.sh) documents is the one
+the programs' own --help lists and the one they return: the lists cannot drift apart again."""
 import os
 import re
 import subprocess
@@ -9,6 +9,7 @@ from cudawrap.cli.manpages import exit_codes
 from support.installsh import SOURCE, clean_env, install_sh
 
 README = (SOURCE / "README.md").read_text(encoding="utf-8")
+INSTALL_DOC = (SOURCE / "docs" / "admin" / "install.md").read_text(encoding="utf-8")
 
 
 def codes_in(text: str) -> set:
@@ -17,7 +18,7 @@ def codes_in(text: str) -> set:
 
 
 def readme_install_codes() -> set:
-    para = README.split("`./install.sh --help` lists the exit codes:", 1)[1].split("\n\n", 1)[0]
+    para = INSTALL_DOC.split("`./install.sh --help` lists the exit codes:", 1)[1].split("\n\n", 1)[0]
     return codes_in(" " + para.split("; otherwise", 1)[0])  # then those of cudawrap's commands
 
 

@@ -250,14 +250,17 @@ def test_uninstall_keeps_an_edited_config_and_what_was_there(tmp_path, machine, 
         "etc", "etc/cudawrap", "etc/cudawrap/config.toml"}
 
 
-def readme_block(name: str) -> str:
-    text = (SOURCE / "README.md").read_text(encoding="utf-8")
+TRY = SOURCE / "docs" / "try.md"  # the "Try it without a GPU" walk-throughs
+
+
+def walk_through(name: str) -> str:
+    text = TRY.read_text(encoding="utf-8")
     block = text.split(f"<!-- {name}:start -->\n")[1].split(f"<!-- {name}:end -->")[0]
     return "\n".join(line for line in block.splitlines() if not line.startswith("```"))
 
 
 def run_walk_through(script: str, env: Dict[str, str]) -> subprocess.CompletedProcess:
-    """SCRIPT, a README walk-through, run with bash -e; its exit 0 asserted, and on a failure
+    """SCRIPT, a walk-through of docs/try.md, run with bash -e; its exit 0 asserted, and on a failure
     or a hang its output shown (a hang: a run that failed before its ready line)."""
     try:
         r = subprocess.run(["bash", "-e", "-c", script], cwd=SOURCE, env=env, stdin=subprocess.DEVNULL,
@@ -270,10 +273,10 @@ def run_walk_through(script: str, env: Dict[str, str]) -> subprocess.CompletedPr
 
 
 @pytest.mark.slow
-def test_readme_try_it_without_a_gpu_works_as_written(tmp_path, wheelhouse):
-    """README's walk-through, run as one script with `bash -e`, in tmp_path instead of /tmp."""
-    text = (SOURCE / "README.md").read_text(encoding="utf-8")
-    script = readme_block("try")
+def test_try_it_without_a_gpu_works_as_written(tmp_path, wheelhouse):
+    """docs/try.md's walk-through, run as one script with `bash -e`, in tmp_path instead of /tmp."""
+    text = TRY.read_text(encoding="utf-8")
+    script = walk_through("try")
     assert "./install.sh --prefix /tmp/cw" in script and "--uninstall" in script
     # Every command of the install by its path there: after a failed install, a bare
     # `cudawrap` would quietly answer from another install on PATH.
@@ -300,10 +303,10 @@ def test_readme_try_it_without_a_gpu_works_as_written(tmp_path, wheelhouse):
 
 @pytest.mark.slow
 @pytest.mark.root
-def test_readme_try_it_with_several_users_works_as_written(mu_world, wheelhouse):
-    """README's several-users walk-through, run by root with two real accounts for alice and
+def test_try_it_with_several_users_works_as_written(mu_world, wheelhouse):
+    """docs/try.md's several-users walk-through, run by root with two real accounts for alice and
     bob (`sudo -u NAME` as runuser, `sudo` itself as root already), in a directory all can reach."""
-    script = readme_block("try-users")
+    script = walk_through("try-users")
     alice, bob = mu_world.alice, mu_world.bob
     public = Path(tempfile.mkdtemp(prefix="cudawrap-try-"))
     try:

@@ -146,8 +146,8 @@ def test_status_piped_prints_whole_cells(installed):
 
 
 @pytest.mark.root
-def test_what_an_ordinary_user_sees_as_readme_says(mu):
-    """README "Status": your own runs in full, other users' holders hidden, every waiter and drain."""
+def test_what_an_ordinary_user_sees_as_the_docs_say(mu):
+    """docs/reference/status.md: your own runs in full, other users' holders hidden, every waiter and drain."""
     inst = mu("four-gpus")
     alice, bob = inst.world.alice, inst.world.bob
     inst.wrap("recon")
@@ -174,8 +174,8 @@ def test_what_an_ordinary_user_sees_as_readme_says(mu):
     assert all(f"pid {p.pid} {alice.name} recon" in root_lines for p in theirs), root_lines
     from pathlib import Path
 
-    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
-    assert "another user's run shows as `held (holder not visible to you)`" in readme
+    page = " ".join((Path(__file__).parent.parent / "docs" / "reference" / "status.md").read_text().split())
+    assert "another user's run shows as `held (holder not visible to you)`" in page
 
 
 def test_status_on_a_broken_config_says_what_is_wrong_and_exits_78(installed):

@@ -135,7 +135,7 @@ class ConfigCommand(Command):
 # What a limit cannot catch without a root process between users and their leases.
 LIMITS_NOTE = ("each run counts its user's leases from the kernel's locks and the descriptors it may "
                "read; a lease handed to a setuid program or to another user's process after the process "
-               "that took it exited counts for nobody (README, Limits per user)")
+               "that took it exited counts for nobody (the user guide, \"Limits and filters\")")
 
 
 def _sharing_rows(sharing: Dict[str, Any]) -> List[Tuple[str, Any, str]]:

@@ -270,7 +270,7 @@ def _enable_units(layout: Layout, manifest: Manifest, say: Callable[[str], None]
         say(f"==> {UNIT_NAME} not enabled: systemd is not running here; run `cudawrap sync` "
             f"after every boot (the runtime directory is on /run)")
         say(f"==> {SERVICE_UNIT} not enabled: systemd is not running here; `cudawrap serve --daemon` "
-            f"runs the service (README \"The cudawrap service\")")
+            f"runs the service (docs/admin/service.md)")
         say(f"==> {MONITOR_UNIT} not enabled: systemd is not running here; start `cudawrap monitor` "
             f"some other way if launches should skip NVML")
         if mps:
@@ -317,7 +317,7 @@ def _install_wheel(layout: Layout, wheel: Path, manifest: Manifest, say: Callabl
     os.chmod(tmp, 0o644)
     os.replace(tmp, dest)
     manifest.add(FILE, dest)
-    say(f"==> client wheel for users' own environments: {dest} (pip install it; see README)")
+    say(f"==> client wheel for users' own environments: {dest} (pip install it; see docs/user/python.md)")
 
 
 def _wrapped(layout: Layout, environ: Dict[str, str]) -> List[str]:

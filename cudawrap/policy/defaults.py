@@ -81,7 +81,7 @@ SHARING_EXAMPLE = """\
 
 
 def _sharing_table() -> List[str]:
-    lines = ["# How shared runs share a device (README: Sharing a GPU); runs share only with",
+    lines = ["# How shared runs share a device (docs: \"Sharing and MPS\"); runs share only with",
              "# share = true (a program's policy, `cudawrap run --share` or CUDAWRAP_SHARE=1).",
              "[sharing]"]
     for key, what in SHARING_DESCRIPTIONS.items():

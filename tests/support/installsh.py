@@ -17,7 +17,8 @@ INSTALL_SH = SOURCE / "install.sh"
 
 
 def dependencies() -> List[str]:
-    """cudawrap's requirements from pyproject.toml, plus what building it needs."""
+    """cudawrap's requirements from pyproject.toml, plus what building it needs, and the docs
+    extra's pinned tools, with which debian/rules builds the documentation site."""
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover - 3.9/3.10
@@ -25,7 +26,8 @@ def dependencies() -> List[str]:
     project = tomllib.loads((SOURCE / "pyproject.toml").read_text(encoding="utf-8"))
     deps = [d.split(";")[0].strip() for d in project["project"]["dependencies"]]
     build = project["build-system"]["requires"]
-    return deps + build + ["tomli>=1.1"]  # tomli for a Python before 3.11, whichever runs install.sh
+    docs = project["project"]["optional-dependencies"]["docs"]
+    return deps + build + docs + ["tomli>=1.1"]  # tomli for a Python before 3.11, whichever runs install.sh
 
 
 @pytest.fixture(scope="session")
