@@ -940,3 +940,38 @@ def test_a_service_stops_on_sigterm_while_runs_come_and_go(served: Served) -> No
         for run in runs:
             run.kill()
             run.wait()
+
+
+def test_a_script_without_a_shebang_runs_with_sh_daemonless_through_the_service_and_after_waiting(mu) -> None:
+    """Issue 51 item 4, every way a run reaches its exec: deciding for itself, the shim's fast
+    path through the service, and the waiter's hand-over (shims/cudawrap-wait.c, which hands a
+    failed exec back to the shim). Each runs the script with /bin/sh, as execvp would."""
+    inst = mu("four-gpus")
+    script = inst.dir / "plain.sh"
+    script.write_text('echo "plain $CUDA_VISIBLE_DEVICES $*"\n')
+    inst.wrap("plain", script)
+    alice, bob = inst.world.alice, inst.world.bob
+
+    def said(r: subprocess.CompletedProcess) -> str:
+        assert r.returncode == 0, r.stderr.decode()
+        return r.stdout.decode()
+
+    assert said(inst.run(alice, "plain", "a b")).startswith("plain GPU-")
+    served = Served(inst)
+    try:
+        out = said(inst.run(alice, "plain", "c d"))
+        assert out.startswith("plain GPU-") and out.endswith(" c d\n"), out
+        assert "(plain)" in served.granted()
+        holders = served.fill()
+        waiter = inst.start(bob, "plain", CUDAWRAP_WAIT="60")
+        line = waiter.stderr.readline().decode()
+        assert "waiting for a device" in line, line
+        wait_for(lambda: "cudawrap-wait" in Path(f"/proc/{waiter.pid}/cmdline").read_text())  # in the waiter
+        holders[0].kill()
+        out, err = waiter.communicate(timeout=30)
+        assert waiter.returncode == 0 and out.decode().startswith("plain GPU-"), err.decode()
+        for h in holders:
+            h.kill()
+    finally:
+        served.proc.terminate()
+        served.proc.wait(timeout=10)
