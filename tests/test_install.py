@@ -240,7 +240,7 @@ def test_uninstall_keeps_an_edited_config_and_what_was_there(tmp_path, machine, 
     assert r.returncode == 0, r.stdout + r.stderr
     assert "install.sh: warning: no NVIDIA driver" in r.stderr
     layout = Layout(prefix)
-    layout.config_file.write_text(layout.config_file.read_text().replace("#gpus = 1", "gpus = 2"))
+    layout.config_file.write_text(layout.config_file.read_text().replace("#gpus = 1", "gpus = 2").replace("#[policy]", "[policy]"))
 
     r = install_sh("--uninstall", "--prefix", str(prefix), env=env)
     assert r.returncode == 0, r.stdout + r.stderr
