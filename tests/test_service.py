@@ -975,3 +975,23 @@ def test_a_script_without_a_shebang_runs_with_sh_daemonless_through_the_service_
     finally:
         served.proc.terminate()
         served.proc.wait(timeout=10)
+
+
+def test_serve_daemon_says_where_it_runs_logs_its_stop_and_stop_removes_its_pid_file(mu) -> None:
+    """Issue 51 item 6: `serve --daemon` said nothing (its line was lost in a pipe: os._exit),
+    its log had no stop line, and service.pid kept the dead pid for a `kill $(cat …)` to hit."""
+    inst = mu("four-gpus")
+    run_dir = inst.layout.runtime_dir
+    pid_file, log = run_dir / "service.pid", run_dir / "service.log"
+    done = inst.cli(None, "serve", "--daemon")
+    assert done.returncode == 0, done.stderr.decode()
+    pid = int(pid_file.read_text())
+    assert done.stdout.decode() == (f"cudawrap serve: running in the background as pid {pid}; log {log}; "
+                                    f"pid file {pid_file}; stop it with cudawrap serve --stop\n")
+    wait_for(lambda: (run_dir / "cudawrap.sock").exists())
+    stopped = inst.cli(None, "serve", "--stop")
+    assert stopped.returncode == 0 and stopped.stdout.decode() == f"cudawrap serve: stopped the service (pid {pid})\n"
+    assert not pid_file.exists()
+    assert log.read_text().splitlines()[-1] == f"cudawrap serve: stopped (pid {pid})"
+    again = inst.cli(None, "serve", "--stop")
+    assert again.returncode == 0 and again.stdout.decode() == f"cudawrap serve: no service runs (no live {pid_file})\n"
