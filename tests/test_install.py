@@ -272,9 +272,13 @@ def test_uninstall_keeps_an_edited_config_and_what_was_there(tmp_path, machine, 
     mine = {"notes.txt", "usr", "usr/local", "usr/local/bin", "usr/local/bin/tool"}
     assert {p for p in snapshot(prefix) if not p.startswith("var/lib/cudawrap/")} == mine | {
         "etc", "etc/cudawrap", "etc/cudawrap/config.toml", "var", "var/lib", "var/lib/cudawrap"}
-    # --purge after it: the state and the edited configuration go, and what was there stays.
+    # Installed again, it takes both up; --purge then removes them too (the state is not in
+    # this install's manifest), and what was there stays.
+    r = install_sh("--prefix", str(prefix), "--python", sys.executable, *wheel_args(wheelhouse), env=env)
+    assert r.returncode == 0 and f"kept the configuration {layout.config_file}" in r.stdout, r.stdout + r.stderr
     r = install_sh("--uninstall", "--purge", "--prefix", str(prefix), env=env)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert f"==> removed {layout.state_dir}/" in r.stdout and f"==> removed {layout.config_file}" in r.stdout
     assert set(snapshot(prefix)) == mine
 
 

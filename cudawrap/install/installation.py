@@ -402,6 +402,8 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
     if not keep_wraps:
         _release_claims(layout, say)
     _remove_recorded(layout, manifest, kept, say, purge)
+    if purge:
+        _purge_kept(layout, say)
     if not keep_wraps:
         say(f"==> removed cudawrap from {layout.root}")
         if not purge and layout.state_dir.is_dir():
@@ -446,6 +448,27 @@ def _stop_units(layout: Layout, environ: Dict[str, str], say: Callable[[str], No
         if done.returncode != 0:
             say(f"install.sh: warning: `cudawrap mps stop` failed (exit {done.returncode}); "
                 f"MPS control daemons may still run")
+
+
+def _purge_kept(layout: Layout, say: Callable[[str], None]) -> None:
+    """--purge: the state and the configuration that an earlier uninstall kept and this install
+    took up (so its manifest does not record them), and their directories where empty: in a
+    prefix, those an install makes; in the system's, /etc/cudawrap only."""
+    import shutil
+
+    state, config = layout.state_dir, layout.config_file
+    if state.is_dir() and not state.is_symlink():
+        shutil.rmtree(state)
+        say(f"==> removed {state}/")
+    if config.is_file() and not config.is_symlink():
+        config.unlink()
+        say(f"==> removed {config}")
+    dirs = [config.parent] + ([] if layout.is_system else [state.parent, state.parent.parent, config.parent.parent])
+    for path in dirs:
+        try:
+            path.rmdir()
+        except OSError:
+            pass  # not empty, or gone
 
 
 def _release_claims(layout: Layout, say: Callable[[str], None]) -> None:
