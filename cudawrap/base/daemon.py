@@ -187,9 +187,13 @@ def _signal_daemon(pid_file: str, pid: int, pidfd: int, signum: int) -> None:
     same checks come just before a kill. ProcessLookupError: the daemon is gone;
     PermissionError: the pid is not the daemon's."""
     now = running(pid_file)
+    try:
+        written = os.stat(pid_file).st_mtime
+    except FileNotFoundError:
+        now = None  # removed at the daemon's end (release)
     if now is None:
         raise ProcessLookupError(f"pid {pid} is gone")  # it let go of the file meanwhile
-    if now != pid or not _started_by(pid, os.stat(pid_file).st_mtime):
+    if now != pid or not _started_by(pid, written):
         raise PermissionError(errno.EPERM, f"pid {pid} is not the daemon of {pid_file} (a pid reused since, "
                                            "or a file not written by the daemon): nothing signalled")
     if pidfd >= 0:
