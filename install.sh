@@ -3,7 +3,7 @@
 #
 #   sudo ./install.sh                      system install (root /)
 #   ./install.sh --prefix DIR              everything under DIR, no root needed
-#   sudo ./install.sh --uninstall [--unwrap-all | --keep-wraps]
+#   sudo ./install.sh --uninstall [--unwrap-all | --keep-wraps] [--purge]
 #
 # This half makes a private virtual environment and pip-installs the package into it;
 # `python -m cudawrap.cli.installer` (cudawrap/cli/installer.py) does the rest from there,
@@ -33,7 +33,7 @@ die() {
 usage() {
     cat <<'EOF'
 Usage: ./install.sh [--prefix DIR] [--python PATH] [--wheelhouse DIR] [--with-plot]
-       ./install.sh --uninstall [--unwrap-all | --keep-wraps] [--prefix DIR]
+       ./install.sh --uninstall [--unwrap-all | --keep-wraps] [--purge] [--prefix DIR]
 
 Install cudawrap from this source directory, or upgrade an existing install in place
 (wrapped programs keep working, the shim is refreshed, the config file is kept).
@@ -46,7 +46,11 @@ Install cudawrap from this source directory, or upgrade an existing install in p
   --wheelhouse DIR  install offline from the wheels in DIR (pip --no-index --find-links);
                     DIR needs cudawrap's dependencies and setuptools
   --with-plot       also install matplotlib, for `cudawrap usage --plot FILE.png`
-  --uninstall       remove what install.sh installed; refused while programs are wrapped
+  --uninstall       remove what install.sh installed; refused while programs are wrapped;
+                    the state (registry, ledger, usage history in var/lib/cudawrap)
+                    is kept for a later install, as dpkg's remove keeps it
+  --purge           with --uninstall: remove the state and an edited config too
+                    (also after an --uninstall that kept them)
   --unwrap-all      with --uninstall: run `cudawrap unwrap --all` first
   --keep-wraps      with --uninstall, to move to the Debian package: keep the wrapped
                     programs, the registry, the config and the leases for it (they
@@ -68,7 +72,7 @@ need_value() { # OPTION COUNT VALUE
     fi
 }
 
-prefix="" python="" wheelhouse="" action=install unwrap_all=0 keep_wraps=0 prefix_given=0 extras=""
+prefix="" python="" wheelhouse="" action=install unwrap_all=0 keep_wraps=0 purge=0 prefix_given=0 extras=""
 while [ $# -gt 0 ]; do
     case $1 in
         -h | --help) usage; exit 0 ;;
@@ -82,17 +86,21 @@ while [ $# -gt 0 ]; do
         --uninstall) action=uninstall; shift ;;
         --unwrap-all) unwrap_all=1; shift ;;
         --keep-wraps) keep_wraps=1; shift ;;
+        --purge) purge=1; shift ;;
         -*) die $EX_USAGE "unknown option '$1' (see ./install.sh --help)" ;;
         *) die $EX_USAGE "unexpected argument '$1' (see ./install.sh --help)" ;;
     esac
 done
-for flag in unwrap_all keep_wraps; do
+for flag in unwrap_all keep_wraps purge; do
     if [ "${!flag}" = 1 ] && [ "$action" != uninstall ]; then
         die $EX_USAGE "--${flag/_/-} goes with --uninstall (see ./install.sh --help)"
     fi
 done
 if [ "$unwrap_all" = 1 ] && [ "$keep_wraps" = 1 ]; then
     die $EX_USAGE "--unwrap-all and --keep-wraps exclude each other: unwrap the programs, or keep them for the Debian package"
+fi
+if [ "$purge" = 1 ] && [ "$keep_wraps" = 1 ]; then
+    die $EX_USAGE "--purge and --keep-wraps exclude each other: --keep-wraps keeps the state for the Debian package"
 fi
 if [ "$action" = uninstall ] && { [ -n "$python" ] || [ -n "$wheelhouse" ]; }; then
     die $EX_USAGE "--python and --wheelhouse are for installing, not with --uninstall"
@@ -118,6 +126,22 @@ vpy=$venv/bin/python
 
 # ---- uninstall ---------------------------------------------------------------------------
 if [ "$action" = uninstall ]; then
+    if [ ! -x "$vpy" ] && [ "$purge" = 1 ] && [ -d "$base/var/lib/cudawrap" ]; then
+        # What an earlier --uninstall kept (as dpkg --purge does after a remove).
+        step "purging what the uninstall of cudawrap kept in $root"
+        rm -rf -- "$base/var/lib/cudawrap"
+        step "removed $base/var/lib/cudawrap/"
+        if [ -f "$base/etc/cudawrap/config.toml" ]; then
+            rm -f -- "$base/etc/cudawrap/config.toml"
+            step "removed $base/etc/cudawrap/config.toml"
+        fi
+        for dir in "$base/var/lib" "$base/var" "$base/etc/cudawrap" "$base/etc"; do
+            [ "$root" = / ] && [ "$dir" != /etc/cudawrap ] && continue  # the system's own directories
+            rmdir -- "$dir" 2>/dev/null || true
+        done
+        [ "$root" = / ] || rmdir -- "$root" 2>/dev/null || true
+        exit 0
+    fi
     if [ ! -x "$vpy" ]; then
         die $EX_NOINPUT "cudawrap is not installed in $root (no $vpy)"
     fi
@@ -136,6 +160,12 @@ if [ "$action" = uninstall ]; then
             *) die $EX_SOFTWARE "the cudawrap installed in $root predates --keep-wraps: upgrade it first ('sudo ./install.sh' from this source), then run this again" ;;
         esac
         args+=(--keep-wraps)
+    fi
+    if [ "$purge" = 1 ]; then
+        # An installed package from before --purge removes the state whatever it is told.
+        case $("$vpy" -I -m "$installer" uninstall --help 2>/dev/null || true) in
+            *--purge*) args+=(--purge) ;;
+        esac
     fi
     cd /  # the venv is about to go away; do not sit in it
     "$vpy" -I -m "$installer" "${args[@]}"

@@ -71,3 +71,20 @@ def test_claims_of_a_removed_install_are_taken_over(installed, tmp_path: Path) -
     r = other.run("recon")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[0])["cvd"] in first.machine.leaf_uuids()
+
+
+def test_release_removes_only_this_installs_own_claims(tmp_path: Path) -> None:
+    """An uninstall's release (issue 51 item 7): its root's claims go; another install's claim,
+    a claim another user made naming it, and a link to one of its claims stay."""
+    from cudawrap.lease.claims import release
+
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    for name, root in (("GPU-mine-1", "/opt/a"), ("GPU-mine-2", "/opt/a"), ("GPU-other", "/opt/b"),
+                       ("GPU-theirs", "/opt/a")):
+        (claims / name).write_text(f"{root}\n")
+    os.chown(claims / "GPU-theirs", 65534, 65534)
+    (claims / "GPU-link").symlink_to(claims / "GPU-mine-1")
+    assert release("/opt/a", str(claims)) == ["GPU-mine-1", "GPU-mine-2"]
+    assert sorted(os.listdir(claims)) == ["GPU-link", "GPU-other", "GPU-theirs"]
+    assert release("/opt/a", str(tmp_path / "none")) == []

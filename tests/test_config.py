@@ -12,7 +12,7 @@ from cudawrap.policy.config import (
     DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, FOREVER, OPS_SECTIONS, MAX_GPUS, MAX_WAIT_S, POLICY_KEYS, load_config, parse_config,
     parse_gpus, parse_wait, validate_policy,
 )
-from cudawrap.policy.defaults import render_config, sections, toml_value
+from cudawrap.policy.defaults import ENFORCED, render_config, sections, toml_value
 from cudawrap.errors import ConfigError
 
 P = Path("/etc/cudawrap/config.toml")
@@ -95,8 +95,36 @@ def test_bad_toml_says_where():
     err = refused("[policy]\ngpus = 1\nwait = \n")
     assert err.message.startswith(f"{P}: not valid TOML: ")
     assert "line 3" in err.message
-    err = refused("[policy]\ngpus = 1\n[policy]\nwait = 1\n")
-    assert "line 3" in err.message
+
+
+
+def test_a_table_declared_twice_says_where_it_already_is_and_what_to_do():
+    """Issue 51 item 8: not tomllib's bare "Cannot declare ('policy',) twice"."""
+    err = refused("[policy]\ngpus = 1\n\n[policy]\nwait = 1\n")
+    assert err.message == f"{P}:4: [policy] appears twice: it is already at line 1"
+    assert err.hint == ("put these settings below the [policy] of line 1 and remove this [policy] line "
+                        "(a TOML table may appear only once)")
+    err = refused('[programs."my app"]\ngpus = 1\n[programs."my app"]\nwait = 1\n')
+    assert err.message == f'{P}:3: [programs."my app"] appears twice: it is already at line 1'
+
+
+def test_the_natural_edit_of_the_default_file_works():
+    """Issue 51 item 8: a table and a key appended to the default file (its own headers are
+    commented out, as its keys are), as an admin adds them; and a key uncommented without its
+    table's header is told which line to uncomment."""
+    for chosen in ({}, ENFORCED):
+        text = render_config(chosen) + "\n[policy]\ngpus = 2\n\n[ledger]\nmax_mib = 8\n"
+        config = parse_config(P, text)
+        assert config["gpus"] == 2 and config["max_mib"] == 8
+    lines = render_config().splitlines()
+    at = lines.index("#gpus = 1")
+    lines[at] = "gpus = 2"
+    err = refused("\n".join(lines))
+    header = lines.index("#[policy]") + 1
+    assert err.message == f"{P}:{at + 1}: 'gpus' belongs in [policy]"
+    assert err.hint == f"remove the '#' before the #[policy] of line {header}, or put it below a [policy] line"
+    lines[header - 1] = "[policy]"
+    assert parse_config(P, "\n".join(lines))["gpus"] == 2
 
 
 def test_unknown_section():
@@ -217,15 +245,19 @@ def test_default_file_lists_every_setting_once_in_its_section():
         assert f"# {DESCRIPTIONS[key]}\n#{key} = " in text
 
 
-def test_default_file_parses_to_the_defaults_and_so_does_every_line_uncommented():
+def test_default_file_parses_to_the_defaults_and_so_does_every_line_uncommented_with_its_header():
     text = render_config()
     assert values(parse_config(P, text).settings) == DEFAULTS
     lines = text.splitlines()
     numbers = {}
+    header = 0
     for number, line in enumerate(lines, 1):
+        if line.startswith("#["):
+            header = number
         key = line[1:].split(" = ")[0] if line.startswith("#") and " = " in line else None
         if key in DEFAULTS and key not in numbers:
             lines[number - 1] = line[1:]
+            lines[header - 1] = lines[header - 1].lstrip("#")  # and its table's header
             numbers[key] = number
     config = parse_config(P, "\n".join(lines))
     assert values(config.settings) == DEFAULTS

@@ -157,6 +157,7 @@ def test_deb_install_wrap_refuse_unwrap_purge(deb, public_dir, fakenvml_lib, whe
         assert r.returncode == 0, r.stdout + r.stderr
         assert f"cudawrap: stopped `cudawrap monitor --daemon` (pid {pid})" in r.stdout
         assert process_gone(pid)
+        assert os.listdir(fake.claims_dir) == []  # the install's device claims went with it (postrm)
     finally:
         if dpkg_status() != "not-installed":
             purge(env)
@@ -234,7 +235,7 @@ def test_from_install_sh_to_the_deb_keeps_wraps_config_and_leases(deb, public_di
         if not manifest_file(system).exists() and any(prog.is_symlink() for prog in progs):
             install_sh(*wheel_args(wheelhouse), env=env)  # the way back, to unwrap below
         if manifest_file(system).exists():
-            install_sh("--uninstall", "--unwrap-all", env=env)
+            install_sh("--uninstall", "--unwrap-all", "--purge", env=env)
         if edited and os.path.isfile(CONFIG) and Path(CONFIG).read_bytes() == edited:
             os.unlink(CONFIG)  # kept by an uninstall as the admin's own edit: it is this test's
             os.rmdir(os.path.dirname(CONFIG))

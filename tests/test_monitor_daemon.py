@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -91,3 +92,30 @@ sys.stdin.read()
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_stop_never_signals_a_pid_reused_since_the_pid_file_was_written(tmp_path):
+    """Issue 51 item 6: the pid a pid file names may belong to another process by the time
+    it is read (the daemon ended, its pid reused). Here a holder keeps the file locked while
+    it names a process started after the file was written: that process is never signalled."""
+    pid_file = tmp_path / "service.pid"
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, sys
+fd = os.open({str(pid_file)!r}, os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("ready", flush=True)
+sys.stdin.read()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    written = time.time() - 2  # the pid file's time: before the victim started
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        pid_file.write_text(f"{victim.pid}\n")
+        os.utime(pid_file, (written, written))
+        with pytest.raises(PermissionError, match=f"pid {victim.pid} is not the daemon"):
+            stop(str(pid_file), wait_s=0.5)
+        assert victim.poll() is None
+    finally:
+        for proc in (holder, victim):
+            proc.kill()
+            proc.wait()

@@ -940,3 +940,58 @@ def test_a_service_stops_on_sigterm_while_runs_come_and_go(served: Served) -> No
         for run in runs:
             run.kill()
             run.wait()
+
+
+def test_a_script_without_a_shebang_runs_with_sh_daemonless_through_the_service_and_after_waiting(mu) -> None:
+    """Issue 51 item 4, every way a run reaches its exec: deciding for itself, the shim's fast
+    path through the service, and the waiter's hand-over (shims/cudawrap-wait.c, which hands a
+    failed exec back to the shim). Each runs the script with /bin/sh, as execvp would."""
+    inst = mu("four-gpus")
+    script = inst.dir / "plain.sh"
+    script.write_text('echo "plain $CUDA_VISIBLE_DEVICES $*"\n')
+    inst.wrap("plain", script)
+    alice, bob = inst.world.alice, inst.world.bob
+
+    def said(r: subprocess.CompletedProcess) -> str:
+        assert r.returncode == 0, r.stderr.decode()
+        return r.stdout.decode()
+
+    assert said(inst.run(alice, "plain", "a b")).startswith("plain GPU-")
+    served = Served(inst)
+    try:
+        out = said(inst.run(alice, "plain", "c d"))
+        assert out.startswith("plain GPU-") and out.endswith(" c d\n"), out
+        assert "(plain)" in served.granted()
+        holders = served.fill()
+        waiter = inst.start(bob, "plain", CUDAWRAP_WAIT="60")
+        line = waiter.stderr.readline().decode()
+        assert "waiting for a device" in line, line
+        wait_for(lambda: "cudawrap-wait" in Path(f"/proc/{waiter.pid}/cmdline").read_text())  # in the waiter
+        holders[0].kill()
+        out, err = waiter.communicate(timeout=30)
+        assert waiter.returncode == 0 and out.decode().startswith("plain GPU-"), err.decode()
+        for h in holders:
+            h.kill()
+    finally:
+        served.proc.terminate()
+        served.proc.wait(timeout=10)
+
+
+def test_serve_daemon_says_where_it_runs_logs_its_stop_and_stop_removes_its_pid_file(mu) -> None:
+    """Issue 51 item 6: `serve --daemon` said nothing (its line was lost in a pipe: os._exit),
+    its log had no stop line, and service.pid kept the dead pid for a `kill $(cat …)` to hit."""
+    inst = mu("four-gpus")
+    run_dir = inst.layout.runtime_dir
+    pid_file, log = run_dir / "service.pid", run_dir / "service.log"
+    done = inst.cli(None, "serve", "--daemon")
+    assert done.returncode == 0, done.stderr.decode()
+    pid = int(pid_file.read_text())
+    assert done.stdout.decode() == (f"cudawrap serve: running in the background as pid {pid}; log {log}; "
+                                    f"pid file {pid_file}; stop it with cudawrap serve --stop\n")
+    wait_for(lambda: (run_dir / "cudawrap.sock").exists())
+    stopped = inst.cli(None, "serve", "--stop")
+    assert stopped.returncode == 0 and stopped.stdout.decode() == f"cudawrap serve: stopped the service (pid {pid})\n"
+    assert not pid_file.exists()
+    assert log.read_text().splitlines()[-1] == f"cudawrap serve: stopped (pid {pid})"
+    again = inst.cli(None, "serve", "--stop")
+    assert again.returncode == 0 and again.stdout.decode() == f"cudawrap serve: no service runs (no live {pid_file})\n"

@@ -280,3 +280,33 @@ def test_interrupted_entry_is_reported(admin: Admin) -> None:
     (e,) = wrap(admin, prog).wrapped
     registry.update(admin.layout, lambda reg: reg.put(e.replace(phase="wrapping")))
     assert inspect_entry(admin.layout, registry.load(admin.layout).entries[0]).state == INTERRUPTED
+
+
+def test_wrapping_a_script_without_a_shebang_says_it_runs_with_sh(admin: Admin) -> None:
+    """Issue 51 item 4: such a script ran fine from a shell; wrapped, each run fails 126 with
+    Exec format error unless the shim runs it with /bin/sh, as execvp does. Wrapping says so
+    (and says nothing of a script with a #! line or a binary)."""
+    plain = admin.program("plain", text='echo "plain $*"\n')
+    shebang = admin.program("bang", text='#!/bin/sh\necho "bang $*"\n')
+    binary = admin.bindir / "true"
+    shutil.copy2("/bin/true", binary)
+    outcome = wrap(admin, plain, shebang, binary)
+    assert not outcome.failed and len(outcome.wrapped) == 3
+    assert outcome.warnings == (f"note: {plain} has no #! line, so each run runs it with /bin/sh, as a shell runs "
+                                "such a script; give it a #! line (such as #!/bin/bash) if it needs another "
+                                "interpreter",)
+    result = run(plain, "a b")  # no device needed to be told it: the machine has no GPU here
+    assert "Exec format error" not in result.stderr, result.stderr
+    assert result.returncode == 0 and result.stdout == "plain a b\n", result.stderr
+    assert run(binary).returncode == 0
+
+
+def test_a_binary_the_kernel_cannot_run_is_not_run_as_a_script(admin: Admin) -> None:
+    """A file with a NUL in its first line (a binary for another machine) fails 126 as it is:
+    /bin/sh would only add syntax errors."""
+    odd = admin.program("odd")
+    odd.write_bytes(b"\xca\xfe\xba\xbe\x00\x00\x00\x02 not for this machine\n")
+    outcome = wrap(admin, odd)
+    assert not outcome.failed and outcome.warnings == ()
+    result = run(odd)
+    assert result.returncode == 126 and "Exec format error" in result.stderr, result.stderr

@@ -441,8 +441,24 @@ def wrap_programs(
         for c in done if c.rpm is not None) + tuple(
         f"warning: {c.link} is owned by {c.owner}, who can still change what it runs (its contents), "
         f"though not rename or replace it: only {_trusted_names()} can write in {os.path.dirname(c.link)}"
-        for c in done if c.owner is not None)
+        for c in done if c.owner is not None) + tuple(
+        f"note: {c.link} has no #! line, so each run runs it with /bin/sh, as a shell runs such a script; "
+        "give it a #! line (such as #!/bin/bash) if it needs another interpreter"
+        for c in done if runs_with_sh(c.real))
     return WrapOutcome(tuple(wrapped), tuple(failed), warnings)
+
+
+def runs_with_sh(path: str) -> bool:
+    """Whether the kernel cannot run PATH itself (neither #! nor ELF) and the shim then runs
+    it with /bin/sh (launch.run_with_sh): text without a #! line."""
+    from ..launch import is_script_text
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return not head.startswith((b"#!", b"\x7fELF")) and is_script_text(path)
 
 
 # --- shims after an upgrade (the installer) and for doctor's repairs -------------------

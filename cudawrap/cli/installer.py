@@ -74,6 +74,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     rem.add_argument("--unwrap-all", action="store_true")
     rem.add_argument("--keep-wraps", action="store_true",
                      help="keep the wrapped programs, registry and config for the Debian package")
+    rem.add_argument("--purge", action="store_true",
+                     help="remove the state too (registry, ledger, usage history) and an edited config")
     stopper = sub.add_parser("stop-monitor", help="stop a `cudawrap monitor --daemon` (the .deb's prerm)")
     stopper.add_argument("--root", required=True, type=Path)
     renderers = {
@@ -103,7 +105,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         elif args.action == "stop-monitor":
             stop_monitor(layout, _package_say)
         else:
-            uninstall(layout, args.unwrap_all, keep_wraps=args.keep_wraps)
+            uninstall(layout, args.unwrap_all, keep_wraps=args.keep_wraps, purge=args.purge)
     except InstallError as exc:
         print(f"{who}: error: {exc}", file=sys.stderr)
         return exc.exit_code

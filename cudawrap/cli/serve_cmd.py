@@ -12,11 +12,13 @@ class ServeCommand(Command):
     """Grant leases through a socket: turns, limits and accounting by the kernel's word (root)."""
 
     daemon = cli.Flag(["--daemon"], help="run in the background (installs without systemd); pid file and "
-                                         "log in the runtime directory; stop it with kill")
+                                         "log in the runtime directory; stop it with --stop")
+    stop = cli.Flag(["--stop"], excludes=["--daemon"],
+                    help="stop the service that --daemon started, once sure the pid is still its own")
 
     def main(self) -> int:
         from .. import locations as loc
-        from ..base.daemon import AlreadyRunning, detach
+        from ..base.daemon import AlreadyRunning, detach, release
         from ..errors import SetupError
         from ..lease.files import SYNC_HINT
         from ..ops.servestart import serve
@@ -25,14 +27,43 @@ class ServeCommand(Command):
         layout = default_layout()
         require_admin(layout, "run the cudawrap service")
         root = str(layout.root)
+        pid_file = loc.under(root, loc.SERVICE_PID)
+        if self.stop:
+            return stop_daemon(root, pid_file)
         if not layout.runtime_dir.is_dir():
             raise SetupError(f"the runtime directory {layout.runtime_dir} is missing", hint=SYNC_HINT)
-        if self.daemon:
-            pid_file = loc.under(root, loc.SERVICE_PID)
-            try:
-                detach(pid_file, loc.under(root, loc.SERVICE_LOG), "serve")
-            except AlreadyRunning as exc:
-                raise UsageError(f"the service is already running (pid {exc.pid}, pid file {pid_file})",
-                                 hint=f"stop it with: kill $(cat {pid_file})") from None
-        serve(root)
+        if not self.daemon:
+            serve(root)
+            return 0
+        try:
+            fd = detach(pid_file, loc.under(root, loc.SERVICE_LOG), "serve", "cudawrap serve --stop")
+        except AlreadyRunning as exc:
+            raise UsageError(f"the service is already running (pid {exc.pid}, pid file {pid_file})",
+                             hint="stop it with: cudawrap serve --stop") from None
+        try:
+            serve(root)
+        finally:
+            release(pid_file, fd)
         return 0
+
+
+def stop_daemon(root: str, pid_file: str) -> int:
+    """`cudawrap serve --stop`: end the --daemon service of ROOT and say so."""
+    from .. import locations as loc
+    from ..base.daemon import running, stop
+    from ..errors import SetupError
+
+    try:
+        pid = stop(pid_file)
+    except (OSError, TimeoutError) as exc:
+        raise SetupError(f"cannot stop the service of {pid_file}: {exc}",
+                         hint="see `cudawrap status`; stop it yourself if it is one") from None
+    if pid is not None:
+        print(f"cudawrap serve: stopped the service (pid {pid})")
+        return 0
+    other = running(loc.under(root, loc.SERVICE_LOCK))
+    if other is not None:
+        raise SetupError(f"the service runs (pid {other}), but not from `cudawrap serve --daemon` "
+                         f"(no live {pid_file})", hint="stop it as it was started: systemctl stop cudawrap")
+    print(f"cudawrap serve: no service runs (no live {pid_file})")
+    return 0

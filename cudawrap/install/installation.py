@@ -269,20 +269,33 @@ def _enable_units(layout: Layout, manifest: Manifest, say: Callable[[str], None]
     elif layout.is_system:
         say(f"==> {UNIT_NAME} not enabled: systemd is not running here; run `cudawrap sync` "
             f"after every boot (the runtime directory is on /run)")
-        say(f"==> {SERVICE_UNIT} not enabled: systemd is not running here; `cudawrap serve --daemon` "
-            f"runs the service (docs/admin/service.md)")
-        say(f"==> {MONITOR_UNIT} not enabled: systemd is not running here; start `cudawrap monitor` "
-            f"some other way if launches should skip NVML")
+        say(_service_without_systemd(layout, "systemd is not running here"))
         if mps:
             say(f"==> {MPS_UNIT} not enabled: systemd is not running here; run `cudawrap mps start` "
                 f"after every boot")
     else:
         say(f"==> {UNIT_NAME} not enabled (a --prefix install); run `cudawrap sync` after a reboot "
             f"or a MIG change")
-        say(f"==> {MONITOR_UNIT} not enabled (a --prefix install); run `cudawrap monitor` yourself "
-            f"if launches should skip NVML")
+        say(_service_without_systemd(layout, "a --prefix install"))
         if mps:
             say(f"==> {MPS_UNIT} not enabled (a --prefix install); run `cudawrap mps start` yourself")
+
+
+def _service_without_systemd(layout: Layout, why: str) -> str:
+    """The one line on the service (which runs the monitor's loop) where no unit runs it:
+    whether it runs already, else how to start it; the monitor alone only where no service
+    runs, and then only as the way for launches to skip NVML."""
+    from .. import locations as loc
+    from ..base.daemon import running
+
+    cudawrap = "cudawrap" if layout.is_system else str(layout.bin_dir / "cudawrap")
+    pid = running(loc.under(str(layout.root), loc.SERVICE_LOCK))
+    if pid is not None:
+        how = (f"`{cudawrap} serve --stop`, then `{cudawrap} serve --daemon`"
+               if running(loc.under(str(layout.root), loc.SERVICE_PID)) == pid else "as it was started")
+        return f"==> the cudawrap service runs (pid {pid}), the monitor's loop with it; restart it to run this version: {how}"
+    return (f"==> {SERVICE_UNIT} not enabled ({why}); start the service, which runs the monitor's loop too, with "
+            f"`{cudawrap} serve --daemon` (README \"The cudawrap service\")")
 
 
 def _retire_monitor_unit(layout: Layout, manifest: Manifest, say: Callable[[str], None]) -> None:
@@ -356,12 +369,17 @@ def _handed_over(layout: Layout) -> List[Path]:
 
 
 def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _say,
-              keep_wraps: bool = False) -> None:
+              keep_wraps: bool = False, purge: bool = False) -> None:
     """Remove what the manifest records; refuse while programs are wrapped (unless UNWRAP_ALL).
 
+    The state directory (the registry, drains, the ledger and the usage history) stays, as
+    dpkg's remove keeps a package's state, unless PURGE, which also removes an edited
+    configuration. The install's device claims go (lease/claims.py): the devices are free
+    for another install at once.
+
     KEEP_WRAPS is the move to the Debian package: the wrapped programs, their shims, the
-    registry and state, the configuration and the runtime area (the leases of running
-    programs) stay for the package, which installs the same layout.
+    registry and state, the configuration, the runtime area (the leases of running
+    programs) and the device claims stay for the package, which installs the same layout.
     """
     manifest = Manifest.load(layout)
     if manifest is None:
@@ -380,10 +398,18 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
     if wrapped and unwrap_all:
         _unwrap_all(layout, environ, len(wrapped), say)
     _stop_units(layout, environ, say)
-    kept = {str(p) for p in _handed_over(layout)} if keep_wraps else set()
-    _remove_recorded(layout, manifest, kept, say)
+    kept = {str(p) for p in _handed_over(layout)} if keep_wraps else set() if purge else {str(layout.state_dir)}
+    if not keep_wraps:
+        _release_claims(layout, say)
+    _remove_recorded(layout, manifest, kept, say, purge)
+    if purge:
+        _purge_kept(layout, say)
     if not keep_wraps:
         say(f"==> removed cudawrap from {layout.root}")
+        if not purge and layout.state_dir.is_dir():
+            again = "" if layout.is_system else f" --prefix {layout.root}"
+            say(f"==> kept {layout.state_dir}/ (the registry, the ledger and the usage history), as a reinstall "
+                f"takes it up again; remove it with: install.sh --uninstall --purge{again}")
         return
     say(f"==> removed install.sh's cudawrap from {layout.root}, keeping for the Debian package: the wrapped "
         f"programs and their shims ({layout.shim_dir}), {layout.state_dir} (registry, drains, ledger), "
@@ -424,7 +450,38 @@ def _stop_units(layout: Layout, environ: Dict[str, str], say: Callable[[str], No
                 f"MPS control daemons may still run")
 
 
-def _remove_recorded(layout: Layout, manifest: Manifest, kept: Set[str], say: Callable[[str], None]) -> None:
+def _purge_kept(layout: Layout, say: Callable[[str], None]) -> None:
+    """--purge: the state and the configuration that an earlier uninstall kept and this install
+    took up (so its manifest does not record them), and their directories where empty: in a
+    prefix, those an install makes; in the system's, /etc/cudawrap only."""
+    import shutil
+
+    state, config = layout.state_dir, layout.config_file
+    if state.is_dir() and not state.is_symlink():
+        shutil.rmtree(state)
+        say(f"==> removed {state}/")
+    if config.is_file() and not config.is_symlink():
+        config.unlink()
+        say(f"==> removed {config}")
+    dirs = [config.parent] + ([] if layout.is_system else [state.parent, state.parent.parent, config.parent.parent])
+    for path in dirs:
+        try:
+            path.rmdir()
+        except OSError:
+            pass  # not empty, or gone
+
+
+def _release_claims(layout: Layout, say: Callable[[str], None]) -> None:
+    """Remove the install's machine-wide device claims, and say how many."""
+    from ..lease.claims import claims_dir, release
+
+    released = release(str(layout.root))
+    if released:
+        say(f"==> released the claims on {len(released)} device(s) in {claims_dir()}")
+
+
+def _remove_recorded(layout: Layout, manifest: Manifest, kept: Set[str], say: Callable[[str], None],
+                     purge: bool = False) -> None:
     """Remove what MANIFEST records but the paths in KEPT: files first, then the manifest, then
     the directories deepest first."""
     entries = manifest.entries
@@ -433,17 +490,19 @@ def _remove_recorded(layout: Layout, manifest: Manifest, kept: Set[str], say: Ca
     # The venv goes last: this very interpreter runs from it.
     others.sort(key=lambda e: e["path"] == str(layout.venv_dir))
     for entry in others:
-        _remove(layout, entry, kept, say)
+        _remove(layout, entry, kept, say, purge)
     if os.path.lexists(manifest_file(layout)):
         manifest_file(layout).unlink()
     for entry in dirs:
-        _remove(layout, entry, kept, say)
+        _remove(layout, entry, kept, say, purge)
     if systemd_running(layout):
         _systemctl("daemon-reload")
 
 
-def _remove(layout: Layout, entry: Dict[str, str], kept: Set[str], say: Callable[[str], None]) -> None:
-    """Remove one thing the manifest records, as far as it is still what install.sh made."""
+def _remove(layout: Layout, entry: Dict[str, str], kept: Set[str], say: Callable[[str], None],
+            purge: bool = False) -> None:
+    """Remove one thing the manifest records, as far as it is still what install.sh made
+    (PURGE: an edited configuration too)."""
     import shutil
 
     kind, path = entry.get("kind"), Path(entry["path"])
@@ -467,12 +526,11 @@ def _remove(layout: Layout, entry: Dict[str, str], kept: Set[str], say: Callable
     elif kind == CONFFILE:
         if not os.path.lexists(path):
             return
-        if path.is_file() and not path.is_symlink() and sha256_of(path) == entry.get("sha256"):
+        if path.is_file() and not path.is_symlink() and (purge or sha256_of(path) == entry.get("sha256")):
             path.unlink()
             say(f"==> removed {path}")
         else:
-            say(f"==> kept {path}: it was edited after install (remove it yourself if it is no "
-                f"longer needed)")
+            say(f"==> kept {path}: it was edited after install (install.sh --uninstall --purge removes it)")
     elif kind == FILE:
         if os.path.lexists(path) and not path.is_dir():
             path.unlink()
@@ -483,5 +541,5 @@ def _remove(layout: Layout, entry: Dict[str, str], kept: Set[str], say: Callable
         except FileNotFoundError:
             pass
         except OSError:
-            if path != layout.root:
+            if path != layout.root and not any(k.startswith(f"{path}/") for k in kept):
                 say(f"==> kept {path}/: not empty")

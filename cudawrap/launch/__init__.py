@@ -109,7 +109,35 @@ def exec_program(path: str, argv: Sequence[str], env: Dict[bytes, bytes], grant:
     except PermissionError:
         raise CannotExecute(f"{path}: permission denied") from None
     except OSError as exc:
+        if exc.errno == ENOEXEC and is_script_text(path):
+            run_with_sh(path, argv, env)
         raise CannotExecute(f"{path}: cannot execute: {exc.strerror}") from None
+
+
+ENOEXEC = 8  # errno.ENOEXEC on Linux, without importing errno on the shim's path
+SH = "/bin/sh"
+
+
+def is_script_text(path: str) -> bool:
+    """Whether PATH, which the kernel would not run (ENOEXEC), reads as a shell script: no
+    NUL in its first line, as bash decides before running such a file itself (a binary for
+    another machine must fail as it is, not as shell syntax errors)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return False
+    return b"\0" not in head.split(b"\n", 1)[0]
+
+
+def run_with_sh(path: str, argv: Sequence[str], env: Dict[bytes, bytes]) -> None:
+    """Run the script PATH, which has no #! line, with /bin/sh, as execvp does (glibc's
+    maybe_script_execute: `/bin/sh PATH ARGS...`): a shell ran it fine before it was wrapped.
+    Returns only if /bin/sh cannot be run (the caller then reports the first error)."""
+    try:
+        os.execve(SH, [SH, path, *argv[1:]], env)
+    except OSError:
+        pass
 
 
 def unwrapped_meanwhile(link: str, shim: str, root: str) -> Optional[str]:

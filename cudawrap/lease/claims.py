@@ -239,3 +239,43 @@ def _claim_one(dfd: int, directory: str, uuid: str, root: str, me: int, out: Cla
         if me != 0 and found[0] != me:
             return  # perhaps another install's device: a user's install leaves it
     out.mine.append(uuid)
+
+
+def release(root: str, directory: Optional[str] = None) -> List[str]:
+    """Remove the install at ROOT's claims (its uninstall): the UUIDs released.
+
+    Only a claim this process's user made and that names ROOT: another install's claim, or
+    what another user put under a device's name, stays. A claim replaced between the read
+    and the removal (by a sync taking it over) could be another install's: the name is
+    removed only while it still leads to the file read."""
+    directory = claims_dir() if directory is None else directory
+    try:
+        dfd = os.open(directory, _DIR_FLAGS)
+    except OSError:
+        return []
+    me = os.geteuid()
+    out: List[str] = []
+    try:
+        for uuid in sorted(os.listdir(dfd)):
+            if uuid.startswith("."):
+                continue
+            try:
+                fd = os.open(uuid, _READ_FLAGS, dir_fd=dfd)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                mine = (not _what(st) and st.st_uid == me
+                        and os.read(fd, _MAX_CLAIM).decode("utf-8", "surrogateescape").strip() == root)
+                if mine:
+                    now = os.stat(uuid, dir_fd=dfd, follow_symlinks=False)
+                    if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                        os.unlink(uuid, dir_fd=dfd)
+                        out.append(uuid)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+    finally:
+        os.close(dfd)
+    return out

@@ -60,6 +60,7 @@ def serve(root: str) -> None:
     finally:
         stop_monitor(monitor)
         os.close(lock)
+        _say(f"stopped (pid {os.getpid()})")  # the journal's or the --daemon log's last line
 
 
 def _hold_service_lock(root: str) -> int:
@@ -71,7 +72,7 @@ def _hold_service_lock(root: str) -> int:
         return hold(path)
     except AlreadyRunning:
         raise SetupError(f"a service already holds {path}",
-                         hint="stop it first (systemctl stop cudawrap, or kill the pid in its pid file)") from None
+                         hint="stop it first (systemctl stop cudawrap, or cudawrap serve --stop)") from None
 
 
 def start_monitor(layout: object, lock: int) -> int:

@@ -88,6 +88,44 @@ def _line_of(lines: List[str], table: Optional[str], key: str) -> int:
     return 0
 
 
+# tomllib's (and tomli's) words for a table declared twice: "Cannot declare ('policy',) twice".
+_TWICE = re.compile(r"Cannot declare \((.*?),?\) twice \(at line (\d+)")
+
+
+def _declared_twice(path: Path, lines: List[str], error: str) -> Optional[ConfigError]:
+    """ERROR, tomllib's for a table declared twice, said with the line where the table
+    already is and what to do; None for any other error."""
+    found = _TWICE.search(error)
+    if found is None:
+        return None
+    parts = [part.strip().strip("'\"") for part in found.group(1).split(",")]
+    name = ".".join(p if re.fullmatch(r"[A-Za-z0-9_-]+", p) else f'"{p}"' for p in parts if p)
+    first = _line_of(lines, None, name)
+    if not name or not first or first >= int(found.group(2)):
+        return None
+    return ConfigError(f"{path}:{found.group(2)}: [{name}] appears twice: it is already at line {first}",
+                       hint=f"put these settings below the [{name}] of line {first} and remove this "
+                            f"[{name}] line (a TOML table may appear only once)")
+
+
+def _home_of(key: str) -> Optional[str]:
+    """The table of the main settings that KEY belongs in, if any."""
+    for table, keys in (("devices", DEVICE_KEYS), ("policy", POLICY_KEYS), *OPS_SECTIONS.items()):
+        if key in keys:
+            return table
+    return None
+
+
+def _header_hint(lines: List[str], table: str) -> str:
+    """What to do with a key that belongs in [TABLE]: uncomment the default file's #[TABLE]."""
+    for number, line in enumerate(lines, 1):
+        stripped = line.strip()
+        if stripped.startswith("#") and _norm_table(stripped[1:].strip().strip("[]")) == table \
+                and stripped[1:].strip().startswith("["):
+            return f"remove the '#' before the #[{table}] of line {number}, or put it below a [{table}] line"
+    return f"put it below a [{table}] line"
+
+
 def _where(path: Path, lines: List[str], table: Optional[str], key: str) -> str:
     line = _line_of(lines, table, key)
     return f"{path}:{line}" if line else str(path)
@@ -108,9 +146,11 @@ def _parse_table(
         parse = allowed.get(key)
         if parse is None:
             known = ", ".join(sorted(allowed))
+            home = _home_of(key)
             raise ConfigError(
                 f"{where}: unknown key '{key}' in [{table_name}]",
-                hint=f"known keys there: {known}",
+                hint=f"'{key}' belongs in [{home}]: {_header_hint(lines, home)}" if home
+                else f"known keys there: {known}",
             )
         try:
             out[key] = Setting(parse(raw), where)
@@ -124,6 +164,9 @@ def parse_config(path: Path, text: str) -> Config:
     try:
         data = _load_toml(text)
     except ValueError as exc:  # tomllib.TOMLDecodeError says "(at line N, column M)"
+        twice = _declared_twice(path, text.splitlines(), str(exc))
+        if twice is not None:
+            raise twice from None
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except RecursionError:  # tomllib parses nested arrays and tables recursively
         raise ConfigError(f"{path}: not valid TOML: arrays or tables nested too deeply") from None
@@ -156,7 +199,7 @@ def parse_config(path: Path, text: str) -> Config:
             line = _line_of(lines, "", section)
             raise ConfigError(f"{path}:{line}: '{section}' belongs in [{home}]" if line
                               else f"{path}: '{section}' belongs in [{home}]",
-                              hint=f"put it below a [{home}] line")
+                              hint=_header_hint(lines, home))
         else:
             raise ConfigError(
                 f"{_where(path, lines, None, section)}: unknown section [{section}]",

@@ -3,7 +3,10 @@
 Generated from ``config.DEFAULTS`` and ``config.DESCRIPTIONS`` so the file can never
 list a setting the parser does not know, or miss one it does. Every setting appears
 commented out with its default: removing the ``#`` before a setting line gives the same
-behaviour as before, so an admin edits values, never spelling.
+behaviour as before, so an admin edits values, never spelling. A table's header is
+commented out too, unless a key of it is set: a table may appear only once in TOML, so an
+uncommented header would make the most natural edit, appending ``[policy]`` and a key at
+the end, an error (issue 51).
 """
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ HEADER = """\
 # cudawrap configuration.
 #
 # Every setting is listed below, commented out, with its default value: remove the "#"
-# in front of a setting line and change the value to use another one. install.sh wrote
-# this file once and never overwrites it (an upgrade leaves your edits alone).
+# in front of a setting line and in front of its table's header (such as #[policy]), and
+# change the value to use another one; or add the table and the setting at the end of the
+# file (a table may appear once). install.sh wrote this file once and never overwrites it
+# (an upgrade leaves your edits alone).
 #
 # After an edit, check it with `cudawrap config`: it prints the settings in force and
 # where each one came from. A mistake here (an unknown key, a value of the wrong type)
@@ -47,7 +52,7 @@ LIMITS_EXAMPLE = """\
 # would go over its user's limit waits until one of that user's runs ends. A user's limit
 # is their [limits.users."NAME"] entry if any, else the largest of their groups' entries,
 # else max_devices_per_user. Root is limited too unless it has an entry of its own.
-[limits]
+#[limits]
 # most devices one user may hold at once; 0 = no limit
 #max_devices_per_user = 0
 #
@@ -83,7 +88,7 @@ SHARING_EXAMPLE = """\
 def _sharing_table() -> List[str]:
     lines = ["# How shared runs share a device (docs: \"Sharing and MPS\"); runs share only with",
              "# share = true (a program's policy, `cudawrap run --share` or CUDAWRAP_SHARE=1).",
-             "[sharing]"]
+             "#[sharing]"]
     for key, what in SHARING_DESCRIPTIONS.items():
         lines += [f"# {what}", f"#{key} = {SHARING_SHOWN[key]}"]
     return lines
@@ -111,7 +116,8 @@ ENFORCED: Mapping[str, Tuple[Any, str]] = {
 
 
 def _table(name: str, keys: Iterable[str], chosen: Mapping[str, Tuple[Any, str]]) -> List[str]:
-    lines = [f"[{name}]"]
+    keys = list(keys)
+    lines = [f"[{name}]" if any(key in chosen for key in keys) else f"#[{name}]"]
     for key in keys:
         lines.append(f"# {DESCRIPTIONS[key]}")
         if key in chosen:

@@ -186,11 +186,15 @@ _built_waiter: List[Path] = []
 
 
 def built_waiter() -> Path:
-    """The waiter (shims/cudawrap-wait.c), built by the installer's own step once per session."""
+    """The waiter (shims/cudawrap-wait.c), built by the installer's own step once per session,
+    in a directory removed when the session ends (each session left one in /tmp before)."""
     if not _built_waiter:
+        import atexit
+        import shutil
         import tempfile
 
         scratch = Layout(Path(tempfile.mkdtemp(prefix="cudawrap-waiter-")))
+        atexit.register(shutil.rmtree, scratch.root, ignore_errors=True)
         said: List[str] = []
         assert build_waiter(scratch, said.append), said
         _built_waiter.append(scratch.waiter)

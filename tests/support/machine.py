@@ -14,9 +14,11 @@ Two ways to use a machine:
 """
 import ctypes
 import os
+import re
 import shlex
 import subprocess
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -33,6 +35,20 @@ LIBNAME = "libnvidia-ml.so.1"
 
 # One copy of the library per process: pynvml finds it by soname once preloaded.
 _preloaded: Dict[Path, ctypes.CDLL] = {}
+
+# This session's own: device claims are machine-wide (/run/cudawrap-devices, lease/claims.py),
+# so an install on a simulated machine that claims there (a README walk-through, which sets no
+# CUDAWRAP_DEVICE_CLAIMS) must not use the UUIDs another session's, or README's own
+# walk-through run by hand, claims at the same time.
+SESSION = uuid.uuid4().hex[:8]
+_UUID = re.compile(r"\b((?:GPU|MIG)-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-)[0-9a-f]{8}([0-9a-f]{4})\b")
+
+
+def session_topology(name: str) -> str:
+    """The topology NAME (of TOPOLOGIES) with every device UUID made this session's own: the
+    last group's first 8 digits are SESSION's, so the UUIDs' prefixes (ambiguous or not, as
+    the file chose them) and their order are the file's."""
+    return _UUID.sub(lambda m: f"{m[1]}{SESSION}{m[2]}", (TOPOLOGIES / f"{name}.topo").read_text(encoding="utf-8"))
 
 
 def build_fakenvml(out_dir: Path) -> Path:
