@@ -38,17 +38,18 @@ for s in socks:
 """
 
 
-def _clients(mu_world, tmp_dir: Path, n: int):  # type: ignore[no-untyped-def]
-    """N connections from a process of alice's, as the service accepts them; and the process."""
+def _clients(mu_world, tmp_dir: Path, n: int, user=None):  # type: ignore[no-untyped-def]
+    """N connections from a process of USER's (alice's by default), as the service accepts
+    them; and the process."""
     import subprocess
 
-    path = str(tmp_dir / "answers.sock")
+    path = str(tmp_dir / f"answers-{n}.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     os.chmod(path, 0o666)
     listener.listen(n)
-    alice = mu_world.alice
-    proc = subprocess.Popen(alice.argv([mu_world.python, "-I", "-c", READER, path, str(n)]),
+    user = user or mu_world.alice
+    proc = subprocess.Popen(user.argv([mu_world.python, "-I", "-c", READER, path, str(n)]),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout.readline() == b"connected\n"
     clients = []
@@ -56,16 +57,41 @@ def _clients(mu_world, tmp_dir: Path, n: int):  # type: ignore[no-untyped-def]
         sock, _addr = listener.accept()
         sock.setblocking(False)
         who = peer.identify(sock)
-        assert who is not None and who.uid == alice.uid
+        assert who is not None and who.uid == user.uid
         clients.append(Client(sock, who))
     listener.close()
     return proc, clients
 
 
-def test_an_answer_is_sent_as_its_client_reads_and_one_users_unread_answers_are_bounded(mu_world) -> None:
-    directory = Path(mu_world.base) / f"answers-{os.getpid()}"
+def _directory(mu_world) -> Path:  # type: ignore[no-untyped-def]
+    directory = Path(mu_world.base) / f"answers-{os.getpid()}-{time.monotonic_ns()}"
     directory.mkdir()
     directory.chmod(0o755)
+    return directory
+
+
+def test_users_asking_questions_take_turns(mu_world) -> None:
+    """Alice asks on three connections, then bob on one: bob's is answered second, not last."""
+    directory = _directory(mu_world)
+    alices, mine = _clients(mu_world, directory, 3)
+    bobs, (his,) = _clients(mu_world, directory, 1, mu_world.bob)
+    try:
+        answers = Answers()
+        for client in mine + [his]:
+            answers.ask(client, "status", {})
+        answers.forget(mine[2])  # gone before its turn: skipped
+        assert [answers.next() for _ in range(4)] == [mine[0], his, mine[1], None]
+    finally:
+        for proc in (alices, bobs):
+            proc.kill()
+            proc.wait()
+        for c in mine + [his]:
+            c.sock.close()
+            c.peer.close()
+
+
+def test_an_answer_is_sent_as_its_client_reads_and_one_users_unread_answers_are_bounded(mu_world) -> None:
+    directory = _directory(mu_world)
     proc, (first, second, third) = _clients(mu_world, directory, 3)
     try:
         answers = Answers()

@@ -27,11 +27,13 @@ from ..errors import CudawrapError
 from .connection import ANSWER_S, Client
 
 MAX_UNSENT = wire.MAX_ANSWER  # per user: bytes of answers its clients have not taken
+UNREAD_HINT = "read the answers your connections asked for, or close them"
 
 
 class Answers:
     def __init__(self) -> None:
-        self.asked: Deque[Client] = deque()  # questions to answer, in the order they came
+        # uid -> its questions to answer, in the order they came; users take turns (next()).
+        self.asked: Dict[int, Deque[Client]] = {}
         self.sending: Dict[int, Client] = {}  # socket fd -> a client with an answer partly sent
         self.unsent: Dict[int, int] = {}  # uid -> the bytes of its answers not sent yet
         self.last = 0  # the size of the last answer sent
@@ -60,13 +62,18 @@ class Answers:
     def ask(self, client: Client, verb: str, fields: Dict[str, str]) -> None:
         """CLIENT's question, to be answered once the step has done all else."""
         client.question = (verb, fields)
-        self.asked.append(client)
+        self.asked.setdefault(client.peer.uid, deque()).append(client)
 
     def next(self) -> Optional[Client]:
         """The next question's client still connected (forget() drops the others), once no
-        answer is being finished."""
+        answer is being finished: the users with questions take turns, so that one asking
+        on a thousand connections delays nobody else's answer by more than one."""
         while self.asked and self.working is None:
-            client = self.asked.popleft()
+            uid = next(iter(self.asked))
+            mine = self.asked.pop(uid)
+            client = mine.popleft()
+            if mine:
+                self.asked[uid] = mine  # last, behind the other users'
             if client.question is not None and client.sock.fileno() >= 0:
                 return client
         return None

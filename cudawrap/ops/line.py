@@ -98,6 +98,7 @@ class Line:
             limit_of=self.limit_of, drained=self._drained, sharing=Sharing(value.get("sharing")))
         if previous is not None:
             self.acquirer.holders = previous.holders  # who held leases (held_by) outlives a new look at the machine
+            self.acquirer.skip_keys, self.acquirer.skip_users = previous.skip_keys, previous.skip_users  # and who is passed over
 
     def _drained(self) -> "set[str]":
         import os

@@ -35,7 +35,7 @@ from ..proc import executable, start_time
 from ..users import user_name
 from . import accounts, asks, peer, slurmjob, tickets
 from ..paths import Layout
-from .answers import Answers
+from .answers import UNREAD_HINT, Answers
 from .comeback import Comeback
 from .connection import Client, answer_bytes, listen
 from .grants import Grants, Held
@@ -505,7 +505,7 @@ class Service:
         """A status or cancel: answered once a step has done all else (_answer)."""
         refused = self.answers.over(client.peer.uid)
         if refused:
-            self._fail(client, os.EX_TEMPFAIL, refused, "read the answers your connections asked for, or close them")
+            self._fail(client, os.EX_TEMPFAIL, refused, UNREAD_HINT)
             return
         self.answers.ask(client, verb, fields)
 
@@ -514,6 +514,10 @@ class Service:
         now, the rest as the client reads (_writable)."""
         client = self.answers.next()
         if client is None or client.question is None:
+            return
+        refused = self.answers.over(client.peer.uid)  # its answers since it asked: worked out for nothing
+        if refused:
+            self._fail(client, os.EX_TEMPFAIL, refused, UNREAD_HINT)
             return
         from . import questions
 
@@ -549,7 +553,7 @@ class Service:
         data = answer_bytes(reply)
         refused = self.answers.over(asker, len(data))
         if refused:
-            self._fail(client, os.EX_TEMPFAIL, refused, "read the answers your connections asked for, or close them")
+            self._fail(client, os.EX_TEMPFAIL, refused, UNREAD_HINT)
         elif self.answers.send(client, data) is False:
             self.selector.modify(client.sock, selectors.EVENT_WRITE, client)  # the rest as it reads
         else:

@@ -39,6 +39,7 @@ class Stalls:
     def offered(self, client: Client, now: float) -> None:
         """CLIENT was just sent a grant."""
         assert client.waiter is not None
+        self.offers.drop(client.waiter.key)  # a grant before, lapsed or lost: judged from this one
         self.offers.offer(client.waiter.key, client.peer.pid, now, own=False)
 
     def ignored(self, pending: Iterable[str], now: float) -> List[str]:
