@@ -2,6 +2,7 @@
 
     sudo python3 bench/attacks.py planted [--entries 20000] [--runs 15]
     sudo python3 bench/attacks.py storm [--waiters 48] [--seconds 8]
+    sudo python3 bench/attacks.py service [--waiters 900] [--handovers 15]
 
 On the simulated four-GPU machine, with cudawrap installed under a temporary root; the
 attacker is the `nobody` account. Figures, not a test: nothing here passes or fails.
@@ -20,6 +21,16 @@ together over SECONDS (a share of one core, from /proc/PID/stat), then the hand-
 devices are let go one at a time and each run that starts is killed in turn, and the time
 from a release (or the kill) to the next run's start is read from what the started runs
 log (a shell script: `date` adds ~1 ms).
+
+service: `cudawrap serve` runs; root's wrapped runs take GPU 0 in turn (each asks for it by
+CUDA_VISIBLE_DEVICES; the other GPUs are held by this script), and WAITERS more requests
+(root's, one process's connections) wait behind them, so that a whole status answer is
+large (~640 KB with 900). For each of: no attack; `nobody` asking `status whole=1` on
+connection after connection and never reading (unread); four loops of `nobody` reading whole
+answers (whole); four loops of `nobody` connecting, asking for a device and closing at once
+(churn): HANDOVERS hand-overs of GPU 0 (its holder killed, the time to the next run's start
+as in storm; a hand-over not made within 30 s counts as 30 s), and the service's CPU over
+them (a share of one core).
 """
 from __future__ import annotations
 
@@ -33,7 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
@@ -252,15 +263,191 @@ def handovers(runs: List[subprocess.Popen], held: List[int], log: Path) -> List[
     return out
 
 
-def next_start(log: Path, seen: int) -> tuple:
-    deadline = time.monotonic() + 30
+def next_start(log: Path, seen: int, limit: float = 0.0) -> Optional[tuple]:
+    """The next start in LOG after the first SEEN: (seen, (pid, when)); None after LIMIT s
+    without one, where LIMIT is given (else an error after 30 s)."""
+    deadline = time.monotonic() + (limit or 30)
     while True:
         lines = log.read_text().splitlines()
         if len(lines) > seen and lines[seen].count(" ") == 1:
             pid, at = lines[seen].split()
             return seen + 1, (int(pid), float(at))
+        if limit and time.monotonic() >= deadline:
+            return None
         assert time.monotonic() < deadline, "no run started"
         time.sleep(0.002)
+
+
+SERVICE_ATTACKS = {
+    # Connection after connection asks for a whole status and never reads; as many stay
+    # open as the service lets one user have.
+    "unread": r"""
+import socket, sys, time
+path, keep = sys.argv[1], int(sys.argv[2])
+open_ = []
+while True:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        s.sendall(b"cudawrap/1 status\nwhole=1\n\n")
+    except OSError:
+        s.close()
+        time.sleep(0.01)
+        continue
+    open_.append(s)
+    if len(open_) > keep:
+        open_.pop(0).close()
+    time.sleep(0.002)
+""",
+    # A loop reading whole answers (four of them run).
+    "whole": r"""
+import socket, sys
+path = sys.argv[1]
+while True:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        s.sendall(b"cudawrap/1 status\nwhole=1\n\n")
+        while s.recv(1 << 20):
+            pass
+    except OSError:
+        pass
+    s.close()
+""",
+    # A loop connecting, asking for a device and closing at once (four of them run).
+    "churn": r"""
+import socket, sys
+path, uuid = sys.argv[1], sys.argv[2]
+message = ("cudawrap/1 request\ncount=1\nwait=inf\nvisible=%s\n\n" % uuid).encode()
+while True:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        s.sendall(message)
+    except OSError:
+        pass
+    s.close()
+""",
+}
+# Root's requests waiting behind the runs measured: one process, a connection each.
+FILLER = r"""
+import socket, sys
+path, n, uuid = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+message = ("cudawrap/1 request\ncount=1\nwait=inf\nvisible=%s\n\n" % uuid).encode()
+socks = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.sendall(message)
+    socks.append(s)
+print("asked", flush=True)
+sys.stdin.read()
+"""
+ATTACK_LOOPS = {"none": 0, "unread": 1, "whole": 4, "churn": 4}
+HANDOVER_LIMIT_S = 30.0
+
+
+def question_s(path: str) -> float:
+    """The time from asking the service for a whole status to its last byte."""
+    import socket
+
+    started = time.perf_counter()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        s.sendall(b"cudawrap/1 status\nwhole=1\n\n")
+        while s.recv(1 << 20):
+            pass
+    return time.perf_counter() - started
+
+
+def service(inst: Install, waiters: int, handovers: int) -> None:
+    script = inst.bindir / "stamp.sh"
+    script.write_text(STAMP)
+    script.chmod(0o755)
+    program = inst.wrap("stamp", script)
+    lease_files = sorted(inst.layout.lease_dir.iterdir())
+    target = lease_files[0].name
+    held = []
+    for path in lease_files[1:]:  # only GPU 0 is contested: every run asks for it
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        held.append(fd)
+    code = f"import sys; sys.path[:0] = [{str(REPO)!r}]; sys.argv[0] = 'cudawrap'; from cudawrap.cli import main; main()"
+    journal = inst.bindir.parent / "serve.log"  # read by nobody: a pipe left unread would stop it
+    with open(journal, "wb") as out:
+        served = subprocess.Popen([sys.executable, "-c", code, "serve"], env=inst.env, stdout=out,
+                                  stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while "listening on" not in journal.read_text():
+        assert served.poll() is None and time.monotonic() < deadline, journal.read_text()
+        time.sleep(0.05)
+    sock = str(inst.layout.runtime_dir / "cudawrap.sock")
+    log = inst.bindir.parent / "stamps-service"
+    log.touch()
+    env = dict(inst.env, STAMP_LOG=str(log), CUDAWRAP_WAIT="inf", CUDA_VISIBLE_DEVICES=target)
+    runs: List[subprocess.Popen] = []
+    filler = None
+    try:
+        # The runs measured, in line in this order (the first takes GPU 0 at once), then the rest.
+        for i in range(1 + len(ATTACK_LOOPS) * handovers):
+            runs.append(subprocess.Popen([str(program)], env=env, stderr=subprocess.PIPE))
+            if i == 0:
+                next_start(log, 0)
+            else:
+                assert runs[-1].stderr is not None
+                said = runs[-1].stderr.readline().decode()
+                assert "waiting for a device" in said, said
+        filler = subprocess.Popen([inst.python, "-I", "-c", FILLER, sock, str(waiters), target],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert filler.stdout is not None and filler.stdout.readline() == b"asked\n", "the waiters did not ask"
+        time.sleep(2.0)  # their decisions are over
+        whole = [question_s(sock) for _ in range(5)]
+        print(f"{waiters} requests waiting behind the runs measured; {handovers} hand-overs of one GPU "
+              f"under each attack by nobody; on {os.uname().release}")
+        print(f"a whole status, asked and read alone: {ms(whole)}")
+        print(f"{'attack':>8}  {'hand-over':>30}  {'max':>9}  {'service CPU':>12}  {'n':>4}")
+        by_pid = {p.pid: p for p in runs}
+        holder, seen = runs[0].pid, 1
+        for kind, loops in ATTACK_LOOPS.items():
+            attackers = []
+            if kind == "unread":
+                attackers = [inst.as_nobody(SERVICE_ATTACKS[kind], sock, "900")]
+            elif kind != "none":
+                attackers = [inst.as_nobody(SERVICE_ATTACKS[kind], sock, *([target] if kind == "churn" else []))
+                             for _ in range(loops)]
+            time.sleep(2.0)  # the attack under way
+            cpu = cpu_s([served.pid])
+            began = time.monotonic()
+            delays = []
+            for _ in range(handovers):
+                killed = time.time()
+                by_pid[holder].kill()
+                by_pid[holder].wait()
+                started = next_start(log, seen, HANDOVER_LIMIT_S)
+                if started is None:
+                    delays.append(HANDOVER_LIMIT_S)
+                    break  # the line no longer moves: the next attack's runs are behind it
+                seen, (holder, at) = started
+                delays.append(at - killed)
+                time.sleep(0.05)
+            share = (cpu_s([served.pid]) - cpu) / (time.monotonic() - began)
+            for a in attackers:
+                a.kill()
+                a.wait()
+            print(f"{kind:>8}  {ms(delays, 95):>30}  {1000 * max(delays):7.1f}ms  {100 * share:>11.1f}%  "
+                  f"{len(delays):>4}")
+            time.sleep(1.0)
+    finally:
+        if filler is not None:
+            filler.kill()
+            filler.wait()
+        for p in runs:
+            p.kill()
+            p.wait()
+        served.terminate()
+        served.wait(timeout=30)
+        for fd in held:
+            os.close(fd)
 
 
 def main() -> None:
@@ -272,6 +459,9 @@ def main() -> None:
     two = sub.add_parser("storm")
     two.add_argument("--waiters", type=int, default=48)
     two.add_argument("--seconds", type=float, default=8.0)
+    three = sub.add_parser("service")
+    three.add_argument("--waiters", type=int, default=900)
+    three.add_argument("--handovers", type=int, default=15)
     args = parser.parse_args()
     if os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("cc") is None:
         sys.exit("run as root, with setpriv and cc: the attacker is another account (nobody)")
@@ -280,6 +470,8 @@ def main() -> None:
         inst = Install(base)
         if args.section == "planted":
             planted(inst, args.entries, args.runs)
+        elif args.section == "service":
+            service(inst, args.waiters, args.handovers)
         else:
             storm(inst, args.waiters, args.seconds)
     finally:

@@ -12,8 +12,12 @@ import signal
 import time
 from typing import Dict, List
 
+import pytest
+
+from cudawrap.sched.turns import STALL_S
 from support.installed import ready_line, waiting_line
 from support.procs import root_only, wait_for
+from test_service import Served, _ledger
 
 pytestmark = root_only
 
@@ -165,24 +169,40 @@ def test_limits_per_user_and_their_messages(mu) -> None:  # type: ignore[no-unty
     assert second.wait(timeout=30) == 0
 
 
-def test_a_stopped_waiter_loses_its_turn_and_gets_it_back(mu) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("served", [False, True], ids=["daemonless", "service"])
+def test_a_stopped_waiter_loses_its_turn_and_gets_it_back(mu, served: bool) -> None:  # type: ignore[no-untyped-def]
+    """Alice's run, first in line, is stopped (SIGSTOP) as the device frees: bob's run behind it
+    gets the device within turns.STALL_S, and alice's once she is continued. Through the
+    service (issue 51, 16) the grant went to her again every 2 s, each time one more "not
+    taken" in the ledger, until she was killed: now she is passed over as runs deciding for
+    themselves pass her over, and her stall is one "not taken", however long it lasts."""
     inst = mu("four-gpus")
     alice, bob = inst.world.alice, inst.world.bob
-    inst.wrap("recon")
     inst.allow(inst.machine.leaf_uuids()[0])
-    holder = inst.start(None, "recon", "--hold", "600")
-    ready_line(holder)
-    stopped = inst.start(alice, "recon", "--log", str(inst.log))
-    assert "position 1 in line" in waiting_line(stopped)
-    patient = inst.start(bob, "recon", "--hold", "0.5", "--log", str(inst.log))
-    assert "position 2 in line" in waiting_line(patient)
-    os.kill(stopped.pid, signal.SIGSTOP)
-    holder.kill()
-    assert patient.wait(timeout=30) == 0  # alice's stopped run did not keep the device idle
-    os.kill(stopped.pid, signal.SIGCONT)
-    assert stopped.wait(timeout=30) == 0
-    assert starts(inst.log) == [patient.pid, stopped.pid]
-    assert inst.status(None)["waiting"] == []
+    service = Served(inst) if served else None  # it wraps recon
+    if service is None:
+        inst.wrap("recon")
+    try:
+        holder = inst.start(None, "recon", "--hold", "600")
+        ready_line(holder)
+        stopped = inst.start(alice, "recon", "--log", str(inst.log))
+        assert "position 1 in line" in waiting_line(stopped)
+        patient = inst.start(bob, "recon", "--hold", "0.5", "--log", str(inst.log))
+        assert "position 2 in line" in waiting_line(patient)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        holder.kill()
+        assert patient.wait(timeout=30) == 0  # alice's stopped run did not keep the device idle
+        if service is not None:
+            time.sleep(2 * STALL_S)  # the device free all along, and alice's run still stopped
+            assert [r["how"] for r in _ledger(inst, "end") if r["pid"] == stopped.pid] == ["not taken"]
+        os.kill(stopped.pid, signal.SIGCONT)
+        assert stopped.wait(timeout=30) == 0
+        assert starts(inst.log) == [patient.pid, stopped.pid]
+        assert inst.status(None)["waiting"] == []
+    finally:
+        if service is not None:
+            service.proc.terminate()
+            service.proc.wait(timeout=10)
 
 
 def test_the_api_waits_from_a_thread_and_leaves_nothing_behind(mu) -> None:  # type: ignore[no-untyped-def]

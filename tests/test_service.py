@@ -6,6 +6,7 @@ kernel credits to their own process.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -995,3 +996,101 @@ def test_serve_daemon_says_where_it_runs_logs_its_stop_and_stop_removes_its_pid_
     assert log.read_text().splitlines()[-1] == f"cudawrap serve: stopped (pid {pid})"
     again = inst.cli(None, "serve", "--stop")
     assert again.returncode == 0 and again.stdout.decode() == f"cudawrap serve: no service runs (no live {pid_file})\n"
+
+
+# N requests for a device, one connection each, from one process: they wait until it is killed.
+CROWD = r"""
+import socket, sys, time
+socks = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sys.argv[1])
+    s.sendall(b"cudawrap/1 request\ncount=1\nwait=inf\n\n")
+    socks.append(s)
+print("asked", flush=True)
+time.sleep(600)
+"""
+# N questions for the whole status, one connection each, never read.
+UNREAD = CROWD.replace(r"request\ncount=1\nwait=inf\n\n", r"status\nwhole=1\n\n")
+
+
+def test_the_loop_never_waits_on_a_client_that_does_not_read_its_answer(served: Served) -> None:
+    """Issue 51, 17: with enough runs waiting that a whole status is more than a socket takes
+    (~250 KB), alice asks for it on five connections and never reads. Each answer waited up to
+    2 s for her (sendall) in the one loop, ahead of every grant: bob's run, first in line, was
+    handed a device let go ~10 s later. Now it is handed over at once, and the rest of each
+    answer goes out as its client reads (a status of 400 waiting arrives whole)."""
+    inst = served.inst
+    holders = served.fill()
+    waiter = served.waiting(inst.world.bob)
+    crowd = inst.py_start(None, CROWD, str(served.sock), "400")
+    unread = None
+    try:
+        assert crowd.stdout.readline() == b"asked\n", crowd.stderr.read().decode()
+        wait_for(lambda: len(_status(inst, None)["waiting"]) == 401, 60, "the crowd in line")
+        unread = inst.py_start(inst.world.alice, UNREAD, str(served.sock), "5")
+        assert unread.stdout.readline() == b"asked\n", unread.stderr.read().decode()
+        time.sleep(0.2)  # her questions are being answered
+        released = time.monotonic()
+        holders[0].kill()
+        ready_line(waiter)
+        took = time.monotonic() - released
+        assert took < 1.0, f"handed over {took:.3f} s after its release"
+        seen = inst.cli(inst.world.bob, "status", "--json")  # ~100 KB, read as it comes
+        assert seen.returncode == 0 and len(json.loads(seen.stdout)["waiting"]) == 400, seen.stderr.decode()
+        code = ("import json, sys; sys.path[:0] = sys.argv[2:]\n"
+                "from cudawrap import client, wire\n"
+                "reply = client.question(sys.argv[1], wire.STATUS, {'whole': '1'})\n"
+                "print(len(json.loads(reply['status'])['waiting']))")
+        whole = inst.py(inst.world.bob, code, str(inst.layout.root), *inst.world.path)  # finished off the loop
+        assert whole.stdout.strip() == b"400", whole.stderr.decode()
+    finally:
+        for p in [crowd, waiter] + holders + ([unread] if unread else []):
+            p.kill()
+            p.wait()
+
+
+# Asks for a device and never locks what it is sent: prints each message's verb as it comes.
+NEVER_TAKES = r"""
+import signal, socket, sys
+signal.alarm(25)  # however it goes
+sys.path[:0] = @PATH@
+from cudawrap import wire
+from cudawrap.client import Connection
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(@SOCK@)
+conn = Connection(sock)
+conn.send(wire.REQUEST, {"count": "1", "wait": "inf"})
+while True:
+    verb, fields = conn.receive()
+    if verb == wire.GRANT:
+        conn.drop_fds()
+    print(verb, fields.get("text", ""), flush=True)
+    if verb == wire.ERROR:
+        break
+"""
+
+
+def test_a_client_that_never_takes_its_grants_is_passed_over_then_let_go(served: Served) -> None:
+    """Issue 51, 16: alice's client is sent a grant and does not lock it (asleep, not stopped):
+    passed over (bob's run behind it is served), then sent one more once its time passed
+    over ends; ignoring that too, it is given no more: an error line, and two "not taken"."""
+    inst = served.inst
+    holders = served.fill()
+    fake = inst.py_start(inst.world.alice, NEVER_TAKES.replace("@PATH@", repr(list(inst.world.path)))
+                         .replace("@SOCK@", repr(str(served.sock))))
+    try:
+        assert fake.stdout.readline().startswith(b"wait "), fake.stderr.read().decode()
+        waiter = served.waiting(inst.world.bob)
+        holders[0].kill()
+        assert fake.stdout.readline().startswith(b"grant")
+        ready_line(waiter)  # passed over: bob's run has the device
+        waiter.kill()  # and lets it go: alice's client is sent it again once its time is over
+        verbs = [line.split(b" ")[0] for line in fake.stdout.read().splitlines()]
+        assert verbs[-2:] == [b"grant", b"error"], verbs
+        assert fake.wait(timeout=10) == 0
+        assert [r["how"] for r in _ledger(inst, "end") if r["pid"] == fake.pid] == ["not taken"] * 2
+    finally:
+        for p in [fake] + holders:
+            p.kill()
+            p.wait()

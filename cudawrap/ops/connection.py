@@ -15,7 +15,7 @@ from . import asks, peer
 from .slurmjob import JobCgroup
 
 HELLO_S = 5.0  # a connection that asks nothing for this long is closed
-ANSWER_S = 2.0  # what an answer may wait for a client that does not read
+ANSWER_S = 2.0  # an answer whose client takes none of it for this long is dropped
 BACKLOG = 1024
 
 
@@ -40,11 +40,14 @@ class Client:
         self.facts_error: Optional[CudawrapError] = None
         self.ticks: Optional[int] = None  # its start (proc.start_time), read then too: its grant's record names it
         self.exe: Optional[str] = None  # its executable, likewise
+        self.question: Optional[Tuple[str, Dict[str, str]]] = None  # a status or cancel, to be answered
+        self.unsent = b""  # what of its answer the socket has not taken yet (ops/answers.py)
+        self.stalled_at = 0.0  # when the socket last took some of it (time.monotonic())
 
     @property
     def fresh(self) -> bool:
         """Connected, and has asked nothing yet."""
-        return self.ask is None and self.resolving is None
+        return self.ask is None and self.resolving is None and self.question is None
 
     def send(self, verb: str, fields: Dict[str, str]) -> bool:
         try:
@@ -52,18 +55,29 @@ class Client:
         except OSError:  # full (a client that never reads) or gone: either way, done with it
             return False
 
-    def answer(self, fields: Dict[str, str]) -> None:
-        """Send an answer (it may be far larger than a socket buffer: status with 500
-        waiters) whole, giving a client that does not read ANSWER_S at most."""
+    def flush(self) -> Optional[bool]:
+        """Send what the socket takes now of the answer left (never waiting: the service's
+        one loop serves everyone): True once all of it is sent, False while some is left,
+        None when the client is gone."""
         try:
-            data = wire.encode(wire.ANSWER, fields)
-        except ValueError as exc:
-            data = wire.encode(wire.ERROR, {"text": str(exc), "code": str(os.EX_SOFTWARE)})
-        try:
-            self.sock.settimeout(ANSWER_S)
-            self.sock.sendall(data)
+            sent = self.sock.send(self.unsent)
+        except (BlockingIOError, InterruptedError):
+            return False
         except OSError:
-            pass
+            return None
+        if sent:
+            self.unsent = self.unsent[sent:]
+            self.stalled_at = time.monotonic()
+        return not self.unsent
+
+
+def answer_bytes(fields: Dict[str, str]) -> bytes:
+    """An answer as it is sent (it may be far larger than a socket buffer: status with 900
+    waiting is ~640 KB); an error line where it cannot be encoded."""
+    try:
+        return wire.encode(wire.ANSWER, fields)
+    except ValueError as exc:
+        return wire.encode(wire.ERROR, {"text": str(exc), "code": str(os.EX_SOFTWARE)})
 
 
 def listen(path: str) -> socket.socket:

@@ -7,7 +7,8 @@ job). What a queue entry claims is a user's word, so the service believes of it 
 cannot keep devices from others: a count above what that user could ever hold there is
 left out (it could never be served, and would only have devices kept idle for it), and its
 devices are kept for it no sooner than the admin's reserve_after. An entry offered devices
-that does not take them is passed over for turns.STALL_S (sched/turns.py says when).
+that does not take them is passed over for turns.STALL_S (sched/turns.py says when), as is
+a client of the service's own (pass_over: ops/stalls.py says when).
 """
 from __future__ import annotations
 
@@ -97,6 +98,7 @@ class Line:
             limit_of=self.limit_of, drained=self._drained, sharing=Sharing(value.get("sharing")))
         if previous is not None:
             self.acquirer.holders = previous.holders  # who held leases (held_by) outlives a new look at the machine
+            self.acquirer.skip_keys, self.acquirer.skip_users = previous.skip_keys, previous.skip_users  # and who is passed over
 
     def _drained(self) -> "set[str]":
         import os
@@ -168,6 +170,9 @@ class Line:
             known = self._known(granted, claimed)
             scan = known or self.queue.scan()
         now = time.monotonic()
+        for skips in (self.acquirer.skip_keys, self.acquirer.skip_users):
+            for gone in [k for k, until in skips.items() if until <= now]:
+                del skips[gone]  # over: a release's hand-over is carried on again (_carried)
         entries = [w for w in (self._believable(w) for w in scan.waiters) if w is not None]
         table = dict(scan.table)
         for uuid, locks in claimed.items():
@@ -306,6 +311,18 @@ class Line:
             else:
                 return None
         return Scan([], table, {})
+
+    def pass_over(self, key: str, uid: Optional[int], now: float) -> None:
+        """The run KEY ignored its turn: it, and its user's (UID's, if given) other runs, are
+        passed over for STALL_S, as runs deciding for themselves pass it over
+        (Acquirer._watch_others)."""
+        self.acquirer.skip_keys[key] = now + STALL_S
+        if uid is not None:
+            self.acquirer.skip_users[uid] = now + STALL_S
+        self.prepared = None
+
+    def passed_over(self, key: str, now: float) -> bool:
+        return self.acquirer.skip_keys.get(key, 0) > now
 
     def _pass_over_idle(self, entries: List[Waiter], verdicts: Dict[str, Verdict], now: float) -> None:
         """Queue entries offered devices that they leave untaken lose their turn for a while."""

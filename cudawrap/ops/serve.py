@@ -8,16 +8,20 @@ more often than MIN_GAP_S; asking Slurm for a client's job's GPUs (it may block)
 threads (slurmjob.Lookups). Whatever a client sends, the worst it gets is one error line and
 a closed connection; a user may keep at most max_connections connections open, and one that
 does not send its request within HELLO_S is closed. A waiting client keeps its place across a
-restart of the service by the ticket it was given (ops/tickets.py).
+restart of the service by the ticket it was given (ops/tickets.py). Questions (status, cancel)
+are answered after the grants, one a step, their answers sent as their clients read them
+(ops/answers.py): the loop never waits on a client.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import selectors
 import signal
+import socket
 import time
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Union
 
 from .. import locations as loc
 from .. import wire
@@ -26,16 +30,19 @@ from ..base.wakepipe import WakePipe
 from .cancel import CANCELLED_EXIT
 from ..errors import CudawrapError
 from ..sched.schedule import GRANTED, Verdict
+from ..sched.turns import STALL_S
 from ..proc import executable, start_time
 from ..users import user_name
 from . import accounts, asks, peer, slurmjob, tickets
 from ..paths import Layout
+from .answers import UNREAD_HINT, Answers
 from .comeback import Comeback
-from .connection import Client, listen
+from .connection import Client, answer_bytes, listen
 from .grants import Grants, Held
 from .line import Line
 from .news import FileWatch, News
 from .roster import Roster
+from .stalls import Stalls
 from .slurmjob import JobGpus
 
 log = logging.getLogger(__name__)
@@ -69,10 +76,16 @@ class Service:
         self.clients: Dict[int, Client] = {}  # socket fd -> client
         self.roster = Roster()  # who waits, who has not asked yet: kept, not found by a pass over everyone
         self.per_uid: Dict[int, int] = {}  # uid -> its connections (counting them was a pass over every client)
+        self.answers = Answers()  # questions waiting for the grants, answers waiting for their readers
+        self.stalls = Stalls()  # grants sent and not taken yet; clients passed over for ignoring theirs
         self.selector = selectors.DefaultSelector()
+        self.selector.register(self.answers.fileno(), selectors.EVENT_READ, "answers")
         self._catch_stops()  # before the socket exists: a stop from here on removes it
         self.dirty = False
         self.freed = False  # a grant ended: decided on at once, MIN_GAP_S or not
+        # Requests read this step: one decision for all of them at its end (one each, with
+        # 900 waiting and requests pouring in, took the loop for seconds: issue 51).
+        self.newcomers = False
         # When a release was last handed over on the last decision's look (_hand_over):
         # the full decision waits FOLLOW_S (another release meanwhile is handed over too).
         self.handed = float("-inf")
@@ -150,7 +163,9 @@ class Service:
         now = time.monotonic()
         times = [c.hello_by for c in self.roster.unasked()]
         times += [p.deadline for p in self.grants.pending.values()]
+        times += [self.stalls.due(now)] if self.grants.pending else []
         times += [self.recheck_at] if self.recheck_at < float("inf") else []
+        times += [now] if self.answers.ready() else [self.answers.due()] if self.answers.sending else []
         if self.roster.waiting:
             times.append(now + TICK_S)
             times.append(self.roster.next_due())
@@ -167,7 +182,7 @@ class Service:
         # One ledger turn for all of it, carried on to the next while hand-overs follow each
         # other: one state write, once the grants are sent (accounts.turn).
         with accounts.turn(self.grants.layout, carry=True):
-            for key, _mask in sorted(ready, key=_first):
+            for key, mask in sorted(ready, key=_first):
                 if key.data == "signal":
                     self.wake.drain()  # a stop signal's byte: run() leaves after this step
                 elif key.data == "listen":
@@ -176,15 +191,25 @@ class Service:
                     self._events()
                 elif key.data == "slurm":
                     self._resolved()
+                elif key.data == "answers":
+                    for client, done in self.answers.finished():
+                        self._send_answer(client, done)
                 elif isinstance(key.data, Held):
                     self._exited(key.data)
+                elif mask & selectors.EVENT_WRITE:
+                    self._writable(key.data)
                 else:
                     self._readable(key.data)
+            if self.newcomers:
+                self.newcomers = False
+                self._decide()
             now = time.monotonic()
-            for client in [c for c in self.roster.unasked() if c.hello_by <= now]:
-                self._drop(client)  # connected and never asked: its slot goes to others
+            for client in [c for c in self.roster.unasked() if c.hello_by <= now] + self.answers.stale(now):
+                self._drop(client)  # connected and never asked, or never reads: its slot goes to others
             for key in self.grants.expired(now):
                 self._late(key)
+            for key in self.stalls.ignored(self.grants.pending, now) if self.grants.pending else ():
+                self._late(key, ignored=True)
             if now >= self.recheck_at:
                 self.recheck_at = float("inf")
                 self._recheck(self.grants.lingering(), again=False)
@@ -205,6 +230,7 @@ class Service:
             # the line, and before the decision that rewrite delayed a second's first hand-over.
             self.comeback.census.note(self.roster.ticketed, now)
         accounts.release(older_than=accounts.CARRY_MAX_S)  # a look waits for its lock meanwhile
+        self._answer()  # after the grants, and one a step: what is ready meanwhile comes first
 
     def _all_held(self) -> bool:
         """Whether every device is held through a grant whose client runs, as its lock says:
@@ -223,11 +249,12 @@ class Service:
     def _waiting(self) -> List[Client]:
         return list(self.roster.waiting.values())
 
-    def _late(self, key: str) -> None:
-        """The grant KEY is past its deadline: void, unless its client's word is waiting unread
-        (a long step, such as a burst of requests, can outlast the deadline by itself) or its
-        locks are held all the same (a client that locked and has not said so: the lock is
-        the truth, and its run is counted from it)."""
+    def _late(self, key: str, ignored: bool = False) -> None:
+        """The grant KEY is past its deadline, or its client IGNORED it (ops/stalls.py): void,
+        unless its client's word is waiting unread (a long step, such as a burst of requests,
+        can outlast the deadline by itself) or its locks are held all the same (a client that
+        locked and has not said so: the lock is the truth, and its run is counted from it).
+        One that ignored it is passed over, as runs deciding for themselves pass it over."""
         client = self.roster.by_key.get(key)
         if client is not None:
             self._readable(client)
@@ -236,8 +263,21 @@ class Service:
             return
         if client is not None and client.waiter is not None and pending.taken():
             self._held(client)
-        else:
-            self._void(key)
+            return
+        self._void(key)
+        if ignored and client is not None and client.waiter is not None:
+            self._pass_over(client)
+
+    def _pass_over(self, client: Client) -> None:
+        assert client.waiter is not None
+        key, pid = client.waiter.key, client.peer.pid
+        if not self.stalls.passed(key, client):
+            self._fail(client, os.EX_TEMPFAIL, f"the cudawrap service: pid {pid} was granted devices twice "
+                                                "and took them neither time", "run it again")
+            return
+        self.line.pass_over(key, client.peer.uid, time.monotonic())
+        _say(f"pid {pid} (uid {client.peer.uid}) did not take the devices it was granted: "
+             f"it and its user's other runs are passed over for {STALL_S:g} s")
 
     def _void(self, key: str) -> None:
         """Take back the grant KEY sent (if it is not taken): its leases are tried again, and decided on."""
@@ -284,12 +324,14 @@ class Service:
         if self.clients.pop(client.sock.fileno(), None) is None:
             return
         self.roster.left(client.sock.fileno(), client)
+        self.answers.forget(client)
         left = self.per_uid.pop(client.peer.uid, 1) - 1
         if left:
             self.per_uid[client.peer.uid] = left
         self.selector.unregister(client.sock)
         if client.waiter is not None:
             self._void(client.waiter.key)  # and a waiter gone is one the last look counted
+            self.stalls.end(client.waiter.key)
         client.sock.close()
         client.peer.close()
 
@@ -316,6 +358,9 @@ class Service:
             messages = client.reader.feed(data)
         except wire.WireError as exc:
             self._fail(client, os.EX_PROTOCOL, f"the cudawrap service: {exc}")
+            return
+        if client.fresh and _hung_up(client):
+            self._drop(client)  # asked and left already: nobody to answer, nor to grant a device to
             return
         for verb, fields in messages:
             if client.sock.fileno() not in self.clients:
@@ -414,7 +459,7 @@ class Service:
                                       f"waited in it are coming back in line (up to {tickets.GRACE_S:g} s)"):
                 self._drop(client)
             return
-        self._decide()  # a newcomer is answered at once, free devices or not
+        self.newcomers = True  # answered at once, free devices or not: once this step has read all it can
 
     def _tell(self, client: Client, text: str) -> bool:
         """A wait line for CLIENT (none if TEXT is empty), with a new ticket when its last one is
@@ -443,6 +488,7 @@ class Service:
             self.grants.follow(held)
             self.selector.register(held.pidfd, selectors.EVENT_READ, held)
         self.line.held_by(client.peer.pid)
+        self.stalls.end(client.waiter.key)
         # Only a share's client waits for this: follow() above opened the MPS pipe directory to it.
         client.send(wire.DONE, {})
         audit.log("grant", holder=user_name(client.peer.uid), pid=client.peer.pid, program=client.waiter.program,
@@ -456,9 +502,27 @@ class Service:
         self._drop(client)
 
     def _question(self, client: Client, verb: str, fields: Dict[str, str]) -> None:
+        """A status or cancel: answered once a step has done all else (_answer)."""
+        refused = self.answers.over(client.peer.uid)
+        if refused:
+            self._fail(client, os.EX_TEMPFAIL, refused, UNREAD_HINT)
+            return
+        self.answers.ask(client, verb, fields)
+
+    def _answer(self) -> None:
+        """The next question asked, answered: as much of its answer sent as its socket takes
+        now, the rest as the client reads (_writable)."""
+        client = self.answers.next()
+        if client is None or client.question is None:
+            return
+        refused = self.answers.over(client.peer.uid)  # its answers since it asked: worked out for nothing
+        if refused:
+            self._fail(client, os.EX_TEMPFAIL, refused, UNREAD_HINT)
+            return
         from . import questions
 
-        asker = client.peer.uid
+        (verb, fields), asker = client.question, client.peer.uid
+        reply: Union[Dict[str, str], CudawrapError]
         try:
             if verb == wire.CANCEL:
                 waiting = {c.peer.pid: c for c in self._waiting()}
@@ -469,14 +533,35 @@ class Service:
                     self._fail(victim, CANCELLED_EXIT, f"cancelled by {by}")
                 reply = {"cancelled": ",".join(str(c.peer.pid) for c in chosen)}
             else:
-                reply = questions.status(self.root, self.line, self.grants.claimed(), list(self.grants.held.values()),
-                                         self._waiting(), asker, self.private_status, fields.get("whole") == "1")
+                held = list(self.grants.held.values())
+                reply = questions.status(self.root, self.line, self.grants.claimed(), held,
+                                         self._waiting(), asker, self.private_status, False)
                 self.dirty = True  # what it found may grant someone: the loop decides next
+                if fields.get("whole") == "1":  # the rest (NVML, the ETAs) off the loop
+                    self.answers.finish(client, reply, lambda: {"status": questions.whole(
+                        self.root, json.loads(reply["json"])["waiting"], asker, self.private_status, held)})
+                    return
         except CudawrapError as exc:
-            self._fail(client, exc.exit_code, exc.message, exc.hint or "")
+            reply = exc
+        self._send_answer(client, reply)
+
+    def _send_answer(self, client: Client, reply: Union[Dict[str, str], CudawrapError]) -> None:
+        if isinstance(reply, CudawrapError):
+            self._fail(client, reply.exit_code, reply.message, reply.hint or "")
             return
-        client.answer(reply)
-        self._drop(client)
+        asker = client.peer.uid
+        data = answer_bytes(reply)
+        refused = self.answers.over(asker, len(data))
+        if refused:
+            self._fail(client, os.EX_TEMPFAIL, refused, UNREAD_HINT)
+        elif self.answers.send(client, data) is False:
+            self.selector.modify(client.sock, selectors.EVENT_WRITE, client)  # the rest as it reads
+        else:
+            self._drop(client)
+
+    def _writable(self, client: Client) -> None:
+        if self.answers.sent(client) is not False:
+            self._drop(client)  # all sent, or gone
 
     # -- the machine ------------------------------------------------------------------------
     def _events(self) -> None:
@@ -574,6 +659,7 @@ class Service:
         self.dirty = self.freed = False
         if self.comeback.in_grace(self.last_decision):
             return  # nobody is granted before the runs that waited are back (ops/tickets.py)
+        self.stalls.renew(self.line, self.last_decision)
         waiting = {c.waiter.key: c for c in self._waiting()
                    if c.waiter is not None and c.waiter.key not in self.grants.pending}
         if not waiting:
@@ -622,10 +708,13 @@ class Service:
             return True
         sharing = self.line.acquirer.sharing
         self.line.touched(devices)  # claimed now (decide() counts them held), tried again once let go
-        return self.grants.offer(client.sock, client.waiter.key, client.peer.pid, client.peer.uid, devices,
+        if not self.grants.offer(client.sock, client.waiter.key, client.peer.pid, client.peer.uid, devices,
                                  ask.program, client.waiter.arrival, chosen,
                                  ask.variables(self.root, shared, self.line.acquirer.current, slots),
-                                 sum(sharing.cost(slots.get(u, 1)) for u in devices), client.ticks, client.exe)
+                                 sum(sharing.cost(slots.get(u, 1)) for u in devices), client.ticks, client.exe):
+            return False
+        self.stalls.offered(client, time.monotonic())  # judged from now on (ops/stalls.py)
+        return True
 
     def _timed_out(self, client: Client, verdict: Verdict) -> None:
         assert client.ask is not None
@@ -643,6 +732,14 @@ def _first(ready: "tuple[selectors.SelectorKey, int]") -> int:
     news, so that a request in the same step is read with the lease files as they are."""
     data = ready[0].data
     return 0 if isinstance(data, Held) else 1 if data == "watch" else 2
+
+
+def _hung_up(client: Client) -> bool:
+    """Whether CLIENT's end of its connection is closed (nothing more to read, nobody to answer)."""
+    try:
+        return client.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except OSError:
+        return False  # nothing to read yet (EAGAIN): still there
 
 
 def _say(line: str) -> None:
