@@ -29,7 +29,8 @@ LIMIT_ONE = "\n[limits]\nmax_devices_per_user = 1\n"
 
 # mallory's client: asks for one device (VISIBLE= narrows it), and then:
 # hide: locks it, sends the descriptor into a socketpair that a sleeping child keeps (the
-#       child never has it in its table), closes her own, and exits;
+#       child never has it in its table), closes her own, and exits; "lie" says "lost" instead
+#       of "held" first;
 # lost: says "lost" (or, with "lapse", nothing: the grant lapses) and keeps the unlocked
 #       descriptor; on SIGUSR1 leaves the line and locks it.
 MALLORY = r"""
@@ -37,9 +38,9 @@ import fcntl, os, signal, socket, sys, time
 sys.path[:0] = @PATH@
 from cudawrap import wire
 from cudawrap.client import Connection
-mode, visible = sys.argv[1], sys.argv[2]
+mode, visible, share = sys.argv[1], sys.argv[2], sys.argv[3:] == ["share"]
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
-if mode == "hide":
+if mode in ("hide", "lie"):
     keep, send = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     child = os.fork()
     if child == 0:
@@ -52,15 +53,18 @@ if mode == "hide":
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect(@SOCK@)
 conn = Connection(sock)
-conn.send(wire.REQUEST, {"count": "1", "wait": "0", **({"visible": visible} if visible else {})})
+conn.send(wire.REQUEST, {"count": "1", "wait": "0", **({"visible": visible} if visible else {}),
+                         **({"share": "1"} if share else {})})
 verb, reply = conn.receive()
 if verb != wire.GRANT:
     print("refused", reply.get("text", ""), flush=True)
     sys.exit(0)
-(fd,) = conn.take_fds(1)
-if mode == "hide":
+kinds = [fcntl.LOCK_SH if d.endswith(":sh") else fcntl.LOCK_EX for d in reply["fds"].split(",")]
+fds = conn.take_fds(len(kinds))
+fd = fds[0]
+if mode in ("hide", "lie"):
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    conn.send(wire.HELD, {"devices": reply["devices"]})
+    conn.send(wire.HELD if mode == "hide" else wire.LOST, {"devices": reply["devices"]})
     send.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fd.to_bytes(4, sys.byteorder))])
     os.close(fd)
     print("hidden", reply["devices"], child, flush=True)
@@ -71,7 +75,8 @@ print("kept", reply["devices"], flush=True)
 signal.sigwait([signal.SIGUSR1])
 sock.close()  # out of line: nothing is granted to her again
 try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    for fd, kind in zip(fds, kinds):
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
     print("locked", flush=True)
 except OSError:
     print("held", flush=True)
@@ -101,10 +106,10 @@ def started() -> Iterator[List[subprocess.Popen]]:
         p.wait()
 
 
-def hide(served: Served, user: User, kids: List[int], visible: str = "") -> List[str]:
+def hide(served: Served, user: User, kids: List[int], visible: str = "", mode: str = "hide") -> List[str]:
     """USER's client takes a lease, hides it in a socketpair of a sleeping child (whose pid
     goes to KIDS) and exits: its line, split."""
-    done = served.inst.py(user, mallory_code(served), "hide", visible)
+    done = served.inst.py(user, mallory_code(served), mode, visible)
     assert done.returncode == 0, done.stderr.decode()
     words = done.stdout.decode().split()
     if words and words[0] == "hidden":
@@ -155,6 +160,25 @@ def test_a_hidden_lease_counts_against_its_users_limit_and_root_revokes_it(mu) -
         assert ended and "revoked" in ended[-1]["how"], ended
         taker = inst.run(alice, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=uuid)
         assert taker.returncode == 0, taker.stderr.decode()
+    finally:
+        kill_all(kids)
+        served.proc.terminate()
+        served.proc.wait(timeout=10)
+
+
+def test_a_grant_declined_with_its_lock_held_counts_for_its_user_until_replaced(mu) -> None:
+    """mallory locks what she was sent and says "lost" all the same (void: its file cannot be
+    replaced while she holds it), then hides the descriptor and exits: the lease still counts
+    as hers (the void grant's client, in the books until its file is replaced)."""
+    inst = configured(mu("four-gpus"), LIMIT_ONE)
+    served = Served(inst)
+    mallory = inst.world.carol
+    kids: List[int] = []
+    try:
+        first = hide(served, mallory, kids, mode="lie")
+        assert first[0] == "hidden", first
+        again = hide(served, mallory, kids)
+        assert again[0] == "refused" and "your limit is 1" in " ".join(again), again
     finally:
         kill_all(kids)
         served.proc.terminate()
@@ -295,3 +319,68 @@ def test_root_revokes_a_running_lease_both_ways(mu, service: bool, started: List
         if served is not None:
             served.proc.terminate()
             served.proc.wait(timeout=10)
+
+
+def _with_pid(pid: int, start) -> subprocess.Popen:  # type: ignore[no-untyped-def]
+    """START() run until the process it starts gets PID (the kernel's next pid set first)."""
+    for _ in range(50):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        proc = start()
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    raise AssertionError(f"pid {pid} did not come round again in 50 tries")
+
+
+def test_a_pid_recycled_to_another_user_does_not_make_them_the_holder(
+        mu, started: List[subprocess.Popen]) -> None:
+    """mallory's run that took a lease (hidden in a socketpair since) exits, and its pid goes
+    to alice's next process. The kernel's lock table still names that pid; the service's books
+    say whose grant it was: alice, under a limit of 1, is granted a device, not told she holds
+    one."""
+    inst = configured(mu("four-gpus"), LIMIT_ONE)
+    served = Served(inst)
+    mallory, alice = inst.world.carol, inst.world.alice
+    kids: List[int] = []
+    try:
+        taker = inst.py_start(mallory, mallory_code(served), "hide", "")
+        words = taker.stdout.read().decode().split()
+        assert taker.wait(timeout=10) == 0 and words[0] == "hidden", (words, taker.stderr.read().decode())
+        kids.append(int(words[2]))
+        started.append(_with_pid(taker.pid, lambda: inst.start(alice, "sleep", "60")))
+        run = inst.run(alice, "recon", CUDAWRAP_WAIT="0")
+        assert run.returncode == 0, run.stderr.decode()
+        assert json.loads(run.stdout.splitlines()[0])["cvd"] != words[1]
+    finally:
+        kill_all(kids)
+        served.proc.terminate()
+        served.proc.wait(timeout=10)
+
+
+def test_a_share_declined_leaves_a_lease_and_slot_descriptor_that_guard_nothing(
+        mu, started: List[subprocess.Popen]) -> None:
+    """A share is sent as the lease file and a slot file: mallory declines it ("lost"),
+    keeps both and locks them later as a share would. Both files were replaced: alice and
+    bob each get a share of the device's two slots."""
+    inst = mu("four-gpus")
+    d0 = inst.machine.leaf_uuids()[0]
+    configured(inst, f'[sharing]\nslots = 2\n\n[devices]\nallow = ["{d0}"]\n')
+    served = Served(inst)
+    mallory = inst.world.carol
+    try:
+        client = inst.py_start(mallory, mallory_code(served), "lost", d0, "share")
+        started.append(client)
+        assert client.stdout.readline().decode().split() == ["kept", d0], client.stderr.read().decode()
+        wait_for(lambda: any(r["pid"] == client.pid and "not taken" in r["how"] for r in _ledger(inst, "end")),
+                 timeout=10, what="the grant void")
+        os.kill(client.pid, signal.SIGUSR1)
+        assert client.stdout.readline().strip() == b"locked"
+        for user in (inst.world.alice, inst.world.bob):
+            run = inst.start(user, "recon", "--hold", "30", CUDAWRAP_WAIT="0", CUDAWRAP_SHARE="1")
+            started.append(run)
+            assert ready_line(run)["cvd"] == d0
+    finally:
+        served.proc.terminate()
+        served.proc.wait(timeout=10)

@@ -59,6 +59,7 @@ class Pending:
     exclusive: List[bool] = field(default_factory=list)  # the lock each of FDS must hold
     slots: Dict[str, int] = field(default_factory=dict)  # uuid -> the slot file sent, for a share
     released_by: int = 0  # the pid whose release it was handed over at, on the last look (0: a new look)
+    uid: int = -1  # its client's
 
     def close(self) -> None:
         for fd in self.fds:
@@ -98,6 +99,9 @@ class Grants:
         # (uuid, slot) of each lease file (slot 0) and slot file to replace once found free.
         self.renewing: Set[Tuple[str, int]] = set()
         self.renewing_file = layout.runtime_dir / "service.renewing"
+        # uuid -> {pid: uid} of a void grant's client, while its lease file waits in RENEWING
+        # (held when the grant was voided: by that client, through what it was sent, as a rule).
+        self.voided: Dict[str, Dict[int, int]] = {}
 
     def sharers(self, uuid: str) -> Set[int]:
         """The uids holding a share of UUID through the service now."""
@@ -132,7 +136,7 @@ class Grants:
         """uuid -> {client pid: uid} of every grant taken and not seen let go, its client
         running or not: a lease is its user's while its lock is held, wherever its descriptor
         went (sent on into a socket, mapped), until the service finds it free (check)."""
-        out: Dict[str, Dict[int, int]] = {}
+        out: Dict[str, Dict[int, int]] = {u: dict(taken) for u, taken in self.voided.items()}
         for h in self.held.values():
             for u in h.devices:
                 if u not in h.ended:
@@ -199,7 +203,7 @@ class Grants:
                 os.close(fd)
             return False
         self.pending[key] = Pending(key, pid, list(devices), fds, time.monotonic() + DEADLINE_S, lease_id,
-                                    exclusive, dict(slots))
+                                    exclusive, dict(slots), uid=uid)
         return True
 
     def void(self, key: str) -> List[str]:
@@ -209,7 +213,7 @@ class Grants:
             return []
         pending.close()
         accounts.end(self.layout, pending.lease_id, "not taken")
-        self.renew(_files(pending))
+        self._renew_void(pending)
         return pending.devices
 
     def confirm(self, key: str) -> Optional[Pending]:
@@ -221,8 +225,16 @@ class Grants:
         pending.close()
         if not ok:
             accounts.end(self.layout, pending.lease_id, "not taken")
-            self.renew(_files(pending))
+            self._renew_void(pending)
         return pending if ok else None
+
+    def _renew_void(self, pending: Pending) -> None:
+        """PENDING is void: its files replaced; one held now (its client locked it as it was
+        voided, or a run took it past us) counts as its client's until it is (books)."""
+        self.renew(_files(pending))
+        for uuid in pending.devices:
+            if (uuid, 0) in self.renewing:
+                self.voided.setdefault(uuid, {})[pending.pid] = pending.uid
 
     def expired(self, now: float) -> List[str]:
         return [k for k, p in self.pending.items() if p.deadline <= now]
@@ -265,6 +277,7 @@ class Grants:
                 continue
             self.renewing.discard((uuid, slot))
             if slot == 0:
+                self.voided.pop(uuid, None)
                 self.leases.forget(uuid)  # our descriptor names the old file
                 replaced.append(uuid)
         if self.renewing != before:
@@ -312,6 +325,7 @@ class Grants:
                 pass
             self.renewing.discard((uuid, slot))
         self._note_renewing()
+        self.voided.pop(uuid, None)
         self.leases.forget(uuid)
         holding = [h for h in self.held.values() if uuid in h.devices and uuid not in h.ended]
         for held in holding:
