@@ -271,6 +271,8 @@ def test_descriptors_opened_before_the_service_took_the_directories_over_are_wor
     try:
         said = inst.cli(None, "sync")
         assert said.returncode == 0 and f"by no grant of its own: {held}" in said.stdout.decode(), said.stdout
+        doctor = inst.cli(None, "doctor")
+        assert "warning: leases: 1 lease or slot file(s) held since before" in doctor.stdout.decode(), doctor.stdout
         os.kill(early.pid, signal.SIGUSR1)
         free = [u for u in inst.machine.leaf_uuids() if u != held]
         assert early.stdout.readline().split() == sorted(u.encode() for u in free)  # old files, all of them

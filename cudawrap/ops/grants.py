@@ -133,10 +133,14 @@ class Grants:
                 for u in h.devices if u not in h.slots and u not in h.ended}
 
     def books(self) -> Dict[str, Dict[int, int]]:
-        """uuid -> {client pid: uid} of every grant taken and not seen let go, its client
+        """uuid -> {client pid: uid} of every grant sent and not seen let go, its client
         running or not: a lease is its user's while its lock is held, wherever its descriptor
-        went (sent on into a socket, mapped), until the service finds it free (check)."""
+        went (sent on into a socket, mapped), until the service finds it free (check); and
+        of a void grant's lease held when it was voided (VOIDED)."""
         out: Dict[str, Dict[int, int]] = {u: dict(taken) for u, taken in self.voided.items()}
+        for p in self.pending.values():  # sent, its word not read yet: its lock may show all the same
+            for u in p.devices:
+                out.setdefault(u, {})[p.pid] = p.uid
         for h in self.held.values():
             for u in h.devices:
                 if u not in h.ended:

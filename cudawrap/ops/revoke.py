@@ -16,7 +16,7 @@ import signal
 from typing import Dict, List, Tuple
 
 from .. import client, wire
-from ..lease.holders import fd_holders
+from ..lease.files import lock_kind
 from ..lease.renew import replace
 from ..paths import Layout
 from ..users import user_name
@@ -40,7 +40,7 @@ def _idents(paths: List[str]) -> Dict[Tuple[int, int], str]:
             st = os.stat(path, follow_symlinks=False)
         except OSError:
             continue
-        out[(st.st_dev, st.st_ino)] = path
+        out[(st.st_dev, st.st_ino)] = os.path.realpath(path)  # as the kernel names it
     return out
 
 
@@ -51,6 +51,7 @@ def revoke(layout: Layout, uuids: List[str], by: str) -> List[str]:
     old = _idents([p for paths in files.values() for p in paths])
     reply = client.question(str(layout.root), wire.REVOKE, {"devices": ",".join(uuids), "by": by})
     spare = {os.getpid()}
+    done = list(uuids)
     if reply is None:
         ledger.look(layout, "revoke")  # the leases held now recorded, to be ended as revoked
         for paths in files.values():
@@ -63,19 +64,42 @@ def revoke(layout: Layout, uuids: List[str], by: str) -> List[str]:
             uid = int(_uid) if _uid.isdigit() else -1
             lines.append(f"its grant to pid {pid} ({user_name(uid)}) ended"
                          + (": that run was killed" if what == "killed" else " (that run had exited)"))
-        spare.add(int(reply.get("service", "0") or 0))
-    everyone = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    for key, pids in fd_holders(old, everyone).items():
-        for pid in pids:
-            if pid in spare:
-                continue
-            info = process_info(pid)
+        service = reply.get("service", "")
+        spare.add(int(service) if service.isascii() and service.isdigit() else 0)
+        done = [u for u in reply.get("revoked", "").split(",") if u]
+    for pid, path in _holding(old):
+        if pid in spare:
+            continue
+        info = process_info(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        lines.append(f"killed pid {pid} ({info['user']}: {info['command'][:40]}), which held {os.path.basename(path)}")
+    return [f"revoked {u}" for u in done] + lines
+
+
+def _holding(old: Dict[Tuple[int, int], str]) -> List[Tuple[int, str]]:
+    """(pid, path) of each process holding a lock, through a descriptor of its own, on one of
+    the replaced files OLD ((device, inode) -> the path it had): named by the kernel as that
+    path "(deleted)", so that a new file given a freed inode's number is no match."""
+    found: List[Tuple[int, str]] = []
+    for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
                 continue
-            lines.append(f"killed pid {pid} ({info['user']}: {info['command'][:40]}), which held {os.path.basename(old[key])}")
-    return [f"revoked {u}" for u in uuids] + lines
+            path = old.get((st.st_dev, st.st_ino))
+            if path is not None and target == path + " (deleted)" and lock_kind(int(fd), str(pid)) is not None:
+                found.append((pid, path))
+                break
+    return found
 
 
 def _end_records(layout: Layout, uuids: List[str], by: str) -> None:

@@ -586,7 +586,8 @@ class Service:
         if asker != 0:
             raise NotPermitted("only root may revoke a lease", hint="sudo cudawrap revoke DEVICE")
         by = fields.get("by") or user_name(asker)
-        uuids = [u for u in fields.get("devices", "").split(",") if u in self.line.present]
+        names = self.line.leases.names()
+        uuids = [u for u in fields.get("devices", "").split(",") if u in names and u.startswith(("GPU-", "MIG-"))]
         ended: List[str] = []
         for uuid in uuids:
             holding, keys = self.grants.revoke(uuid, by)
