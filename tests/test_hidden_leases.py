@@ -355,6 +355,11 @@ def test_a_pid_recycled_to_another_user_does_not_make_them_the_holder(
         run = inst.run(alice, "recon", CUDAWRAP_WAIT="0")
         assert run.returncode == 0, run.stderr.decode()
         assert json.loads(run.stdout.splitlines()[0])["cvd"] != words[1]
+        # Root's status names mallory as its holder, and no pid: the one the kernel names is alice's.
+        (device,) = [d for d in inst.status(None)["devices"] if d["uuid"] == words[1]]
+        assert (device["holder"]["user"], device["holder"]["pid"]) == (mallory.name, None), device["holder"]
+        shown = inst.cli(None, "status").stdout.decode()
+        assert f"{mallory.name} (not a w" in shown and "(its run exited)" in shown, shown
     finally:
         kill_all(kids)
         served.proc.terminate()
