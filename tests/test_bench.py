@@ -33,6 +33,21 @@ def test_results_carry_their_summary_and_the_readme_none():
     assert report.START not in (REPO / "README.md").read_text(encoding="utf-8")
 
 
+def test_each_benchmark_has_its_own_section_and_nothing_is_outside_one():
+    text = RESULTS.read_text(encoding="utf-8")
+    sections = resultsmd.sections(text)
+    assert {"run", "service", "health"} <= set(sections), sorted(sections)
+    assert resultsmd.SECTION.sub("", text).strip() == resultsmd.PREAMBLE.strip()
+    for name, section in sections.items():
+        if name == "run":
+            continue
+        assert len(HEADER.findall(section)) == 1, f"{name}: no header line with date, commit, machine, interpreter"
+        if not name.startswith("attacks-"):  # (attacks.py sets no target: its figures as printed)
+            assert "| what | measured | target |" in section, name
+            assert re.search(r"\*\*(met|MISSED)\*\*", section), name
+            assert re.search(r"^\d+ of \d+ targets met", section, re.M), name
+
+
 def test_a_benchmark_replaces_its_own_section_only():
     text = resultsmd.replace_section("", "health", "H1")
     assert text.startswith(resultsmd.PREAMBLE)
