@@ -94,8 +94,9 @@ def assemble(rule: Rule) -> bytes:
                  _insn(_JMP_JA, off=_DENY)]
     labels = {_ALLOW: len(prog)}
     prog += [_insn(_ALU64_MOV_K, _R0, imm=1), _insn(_JMP_EXIT)]
-    labels[_DENY] = len(prog)
-    prog += [_insn(_ALU64_MOV_K, _R0, imm=0), _insn(_JMP_EXIT)]
+    if rule.refused:  # the verifier refuses code nothing jumps to
+        labels[_DENY] = len(prog)
+        prog += [_insn(_ALU64_MOV_K, _R0, imm=0), _insn(_JMP_EXIT)]
     out = bytearray()
     for pc, (code, dst, src, off, imm) in enumerate(prog):
         rel = labels[off] - pc - 1 if isinstance(off, str) else off
@@ -137,8 +138,10 @@ def load(rule: Rule) -> int:
     try:
         return _bpf(BPF_PROG_LOAD, attr, "loading the device program")
     except BpfError as e:
-        detail = log.value.decode(errors="replace").strip().splitlines()[-1:] or [""]
-        raise BpfError(e.errno, f"{e.strerror} {detail[0]}".strip()) from None
+        # The verifier's reason is its last line before the statistics ("processed N insns ...").
+        said = [line for line in log.value.decode(errors="replace").splitlines()
+                if line.strip() and not line.startswith("processed ")]
+        raise BpfError(e.errno, f"{e.strerror} ({said[-1]})" if said else e.strerror) from None
 
 
 def query(cgroup_fd: int) -> Attached:

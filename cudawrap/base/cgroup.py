@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import time
 from typing import Dict, List, Optional, Tuple
@@ -28,6 +29,8 @@ from .devrule import Rule
 
 MOUNTINFO = "/proc/self/mountinfo"
 _FROZEN_WAIT_S = 2.0
+BPF_KERNEL = (4, 15)  # BPF_PROG_TYPE_CGROUP_DEVICE
+KILL_KERNEL = (5, 14)  # cgroup.kill
 
 
 class CgroupError(OSError):
@@ -226,6 +229,27 @@ class V1:
     def remove(self, path: str) -> bool:
         devices, freezer = self._both(path)
         return _rmdir(devices) & _rmdir(freezer)
+
+
+def kernel(release: Optional[str] = None) -> Tuple[int, int]:
+    """(major, minor) of the running kernel ("6.18.44-fc" -> (6, 18)); (0, 0) if unreadable."""
+    found = re.match(r"(\d+)\.(\d+)", release or os.uname().release)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+def usable(setting: str) -> "V1 | V2":
+    """The mechanism SETTING names here, checked to work before any run relies on it; else a
+    CgroupError saying what is missing (a mount, the kernel's version, the BPF program)."""
+    mech = choose(setting)
+    if isinstance(mech, V2):
+        if kernel() < BPF_KERNEL:
+            raise CgroupError(errno.ENOSYS, f"kernel {os.uname().release} has no cgroup v2 device programs "
+                                            f"(BPF_PROG_TYPE_CGROUP_DEVICE, from 4.15)")
+        try:
+            os.close(bpfdev.load(Rule((), frozenset())))
+        except OSError as e:
+            raise CgroupError(e.errno, f"cannot load a cgroup v2 device program: {e.strerror}") from None
+    return mech
 
 
 def choose(setting: str, found: Optional[Dict[str, str]] = None) -> "V1 | V2":
