@@ -157,7 +157,8 @@ class V2:
         _mkdir(self._abs(path))
         return path
 
-    def confine(self, path: str, rule: Rule) -> None:
+    def confine(self, path: str, rule: Rule, before: Optional[Rule] = None) -> None:
+        """BEFORE is of no use here: the program is replaced whole."""
         try:
             bpfdev.confine(self.mount, self._abs(path), rule)
         except OSError as e:
@@ -207,9 +208,10 @@ class V1:
             _mkdir(d)
         return path
 
-    def confine(self, path: str, rule: Rule) -> None:
+    def confine(self, path: str, rule: Rule, before: Optional[Rule] = None) -> None:
+        """BEFORE: the rule last applied to PATH, if known: only what differs is written."""
         try:
-            devcgroup_v1.apply(self._both(path)[0], rule)
+            devcgroup_v1.apply(self._both(path)[0], rule, before)
         except OSError as e:
             raise CgroupError(e.errno, str(e.strerror or e)) from None
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from .devrule import Rule
 
@@ -69,13 +69,25 @@ def write(path: str, line: str) -> None:
         os.close(fd)
 
 
-def apply(cgroup: str, rule: Rule) -> None:
-    """Make CGROUP refuse what RULE refuses: each deny line, then each allow line. An allow the
-    parent refuses fails EPERM and is left so: the parent refuses it anyway."""
-    why = problem(cgroup)
-    if why:
-        raise DevicesError(errno.EPERM, f"cannot confine {cgroup}: {why}")
-    deny, allow = lines(rule)
+def changes(before: Rule, after: Rule) -> Tuple[List[str], List[str]]:
+    """(deny lines, allow lines) that take a cgroup where BEFORE was applied to AFTER: a run's
+    grant writes the lines of its own minors, not all 254 again."""
+    old_deny, old_allow = lines(before)
+    deny, allow = lines(after)
+    kept_deny, kept_allow = set(old_deny), set(old_allow)
+    opened = [line for line in old_deny if line not in set(deny)]  # an allow removes the exception
+    return [line for line in deny if line not in kept_deny], [line for line in allow if line not in kept_allow] + opened
+
+
+def apply(cgroup: str, rule: Rule, before: Optional[Rule] = None) -> None:
+    """Make CGROUP refuse what RULE refuses: each deny line, then each allow line; where BEFORE
+    (the rule last applied there) is given, only the lines that differ. An allow the parent
+    refuses fails EPERM and is left so: the parent refuses it anyway."""
+    if before is None:
+        why = problem(cgroup)
+        if why:
+            raise DevicesError(errno.EPERM, f"cannot confine {cgroup}: {why}")
+    deny, allow = lines(rule) if before is None else changes(before, rule)
     deny_file, allow_file = os.path.join(cgroup, "devices.deny"), os.path.join(cgroup, "devices.allow")
     for line in deny:
         try:

@@ -20,6 +20,10 @@ file, as the device's other sharers hold the lease file): free, the grant ends; 
 
 Under [service] enforce a shared device's MPS pipe directory is open to the uids of its
 sharers alone (lease/mpsaccess.py): set when a share is confirmed, again as shares end.
+
+Under [confine] runs = true each client's run cgroup (runcgroups.py) opens what it holds
+through the service: widened before a grant is sent, narrowed when one is void, not taken
+or ended (``_confine``).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .. import wire
 from ..lease.files import LeaseFiles, lock_kind, lock_table
@@ -85,6 +89,24 @@ class Grants:
         self.pending: Dict[str, Pending] = {}
         self.held: Dict[int, Held] = {}  # pidfd -> grant
         self.pipes = PipeAccess(layout, say) if enforce else None
+        from ..policy.config import load_config
+        from .runcgroups import for_install
+
+        self.confine = for_install(load_config(layout.config_file), say)
+
+    def enter(self, pid: int, uid: int) -> None:
+        """A client asked for devices: under [confine] runs, into a run cgroup of its own, now."""
+        if self.confine is not None:
+            self.confine.enter(pid, uid)
+
+    def _confine(self, pid: int, more: Sequence[str] = ()) -> bool:
+        """PID's run cgroup set to what it holds through the service, and MORE (about to be
+        sent); False where it could not be done."""
+        if self.confine is None:
+            return True
+        devices = {u for p in self.pending.values() if p.pid == pid for u in p.devices}
+        devices.update(u for h in self.held.values() if h.pid == pid for u in h.devices if u not in h.ended)
+        return self.confine.allow(pid, sorted(devices.union(more)))
 
     def sharers(self, uuid: str) -> Set[int]:
         """The uids holding a share of UUID through the service now."""
@@ -156,6 +178,10 @@ class Grants:
             for fd in fds:
                 os.close(fd)
             return False
+        if not self._confine(pid, devices):
+            for fd in fds:
+                os.close(fd)
+            return False
         data = wire.encode(wire.GRANT, {"devices": ",".join(devices), "fds": ",".join(described), **(fields or {})})
 
         def send() -> bool:
@@ -170,6 +196,7 @@ class Grants:
         if lease_id is None:
             for fd in fds:
                 os.close(fd)
+            self._confine(pid)
             return False
         self.pending[key] = Pending(key, pid, list(devices), fds, time.monotonic() + DEADLINE_S, lease_id,
                                     exclusive, dict(slots))
@@ -182,6 +209,7 @@ class Grants:
             return []
         pending.close()
         accounts.end(self.layout, pending.lease_id, "not taken")
+        self._confine(pending.pid)
         return pending.devices
 
     def confirm(self, key: str) -> Optional[Pending]:
@@ -193,6 +221,7 @@ class Grants:
         pending.close()
         if not ok:
             accounts.end(self.layout, pending.lease_id, "not taken")
+            self._confine(pending.pid)
         return pending if ok else None
 
     def expired(self, now: float) -> List[str]:
@@ -214,6 +243,7 @@ class Grants:
         self._mps_access(held)
         os.close(held.pidfd)
         accounts.end(self.layout, held.lease_id)
+        self._confine(held.pid)
         return True
 
     def sent_since(self, held: Held, uuid: str) -> bool:
@@ -273,6 +303,8 @@ class Grants:
             else:  # its client is gone
                 held.exited = True
                 self.check(held)
+        if self.confine is not None:
+            self.confine.reconcile({h.pid: [u for u in h.devices if u not in h.ended] for h in self.held.values()})
         return running
 
     def lingering(self) -> List[Held]:

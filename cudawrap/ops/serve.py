@@ -397,6 +397,8 @@ class Service:
         key, arrival = asks.arrival_key(client.peer.pid, client.arrival_ns)
         client.ask = ask
         client.waiter = ask.waiter(key, client.peer.uid, client.peer.pid, arrival)
+        if client.facts[0] is None:  # [confine] runs: its own cgroup, made while it is decided on (not in Slurm's)
+            self.grants.enter(client.peer.pid, client.peer.uid)
         now = time.monotonic()
         # Its wait counts from its arrival, before a restart too.
         client.wait_until = now + max(0.0, ask.wait - max(0.0, time.time() - arrival))

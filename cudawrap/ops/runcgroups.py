@@ -1,0 +1,179 @@
+"""[confine] runs = true: each run the service grants is in a cgroup of its own, which lets it
+open its own GPUs' and MIG instances' nodes and no other GPU's (README "Confinement").
+
+A run's cgroup, from its request to its end (the service's loop calls; base/cgroup.py does):
+- at its request (``enter``), before any decision: the client process is moved into a new
+  cgroup refusing every GPU, made on a worker thread while the decision is made (on v1 that
+  is 254 writes, ~2 ms: kept off a hand-over's path);
+- before its grant is sent (``allow``): the rule widened to the devices it will then hold;
+- a grant voided or not taken, or ended (``allow`` again, with what is left): narrowed before
+  anything else happens; once the process holds nothing, its cgroup is removed as soon as no
+  process is left in it (retried at each later end: what is left are the run's leftovers).
+
+Where the cgroup is made: below the client's own cgroup, so that every refusal above it
+still holds (v1 copies its parent's list, v2 runs its ancestors' programs) and the run stays
+under the resource controls of the slice or scope it was in: a systemd session scope is not
+delegated, and systemd leaves a child it did not make alone while the scope lives (the
+cgroup goes with the run, before the scope ends). Never where the client's user can write
+(a delegated user@UID.service, a `systemd-run --user` scope): the user could move the run
+out again; there, below the nearest ancestor the user cannot write. A nested run with a
+lease of its own goes beside its parent run's cgroup, not inside it (inside, its parent's
+rule would refuse its own GPUs). Inside a Slurm job nothing is done: Slurm's cgroup is
+Slurm's (ConstrainDevices), and doctor says whether it confines.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Dict, Iterable, Mapping, Optional, Set
+
+from ..base import cgroup
+from ..base.devrule import Rule
+from ..devices import drivernodes
+from ..devices.nvml import node_ids
+from ..errors import SetupError
+from ..proc import start_time
+
+log = logging.getLogger(__name__)
+
+RUN_PREFIX = "cudawrap-run-"
+
+
+class RunCgroups:
+    def __init__(self, mech: "cgroup.V1 | cgroup.V2", proc: str, say: Callable[[str], None] = log.warning) -> None:
+        self.mech = mech
+        self.proc = proc
+        self.say = say
+        self.ids: Dict[str, drivernodes.NodeIds] = {}  # uuid -> its node numbers (fixed while it exists)
+        self.runs: Dict[int, str] = {}  # client pid -> its cgroup
+        self.rules: Dict[int, Rule] = {}  # client pid -> the rule applied there last
+        self.entering: Dict[int, "Future[str]"] = {}
+        self.failed: Set[int] = set()  # entered, not confined: refused its grants
+        self.ended: Set[int] = set()  # holding nothing, cgroup not yet empty
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="cudawrap-confine")
+
+    # -- the run's cgroup -------------------------------------------------------------------
+    def enter(self, pid: int, uid: int) -> None:
+        """Move PID into a cgroup of its own refusing every GPU, on the worker (see the module)."""
+        if pid not in self.runs and pid not in self.entering:
+            self.entering[pid] = self.worker.submit(self._enter, pid, uid)
+
+    def _enter(self, pid: int, uid: int) -> str:
+        path = self.mech.make(self._base(pid, uid), f"{RUN_PREFIX}{pid}-{start_time(pid)}")
+        self.mech.confine(path, self.rule(()))
+        self.mech.move(path, pid)
+        return path
+
+    def _base(self, pid: int, uid: int) -> str:
+        """Where PID's run cgroup goes: its own cgroup, or the nearest ancestor neither a run's
+        nor writable by UID."""
+        here = self.mech.parent_of(pid)
+        while here != "/" and (os.path.basename(here).startswith(RUN_PREFIX) or self._writable(here, uid)):
+            here = os.path.dirname(here)
+        return here
+
+    def _writable(self, path: str, uid: int) -> bool:
+        for root in self.mech.roots:
+            where = os.path.join(root, path.lstrip("/"))
+            for name in (where, os.path.join(where, "cgroup.procs")):
+                try:
+                    if os.stat(name).st_uid == uid:
+                        return True
+                except OSError:
+                    pass
+        return False
+
+    def _settled(self, pid: int) -> Optional[str]:
+        entering = self.entering.pop(pid, None)
+        if entering is not None:
+            try:
+                self.runs[pid] = entering.result()
+                self.rules[pid] = self.rule(())
+                self.failed.discard(pid)
+            except OSError as exc:
+                self.failed.add(pid)
+                self.say(f"pid {pid} could not be confined: {exc.strerror or exc}")
+        return self.runs.get(pid)
+
+    # -- its rule ---------------------------------------------------------------------------
+    def rule(self, devices: Iterable[str]) -> Rule:
+        owned = []
+        for uuid in devices:
+            ids = self.ids.get(uuid)
+            if ids is None:
+                found = node_ids(uuid)
+                if found is None:
+                    continue  # gone: nothing of it to open
+                ids = self.ids[uuid] = found
+            owned.append(ids)
+        return drivernodes.rule(owned, self.proc)
+
+    def allow(self, pid: int, devices: Iterable[str]) -> bool:
+        """PID's cgroup opens exactly DEVICES' nodes (all it holds, or is about to be sent).
+        False where it could not be done (its grant must not be sent); with nothing left to
+        hold, its cgroup goes once empty."""
+        devices = list(devices)
+        if pid not in self.entering and pid not in self.runs and pid not in self.failed:
+            return True  # never entered: a Slurm job's (Slurm's cgroup), or one from before runs = true
+        path = self._settled(pid)
+        if path is None:
+            return not devices
+        rule = self.rule(devices)
+        if rule != self.rules.get(pid):
+            try:
+                self.mech.confine(path, rule, self.rules.get(pid))
+            except OSError as exc:
+                self.say(f"the cgroup of pid {pid} could not be set to {','.join(devices) or 'no GPU'}: "
+                         f"{exc.strerror or exc}")
+                self.rules.pop(pid, None)  # written in part: written whole next time
+                return False
+            self.rules[pid] = rule
+        if devices:
+            self.ended.discard(pid)
+        else:
+            self.ended.add(pid)
+        self.sweep()
+        return True
+
+    def sweep(self) -> None:
+        """Remove the cgroups of runs that hold nothing and have no process left."""
+        for pid in list(self.ended):
+            path = self.runs.get(pid)
+            try:
+                gone = path is None or self.mech.remove(path)
+            except OSError as exc:
+                self.say(f"the cgroup {path} could not be removed: {exc.strerror or exc}")
+                gone = True  # not tried again and again
+            if gone:
+                self.ended.discard(pid)
+                self.runs.pop(pid, None)
+                self.rules.pop(pid, None)
+
+    # -- a restart --------------------------------------------------------------------------
+    def reconcile(self, held: Mapping[int, Iterable[str]]) -> None:
+        """After a restart: the runs still holding grants (HELD: pid -> devices) keep their
+        cgroups, set again to their devices; every other run cgroup is narrowed to nothing and
+        removed once empty (its run ended while no service watched)."""
+        for root in self.mech.roots[:1]:
+            for where, dirs, _files in os.walk(root):
+                for name in [d for d in dirs if d.startswith(RUN_PREFIX)]:
+                    path = "/" + os.path.relpath(os.path.join(where, name), root)
+                    pid = int(name[len(RUN_PREFIX):].split("-", 1)[0])
+                    started = name[len(RUN_PREFIX):].split("-", 1)[-1]
+                    owner = pid if str(start_time(pid)) == started else -pid  # -pid: no live client
+                    self.runs[owner] = path
+                    self.allow(owner, held.get(owner, ()))
+
+
+def for_install(config: Mapping[str, object], say: Callable[[str], None]) -> Optional[RunCgroups]:
+    """The service's run cgroups under CONFIG's [confine]; None with runs = false. A host that
+    cannot confine refuses the service's start, in one line."""
+    if not config["runs"]:
+        return None
+    try:
+        mech = cgroup.usable(str(config["cgroup"]))
+    except OSError as exc:
+        raise SetupError(f"[confine] runs = true, but runs cannot be confined here: {exc.strerror or exc}",
+                         hint="`cudawrap doctor` says what is missing; or set [confine] runs = false") from None
+    return RunCgroups(mech, str(config["proc"]), say)
