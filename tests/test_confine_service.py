@@ -17,7 +17,7 @@ from typing import Iterator, List
 import pytest
 
 from cudawrap.base import cgroup
-from support.confine import PROBE, teardown
+from support.confine import PROBE, run_cgroups, teardown
 from support.procs import cli_code, root_only, wait_for
 from support.users import MuInstall
 
@@ -25,13 +25,6 @@ pytestmark = [pytest.mark.root, root_only]
 
 # The four GPUs' node minors, in NVML order: not their indices, as the driver may number them.
 MINORS = (2, 0, 3, 1)
-
-
-def run_cgroups(mech) -> List[str]:
-    """Every run cgroup of cudawrap's in MECH's first hierarchy, as paths within it."""
-    root = mech.roots[0]
-    return ["/" + os.path.relpath(os.path.join(d, n), root) for d, dirs, _ in os.walk(root)
-            for n in dirs if n.startswith("cudawrap-run-")]
 
 
 class Confined:

@@ -61,8 +61,12 @@ class RunCgroups:
 
     def _enter(self, pid: int, uid: int) -> str:
         path = self.mech.make(self._base(pid, uid), f"{RUN_PREFIX}{pid}-{start_time(pid)}")
-        self.mech.confine(path, self.rule(()))
-        self.mech.move(path, pid)
+        try:
+            self.mech.confine(path, self.rule(()))
+            self.mech.move(path, pid)
+        except OSError:
+            self.mech.remove(path)  # nobody in it
+            raise
         return path
 
     def _base(self, pid: int, uid: int) -> str:
@@ -74,6 +78,8 @@ class RunCgroups:
         return here
 
     def _writable(self, path: str, uid: int) -> bool:
+        if uid == 0:
+            return False  # root's own run: root may move it anywhere anyway
         for root in self.mech.roots:
             where = os.path.join(root, path.lstrip("/"))
             for name in (where, os.path.join(where, "cgroup.procs")):

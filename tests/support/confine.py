@@ -106,14 +106,24 @@ class Cgroups:
     top: str  # the test's parent cgroup, below the test process's own
 
 
+def run_cgroups(mech: "cgroup.V1 | cgroup.V2") -> List[str]:
+    """Every run cgroup of cudawrap's in MECH's first hierarchy, as paths within it."""
+    root = mech.roots[0]
+    return ["/" + os.path.relpath(os.path.join(d, n), root) for d, dirs, _ in os.walk(root)
+            for n in dirs if n.startswith("cudawrap-run-")]
+
+
 @pytest.fixture(params=["v1", "v2"])
 def cgroups(request: pytest.FixtureRequest) -> Iterator[Cgroups]:
     mech = cgroup.choose(request.param)
     top = os.path.join(mech.parent_of(os.getpid()), f"cudawrap-test-{os.getpid()}")
+    before = set(run_cgroups(mech))
     try:
         mech.make(*os.path.split(top))
         yield Cgroups(mech, top)
     finally:
+        for path in set(run_cgroups(mech)) - before:  # a run cgroup made where the test did not mean it
+            teardown(mech, path)
         teardown(mech, top)
 
 
