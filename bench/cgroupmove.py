@@ -2,10 +2,13 @@
 
     sudo .venv/bin/python bench/cgroupmove.py [--moves 400]
 
-Each move is the service's work for one run: make the run's cgroup below the mover's own,
-confine it (the BPF program on v2, the devices lists on v1), move a waiting process in
-(the write to cgroup.procs), and, separately, the write alone. The process then exits and
-the cgroup is removed, outside the timed part. Figures in microseconds. Run as root.
+Each round is the service's work for one run under [confine] runs = true, in three parts
+timed apart: making the run's cgroup below the mover's own and confining it to no GPU (the
+BPF program on v2, 254 devices.deny lines on v1: the service does this ahead, for the next
+run), moving a waiting process in (the write to cgroup.procs: at the run's request, on a
+worker while its decision is made), and widening it to one GPU (before the grant is sent:
+the part on a launch's path). The process then exits and the cgroup is removed, outside the
+timed parts. Figures in microseconds. Run as root.
 """
 from __future__ import annotations
 
@@ -30,17 +33,19 @@ def pct(values, q):
 def measure(kind: str, moves: int):
     mech = cgroup.choose(kind)
     top = mech.make(mech.parent_of(os.getpid()), f"cudawrap-bench-{os.getpid()}")
-    rule = gpu_rule(frozenset({1}))
-    setup, move = [], []
+    rule, none = gpu_rule(frozenset({1})), gpu_rule(frozenset())
+    setup, move, widen = [], [], []
     try:
         for i in range(moves):
             proc = subprocess.Popen(["sleep", "30"])
             t0 = time.perf_counter()
             run = mech.make(top, f"run{i}")
-            mech.confine(run, rule)
+            mech.confine(run, none)
             t1 = time.perf_counter()
             mech.move(run, proc.pid)
             t2 = time.perf_counter()
+            mech.confine(run, rule, none)
+            t3 = time.perf_counter()
             proc.kill()
             proc.wait()
             while mech.pids(run):
@@ -48,9 +53,10 @@ def measure(kind: str, moves: int):
             mech.remove(run)
             setup.append((t1 - t0) * 1e6)
             move.append((t2 - t1) * 1e6)
+            widen.append((t3 - t2) * 1e6)
     finally:
         mech.remove(top)
-    return setup, move
+    return setup, move, widen
 
 
 def main() -> None:
@@ -58,10 +64,11 @@ def main() -> None:
     ap.add_argument("--moves", type=int, default=400)
     args = ap.parse_args()
     print(f"kernel {os.uname().release}, {args.moves} moves each, microseconds")
-    print(f"{'mechanism':10} {'make+confine p50':>17} {'p95':>8} {'move p50':>9} {'p95':>8}")
+    print(f"{'mechanism':10} {'make+confine p50':>17} {'p95':>8} {'move p50':>9} {'p95':>8} {'widen p50':>10} "
+          f"{'p95':>8}")
     for kind in ("v1", "v2"):
-        setup, move = measure(kind, args.moves)
-        print(f"{kind:10} {pct(setup, .5):17.0f} {pct(setup, .95):8.0f} {pct(move, .5):9.0f} {pct(move, .95):8.0f}")
+        parts = measure(kind, args.moves)
+        print(f"{kind:10} " + " ".join(f"{pct(v, .5):{w}.0f} {pct(v, .95):8.0f}" for v, w in zip(parts, (17, 9, 10))))
 
 
 if __name__ == "__main__":

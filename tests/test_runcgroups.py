@@ -13,7 +13,6 @@ import pytest
 
 from cudawrap.base import cgroup
 from cudawrap.ops.runcgroups import RUN_PREFIX, RunCgroups
-from cudawrap.proc import start_time
 from support.confine import Cgroups, Nodes, Probe, cgroups, gpu_nodes, run_cgroups  # noqa: F401
 from support.procs import wait_for
 
@@ -133,7 +132,7 @@ def test_a_restart_keeps_held_runs_and_removes_the_others(cgroups: Cgroups, gpu_
     mech = cgroups.mech
     gone = mech.make(cgroups.top, f"{RUN_PREFIX}999999-1")  # a run that ended while no service ran
     probe = probe_in(cgroups, gpu_nodes)
-    held = mech.make(cgroups.top, f"{RUN_PREFIX}{probe.pid}-{start_time(probe.pid)}")
+    held = mech.make(cgroups.top, f"{RUN_PREFIX}1-1")
     mech.confine(held, RunCgroups(mech, str(tmp_path)).rule(gpus))  # as wide as a crashed service left it
     mech.move(held, probe.pid)
     rc = service(cgroups, tmp_path)
@@ -141,6 +140,29 @@ def test_a_restart_keeps_held_runs_and_removes_the_others(cgroups: Cgroups, gpu_
     assert not any(os.path.exists(os.path.join(r, gone.lstrip("/"))) for r in mech.roots)
     assert rc.runs[probe.pid] == held
     assert opened(gpu_nodes, probe.results()) == [2]
+
+
+def test_the_next_run_there_takes_a_cgroup_made_ahead(cgroups: Cgroups, gpus, tmp_path):
+    """After a run's entry a spare is made below the same place, confined; the next run there
+    is moved into it (its entry is then a move alone), and a restart removes a spare."""
+    rc = service(cgroups, tmp_path)
+    first = placed(cgroups)
+    rc.enter(first.pid, 0)
+    rc._settled(first.pid)
+    rc.worker.submit(lambda: None).result()  # the spare made meanwhile
+    spare = rc.spares[cgroups.top]
+    assert cgroups.mech.pids(spare) == [] and os.path.dirname(spare) == cgroups.top
+    second = placed(cgroups)
+    rc.enter(second.pid, 0)
+    assert rc.allow(second.pid, [gpus[0]])
+    assert rc.runs[second.pid] == spare
+    rc.worker.submit(lambda: None).result()
+    assert RunCgroups(cgroups.mech, str(tmp_path)).reconcile({second.pid: [gpus[0]]}) is None
+    assert not os.path.exists(os.path.join(cgroups.mech.roots[0], rc.spares[cgroups.top].lstrip("/")))
+    assert os.path.exists(os.path.join(cgroups.mech.roots[0], spare.lstrip("/")))  # held: kept
+    for p in (first, second):
+        p.kill()
+        p.wait()
 
 
 def test_a_pid_that_could_not_be_confined_gets_no_grant(cgroups: Cgroups, gpus, tmp_path):

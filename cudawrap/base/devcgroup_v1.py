@@ -74,8 +74,8 @@ def changes(before: Rule, after: Rule) -> Tuple[List[str], List[str]]:
     grant writes the lines of its own minors, not all 254 again."""
     old_deny, old_allow = lines(before)
     deny, allow = lines(after)
-    kept_deny, kept_allow = set(old_deny), set(old_allow)
-    opened = [line for line in old_deny if line not in set(deny)]  # an allow removes the exception
+    kept_deny, kept_allow, now_deny = set(old_deny), set(old_allow), set(deny)
+    opened = [line for line in old_deny if line not in now_deny]  # an allow removes the exception
     return [line for line in deny if line not in kept_deny], [line for line in allow if line not in kept_allow] + opened
 
 

@@ -2,9 +2,11 @@
 open its own GPUs' and MIG instances' nodes and no other GPU's (README "Confinement").
 
 A run's cgroup, from its request to its end (the service's loop calls; base/cgroup.py does):
-- at its request (``enter``), before any decision: the client process is moved into a new
-  cgroup refusing every GPU, made on a worker thread while the decision is made (on v1 that
-  is 254 writes, ~2 ms: kept off a hand-over's path);
+- at its request (``enter``), before any decision: the client process is moved into a
+  cgroup refusing every GPU, on a worker thread while the decision is made. The cgroup was
+  made and confined ahead (a spare, one per place runs go, made after each entry there): on
+  v1 a rule is 254 writes, ~2 ms, and a run waiting for them would wait past its decision;
+  the move itself is ~0.05 ms;
 - before its grant is sent (``allow``): the rule widened to the devices it will then hold;
 - a grant voided or not taken, or ended (``allow`` again, with what is left): narrowed before
   anything else happens; once the process holds nothing, its cgroup is removed as soon as no
@@ -33,7 +35,6 @@ from ..base.devrule import Rule
 from ..devices import drivernodes
 from ..devices.nvml import node_ids
 from ..errors import SetupError
-from ..proc import start_time
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class RunCgroups:
         self.runs: Dict[int, str] = {}  # client pid -> its cgroup
         self.rules: Dict[int, Rule] = {}  # client pid -> the rule applied there last
         self.entering: Dict[int, "Future[str]"] = {}
+        self.spares: Dict[str, str] = {}  # where runs go -> a cgroup made and confined ahead (the worker's alone)
+        self.made = 0
         self.failed: Set[int] = set()  # entered, not confined: refused its grants
         self.ended: Set[int] = set()  # holding nothing, cgroup not yet empty
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="cudawrap-confine")
@@ -60,14 +63,34 @@ class RunCgroups:
             self.entering[pid] = self.worker.submit(self._enter, pid, uid)
 
     def _enter(self, pid: int, uid: int) -> str:
-        path = self.mech.make(self._base(pid, uid), f"{RUN_PREFIX}{pid}-{start_time(pid)}")
+        base = self._base(pid, uid)
+        path = self.spares.pop(base, None) or self._make(base)
         try:
-            self.mech.confine(path, self.rule(()))
             self.mech.move(path, pid)
         except OSError:
             self.mech.remove(path)  # nobody in it
             raise
+        self.worker.submit(self._spare, base)  # for the next run there, after this one's answer
         return path
+
+    def _make(self, base: str) -> str:
+        """A new run cgroup below BASE refusing every GPU. Named by the service's pid and a
+        count, not the run's: a restart finds a run's cgroup from its pid's /proc entry."""
+        self.made += 1
+        path = self.mech.make(base, f"{RUN_PREFIX}{os.getpid()}-{self.made}")
+        try:
+            self.mech.confine(path, self.rule(()))
+        except OSError:
+            self.mech.remove(path)
+            raise
+        return path
+
+    def _spare(self, base: str) -> None:
+        if base not in self.spares:
+            try:
+                self.spares[base] = self._make(base)
+            except OSError as exc:
+                self.say(f"no cgroup could be made ahead below {base}: {exc.strerror or exc}")
 
     def _base(self, pid: int, uid: int) -> str:
         """Where PID's run cgroup goes: its own cgroup, or the nearest ancestor neither a run's
@@ -158,18 +181,17 @@ class RunCgroups:
 
     # -- a restart --------------------------------------------------------------------------
     def reconcile(self, held: Mapping[int, Iterable[str]]) -> None:
-        """After a restart: the runs still holding grants (HELD: pid -> devices) keep their
-        cgroups, set again to their devices; every other run cgroup is narrowed to nothing and
-        removed once empty (its run ended while no service watched)."""
-        for root in self.mech.roots[:1]:
-            for where, dirs, _files in os.walk(root):
-                for name in [d for d in dirs if d.startswith(RUN_PREFIX)]:
-                    path = "/" + os.path.relpath(os.path.join(where, name), root)
-                    pid = int(name[len(RUN_PREFIX):].split("-", 1)[0])
-                    started = name[len(RUN_PREFIX):].split("-", 1)[-1]
-                    owner = pid if str(start_time(pid)) == started else -pid  # -pid: no live client
-                    self.runs[owner] = path
-                    self.allow(owner, held.get(owner, ()))
+        """After a restart: the runs still holding grants (HELD: client pid -> devices) keep
+        their cgroups, set again to their devices; every other run cgroup (a run that ended
+        while no service watched, spares) is narrowed to nothing and removed once empty."""
+        root = self.mech.roots[0]
+        found = ["/" + os.path.relpath(os.path.join(where, name), root) for where, dirs, _files in os.walk(root)
+                 for name in dirs if name.startswith(RUN_PREFIX)]
+        for n, path in enumerate(found):
+            inside = set(self.mech.pids(path))
+            owner = next((pid for pid in held if pid in inside), -1 - n)  # negative: no client holds it
+            self.runs[owner] = path
+            self.allow(owner, held.get(owner, ()))
 
 
 def for_install(config: Mapping[str, object], say: Callable[[str], None]) -> Optional[RunCgroups]:

@@ -2,7 +2,8 @@
 
     python devprobe.py [--go] MODE PATH...
 
---go: first wait for a line on stdin (the test moves this process into a cgroup meanwhile).
+--go: first wait for a line on stdin (the test moves this process into a cgroup meanwhile);
+--after FILE: first wait until FILE exists (a run started where its stdin is not the test's).
 MODE: here (open now), fork (a child opens), daemon (setsid and a double fork: a grandchild
 whose parent is gone opens), exec (exec a fresh interpreter that opens). Each open prints
 one line "PATH RESULT", RESULT being OK or the errno's name (ENXIO: the kernel let the open
@@ -28,6 +29,13 @@ def main(argv):
     if argv[0] == "--go":
         sys.stdin.readline()
         argv = argv[1:]
+    elif argv[0] == "--after":
+        import time
+
+        deadline = time.monotonic() + 60
+        while not os.path.exists(argv[1]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        argv = argv[2:]
     mode, paths = argv[0], argv[1:]
     if mode == "here":
         here(paths)
