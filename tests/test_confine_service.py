@@ -83,48 +83,57 @@ def kind(request) -> str:
     return request.param
 
 
+@pytest.fixture
+def confined(mu, kind: str) -> Iterator:
+    """``confined("four-gpus", served=True)``: an install set up as Confined does, closed
+    (its service stopped, its run cgroups removed) when the test ends, passed or failed."""
+    made: List[Confined] = []
+
+    def make(topology: str = "four-gpus", served: bool = True) -> Confined:
+        made.append(Confined(mu(topology), kind, served))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
 @pytest.mark.parametrize("mode", ["here", "fork", "daemon", "exec"])
 @pytest.mark.parametrize("served", [True, False], ids=["service", "daemonless"])
-def test_a_run_opens_its_own_gpu_only_whatever_it_does(mu, kind: str, mode: str, served: bool) -> None:
-    inst = mu("four-gpus")
-    c = Confined(inst, kind, served)
-    try:
-        uuid, got = c.run(inst.world.alice, mode)
-        own = MINORS[inst.machine.gpu_uuids().index(uuid)]
-        if served:
-            assert got == {**{str(c.dev / f"nvidia{m}"): "ENXIO" if m == own else "EPERM" for m in range(4)},
-                           str(c.dev / "nvidiactl"): "ENXIO"}
-            # The run is over: its cgroup is gone (a spare made ahead for the next run stays).
-            assert os.path.basename(c.last_cgroup).startswith("cudawrap-run-")
-            wait_for(lambda: not os.path.exists(os.path.join(c.mech.roots[0], c.last_cgroup.lstrip("/"))),
-                     what="the run's cgroup removed", details=lambda: str(run_cgroups(c.mech)))
-            assert len(set(run_cgroups(c.mech)) - c.before) == 1
-        else:
-            assert set(got.values()) == {"ENXIO"}  # nothing confines without the service
-    finally:
-        c.close()
+def test_a_run_opens_its_own_gpu_only_whatever_it_does(confined, mode: str, served: bool) -> None:
+    c = confined(served=served)
+    inst = c.inst
+    uuid, got = c.run(inst.world.alice, mode)
+    own = MINORS[inst.machine.gpu_uuids().index(uuid)]
+    if served:
+        assert got == {**{str(c.dev / f"nvidia{m}"): "ENXIO" if m == own else "EPERM" for m in range(4)},
+                       str(c.dev / "nvidiactl"): "ENXIO"}
+        # The run is over: its cgroup is gone (a spare made ahead for the next run stays).
+        assert os.path.basename(c.last_cgroup).startswith("cudawrap-run-")
+        wait_for(lambda: not os.path.exists(os.path.join(c.mech.roots[0], c.last_cgroup.lstrip("/"))),
+                 what="the run's cgroup removed", details=lambda: str(run_cgroups(c.mech)))
+        assert len(set(run_cgroups(c.mech)) - c.before) == 1
+    else:
+        assert set(got.values()) == {"ENXIO"}  # nothing confines without the service
 
 
-def test_two_users_runs_each_open_their_own(mu, kind: str) -> None:
+def test_two_users_runs_each_open_their_own(confined) -> None:
     """Alice holds a GPU (a run that stays); Bob's run meanwhile opens only his."""
-    inst = mu("four-gpus")
-    c = Confined(inst, kind, True)
-    try:
-        go = inst.dir / "go"
-        holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
-        wait_for(lambda: any(c.mech.pids(p) for p in set(run_cgroups(c.mech)) - c.before),
-                 what="alice's run in its cgroup")
-        uuid, got = c.run(inst.world.bob, "here")
-        own = MINORS[inst.machine.gpu_uuids().index(uuid)]
-        assert [p for p, r in got.items() if r == "ENXIO"] == [str(c.dev / f"nvidia{own}"), str(c.dev / "nvidiactl")]
-        go.touch()
-        out, _ = holder.communicate(timeout=30)
-        lines = out.decode().splitlines()
-        alice_own = MINORS[inst.machine.gpu_uuids().index(lines[0].split()[1])]
-        assert alice_own != own
-        assert dict(line.rsplit(" ", 1) for line in lines[2:])[str(c.dev / f"nvidia{own}")] == "EPERM"
-    finally:
-        c.close()
+    c = confined()
+    inst = c.inst
+    go = inst.dir / "go"
+    holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
+    wait_for(lambda: any(c.mech.pids(p) for p in set(run_cgroups(c.mech)) - c.before),
+             what="alice's run in its cgroup")
+    uuid, got = c.run(inst.world.bob, "here")
+    own = MINORS[inst.machine.gpu_uuids().index(uuid)]
+    assert [p for p, r in got.items() if r == "ENXIO"] == [str(c.dev / f"nvidia{own}"), str(c.dev / "nvidiactl")]
+    go.touch()
+    out, _ = holder.communicate(timeout=30)
+    lines = out.decode().splitlines()
+    alice_own = MINORS[inst.machine.gpu_uuids().index(lines[0].split()[1])]
+    assert alice_own != own
+    assert dict(line.rsplit(" ", 1) for line in lines[2:])[str(c.dev / f"nvidia{own}")] == "EPERM"
 
 
 def test_the_service_refuses_to_start_where_runs_cannot_be_confined(mu) -> None:
@@ -137,3 +146,63 @@ def test_the_service_refuses_to_start_where_runs_cannot_be_confined(mu) -> None:
     err = done.stderr.decode()
     assert "[confine] runs = true, but runs cannot be confined here: no cgroup v2 hierarchy is mounted" in err, err
     assert "Traceback" not in err
+
+
+def test_acquire_confines_the_calling_process_and_release_narrows_it(confined) -> None:
+    """cudawrap.acquire() through the service: the calling process opens its device's node;
+    after release() (its lease given back) it opens none."""
+    c = confined()
+    inst = c.inst
+    code = ("import json, os, sys\n"
+            f"sys.path[:0] = {list(inst.world.path)!r}\n"
+            "import cudawrap\n"
+            "def opens():\n"
+            "    out = {}\n"
+            "    for p in sys.argv[2:]:\n"
+            "        try:\n"
+            "            os.close(os.open(p, os.O_RDWR)); out[p] = 'OK'\n"
+            "        except OSError as e:\n"
+            "            out[p] = __import__('errno').errorcode[e.errno]\n"
+            "    return out\n"
+            "got = cudawrap.acquire(wait=30)\n"
+            "held = opens()\n"
+            "import cudawrap.api; cudawrap.api.release()\n"
+            "import time; deadline = time.time() + 10\n"
+            "while time.time() < deadline and 'ENXIO' in [v for k, v in opens().items() if 'ctl' not in k]:\n"
+            "    time.sleep(0.01)\n"
+            "print(json.dumps({'uuid': got[0], 'held': held, 'after': opens()}))\n")
+    out = inst.py_json(inst.world.alice, code, "-", *c.nodes())
+    own = MINORS[inst.machine.gpu_uuids().index(out["uuid"])]
+    assert [m for m in range(4) if out["held"][c.nodes()[m]] == "ENXIO"] == [own]
+    assert [m for m in range(4) if out["after"][c.nodes()[m]] == "ENXIO"] == []
+    assert out["after"][str(c.dev / "nvidiactl")] == "ENXIO"
+
+
+def test_a_mig_run_opens_its_parent_and_its_own_capabilities(confined) -> None:
+    from support.confine import free_char_major
+
+    c = confined("a100-mig7")
+    inst = c.inst
+    caps = free_char_major()
+    table = {"config": 1, "monitor": 2}
+    for gi in range(7, 14):
+        table[f"gpu2/gi{gi}/access"] = 10 + 2 * gi  # the A100's node minor is 2 (MINORS[0])
+        table[f"gpu2/gi{gi}/ci0/access"] = 11 + 2 * gi
+    proc = inst.dir / "proc"
+    (proc / "driver/nvidia-caps").mkdir(parents=True)
+    (proc / "devices").write_text(f"Character devices:\n195 nvidia\n{caps} nvidia-caps\n\nBlock devices:\n")
+    (proc / "driver/nvidia-caps/mig-minors").write_text("".join(f"{k} {v}\n" for k, v in table.items()))
+    for minor in table.values():
+        os.mknod(c.dev / f"nvidia-cap{minor}", 0o666 | stat.S_IFCHR, os.makedev(caps, minor))
+        os.chmod(c.dev / f"nvidia-cap{minor}", 0o666)
+    done = inst.run(inst.world.alice, "probe", "here", *c.nodes(),
+                    *[str(c.dev / f"nvidia-cap{m}") for m in table.values()])
+    assert done.returncode == 0, done.stderr.decode()
+    lines = done.stdout.decode().splitlines()
+    got = dict(line.rsplit(" ", 1) for line in lines[2:])
+    uuid = lines[0].split()[1]
+    gi = int(next(f for f in inst.machine.read().split("\n") if uuid in f).split(" gi=")[1].split()[0])
+    own = {str(c.dev / f"nvidia-cap{table[n]}") for n in ("config", "monitor", f"gpu2/gi{gi}/access",
+                                                              f"gpu2/gi{gi}/ci0/access")}
+    assert {p for p, r in got.items() if r == "ENXIO"} == own | {str(c.dev / "nvidia2"), str(c.dev / "nvidiactl")}
+    assert set(got.values()) == {"ENXIO", "EPERM"}

@@ -77,6 +77,7 @@ class Held:
     exited: bool = False
     ended: List[str] = field(default_factory=list)  # devices found released
     slots: Dict[str, int] = field(default_factory=dict)  # uuid -> its slot, for a share (0: let go already)
+    let_go: List[str] = field(default_factory=list)  # devices found free while it ran: closed to its cgroup
 
 
 class Grants:
@@ -105,8 +106,16 @@ class Grants:
         if self.confine is None:
             return True
         devices = {u for p in self.pending.values() if p.pid == pid for u in p.devices}
-        devices.update(u for h in self.held.values() if h.pid == pid for u in h.devices if u not in h.ended)
+        devices.update(u for h in self.held.values() if h.pid == pid for u in h.devices
+                       if u not in h.ended and u not in h.let_go)
         return self.confine.allow(pid, sorted(devices.union(more)))
+
+    def let_go(self, held: Held) -> None:
+        """HELD's leases were found free (its client let go, or is exiting): its cgroup no
+        longer opens them, before they go to anyone else (the API's release())."""
+        if self.confine is not None:
+            held.let_go = list(held.devices)
+            self._confine(held.pid)
 
     def sharers(self, uuid: str) -> Set[int]:
         """The uids holding a share of UUID through the service now."""

@@ -507,6 +507,7 @@ class Service:
             if any(self.grants.sent_since(held, u) for u in held.devices):
                 continue
             if all(map(leases.free_now, held.devices)):
+                self.grants.let_go(held)  # [confine] runs: closed to it before it goes on
                 if not self._hand_over(held):
                     self.freed = self.dirty = True
             elif again:
