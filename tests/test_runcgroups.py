@@ -175,3 +175,35 @@ def test_a_pid_that_could_not_be_confined_gets_no_grant(cgroups: Cgroups, gpus, 
     assert rc.allow(proc.pid, [gpus[0]]) is False  # nor at a later grant
     assert any("could not be confined" in line for line in rc.said)  # type: ignore[attr-defined]
     assert set(run_cgroups(cgroups.mech)) == before  # the cgroup made for it is gone
+
+
+def test_leftovers_are_ended_through_their_run_cgroup_daemons_and_all(cgroups: Cgroups, gpus, tmp_path):
+    """[health] leftover_action = "kill" on a leftover in a run cgroup: the whole cgroup goes,
+    a child that daemonized included (a SIGTERM to the leftover's pid would miss it)."""
+    from cudawrap.ops import leftovers
+    from cudawrap.proc import start_time
+
+    rc = service(cgroups, tmp_path)
+    run = placed(cgroups, "sh", "-c", "read go; setsid sleep 300 & exec sleep 300")
+    rc.enter(run.pid, 0)
+    assert rc.allow(run.pid, [gpus[0]])
+    path = rc.runs[run.pid]
+    run.stdin.write("go\n")
+    run.stdin.flush()
+    wait_for(lambda: len(cgroups.mech.pids(path)) == 2, what="the run and its daemon in its cgroup")
+    assert rc.allow(run.pid, [])  # its lease ended: what is left in its cgroup are leftovers
+    left = leftovers.Leftover(run.pid, gpus[0], "root", "probe", None, start_time(run.pid), 0.0)
+    assert leftovers.end(left)
+    run.wait(timeout=10)
+    wait_for(lambda: not cgroups.mech.pids(path), what="every leftover gone")
+
+
+def test_a_leftover_outside_any_run_cgroup_is_not_ended_through_one(cgroups: Cgroups):
+    from cudawrap.ops.runcgroups import kill_run_of
+    from cudawrap.proc import start_time
+
+    other = placed(cgroups)
+    assert kill_run_of(other.pid, start_time(other.pid)) is False
+    assert other.poll() is None
+    other.kill()
+    other.wait()

@@ -51,7 +51,8 @@ def _mechanism(config: Mapping[str, Any], served: bool) -> List[Finding]:
     try:
         mech = cgroup.usable(config["cgroup"])
     except OSError as e:
-        return [("error" if runs else "note", f"cgroup = \"{config['cgroup']}\": runs cannot be confined here: {e.strerror or e}")]
+        why = f"cgroup = \"{config['cgroup']}\": runs cannot be confined here: {e.strerror or e}"
+        return [("error" if runs else "note", why)]
     if isinstance(mech, cgroup.V2):
         how = f"cgroup v2 at {mech.mount}, a BPF device program on each run's cgroup"
         ends = ("cgroup.kill" if cgroup.kernel() >= cgroup.KILL_KERNEL else

@@ -35,6 +35,7 @@ from ..base.devrule import Rule
 from ..devices import drivernodes
 from ..devices.nvml import node_ids
 from ..errors import SetupError
+from ..proc import start_time
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,35 @@ class RunCgroups:
             owner = next((pid for pid in held if pid in inside), -1 - n)  # negative: no client holds it
             self.runs[owner] = path
             self.allow(owner, held.get(owner, ()))
+
+
+def kill_run_of(pid: int, ticks: int) -> bool:
+    """End every process of the run cgroup PID is in (a run's leftovers: its lease has ended),
+    through the cgroup (cgroup.kill, or the freezer and a kill of each): its children and
+    daemons too, none of them guessed by pid. False where PID (started at TICKS) is in no run
+    cgroup of cudawrap's, or is another process now."""
+    try:
+        found = cgroup.mounts()
+        where = cgroup.current(pid)
+    except OSError:
+        return False
+    if start_time(pid) != ticks:
+        return False  # the pid was reused
+    mechanisms = []
+    if "devices" in found and "freezer" in found:
+        mechanisms.append(("devices", cgroup.V1(found["devices"], found["freezer"])))
+    if "unified" in found:
+        mechanisms.append(("unified", cgroup.V2(found["unified"])))
+    for name, mech in mechanisms:
+        path = where.get(name, "")
+        if os.path.basename(path).startswith(RUN_PREFIX):
+            try:
+                mech.kill(path)
+            except OSError as exc:
+                log.warning("the leftovers in %s could not be ended through it: %s", path, exc)
+                return False
+            return True
+    return False
 
 
 def for_install(config: Mapping[str, object], say: Callable[[str], None]) -> Optional[RunCgroups]:
