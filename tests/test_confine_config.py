@@ -136,3 +136,25 @@ def test_kernel_versions_read_as_numbers():
     assert cgroup.kernel("5.4.0-150-generic") == (5, 4)
     assert cgroup.kernel("4.15rc1") == (4, 15)
     assert cgroup.kernel("weird") == (0, 0)
+
+
+@pytest.mark.parametrize("can", [True, False], ids=["confinable", "not-confinable"])
+def test_an_install_that_starts_the_service_sets_runs_where_the_host_can_confine(tmp_path, monkeypatch, can):
+    import sys
+
+    from cudawrap.install import installation
+    from cudawrap.paths import Layout
+    from cudawrap.policy.config import load_config
+
+    assert cgroup.confinable() is True  # this host (CI) can: the v1 devices controller
+    layout = Layout(tmp_path / "root")
+    layout.venv_dir.mkdir(parents=True)
+    monkeypatch.setattr(installation, "systemd_running", lambda _layout: True)
+    monkeypatch.setattr(installation, "_systemctl", lambda *args: None)
+    if not can:
+        monkeypatch.setattr(cgroup, "confinable", lambda setting="auto": False)
+    said: list = []
+    installation.install(layout, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: ())
+    config = load_config(layout.config_file)
+    assert config["runs"] is can and config["nodes"] == "open" and config["enforce"] is True
+    assert any("[confine] runs = true" in line for line in said) is can

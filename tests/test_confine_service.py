@@ -206,3 +206,31 @@ def test_a_mig_run_opens_its_parent_and_its_own_capabilities(confined) -> None:
                                                               f"gpu2/gi{gi}/ci0/access")}
     assert {p for p, r in got.items() if r == "ENXIO"} == own | {str(c.dev / "nvidia2"), str(c.dev / "nvidiactl")}
     assert set(got.values()) == {"ENXIO", "EPERM"}
+
+
+@pytest.mark.parametrize("flags,why", [(1, "BPF_F_ALLOW_OVERRIDE: one attached below it would replace it"),
+                                       (0, "with no flag, which refuses any below it")])
+def test_the_service_will_not_start_below_a_device_program_it_would_widen(mu, flags: int, why: str) -> None:
+    """An admin's device program above the service, attached so that a run's program below
+    would replace it (ALLOW_OVERRIDE) or cannot be attached (no flag): not started, and why."""
+    from cudawrap.base import bpfdev
+    from cudawrap.base.devrule import gpu_rule
+
+    inst = mu("four-gpus")
+    inst.write_config('[confine]\nruns = true\ncgroup = "v2"\n')
+    mech = cgroup.choose("v2")
+    top = mech.make("/", f"cudawrap-test-{os.getpid()}")
+    try:
+        fd = os.open(os.path.join(mech.mount, top.lstrip("/")), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            bpfdev.attach(fd, gpu_rule(frozenset({0, 1, 2, 3})), flags, top)
+        finally:
+            os.close(fd)
+        procs = os.path.join(mech.mount, top.lstrip("/"), "cgroup.procs")
+        done = inst.run(None, "sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", inst.world.python, "-I", "-c",
+                        cli_code(inst.path), "serve")
+        err = done.stderr.decode()
+        assert done.returncode != 0 and "[confine] runs = true, but runs cannot be confined here: " in err, err
+        assert why in err and "Traceback" not in err
+    finally:
+        teardown(mech, top)

@@ -251,7 +251,22 @@ def usable(setting: str) -> "V1 | V2":
             os.close(bpfdev.load(Rule((), frozenset())))
         except OSError as e:
             raise CgroupError(e.errno, f"cannot load a cgroup v2 device program: {e.strerror}") from None
+        # Runs' cgroups go below their own processes', each checked as it is made; what sits
+        # above this process (the hierarchy's top among them) is above most of them.
+        here = os.path.join(mech.mount, current(os.getpid()).get("unified", "/").lstrip("/"))
+        problem = bpfdev.ancestors_problem(mech.mount, os.path.join(here, "run"))
+        if problem:
+            raise CgroupError(errno.EPERM, problem)
     return mech
+
+
+def confinable(setting: str = "auto") -> bool:
+    """Whether runs can be confined here (``usable``), for an install choosing its defaults."""
+    try:
+        usable(setting)
+    except OSError:
+        return False
+    return True
 
 
 def choose(setting: str, found: Optional[Dict[str, str]] = None) -> "V1 | V2":
