@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 from typing import Iterator, List
 
@@ -232,5 +233,41 @@ def test_the_service_will_not_start_below_a_device_program_it_would_widen(mu, fl
         err = done.stderr.decode()
         assert done.returncode != 0 and "[confine] runs = true, but runs cannot be confined here: " in err, err
         assert why in err and "Traceback" not in err
+    finally:
+        teardown(mech, top)
+
+
+def test_a_run_that_cannot_be_confined_is_told_so_and_gets_nothing(confined, kind: str) -> None:
+    """Its place (its own cgroup) has a device program attached with no flag, which refuses
+    any below it (v2), or allows devices by a list (v1): the run gets one line and no device."""
+    c = confined()
+    inst = c.inst
+    mech = c.mech
+    top = mech.make("/", f"cudawrap-test-{os.getpid()}")
+    try:
+        if kind == "v2":
+            from cudawrap.base import bpfdev
+            from cudawrap.base.devrule import gpu_rule
+
+            fd = os.open(os.path.join(mech.mount, top.lstrip("/")), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                bpfdev.attach(fd, gpu_rule(frozenset({0, 1, 2, 3})), 0, top)
+            finally:
+                os.close(fd)
+        else:
+            devices = os.path.join(mech.devices, top.lstrip("/"))
+            Path(devices, "devices.deny").write_text("a")
+            Path(devices, "devices.allow").write_text("c *:* rwm")
+        go = inst.dir / "go"
+        run = inst.start(inst.world.alice, "sh", "-c", f'while [ ! -e {go} ]; do sleep 0.01; done; exec "$@"', "sh",
+                         "probe", "here", *c.nodes())
+        mech.move(top, run.pid)  # where it runs: below the admin's program or list
+        go.touch()
+        out, error = run.communicate(timeout=60)
+        done = subprocess.CompletedProcess(run.args, run.returncode, out, error)
+        err = done.stderr.decode()
+        assert done.returncode == os.EX_OSERR, err
+        assert "could not confine this run to its devices ([confine] runs = true): nothing was granted" in err
+        assert "cvd" not in done.stdout.decode()  # the program never ran
     finally:
         teardown(mech, top)

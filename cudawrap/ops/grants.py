@@ -190,6 +190,12 @@ class Grants:
         if not self._confine(pid, devices):
             for fd in fds:
                 os.close(fd)
+            try:  # its one line, then it is dropped as a client gone
+                sock.send(wire.encode(wire.ERROR, {"code": str(os.EX_OSERR), "text": "the cudawrap service could not "
+                                      "confine this run to its devices ([confine] runs = true): nothing was granted",
+                                      "hint": "the service's log says why; `cudawrap doctor` checks the host"}))
+            except OSError:
+                pass
             return False
         data = wire.encode(wire.GRANT, {"devices": ",".join(devices), "fds": ",".join(described), **(fields or {})})
 
