@@ -271,3 +271,25 @@ def test_a_run_that_cannot_be_confined_is_told_so_and_gets_nothing(confined, kin
         assert "cvd" not in done.stdout.decode()  # the program never ran
     finally:
         teardown(mech, top)
+
+
+def test_a_service_killed_leaves_runs_confined_and_its_successor_removes_their_cgroups(confined) -> None:
+    """SIGKILL to the service while a run holds a GPU: the run goes on, still confined; the
+    next service adopts it, and removes its cgroup once it ends, and a spare the first left."""
+    c = confined()
+    inst = c.inst
+    go = inst.dir / "go"
+    holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
+    wait_for(lambda: any(c.mech.pids(p) for p in set(run_cgroups(c.mech)) - c.before), what="the run confined")
+    c.service.kill()
+    c.service.wait()
+    c.service = inst.start(None, inst.world.python, "-I", "-c", cli_code(inst.path), "serve")
+    assert "listening on" in c.service.stdout.readline().decode()
+    go.touch()
+    out, _ = holder.communicate(timeout=30)
+    lines = out.decode().splitlines()
+    own = MINORS[inst.machine.gpu_uuids().index(lines[0].split()[1])]
+    got = dict(line.rsplit(" ", 1) for line in lines[2:])
+    assert [m for m in range(4) if got[str(c.dev / f"nvidia{m}")] == "ENXIO"] == [own]
+    wait_for(lambda: not (set(run_cgroups(c.mech)) - c.before), what="every run cgroup removed",
+             details=lambda: str(set(run_cgroups(c.mech)) - c.before))
