@@ -62,6 +62,9 @@ def test_doctor_names_the_mechanism_and_how_leftovers_end(admin: Admin, kind: st
     assert f"note: confine: no `cudawrap serve` runs for this install: {NOT_SERVED}" in lines
     ok = [line for line in lines if line.startswith("ok: confine: runs = true: the service confines runs by")]
     assert len(ok) == 1, lines
+    if cgroup.kernel() >= (6, 0) and not cgroup.favors_dynmods():  # this CI machine: 6.18, without it
+        assert any(line.startswith("note: confine: moving a run into its cgroup can wait for an RCU grace period")
+                   and "mount -o remount,favordynmods /sys/fs/cgroup/" in line for line in lines), lines
     mounts = cgroup.mounts()
     if kind == "v2":
         assert f"cgroup v2 at {mounts['unified']}, a BPF device program" in ok[0]
@@ -129,6 +132,15 @@ def test_doctor_says_whether_slurm_confines_its_jobs(admin: Admin, tmp_path: Pat
     lines = confine_lines(admin.cli("doctor", SLURM_CONF=str(tmp_path / "slurm/slurm.conf")))
     slurm = [line for line in lines if "Slurm" in line]
     assert len(slurm) == 1 and slurm[0].startswith(f"{level}: confine: Slurm's ConstrainDevices"), lines
+
+
+def test_favordynmods_is_read_from_the_cgroup_mounts_super_options(tmp_path):
+    info = tmp_path / "mountinfo"
+    info.write_text("30 25 0:26 / /sys/fs/cgroup/unified rw,nosuid shared:9 - cgroup2 cgroup2 rw\n"
+                    "31 25 0:27 / /mnt rw - tmpfs tmpfs rw,favordynmods\n")
+    assert cgroup.favors_dynmods(str(info)) is False
+    info.write_text("30 25 0:26 / /sys/fs/cgroup/unified rw,nosuid shared:9 - cgroup2 cgroup2 rw,favordynmods\n")
+    assert cgroup.favors_dynmods(str(info)) is True
 
 
 def test_kernel_versions_read_as_numbers():

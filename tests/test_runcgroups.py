@@ -143,13 +143,16 @@ def test_a_restart_keeps_held_runs_and_removes_the_others(cgroups: Cgroups, gpu_
 
 
 def test_the_next_run_there_takes_a_cgroup_made_ahead(cgroups: Cgroups, gpus, tmp_path):
-    """After a run's entry a spare is made below the same place, confined; the next run there
-    is moved into it (its entry is then a move alone), and a restart removes a spare."""
+    """As a run's grant goes out a spare is made below the same place, confined; the next run
+    there is moved into it (its entry is then a move alone); a stop or a restart removes a spare."""
     rc = service(cgroups, tmp_path)
     first = placed(cgroups)
     rc.enter(first.pid, 0)
     rc._settled(first.pid)
-    rc.worker.submit(lambda: None).result()  # the spare made meanwhile
+    rc.worker.submit(lambda: None).result()
+    assert cgroups.top not in rc.spares  # not while its decision is made
+    assert rc.allow(first.pid, [gpus[1]])  # its grant goes out: the spare is made meanwhile
+    rc.worker.submit(lambda: None).result()
     spare = rc.spares[cgroups.top]
     assert cgroups.mech.pids(spare) == [] and os.path.dirname(spare) == cgroups.top
     second = placed(cgroups)
@@ -160,6 +163,16 @@ def test_the_next_run_there_takes_a_cgroup_made_ahead(cgroups: Cgroups, gpus, tm
     assert RunCgroups(cgroups.mech, str(tmp_path)).reconcile({second.pid: [gpus[0]]}) is None
     assert not os.path.exists(os.path.join(cgroups.mech.roots[0], rc.spares[cgroups.top].lstrip("/")))
     assert os.path.exists(os.path.join(cgroups.mech.roots[0], spare.lstrip("/")))  # held: kept
+    rc3 = service(cgroups, tmp_path)  # the restarted service's
+    third = placed(cgroups)
+    rc3.enter(third.pid, 0)
+    assert rc3.allow(third.pid, [gpus[2]])
+    rc3.worker.submit(lambda: None).result()
+    last = rc3.spares[cgroups.top]
+    rc3.close()  # the service stops
+    assert not os.path.exists(os.path.join(cgroups.mech.roots[0], last.lstrip("/")))
+    third.kill()
+    third.wait()
     for p in (first, second):
         p.kill()
         p.wait()

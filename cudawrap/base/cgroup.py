@@ -57,6 +57,14 @@ def mounts(mountinfo: str = MOUNTINFO) -> Dict[str, str]:
     return found
 
 
+def favors_dynmods(mountinfo: str = MOUNTINFO) -> bool:
+    """Whether a cgroup hierarchy is mounted with favordynmods (6.0+): then a move into a
+    cgroup does not wait for an RCU grace period (the option holds for every hierarchy)."""
+    with open(mountinfo) as f:
+        return any(" - cgroup" in line and "favordynmods" in line.partition(" - ")[2].split()[-1].split(",")
+                   for line in f)
+
+
 def current(pid: int) -> Dict[str, str]:
     """The cgroup PID is in, per hierarchy: "unified" -> its v2 path, each v1 controller -> its path."""
     out: Dict[str, str] = {}

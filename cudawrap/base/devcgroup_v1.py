@@ -89,14 +89,21 @@ def apply(cgroup: str, rule: Rule, before: Optional[Rule] = None) -> None:
             raise DevicesError(errno.EPERM, f"cannot confine {cgroup}: {why}")
     deny, allow = lines(rule) if before is None else changes(before, rule)
     deny_file, allow_file = os.path.join(cgroup, "devices.deny"), os.path.join(cgroup, "devices.allow")
-    for line in deny:
-        try:
-            write(deny_file, line)
-        except OSError as e:
-            raise DevicesError(e.errno, f"writing {line!r} to {deny_file}: {e.strerror}") from None
-    for line in allow:
-        try:
-            write(allow_file, line)
-        except OSError as e:
-            if e.errno != errno.EPERM:
-                raise DevicesError(e.errno, f"writing {line!r} to {allow_file}: {e.strerror}") from None
+    _write_each(deny_file, deny, refused_ok=False)
+    _write_each(allow_file, allow, refused_ok=True)
+
+
+def _write_each(path: str, lines: List[str], refused_ok: bool) -> None:
+    """Each of LINES, one write(2) apiece (the kernel parses one a write) through one open."""
+    if not lines:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for line in lines:
+            try:
+                os.write(fd, line.encode())
+            except OSError as e:
+                if not (refused_ok and e.errno == errno.EPERM):
+                    raise DevicesError(e.errno, f"writing {line!r} to {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)

@@ -95,6 +95,10 @@ class Grants:
 
         self.confine = for_install(load_config(layout.config_file), say)
 
+    def close(self) -> None:
+        if self.confine is not None:
+            self.confine.close()
+
     def enter(self, pid: int, uid: int) -> None:
         """A client asked for devices: under [confine] runs, into a run cgroup of its own, now."""
         if self.confine is not None:
@@ -319,8 +323,21 @@ class Grants:
                 held.exited = True
                 self.check(held)
         if self.confine is not None:
-            self.confine.reconcile({h.pid: [u for u in h.devices if u not in h.ended] for h in self.held.values()})
+            self.confine.reconcile(self._holds(), [h.pid for h in self.held.values()])
         return running
+
+    def _holds(self) -> Dict[int, List[str]]:
+        """pid -> the devices it holds: the kernel's locks (a grant sent just before a crash may
+        be missing from the ledger's state), and the grants adopted (a child holds a lease its
+        exited client took, which the lock table credits to the client)."""
+        out: Dict[int, List[str]] = {}
+        table = lock_table()
+        for uuid, ident in self.leases.idents(self.leases.names()).items():
+            for pid, _exclusive in table.get(ident, []) if ident is not None else []:
+                out.setdefault(pid, []).append(uuid)
+        for h in self.held.values():
+            out.setdefault(h.pid, []).extend(u for u in h.devices if u not in h.ended)
+        return out
 
     def lingering(self) -> List[Held]:
         """Grants whose client exited with a lease still held (by a child it passed it to)."""

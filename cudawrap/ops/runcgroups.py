@@ -4,9 +4,11 @@ open its own GPUs' and MIG instances' nodes and no other GPU's (README "Confinem
 A run's cgroup, from its request to its end (the service's loop calls; base/cgroup.py does):
 - at its request (``enter``), before any decision: the client process is moved into a
   cgroup refusing every GPU, on a worker thread while the decision is made. The cgroup was
-  made and confined ahead (a spare, one per place runs go, made after each entry there): on
-  v1 a rule is 254 writes, ~2 ms, and a run waiting for them would wait past its decision;
-  the move itself is ~0.05 ms;
+  made and confined ahead (a spare, one per place runs go, made as the last run there got its
+  grant): on v1 a rule is 254 writes, ~2 ms, and a run waiting for them would wait past its
+  decision. The move itself can wait for an RCU grace period (cgroup_threadgroup_rwsem):
+  ~10 ms measured for a move alone on a 6.18 VM, ~0.05 ms for moves in a row; a cgroup
+  mount with favordynmods (6.0+) spares it, and doctor says so;
 - before its grant is sent (``allow``): the rule widened to the devices it will then hold;
 - a grant voided or not taken, or ended (``allow`` again, with what is left): narrowed before
   anything else happens; once the process holds nothing, its cgroup is removed as soon as no
@@ -27,6 +29,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, Mapping, Optional, Set
 
@@ -40,6 +45,7 @@ from ..proc import start_time
 log = logging.getLogger(__name__)
 
 RUN_PREFIX = "cudawrap-run-"
+ORPHAN_POLL_S = 0.5
 
 
 class RunCgroups:
@@ -52,14 +58,17 @@ class RunCgroups:
         self.rules: Dict[int, Rule] = {}  # client pid -> the rule applied there last
         self.entering: Dict[int, "Future[str]"] = {}
         self.spares: Dict[str, str] = {}  # where runs go -> a cgroup made and confined ahead (the worker's alone)
+        self.bases: Dict[int, str] = {}  # client pid -> where its run cgroup went
         self.made = 0
         self.failed: Set[int] = set()  # entered, not confined: refused its grants
         self.ended: Set[int] = set()  # holding nothing, cgroup not yet empty
+        self.orphans_gone: "queue.SimpleQueue[int]" = queue.SimpleQueue()  # removed by their watcher thread
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="cudawrap-confine")
 
     # -- the run's cgroup -------------------------------------------------------------------
     def enter(self, pid: int, uid: int) -> None:
         """Move PID into a cgroup of its own refusing every GPU, on the worker (see the module)."""
+        self.sweep()  # a pid that was an orphan's is a new process's now
         if pid not in self.runs and pid not in self.entering:
             self.entering[pid] = self.worker.submit(self._enter, pid, uid)
 
@@ -71,14 +80,18 @@ class RunCgroups:
         except OSError:
             self.mech.remove(path)  # nobody in it
             raise
-        self.worker.submit(self._spare, base)  # for the next run there, after this one's answer
+        self.bases[pid] = base
         return path
 
     def _make(self, base: str) -> str:
         """A new run cgroup below BASE refusing every GPU. Named by the service's pid and a
         count, not the run's: a restart finds a run's cgroup from its pid's /proc entry."""
-        self.made += 1
-        path = self.mech.make(base, f"{RUN_PREFIX}{os.getpid()}-{self.made}")
+        while True:  # never one that exists: a service before this one may have had this pid
+            self.made += 1
+            name = f"{RUN_PREFIX}{os.getpid()}-{self.made}"
+            if not os.path.lexists(os.path.join(self.mech.roots[0], base.lstrip("/"), name)):
+                break
+        path = self.mech.make(base, name)
         try:
             self.mech.confine(path, self.rule(()))
         except OSError:
@@ -159,6 +172,10 @@ class RunCgroups:
                 self.rules.pop(pid, None)  # written in part: written whole next time
                 return False
             self.rules[pid] = rule
+        if devices and pid in self.bases:
+            # The next run there gets a cgroup made ahead: made now, as this one's grant goes
+            # out, not at its entry, where the worker's writes competed with its decision.
+            self.worker.submit(self._spare, self.bases.pop(pid))
         if devices:
             self.ended.discard(pid)
         else:
@@ -168,6 +185,10 @@ class RunCgroups:
 
     def sweep(self) -> None:
         """Remove the cgroups of runs that hold nothing and have no process left."""
+        while not self.orphans_gone.empty():
+            pid = self.orphans_gone.get()
+            self.runs.pop(pid, None)
+            self.rules.pop(pid, None)
         for pid in list(self.ended):
             path = self.runs.get(pid)
             try:
@@ -180,19 +201,55 @@ class RunCgroups:
                 self.runs.pop(pid, None)
                 self.rules.pop(pid, None)
 
+    def close(self) -> None:
+        """The service stops: its spares go (a run's cgroup stays with its run)."""
+        self.worker.shutdown(wait=True)
+        for path in self.spares.values():
+            try:
+                self.mech.remove(path)
+            except OSError:
+                pass  # the next start's reconcile removes it
+        self.spares.clear()
+
     # -- a restart --------------------------------------------------------------------------
-    def reconcile(self, held: Mapping[int, Iterable[str]]) -> None:
-        """After a restart: the runs still holding grants (HELD: client pid -> devices) keep
-        their cgroups, set again to their devices; every other run cgroup (a run that ended
-        while no service watched, spares) is narrowed to nothing and removed once empty."""
+    def reconcile(self, held: Mapping[int, Iterable[str]], followed: Iterable[int] = ()) -> None:
+        """After a restart: each run cgroup is set to what the processes in it hold (HELD: pid
+        -> devices, from the lock table and the grants adopted); one whose processes hold
+        nothing (a run that ended while no service watched, a spare) is narrowed to nothing
+        and removed once empty. A holder no adopted grant follows (FOLLOWED: their clients'
+        pids; one granted just before a crash, before the ledger's state had it) keeps its
+        devices, and its cgroup goes once empty, at a later sweep."""
+        followed = set(followed)
+        unfollowed: Dict[int, str] = {}  # found holding, followed by no grant: goes once empty
         root = self.mech.roots[0]
         found = ["/" + os.path.relpath(os.path.join(where, name), root) for where, dirs, _files in os.walk(root)
                  for name in dirs if name.startswith(RUN_PREFIX)]
         for n, path in enumerate(found):
             inside = set(self.mech.pids(path))
-            owner = next((pid for pid in held if pid in inside), -1 - n)  # negative: no client holds it
+            holders = [pid for pid in held if pid in inside]
+            owner = holders[0] if holders else -1 - n  # negative: nobody in it holds a device
             self.runs[owner] = path
-            self.allow(owner, held.get(owner, ()))
+            self.allow(owner, sorted({u for pid in holders for u in held[pid]}))
+            if holders and owner not in followed:
+                unfollowed[owner] = path
+        if unfollowed:
+            threading.Thread(target=self._orphans, args=(unfollowed,), daemon=True,
+                             name="cudawrap-confine-orphans").start()
+
+    def _orphans(self, left: Dict[int, str]) -> None:
+        """Remove each cgroup of LEFT (pid -> path) once no process is in it: no grant of the
+        service's follows them, so no exit or close of theirs reaches its loop. Its own thread:
+        a poll each ORPHAN_POLL_S touches nothing of the loop's but the queue it reports to."""
+        while left:
+            time.sleep(ORPHAN_POLL_S)
+            for pid, path in list(left.items()):
+                try:
+                    gone = self.mech.remove(path)
+                except OSError:
+                    gone = True
+                if gone:
+                    del left[pid]
+                    self.orphans_gone.put(pid)
 
 
 def kill_run_of(pid: int, ticks: int) -> bool:

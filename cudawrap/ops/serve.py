@@ -113,6 +113,7 @@ class Service:
         self.comeback.census.note(self.roster.ticketed, time.monotonic(), exact=True)
         for client in list(self.clients.values()):
             self._drop(client)
+        self.grants.close()  # [confine] runs: the cgroups made ahead go
         try:
             os.unlink(self.path)
         except OSError:
