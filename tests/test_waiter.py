@@ -131,6 +131,7 @@ def test_verbose_says_the_device_as_the_shim_says_it(served: Served) -> None:
     wait_for(lambda: _in_waiter(served, waiter))
     holders[0].kill()
     uuid = ready_line(waiter)["cvd"]
+    assert waiter.stderr.readline().decode().startswith(f"recon: got {uuid} after ")  # as a run deciding for itself
     assert waiter.stderr.readline().decode() == f"recon: CUDA_VISIBLE_DEVICES={uuid} -> {inst.bindir}/CUDAWRAP_recon\n"
     holders[0].wait()
     at_once = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0", CUDAWRAP_VERBOSE="1")
@@ -196,7 +197,9 @@ def test_an_exec_that_fails_after_the_wait_is_reported_as_the_shim_reports_it(se
     code = waiter.wait(timeout=30)
     err = waiter.stderr.read().decode()
     # The general way, given the lease, looks for the program (an unwrap may have put it back).
-    assert code == 127 and err.startswith(f"recon: the real program {real} is missing\n"), (code, err)
+    got, _, err = err.partition("\n")
+    assert code == 127 and got.startswith("recon: got ") and err.startswith(
+        f"recon: the real program {real} is missing\n"), (code, got, err)
     assert err.count("\n") == 2 and "hint: " in err
     _kill(holders)
 
