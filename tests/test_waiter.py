@@ -134,6 +134,7 @@ def test_verbose_says_the_device_as_the_shim_says_it(served: Served) -> None:
     assert waiter.stderr.readline().decode().startswith(f"recon: got {uuid} after ")  # as a run deciding for itself
     assert waiter.stderr.readline().decode() == f"recon: CUDA_VISIBLE_DEVICES={uuid} -> {inst.bindir}/CUDAWRAP_recon\n"
     holders[0].wait()
+    assert waiter.wait(timeout=10) == 0  # its device free again (the run after it raced its exit)
     at_once = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0", CUDAWRAP_VERBOSE="1")
     assert at_once.stderr.decode() == f"recon: CUDA_VISIBLE_DEVICES={uuid} -> {inst.bindir}/CUDAWRAP_recon\n"
     _kill(holders[1:] + [waiter])
