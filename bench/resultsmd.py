@@ -165,7 +165,7 @@ class Recorded:
 @contextlib.contextmanager
 def recording(argv: Sequence[str]) -> Iterator[Recorded]:
     """What the block prints, still printed, and kept (.printed) with when and on what it ran."""
-    done = Recorded(command)
+    done = Recorded(argv)
     tee = _Tee(sys.stdout)
     saved, sys.stdout = sys.stdout, tee
     try:

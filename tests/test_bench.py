@@ -190,3 +190,12 @@ def test_foreign_section(tiny):
     assert len(foreign["after_foreign_ms"]) == foreign["rounds"] == len(foreign["idle_ms"])
     assert len(foreign["queued"]["gap_ms"]) == foreign["queued"]["rounds"]
     assert "foreign_exit_launch_within_250ms" in tiny["targets"]
+
+
+def test_a_script_that_prints_its_figures_gets_them_as_printed_in_its_section():
+    # attacks.py's way: what the block prints is kept, still printed, and becomes its section.
+    with resultsmd.recording(["bench/attacks.py", "service"]) as recorded:
+        print("| attack | p95 |\n| none | 28.6 ms |")
+    section = resultsmd.printed_section("## Attacks (`bench/attacks.py service`)", recorded, "A note.")
+    assert "bench/attacks.py service" in recorded.run.header()
+    assert "```text\n| attack | p95 |\n| none | 28.6 ms |\n```" in section
