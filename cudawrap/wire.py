@@ -49,6 +49,7 @@ HELD = "held"  # the grant's locks are taken (a run granted whole devices may cl
 LOST = "lost"  # a lock of the grant was taken by someone else first
 STATUS = "status"  # anyone's question: who holds and who waits (answer: json=)
 CANCEL = "cancel"  # pids=: end those waiting runs (their owner's or root's word, by the kernel)
+REVOKE = "revoke"  # devices=, by=: root's `cudawrap revoke` (answer: revoked=, holders=)
 # Service -> client.
 WAIT = "wait"  # a line to show while waiting (text=), and/or a reconnect ticket (ticket=)
 GRANT = "grant"  # descriptors attached (fds= says which is which), env=, defaults=

@@ -228,6 +228,11 @@ class _Doctor:
         else:
             self.add(LEVEL_OK, "leases", f"a lease file for each of {len(present)} device(s)")
         self._check_slots(devices, present)
+        from ..ops.sync import not_renewed
+
+        held = not_renewed(self.layout)
+        if held:
+            self.add(LEVEL_WARNING, "leases", held)
 
     def _check_slots(self, devices: Any, present: List[str]) -> None:
         """Slot files for the shared devices: fewer than configured means fewer sharers."""

@@ -54,6 +54,7 @@ _SUBCOMMANDS = {
     "drain": "cudawrap.cli.ops.DrainCommand",
     "resume": "cudawrap.cli.ops.ResumeCommand",
     "cancel": "cudawrap.cli.ops.CancelCommand",
+    "revoke": "cudawrap.cli.ops.RevokeCommand",
     "usage": "cudawrap.cli.ops.UsageCommand",
     "mps": "cudawrap.cli.mps_cmd.MpsCommand",
     "health": "cudawrap.cli.health_cmd.HealthCommand",

@@ -159,6 +159,37 @@ class ResumeCommand(Command):
         return 0
 
 
+class RevokeCommand(Command):
+    """Take DEVICE's lease from its holder now (root): its lease file is replaced, its run killed."""
+
+    DESCRIPTION_MORE = ("For a lease whose holder cannot be found or stopped otherwise (its descriptor passed "
+                        "into a socket or mapped, the run that took it gone): a fresh lease file replaces the old "
+                        "one, so whatever still holds the old one guards nothing, and the next run may take the "
+                        "device. The grant's run (through the service) and every process holding the old file "
+                        "locked are killed; the ledger records the lease as revoked. A GPU covers its MIG "
+                        "instances.")
+
+    def main(self, *devices: str) -> int:
+        from ..sched.drains import drained, leases_covered, resolve
+        from ..base.privilege import require_admin
+        from ..ops.revoke import revoke
+
+        layout = default_layout()
+        require_admin(layout, "revoke a lease")
+        if not devices:
+            raise UsageError("no device given", hint="cudawrap revoke DEVICE... (`cudawrap status` lists the devices)")
+        inventory, names = _machine(layout)
+        uuids = leases_covered(resolve(devices, inventory, names + list(drained(str(layout.root)))), inventory, names)
+        if not uuids:
+            raise UsageError(f"{' '.join(devices)[:60]}: no lease file for that device here",
+                             hint="`cudawrap status` lists the devices that are leased; `cudawrap sync` makes their files")
+        by = _admin_name()
+        for line in revoke(layout, uuids, by):
+            print(line)
+        audit.log("revoke", devices=",".join(uuids), by=by)
+        return 0
+
+
 class CancelCommand(Command):
     """Cancel waiting runs by pid: your own, or anyone's as root; the run exits 75 saying who cancelled it."""
 

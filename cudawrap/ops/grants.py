@@ -18,6 +18,14 @@ service tries each lease (LOCK_EX|LOCK_NB on its own descriptor; for a share, on
 file, as the device's other sharers hold the lease file): free, the grant ends; still held
 (a child inherited the descriptor), it ends at a later close of that lease or slot file.
 
+A grant void (declined, "lost", lapsed at its deadline unlocked) leaves its client the
+descriptors, which it may lock whenever it likes (a flock belongs to the open file
+description, and SCM_RIGHTS passed that whole: closing our copies takes nothing back). So
+each of its files is replaced by a fresh one (lease/renew.py) while nobody holds it, the
+first time it is found free: what the client kept names a file nobody reads. Under enforce
+every lease and slot file is replaced so at the service's start, descriptors opened before
+it made the directories root's being worth no more (RENEWING lists those not yet replaced).
+
 Under [service] enforce a shared device's MPS pipe directory is open to the uids of its
 sharers alone (lease/mpsaccess.py): set when a share is confirmed, again as shares end.
 """
@@ -28,10 +36,11 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from .. import wire
 from ..lease.files import LeaseFiles, lock_kind, lock_table
+from ..lease.renew import replace
 from ..paths import Layout
 from . import accounts
 
@@ -50,6 +59,7 @@ class Pending:
     exclusive: List[bool] = field(default_factory=list)  # the lock each of FDS must hold
     slots: Dict[str, int] = field(default_factory=dict)  # uuid -> the slot file sent, for a share
     released_by: int = 0  # the pid whose release it was handed over at, on the last look (0: a new look)
+    uid: int = -1  # its client's
 
     def close(self) -> None:
         for fd in self.fds:
@@ -73,6 +83,7 @@ class Held:
     exited: bool = False
     ended: List[str] = field(default_factory=list)  # devices found released
     slots: Dict[str, int] = field(default_factory=dict)  # uuid -> its slot, for a share (0: let go already)
+    how: str = "ended"  # what its end record says ("revoked by NAME": cudawrap revoke)
 
 
 class Grants:
@@ -85,6 +96,12 @@ class Grants:
         self.pending: Dict[str, Pending] = {}
         self.held: Dict[int, Held] = {}  # pidfd -> grant
         self.pipes = PipeAccess(layout, say) if enforce else None
+        # (uuid, slot) of each lease file (slot 0) and slot file to replace once found free.
+        self.renewing: Set[Tuple[str, int]] = set()
+        self.renewing_file = layout.runtime_dir / "service.renewing"
+        # uuid -> {pid: uid} of a void grant's client, while its lease file waits in RENEWING
+        # (held when the grant was voided: by that client, through what it was sent, as a rule).
+        self.voided: Dict[str, Dict[int, int]] = {}
 
     def sharers(self, uuid: str) -> Set[int]:
         """The uids holding a share of UUID through the service now."""
@@ -115,6 +132,21 @@ class Grants:
         return {u: h.pid for h in self.held.values() if not h.exited
                 for u in h.devices if u not in h.slots and u not in h.ended}
 
+    def books(self) -> Dict[str, Dict[int, int]]:
+        """uuid -> {client pid: uid} of every grant sent and not seen let go, its client
+        running or not: a lease is its user's while its lock is held, wherever its descriptor
+        went (sent on into a socket, mapped), until the service finds it free (check); and
+        of a void grant's lease held when it was voided (VOIDED)."""
+        out: Dict[str, Dict[int, int]] = {u: dict(taken) for u, taken in self.voided.items()}
+        for p in self.pending.values():  # sent, its word not read yet: its lock may show all the same
+            for u in p.devices:
+                out.setdefault(u, {})[p.pid] = p.uid
+        for h in self.held.values():
+            for u in h.devices:
+                if u not in h.ended:
+                    out.setdefault(u, {})[h.pid] = h.uid
+        return out
+
     def free_slots(self, shared: List[str], slots: Dict[str, int]) -> Optional[Dict[str, int]]:
         """uuid -> a slot of it nobody holds nor was sent, for each of SHARED (SLOTS: uuid ->
         its slots); None if one has none now (taken past the line since the decision)."""
@@ -137,6 +169,9 @@ class Grants:
         what a grant with shares counts as, in devices; TICKS, EXE: the client's start and
         executable, where they were read when it connected."""
         slots = slots or {}
+        stale = sorted({(u, k) for u in devices for k in (0, slots.get(u, 0)) if (u, k) in self.renewing})
+        if stale:
+            self.renew(stale)  # found free by the decision: replaced before it goes out (held: LOST)
         fds: List[int] = []
         described: List[str] = []
         exclusive: List[bool] = []
@@ -172,7 +207,7 @@ class Grants:
                 os.close(fd)
             return False
         self.pending[key] = Pending(key, pid, list(devices), fds, time.monotonic() + DEADLINE_S, lease_id,
-                                    exclusive, dict(slots))
+                                    exclusive, dict(slots), uid=uid)
         return True
 
     def void(self, key: str) -> List[str]:
@@ -182,6 +217,7 @@ class Grants:
             return []
         pending.close()
         accounts.end(self.layout, pending.lease_id, "not taken")
+        self._renew_void(pending)
         return pending.devices
 
     def confirm(self, key: str) -> Optional[Pending]:
@@ -193,7 +229,16 @@ class Grants:
         pending.close()
         if not ok:
             accounts.end(self.layout, pending.lease_id, "not taken")
+            self._renew_void(pending)
         return pending if ok else None
+
+    def _renew_void(self, pending: Pending) -> None:
+        """PENDING is void: its files replaced; one held now (its client locked it as it was
+        voided, or a run took it past us) counts as its client's until it is (books)."""
+        self.renew(_files(pending))
+        for uuid in pending.devices:
+            if (uuid, 0) in self.renewing:
+                self.voided.setdefault(uuid, {})[pending.pid] = pending.uid
 
     def expired(self, now: float) -> List[str]:
         return [k for k, p in self.pending.items() if p.deadline <= now]
@@ -213,8 +258,86 @@ class Grants:
         self.held.pop(held.pidfd, None)
         self._mps_access(held)
         os.close(held.pidfd)
-        accounts.end(self.layout, held.lease_id)
+        accounts.end(self.layout, held.lease_id, held.how)
         return True
+
+    # -- replacing files whose descriptors are out there ----------------------------------
+    def path_of(self, uuid: str, slot: int) -> str:
+        return self.leases.path(uuid) if slot == 0 else self.leases.slot_path(uuid, slot)
+
+    def renew(self, files: Iterable[Tuple[str, int]]) -> List[str]:
+        """Replace each of FILES ((uuid, slot), slot 0: its lease file) that nobody holds
+        now; the others wait in RENEWING for a later try (renew_free). The uuids whose lease
+        file was replaced (tried again at the next decision)."""
+        before = set(self.renewing)
+        replaced: List[str] = []
+        for uuid, slot in files:
+            try:
+                done = replace(self.path_of(uuid, slot))
+            except OSError:
+                done = False
+            if done is False:
+                self.renewing.add((uuid, slot))
+                continue
+            self.renewing.discard((uuid, slot))
+            if slot == 0:
+                self.voided.pop(uuid, None)
+                self.leases.forget(uuid)  # our descriptor names the old file
+                replaced.append(uuid)
+        if self.renewing != before:
+            self._note_renewing()
+        return replaced
+
+    def renew_free(self) -> List[str]:
+        """renew() those of RENEWING found free, tried through the descriptors we keep open
+        (an open of ours would wake our own watch, and every waiting run's)."""
+        sent = {u for p in self.pending.values() for u in p.devices}  # its client's lock may be coming
+        free = [(u, k) for u, k in sorted(self.renewing)
+                if u not in sent and (self.leases.free_now(u) if k == 0 else self.leases.slot_free(u, k))]
+        return self.renew(free) if free else []
+
+    def _note_renewing(self) -> None:
+        """For sync and doctor, the files of RENEWING held by no grant of ours (one name a
+        line; no file when none): held through a descriptor opened before the service took
+        the directories over, or one it granted before a restart."""
+        ours = self.books()
+        names = sorted(os.path.basename(self.path_of(u, k)) for u, k in self.renewing if u not in ours)
+        try:
+            if not names:
+                self.renewing_file.unlink(missing_ok=True)
+            else:
+                tmp = self.renewing_file.with_name(self.renewing_file.name + ".tmp")
+                tmp.write_text("".join(f"{n}\n" for n in names))
+                tmp.replace(self.renewing_file)
+        except OSError:
+            pass  # only a report: the set itself is ours
+
+    def every_file(self) -> List[Tuple[str, int]]:
+        """(uuid, slot) of every lease file (slot 0) and slot file there is."""
+        uuids = sorted(n for n in self.leases.names() if n.startswith(("GPU-", "MIG-")))
+        return [(u, k) for u in uuids for k in [0] + _slot_numbers(self.leases.share_dir, u)]
+
+    def revoke(self, uuid: str, by: str) -> Tuple[List[Held], List[str]]:
+        """`cudawrap revoke`: UUID's lease and slot files replaced, held or not, so that no
+        descriptor on them guards anything; the grants holding it end (their record says
+        BY revoked it) once their clients have gone. (The grants, the keys of those sent and
+        not taken, which the caller voids.)"""
+        for slot in [0] + _slot_numbers(self.leases.share_dir, uuid):
+            try:
+                replace(self.path_of(uuid, slot), held_too=True)
+            except OSError:
+                pass
+            self.renewing.discard((uuid, slot))
+        self._note_renewing()
+        self.voided.pop(uuid, None)
+        self.leases.forget(uuid)
+        holding = [h for h in self.held.values() if uuid in h.devices and uuid not in h.ended]
+        for held in holding:
+            held.how = f"revoked by {by}"
+            if held.slots.get(uuid):
+                held.slots[uuid] = 0  # its slot is let go: the share's file is a new one
+            held.ended.append(uuid)
+        return holding, [k for k, p in self.pending.items() if uuid in p.devices]
 
     def sent_since(self, held: Held, uuid: str) -> bool:
         """Whether HELD's hold on UUID went to another run since, which the service found free
@@ -278,3 +401,18 @@ class Grants:
     def lingering(self) -> List[Held]:
         """Grants whose client exited with a lease still held (by a child it passed it to)."""
         return [h for h in self.held.values() if h.exited]
+
+
+def _files(pending: Pending) -> List[Tuple[str, int]]:
+    """The files PENDING sent descriptors of: (uuid, slot), slot 0 its lease file."""
+    return [(u, 0) for u in pending.devices] + [(u, k) for u, k in pending.slots.items()]
+
+
+def _slot_numbers(share_dir: Optional[str], uuid: str) -> List[int]:
+    """The numbers of UUID's slot files in SHARE_DIR (sync makes them)."""
+    try:
+        names = os.listdir(share_dir) if share_dir else []
+    except OSError:
+        return []
+    tails = [n[len(uuid) + 1:] for n in names if n.startswith(uuid + ".")]
+    return sorted(int(t) for t in tails if t.isascii() and t.isdigit() and len(t) <= 6)

@@ -71,6 +71,9 @@ class Line:
         # The last decision's look, carried on through its grants: a release decides on it
         # (hand_over) while the caller sees nothing else change (forget() otherwise).
         self.prepared: Optional[State] = None
+        # uuid -> {pid that took its lock: uid} of the service's grants not seen let go (its
+        # books: Grants.books), believed over the pid when a decision counts who holds what.
+        self.books: Callable[[], Dict[str, Dict[int, int]]] = dict
         self.load()
 
     def load(self) -> None:
@@ -185,6 +188,9 @@ class Line:
             else:  # a share already taken shows in the table: counted once
                 table[ident] = seen + [lock for lock in locks if not lock[1] and lock not in seen]
         self.entries, self.paths = entries, scan.paths
+        books = self.books()
+        idents = self.leases.idents(books)
+        self.acquirer.books = {idents[u]: taken for u, taken in books.items() if idents.get(u) is not None}
         verdicts, _free = self.acquirer.decide(Scan(entries + list(mine), table, scan.paths), None, True,
                                                grants_first=True)
         self._pass_over_idle(entries, verdicts, now)  # grants only: all there

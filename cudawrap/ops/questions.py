@@ -50,7 +50,9 @@ def holders(held: Sequence[Any], asker: int, private: bool) -> Dict[str, Dict[st
         for uuid in h.devices:
             if uuid in h.ended or uuid in h.slots:
                 continue
-            out[uuid] = {"pid": h.pid if visible else None, "user": user_name(h.uid) if visible else HIDDEN,
+            # An exited client's pid names nobody now (or another user's process, reused).
+            out[uuid] = {"pid": h.pid if visible and not h.exited else None,
+                         "user": user_name(h.uid) if visible else HIDDEN,
                          "program": (h.program.rsplit("/", 1)[-1] or "(not a wrapped program)") if visible else HIDDEN,
                          "since": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(h.since)) if visible else HIDDEN}
     return out

@@ -73,6 +73,7 @@ class Service:
         layout = Layout(Path(root))
         accounts.background(layout)  # the ledger's state rewrites and fsyncs off this loop
         self.grants = Grants(self.line.leases, layout, enforced(layout), _say)  # say: MPS's ACLs
+        self.line.books = self.grants.books  # who holds what, from the grants, never a pid alone
         self.clients: Dict[int, Client] = {}  # socket fd -> client
         self.roster = Roster()  # who waits, who has not asked yet: kept, not found by a pass over everyone
         self.per_uid: Dict[int, int] = {}  # uid -> its connections (counting them was a pass over every client)
@@ -102,6 +103,8 @@ class Service:
         self.jobs = slurmjob.Lookups()  # Slurm is asked off the loop: it may block
         self.selector.register(self.jobs.fileno(), selectors.EVENT_READ, "slurm")
         self._adopt()
+        if self.grants.pipes is not None:  # enforce: what anyone opened before is worth nothing now
+            self._renewed(self.grants.renew(self.grants.every_file()))
         self.comeback = Comeback(layout, self.notes, _say)
 
     # -- setting up -------------------------------------------------------------------------
@@ -200,6 +203,8 @@ class Service:
                     self._writable(key.data)
                 else:
                     self._readable(key.data)
+            if self.grants.renewing:  # before the decision: a file found free is replaced first
+                self._renewed(self.grants.renew_free())
             if self.newcomers:
                 self.newcomers = False
                 self._decide()
@@ -278,6 +283,13 @@ class Service:
         self.line.pass_over(key, client.peer.uid, time.monotonic())
         _say(f"pid {pid} (uid {client.peer.uid}) did not take the devices it was granted: "
              f"it and its user's other runs are passed over for {STALL_S:g} s")
+
+    def _renewed(self, uuids: List[str]) -> None:
+        """UUIDS' lease files were replaced (Grants.renew): a new look."""
+        if uuids:
+            self.line.touched(uuids)
+            self.line.forget()
+            self.dirty = True
 
     def _void(self, key: str) -> None:
         """Take back the grant KEY sent (if it is not taken): its leases are tried again, and decided on."""
@@ -374,7 +386,7 @@ class Service:
             else:
                 fields.pop("asks", None)
             self._request(client, fields)
-        elif verb in (wire.STATUS, wire.CANCEL) and client.fresh:
+        elif verb in (wire.STATUS, wire.CANCEL, wire.REVOKE) and client.fresh:
             self._question(client, verb, fields)
         elif verb == wire.HELD and client.waiter is not None:
             self._held(client)
@@ -532,6 +544,8 @@ class Service:
                     _say(f"pid {victim.peer.pid} cancelled by {by}")
                     self._fail(victim, CANCELLED_EXIT, f"cancelled by {by}")
                 reply = {"cancelled": ",".join(str(c.peer.pid) for c in chosen)}
+            elif verb == wire.REVOKE:
+                reply = self._revoke(asker, fields)
             else:
                 held = list(self.grants.held.values())
                 reply = questions.status(self.root, self.line, self.grants.claimed(), held,
@@ -562,6 +576,33 @@ class Service:
     def _writable(self, client: Client) -> None:
         if self.answers.sent(client) is not False:
             self._drop(client)  # all sent, or gone
+
+    def _revoke(self, asker: int, fields: Dict[str, str]) -> Dict[str, str]:
+        """`cudawrap revoke` (root's): each device's lease and slot files replaced, the grants
+        holding it ended (their runs killed, where they still run: by pidfd, never a pid that
+        may be another's now), those sent and not taken void."""
+        from ..errors import NotPermitted
+
+        if asker != 0:
+            raise NotPermitted("only root may revoke a lease", hint="sudo cudawrap revoke DEVICE")
+        by = fields.get("by") or user_name(asker)
+        names = self.line.leases.names()
+        uuids = [u for u in fields.get("devices", "").split(",") if u in names and u.startswith(("GPU-", "MIG-"))]
+        ended: List[str] = []
+        for uuid in uuids:
+            holding, keys = self.grants.revoke(uuid, by)
+            for key in keys:
+                self._void(key)
+            for held in holding:
+                ended.append(f"{held.pid}:{held.uid}:{'exited' if held.exited else 'killed'}")
+                if held.exited:
+                    self.grants.check(held)  # its end recorded now: nothing else holds the new file
+                else:
+                    _kill(held.pidfd)  # its exit, read next, ends the grant (_exited)
+            _say(f"{uuid} revoked by {by}" + (f" from pid {holding[0].pid} (uid {holding[0].uid})" if holding else ""))
+        self._renewed(uuids)
+        self.freed = True
+        return {"revoked": ",".join(uuids), "holders": ",".join(ended), "service": str(os.getpid())}
 
     # -- the machine ------------------------------------------------------------------------
     def _events(self) -> None:
@@ -745,3 +786,11 @@ def _hung_up(client: Client) -> bool:
 def _say(line: str) -> None:
     """A line for the journal (or the --daemon log): the service's own account of what it did."""
     print(f"cudawrap serve: {line}", flush=True)
+
+
+def _kill(pidfd: int) -> None:
+    """SIGKILL to the process PIDFD follows (gone already: nothing)."""
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except OSError:
+        pass

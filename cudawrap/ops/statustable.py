@@ -51,6 +51,8 @@ def holder_text(holder: Optional[Dict[str, Any]]) -> str:
     """pid, user and program of a lock's holder, as one cell."""
     if holder is None:
         return "free"
+    if holder["pid"] is None and holder.get("user", "?") != "?":  # a grant whose run exited, the lease passed on
+        return f"{_cut(holder['user'], 8)} {_cut(holder.get('program', '?'), 10)} (its run exited)"
     if holder["pid"] is None:
         return "held (holder not visible to you)"
     return f"pid {holder['pid']} {_cut(holder['user'], 8)} {_cut(holder.get('program', '?'), 10)}{memory_text(holder)}"

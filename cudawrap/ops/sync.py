@@ -160,7 +160,26 @@ def _sync(layout: Layout) -> SyncReport:
     if swept:
         report.lines.append(f"removed {len(swept)} file(s) from the queue directory that no waiter holds")
     policy.write_cache(str(layout.root))
+    held = not_renewed(layout)
+    if held:
+        report.lines.append(f"warning: {held}")
     return report
+
+
+def not_renewed(layout: Layout) -> Optional[str]:
+    """What the running service has not replaced yet of the files it took over (ops/grants.py:
+    held at its start, by no grant of its own), said once; None when nothing."""
+    from .ledger import service_running
+
+    try:
+        names = (layout.runtime_dir / "service.renewing").read_text().split()
+    except OSError:
+        return None
+    if not names or not service_running(layout):
+        return None
+    return (f"{len(names)} lease or slot file(s) held since before the service took the directories over, "
+            f"by no grant of its own: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}; each is "
+            f"replaced once let go (`cudawrap revoke DEVICE` ends such a lease now)")
 
 
 def limit_warnings(layout: Layout, inventory: Inventory) -> List[str]:

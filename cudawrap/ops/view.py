@@ -31,7 +31,7 @@ def through_service(layout: Layout, devices: List[Dict[str, Any]],
     for device in devices:
         named = holders.get(device["uuid"])
         holder = device.get("holder")
-        if named is not None and holder is not None and holder.get("pid") is None and named["pid"] is not None:
+        if named is not None and holder is not None and holder.get("pid") is None and named["user"] != "?":
             device["holder"] = dict(holder, pid=named["pid"], user=named["user"], program=named["program"],
                                     command=named["program"], since=named["since"])
     return seen.get("waiting", waiting)

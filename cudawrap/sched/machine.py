@@ -150,6 +150,11 @@ class MachineView:
         # (lease file, pids that took its locks) -> the real uid of each lock's holder, read
         # once per lease (see _owners).
         self.owners: Dict[Tuple[Tuple[int, int], Tuple[int, ...]], List[int]] = {}
+        # The service's books (ops/grants.py): lease file -> {pid that took its lock: uid}
+        # of each grant it made and has not seen let go. A lock a booked pid took is that
+        # uid's, whatever process has the pid now; an exclusive one whose holder cannot be
+        # named (its descriptor sent on into a socket, or mapped) is its one booked uid's.
+        self.books: Dict[Tuple[int, int], Dict[int, int]] = {}
         # Our devices whose lease was free at the last look but which processes cudawrap did
         # not start kept from us.
         self.foreign_busy: Set[str] = set()
@@ -310,7 +315,13 @@ class MachineView:
         if len(self.owners) + len(new) > 4096:
             self.owners.clear()  # a long wait through many jobs: only the current leases matter
         self.owners.update((keys[ident], uids) for ident, uids in new.items())
-        return {ident: self.owners[key] for ident, key in keys.items()}
+        out = {ident: self.owners[key] for ident, key in keys.items()}
+        for ident, taken in self.books.items():
+            if ident in out:
+                booked = set(taken.values())
+                out[ident] = [taken.get(pid, next(iter(booked)) if uid < 0 and ex and len(booked) == 1 else uid)
+                              for (pid, ex), uid in zip(held[ident], out[ident])]
+        return out
 
     def _strangers(self, uuid: str, uids: Set[int]) -> bool:
         """Whether UUID is shared through MPS and NVML shows a process there of a user who
