@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 REPO = Path(__file__).resolve().parent.parent
+RESULT_FILES = ("bench/RESULTS.md", "bench/REAL-GPU.md")
 
 
 def machine_info() -> Dict[str, Any]:
@@ -34,10 +35,21 @@ def machine_info() -> Dict[str, Any]:
 
 
 def checkout() -> Dict[str, Any]:
-    """The commit measured, and whether cudawrap/ had uncommitted changes."""
+    """The commit measured, whether cudawrap/ or shims/ had uncommitted changes, and whether
+    anything did but the result files (`dirty`)."""
     def git(*args: str) -> str:
         done = subprocess.run(["git", "-C", str(REPO)] + list(args), capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
+        return done.stdout.rstrip() if done.returncode == 0 else ""
 
     changed = [line for line in git("status", "--porcelain", "--", "cudawrap", "shims").splitlines() if line]
-    return {"commit": git("rev-parse", "--short", "HEAD"), "cudawrap_uncommitted_files": len(changed)}
+    # Anything uncommitted but the result files themselves (a bench writing its section
+    # must not make the next one's checkout look changed).
+    dirty = [line for line in git("status", "--porcelain").splitlines()
+             if line and line[3:] not in RESULT_FILES]
+    return {"commit": git("rev-parse", "--short", "HEAD"), "cudawrap_uncommitted_files": len(changed),
+            "dirty": bool(dirty)}
+
+
+def commit_text(co: Dict[str, Any]) -> str:
+    """The commit as a result's header names it."""
+    return f"{co.get('commit') or 'unknown'}" + (" + uncommitted changes" if co.get("dirty") else "")

@@ -478,5 +478,22 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def write_results(recorded: "resultsmd.Recorded") -> None:
+    """Its own section of bench/RESULTS.md, one per attack (attacks-planted, attacks-storm, ...)."""
+    from resultsmd import printed_section, write_section  # (bench/, this script's directory)
+
+    attack = next(a for a in sys.argv[1:] if not a.startswith("-"))
+    write_section(f"attacks-{attack}", printed_section(
+        f"## What an ordinary account can cost others (`bench/attacks.py {attack}`)", recorded,
+        "Figures, as the script printed them. The attacker is the `nobody` account; "
+        + ("the service runs, with 900 requests waiting by default; the target is another user's hand-over "
+           "within 100 ms at p95 under each attack." if attack == "service" else
+           "the runs decide for themselves (no service); it sets no target.")))
+
+
 if __name__ == "__main__":
-    main()
+    from resultsmd import recording
+
+    with recording(["bench/attacks.py"] + sys.argv[1:]) as recorded:
+        main()
+    write_results(recorded)

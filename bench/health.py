@@ -39,9 +39,16 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from resultsmd import RESULTS, Run, at_most, tally, targets_table, write_section  # noqa: E402
 from sim import Bench, Peers, Sim  # noqa: E402
 
 RECOVER_AFTER_S = 1.0
+# The targets: an XID drains its GPU within 1 s; a GPU comes back within one monitor period
+# of recover_after_s; a leftover process is seen within 2 periods of its run's end.
+DRAIN_S = 1.0
+RESUME_PERIODS = 1.0
+LEFTOVER_PERIODS = 2.0
+TITLE = "## GPU health (`bench/health.py`)"
 
 
 def _until(check: Callable[[], bool], timeout: float, step: float = 0.001) -> float:
@@ -106,6 +113,30 @@ def _line(name: str, values: List[float], unit: str, scale: float = 1.0) -> str:
             f"max {max(v):8.3f}   (n={len(v)})")
 
 
+def results_section(drains: Dict[str, List[float]], leftovers: List[float], topology: str, period: float,
+                    run: Run, interp: dict) -> str:
+    """health.py's section of RESULTS.md: every round must meet its target (judged on the slowest)."""
+    def row(what: str, values: List[float], unit: str, target: str, limit: float, digits: int) -> tuple:
+        return (f"{what}, {unit} (n={len(values)}): median / max",
+                f"{statistics.median(values):.{digits}f} / {max(values):.{digits}f}", target,
+                at_most(max(values), limit))
+
+    rows = [row("XID 79 → GPU drained", [1000 * x for x in drains["drain_s"]], "ms",
+                f"≤ {DRAIN_S * 1000:g} ms", DRAIN_S * 1000, 1),
+            row(f"drained → resumed, beyond `recover_after_s` ({RECOVER_AFTER_S:g} s)",
+                [1000 * x for x in drains["resume_after_recover_s"]], "ms",
+                f"≤ one period ({period * 1000:g} ms)", RESUME_PERIODS * period * 1000, 1),
+            row("run ended → its leftover process first seen", leftovers, "periods",
+                f"≤ {LEFTOVER_PERIODS:g} periods", LEFTOVER_PERIODS, 2)]
+    return "\n".join([
+        TITLE, "", run.header(interp), "",
+        f"{topology}, the installed `cudawrap monitor` running (period {period:g} s): an XID 79 written into "
+        "the stand-in NVML's event file until the drains file names its GPU, each round at a random point "
+        "of the monitor's cycle; a wrapped run's orphaned child until the monitor first sees it as a "
+        "leftover (negative: seen before the run's exit was).", "",
+        targets_table(rows), "", tally(rows), ""])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=10, help="XID 79 rounds")
@@ -113,17 +144,30 @@ def main() -> int:
     parser.add_argument("--topology", default="four-gpus")
     parser.add_argument("--work", type=Path, help="work directory (default: a new temporary one)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--results-md", type=Path, default=RESULTS, help="the file whose `health` section "
+                        "this run replaces (default bench/RESULTS.md)")
+    parser.add_argument("--no-write", action="store_true", help="print the figures only")
     args = parser.parse_args()
+    started = Run(["bench/health.py"] + sys.argv[1:])
     work = args.work or Path(tempfile.mkdtemp(prefix="cudawrap-bench-health-"))
     bench = Bench(work, Peers(None, None, []))
     sim = bench.sim(args.topology)
     sim.layout.config_file.write_text(f"[health]\nrecover_after_s = {RECOVER_AFTER_S:g}\n")
     sim.layout.config_file.chmod(0o644)
     state = sim.layout.runtime_dir / "health.state"
-    with sim.monitor():
-        _until(state.exists, 60)  # it has registered for the GPUs' events
-        drains = drain_rounds(sim, args.rounds)
-        leftovers = leftover_rounds(sim, args.leftover_rounds)
+    try:
+        with sim.monitor():
+            _until(state.exists, 60)  # it has registered for the GPUs' events
+            drains = drain_rounds(sim, args.rounds)
+            leftovers = leftover_rounds(sim, args.leftover_rounds)
+    except RuntimeError as e:
+        # A round that never ended is a target missed, not a figure to leave out.
+        if not args.no_write:
+            write_section("health", "\n".join([TITLE, "", started.header(bench.install.describe), "",
+                                                f"**MISSED**: the run stopped: {e} (a GPU not drained or not "
+                                                "resumed, or a leftover not seen, within 30 s).", ""]),
+                          args.results_md)
+        raise
     from cudawrap.devices.snapshot import PERIOD_S
 
     print(f"{args.topology}, monitor period {PERIOD_S} s, {platform.node()}, {os.cpu_count()} CPUs")
@@ -133,6 +177,9 @@ def main() -> int:
     print("  targets: drain <= 1000 ms; resume within one period after recover_after_s; leftover <= 2 periods")
     if args.json:
         args.json.write_text(json.dumps({"drain": drains, "leftover_periods": leftovers}, indent=1))
+    if not args.no_write:
+        write_section("health", results_section(drains, leftovers, args.topology, PERIOD_S, started,
+                                                bench.install.describe), args.results_md)
     return 0
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
+from about import commit_text
+
 TARGET_LAUNCH_X = 2.0
 TARGET_LAUNCH_MONITOR_X = 1.2
 TARGET_DISPATCH_P95_MS = 100.0
@@ -11,7 +13,7 @@ TARGET_GRANT_P95_MS = 10.0  # a freed device reaches the next waiter's grant
 TARGET_MAKESPAN_X = 1.05  # 50 one-second runs on 7 MIG instances
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
+def fmt(value: Any, digits: int = 1) -> str:
     if value is None:
         return "–"
     if isinstance(value, float):
@@ -22,14 +24,14 @@ def _fmt(value: Any, digits: int = 1) -> str:
 def table(header: Sequence[str], rows: List[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for row in rows:
-        lines.append("| " + " | ".join(_fmt(c) if not isinstance(c, str) else c for c in row) + " |")
+        lines.append("| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in row) + " |")
     return "\n".join(lines)
 
 
 def _pair(summary: Dict[str, Any]) -> str:
     if not summary or summary.get("median_ms") is None:
         return "–"
-    return f"{_fmt(summary['median_ms'])} / {_fmt(summary['p95_ms'])}"
+    return f"{fmt(summary['median_ms'])} / {fmt(summary['p95_ms'])}"
 
 
 # Rows whose tool is replaced by a stand-in, and what the real one costs.
@@ -44,8 +46,8 @@ def _with_failures(value: Optional[float], failed: Optional[int], n: Optional[in
     if value is None:
         return "–"
     if not failed:
-        return _fmt(value)
-    return f"{_fmt(value)} ({failed}{'/' + str(n) if n else ''} failed)"
+        return fmt(value)
+    return f"{fmt(value)} ({failed}{'/' + str(n) if n else ''} failed)"
 
 
 def interp_line(interp: Dict[str, Any]) -> str:
@@ -53,7 +55,7 @@ def interp_line(interp: Dict[str, Any]) -> str:
             f"{interp['how_found']}")
 
 
-def _verdict(ok: Optional[bool]) -> str:
+def verdict_text(ok: Optional[bool]) -> str:
     return "–" if ok is None else ("**met**" if ok else "**MISSED**")
 
 
@@ -184,7 +186,7 @@ def _targets(results: Dict[str, Any]) -> List[str]:
     verdict = targets(results)
     if not verdict:
         return []
-    rows = [[names[k], _verdict(v)] for k, v in verdict.items()]
+    rows = [[names[k], verdict_text(v)] for k, v in verdict.items()]
     return ["## Targets", "", table(["target", "result"], rows), ""]
 
 
@@ -199,7 +201,7 @@ def _launch(launch: Dict[str, Any]) -> List[str]:
         rows = []
         for name, m in data["methods"].items():
             rows.append([f"`{name}`" + (" †" if name in STANDIN_TOOLS else ""), m["median_ms"], m["p90_ms"],
-                         _fmt(m["x_bare_python"], 2), _fmt(m.get("x_bare_python_S"), 2),
+                         fmt(m["x_bare_python"], 2), fmt(m.get("x_bare_python_S"), 2),
                          m["minus_direct_ms"], m.get("max_rss_mib"), f"{m['failures']}/{m['n']}"])
         out.append(f"### {topology} ({data['devices']} devices, {data['reps']} runs each)")
         out.append("")
@@ -264,12 +266,12 @@ def _burst(burst: Dict[str, Any]) -> List[str]:
         rows = []
         for tool, r in tools.items():
             order = r["order"]
-            fifo = (f"{_fmt(order['kendall_distance'], 3)} / {_fmt(order['mean_rank_error'], 1)}"
+            fifo = (f"{fmt(order['kendall_distance'], 3)} / {fmt(order['mean_rank_error'], 1)}"
                     if order.get("kendall_distance") is not None else "–")
-            queue = (f"{_fmt(order['queue_kendall_distance'], 3)} / {_fmt(order['queue_mean_rank_error'], 1)}"
+            queue = (f"{fmt(order['queue_kendall_distance'], 3)} / {fmt(order['queue_mean_rank_error'], 1)}"
                      if order.get("queue_kendall_distance") is not None else "–")
             rows.append([tool, r["ok"], r["failures"], f"{r['overlap_pairs']} / {r['jobs_in_overlaps']}",
-                         r["devices_used"], r["makespan_s"], _fmt(r["makespan_ratio"], 2),
+                         r["devices_used"], r["makespan_s"], fmt(r["makespan_ratio"], 2),
                          _pair(r["dispatch"]) if tool.startswith("cudawrap") else "n/a (no queue)",
                          _pair(r.get("grant", {})), fifo, queue])
         out.append(table(["tool", "ran", "failed", "overlaps (pairs / jobs)", "devices used", "makespan s",
@@ -295,8 +297,8 @@ def _burst(burst: Dict[str, Any]) -> List[str]:
         spans = data.get("makespan") or {}
         if spans:
             first = next(iter(spans.values()))
-            rows = [[tool, f"{r['ok']}/{r['n']}", r["overlap_pairs"], r["makespan_s"], _fmt(r["makespan_ratio"], 3),
-                     _pair(r["grant"]), _fmt(r["grant"]["max_ms"]), _pair(r["dispatch"])] for tool, r in spans.items()]
+            rows = [[tool, f"{r['ok']}/{r['n']}", r["overlap_pairs"], r["makespan_s"], fmt(r["makespan_ratio"], 3),
+                     _pair(r["grant"]), fmt(r["grant"]["max_ms"]), _pair(r["dispatch"])] for tool, r in spans.items()]
             out.append(f"{first['n']} runs of a C program holding its device {first['hold_s']:g} s (`bench/hold.c`: "
                        f"no interpreter, so what is left is cudawrap's hand-overs), launched at once on "
                        f"{first['devices']} devices; ideal makespan {first['ideal_makespan_s']:g} s:")
@@ -314,7 +316,7 @@ def _burst(burst: Dict[str, Any]) -> List[str]:
                     rows.append([lead, monitor, r["error"], "", "", "", ""])
                     continue
                 rows.append([lead, monitor, f"{r['ok']}/{r['waiters']}", r["overlap_pairs"], _pair(r["grant"]),
-                             _fmt(r["grant"]["max_ms"]), _pair(r["dispatch"])])
+                             fmt(r["grant"]["max_ms"]), _pair(r["dispatch"])])
             out.append(f"All {next(iter(release.values())).get('devices')} devices freed at once (SIGTERM to "
                        f"every holder), one cudawrap waiter per device launched LEAD s earlier; "
                        f"grant = holder's exit -> waiter out of the queue:")
@@ -337,15 +339,15 @@ def _scale(scale: Dict[str, Any]) -> List[str]:
         order = r["order"]
         tail = cpu.get("arrival_tail") or {}
         rows.append([count, r["all_queued_after_s"],
-                     f"{_fmt(tail.get('all_waiters_pct_of_one_core'), 2)} ({_fmt(tail.get('window_s'), 1)} s)",
+                     f"{fmt(tail.get('all_waiters_pct_of_one_core'), 2)} ({fmt(tail.get('window_s'), 1)} s)",
                      cpu["all_waiters_pct_of_one_core"],
                      cpu.get("schedstat_all_waiters_pct_of_one_core"), cpu.get("schedstat_busiest_waiter_pct"),
-                     cpu["rss_median_mib"], f"{_fmt(none, 2)} / {_fmt(most, 2)} / {_fmt(with_monitor, 2)}",
-                     f"{_fmt(r['refusal_all_busy_ms'].get('no_waiters'))} / "
-                     f"{_fmt(r['refusal_all_busy_ms'].get('with_waiters'))}",
+                     cpu["rss_median_mib"], f"{fmt(none, 2)} / {fmt(most, 2)} / {fmt(with_monitor, 2)}",
+                     f"{fmt(r['refusal_all_busy_ms'].get('no_waiters'))} / "
+                     f"{fmt(r['refusal_all_busy_ms'].get('with_waiters'))}",
                      _pair(r["dispatch_first_release"]), _pair(r["dispatch"]), _pair(r.get("grant", {})),
                      f"{r['overlap_pairs']} / {r['failures']}",
-                     _fmt(order.get("queue_kendall_distance"), 3), _fmt(r["makespan_ratio"], 2)])
+                     fmt(order.get("queue_kendall_distance"), 3), fmt(r["makespan_ratio"], 2)])
     out.append(table(["waiters", "all queued after s", "arrivals' tail: CPU % of a core (window)",
                       "waiters' CPU % of a core (stat)", "(schedstat)",
                       "busiest waiter %", "RSS per waiter MiB", "decision ms (0 / all-but-1 busy / same with monitor)",
@@ -411,9 +413,8 @@ def summary(results: Dict[str, Any]) -> str:
         "`python3 bench/run.py` replaces them.**", ""]
     out = [START] + provisional + [
            f"Measured in one run of `{results['command']}` ({results['mode']} mode) on the simulated "
-           f"machine, {results['date']}, checkout {co.get('commit', '?')}"
-           + (" with uncommitted changes" if co.get("cudawrap_uncommitted_files") else "")
-           + f"; {machine['cpu']}, {machine['cores']} cores. Interpreter: {interp_line(results['interpreter'])}."
+           f"machine, {results['date']}, checkout {commit_text(co)}; "
+           + f"{machine['cpu']}, {machine['cores']} cores. Interpreter: {interp_line(results['interpreter'])}."
            if results.get("interpreter") else f"Measured in one run of `{results['command']}`.",
            "How it is measured: `bench/README.md`.", ""]
     launch = results.get("launch") or {}
@@ -431,8 +432,8 @@ def summary(results: Dict[str, Any]) -> str:
                 if m is None:
                     row += ["–", "–", "–"]
                     continue
-                row += [_with_failures(m["median_ms"], m["failures"], m["n"]), _fmt(m["x_bare_python"], 2),
-                        _fmt(m.get("x_bare_python_S"), 2)]
+                row += [_with_failures(m["median_ms"], m["failures"], m["n"]), fmt(m["x_bare_python"], 2),
+                        fmt(m.get("x_bare_python_S"), 2)]
             rows.append(row)
         if any(d.get("monitor_cpu") for _, d in tops):
             row = ["`cudawrap monitor` itself: CPU ms per 0.5 s cycle / % of one core"]
@@ -444,7 +445,7 @@ def summary(results: Dict[str, Any]) -> str:
         verdict = targets(results)
         goals = [("launch_within_2x_bare_python", "without the monitor ≤ 2× `-I`"),
                  ("launch_within_1_2x_bare_python_with_monitor", "with the monitor ≤ 1.2× `-I`")]
-        met = [f"{text}: {_verdict(verdict[key])}" for key, text in goals if key in verdict]
+        met = [f"{text}: {verdict_text(verdict[key])}" for key, text in goals if key in verdict]
         if met:
             out += ["Targets for a wrapped launch, on every topology: " + "; ".join(met) + ".", ""]
         bares = [(f"{_short(t, d)}", d["monitor_block_bare_ms"]) for t, d in tops if d.get("monitor_block_bare_ms")]
@@ -481,7 +482,7 @@ def summary(results: Dict[str, Any]) -> str:
                     row += ["–"] * 4
                     continue
                 row += [f"{r['ok']} / {r['failures']}", str(r["overlap_pairs"]),
-                        _fmt(r["order"].get("kendall_distance"), 3), _fmt(r["makespan_ratio"], 2)]
+                        fmt(r["order"].get("kendall_distance"), 3), fmt(r["makespan_ratio"], 2)]
             rows.append(row)
         out += [table(header, rows), ""]
         out += ["* *ran / failed*: jobs that got a device and ran / that exited without one.",
@@ -496,8 +497,8 @@ def summary(results: Dict[str, Any]) -> str:
         for count, r in scale["runs"].items():
             tail = r["cpu_while_waiting"].get("arrival_tail") or {}
             parts.append(f"{count} waiters: {r['cpu_while_waiting']['all_waiters_pct_of_one_core']} % of one core "
-                         f"altogether while waiting ({_fmt(tail.get('all_waiters_pct_of_one_core'), 2)} % in the "
-                         f"{_fmt(tail.get('window_s'), 1)} s after the last one queued), grant p95 {_fmt(r.get('grant', {}).get('p95_ms'))} ms, "
+                         f"altogether while waiting ({fmt(tail.get('all_waiters_pct_of_one_core'), 2)} % in the "
+                         f"{fmt(tail.get('window_s'), 1)} s after the last one queued), grant p95 {fmt(r.get('grant', {}).get('p95_ms'))} ms, "
                          f"{r['overlap_pairs']} overlaps, {r['failures']} failed")
         out += [f"**Scale** ({scale['topology']}): " + "; ".join(parts) + ".", ""]
     nvml = results.get("nvml") or {}

@@ -44,6 +44,7 @@ sys.path.insert(0, str(BENCH))
 
 import report  # noqa: E402
 from about import checkout, machine_info  # noqa: E402
+from resultsmd import write_section  # noqa: E402
 from sim import Bench, find_peers  # noqa: E402
 
 SECTIONS = ("launch", "burst", "scale", "nvml", "foreign")
@@ -161,6 +162,16 @@ def section(name: str, bench: Bench, c: Dict[str, Any]) -> Tuple[str, Callable[[
             lambda: run_foreign(bench, c["rounds"], c["hold"], c["waiting"]))
 
 
+def results_section(results: Dict[str, Any], text: str) -> str:
+    """run.py's own section of RESULTS.md: the summary block, then every table."""
+    mode = results["mode"]
+    provisional = "" if mode == "full" else (
+        f"**Provisional: a {mode} run, not the published figures; `python3 bench/run.py` replaces it.**\n\n")
+    return (provisional + "Written by `python3 bench/run.py`; how it measures: bench/README.md. The summary below "
+            "is the block the documentation's benchmark pages show, written by the same run.\n\n## Summary\n\n"
+            + report.summary(results) + "\n" + text)
+
+
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -175,7 +186,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--keep-work", action="store_true", help="keep the temporary work directory")
     parser.add_argument("--results-md", type=Path, default=BENCH / "RESULTS.md",
-                        help="file the full run's tables go to (only written by a full run)")
+                        help="file whose `run` section the full run's tables replace (only a full run writes it)")
     parser.add_argument("--publish", action="store_true",
                         help="write RESULTS.md from a --quick or --tiny run too "
                              "(marked with its mode; for checking the output, not for publishing figures)")
@@ -234,15 +245,7 @@ def main(argv: List[str]) -> int:
             print("plots: " + ", ".join(plots))
     print(f"results: {latest}")
     if (mode == "full" or args.publish) and set(sections) == set(SECTIONS):
-        block = report.summary(results)
-        provisional = "" if mode == "full" else (
-            f"**Provisional: a {mode} run, not the published figures; `python3 bench/run.py` replaces it.**\n\n")
-        args.results_md.write_text(
-            "# Benchmark results\n\n" + provisional +
-            "Written by `python3 bench/run.py`; how it measures: bench/README.md. The summary below is "
-            "the block the documentation's benchmark pages show, written by the same run.\n\n## Summary\n\n"
-            + block + "\n" + text)
-        print(f"tables: {args.results_md}")
+        write_section("run", results_section(results, text), args.results_md)
     return 0
 
 

@@ -31,15 +31,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from about import checkout, machine_info  # noqa: E402
 from overhead import BARE, BARE_S, measure  # noqa: E402
-from report import machine_line  # noqa: E402
+from report import fmt, machine_line, table  # noqa: E402
+from resultsmd import RESULTS, Run, at_most, below, tally, targets_table, write_section  # noqa: E402
 from servicescale import ledger_records, run_servicescale, serving  # noqa: E402
 from servicescale import show as show_servicescale  # noqa: E402
 from sim import Bench, Peers, Sim  # noqa: E402
@@ -124,6 +123,129 @@ def show(topology: str, result: dict) -> None:
 
 PARTS = ("launch", "burst", "waiters")
 
+# The targets, as the service's issues set them (bench/README.md, "Through the service").
+SERVED_X_I = 1.0  # a served launch over `python -I -c pass` of the shim's interpreter
+SERVED_X_IS = 1.25  # over `python -IS -c pass`, as the shim starts
+LEDGER_MS = 10.0  # a lease in the ledger beyond the interval its run logged itself
+HANDOVER_P95_MS = 2.0  # a release's exit to the next run's exec
+MAKESPAN_X = 1.02  # the burst's makespan over ceil(N / devices) x hold
+SERVICE_CPU_PCT = 5.0  # the service, % of one core, while the turnover runs with W waiting
+WAITERS_CPU_PCT = 0.5  # all W waiters together, likewise
+
+BURSTS = {"root": "as root, runs waiting in the waiter", "root, no waiter": "as root, the waiter moved aside",
+          "enforce": "`nobody` under `[service] enforce = true`"}
+
+
+def _judged(results: dict) -> list:
+    """(what, measured, target, met) for every target the run measured."""
+    rows: list = []
+    for topology, r in results.get("launch", {}).items():
+        served = r["with service"][WRAPPED]
+        failed = f" ({served['failures']}/{served['n']} failed)" if served["failures"] else ""
+        rows += [(f"served launch of `true`, {topology}: × `python -I -c pass`", f"{fmt(served['x_bare_python'], 2)}{failed}",
+                  f"≤ {SERVED_X_I}", at_most(served["x_bare_python"], SERVED_X_I) and not served["failures"]),
+                 (f"served launch of `true`, {topology}: × `python -IS -c pass`", f"{fmt(served['x_bare_python_S'], 2)}{failed}",
+                  f"≤ {SERVED_X_IS}", at_most(served["x_bare_python_S"], SERVED_X_IS) and not served["failures"])]
+        led = r.get("ledger", {})
+        if "error" in led:
+            rows.append((f"ledger, {topology}", f"not measured: {led['error']}", "every run, each lease within "
+                         f"{LEDGER_MS:g} ms", False))
+        elif led:
+            rows.append((f"ledger, {topology}: runs counted, lease beyond the run's own interval (max ms)",
+                         f"{led['counted']}/{led['runs']}, {led['excess_max_ms']:.1f}",
+                         f"all, ≤ {LEDGER_MS:g}", led["counted"] == led["runs"] and led["inside"]
+                         and at_most(led["excess_max_ms"], LEDGER_MS) is True))
+    for name, r in results.get("service", {}).get("burst", {}).items():
+        what = f"burst ({BURSTS.get(name, name)})"
+        if "error" in r:
+            rows.append((what, f"not measured: {r['error']}", "measured", False))
+            continue
+        p95 = r["grant_to_exec"].get("p95_ms")
+        ratio = r["makespan_s"] / r["ideal_makespan_s"] if r.get("makespan_s") is not None else None
+        rows += [(f"{what}: ran / failures / overlaps / granted by the service / in the ledger",
+                  f"{r['ok']}/{r['n']}, {r['failures']}, {r['overlap_pairs']}, {r['granted_by_service']}, "
+                  f"{r['ledger']['counted']}/{r['ledger']['runs']}", "all, 0, 0, all, all",
+                  r["ok"] == r["n"] and r["overlap_pairs"] == 0 and r["granted_by_service"] == r["ok"]
+                  and r["ledger"]["counted"] == r["ledger"]["runs"]),
+                 (f"{what}: hand-over p95, ms (n={r['grant_to_exec'].get('n')})", p95, f"≤ {HANDOVER_P95_MS:g}",
+                  at_most(p95, HANDOVER_P95_MS)),
+                 (f"{what}: makespan × ideal", None if ratio is None else fmt(ratio, 3), f"≤ {MAKESPAN_X:g}",
+                  at_most(ratio, MAKESPAN_X))]
+    w = results.get("service", {}).get("waiters")
+    if w and "error" in w:
+        rows.append(("waiters", f"not measured: {w['error']}", "measured", False))
+    elif w:
+        cpu = w["cpu_turnover"]
+        rows += [(f"{w['waiters']} waiters while {w['turnover_jobs']} runs turn over: the service, % of one core",
+                  fmt(cpu["service"]["pct_of_one_core"], 3), f"< {SERVICE_CPU_PCT:g}",
+                  below(cpu["service"]["pct_of_one_core"], SERVICE_CPU_PCT)),
+                 (f"the {w['waiters']} waiters together, % of one core", fmt(cpu["waiters"]["pct_of_one_core"], 3),
+                  f"< {WAITERS_CPU_PCT:g}", below(cpu["waiters"]["pct_of_one_core"], WAITERS_CPU_PCT)),
+                 ("then every run served: ran / failures / overlaps",
+                  f"{w['turnover_ok'] + w['waiters_ok']}/{w['turnover_jobs'] + w['waiters']}, "
+                  f"{w['turnover_failures'] + w['waiter_failures']}, {w['overlap_pairs']}", "all, 0, 0",
+                  w["turnover_failures"] + w["waiter_failures"] == 0 and w["overlap_pairs"] == 0)]
+    return rows
+
+
+def _figures(results: dict) -> list:
+    """(what, figure) beside the targets: where the time goes, and what waiting costs."""
+    def lat(s: dict) -> str:
+        return f"{s['median_ms']} / {s['p95_ms']} / {s['max_ms']}" if s and s.get("n") else "not measured"
+
+    rows: list = []
+    for name, r in results.get("service", {}).get("burst", {}).items():
+        if "error" in r:
+            continue
+        what = f"burst ({BURSTS.get(name, name)}), {r['n']} × {r['hold_s']:g} s on {r['devices']} devices"
+        rows += [(f"{what}: hand-over p50 / p95 / max, ms (clock: {r['exec_clock']})", lat(r["grant_to_exec"])),
+                 ("— of which the exit to the grant's record (the service's decision)", lat(r["grant_service_part"])),
+                 ("— and that record to the exec (the send, the run's lock and exec)", lat(r["grant_run_part"])),
+                 ("— to the program's first line", lat(r["grant_to_line"]))]
+    w = results.get("service", {}).get("waiters")
+    if w and "error" not in w:
+        mem = w["memory"]
+        capped = f" (asked {mem['asked']}: capped by the memory free)" if mem["capped_by_memory"] else ""
+        rows += [(f"{w['waiters']} waiters{capped}: RSS / PSS of one, MiB, waiting "
+                  + ("in the waiter" if w.get("waiter") else "in the shim (no waiter built)"),
+                  f"{w['waiter_rss_median_mib']} / {w['waiter_pss_median_mib']}")]
+        shim = results["service"].get("waiters_in_shim")
+        if shim and "error" not in shim:
+            rows.append((f"{shim['waiters']} waiting in the shim's interpreter instead: RSS / PSS of one, MiB",
+                         f"{shim['waiter_rss_median_mib']} / {shim['waiter_pss_median_mib']}"))
+        for label, key in (("nothing moving", "cpu_quiet"), ("the turnover", "cpu_turnover")):
+            c = w[key]
+            rows.append((f"% of one core over {label} ({c['window_s']} s): service / its monitor loop / waiters",
+                         " / ".join(f"{c[g]['pct_of_one_core']:.3f}" for g in ("service", "monitor", "waiters"))))
+        rows += [("the turnover: hand-over p50 / p95 / max, ms", lat(w["grant_to_exec"])),
+                 ("the turnover: makespan × ideal", str(w["turnover_makespan_ratio"])),
+                 ("every waiter served in, s", str(w["drain_s"]))]
+    return rows
+
+
+def results_section(results: dict, run: Run, interp: dict) -> str:
+    """service.py's section of RESULTS.md."""
+    out = ["## Through the service (`bench/service.py`)", "", run.header(interp, results["mode"]), ""]
+    if results["mode"] != "full":
+        out += [f"**A {results['mode']} run: smaller than the sizes the targets are set for; "
+                "`bench/service.py` without `--quick` replaces it.**", ""]
+    rows = _judged(results)
+    out += [targets_table(rows), "", tally(rows), ""]
+    for topology, r in results.get("launch", {}).items():
+        rows_l = [(f"`{name}`", f"{r['without service'][name]['median_ms']:.2f}",
+                   f"{r['with service'][name]['median_ms']:.2f}", fmt(r['with service'][name]['x_bare_python'], 2),
+                   fmt(r['with service'][name]['x_bare_python_S'], 2),
+                   f"{r['without service'][name]['failures'] + r['with service'][name]['failures']}")
+                  for name in r["with service"]]
+        out += [f"Launch on {topology} ({r['devices']} devices), medians of "
+                f"{r['with service'][WRAPPED]['n']} interleaved runs:", "",
+                table(["", "without the service, ms", "with it, ms", "× `-I` (with)", "× `-IS` (with)", "failed"],
+                      rows_l), ""]
+    figures = _figures(results)
+    if figures:
+        out += [table(["figure", "value"], figures), ""]
+    return "\n".join(out)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -136,7 +258,11 @@ def main() -> int:
     parser.add_argument("--no-enforce", action="store_true", help="leave out the burst under [service] enforce")
     parser.add_argument("--work", type=Path, help="work directory (default: a new temporary one)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--results-md", type=Path, default=RESULTS, help="the file whose `service` section "
+                        "this run replaces (default bench/RESULTS.md)")
+    parser.add_argument("--no-write", action="store_true", help="print the figures only")
     args = parser.parse_args()
+    started = Run(["bench/service.py"] + sys.argv[1:])
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if set(parts) - set(PARTS):
         parser.error(f"unknown part {sorted(set(parts) - set(PARTS))[0]}; choose from {', '.join(PARTS)}")
@@ -144,8 +270,8 @@ def main() -> int:
     topologies = args.topologies or (["a100-mig7"] if args.quick else ["a100-mig7", "dgx-a100-mig56"])
     work = args.work or Path(tempfile.mkdtemp(prefix="cudawrap-bench-service-"))
     bench = Bench(work, Peers(None, None, []))
-    results: dict = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "mode":
-                     "quick" if args.quick else "full", "checkout": checkout(), "machine": machine_info()}
+    results: dict = {"date": started.date, "mode": "quick" if args.quick else "full", "checkout": started.checkout,
+                     "machine": started.machine}
     if "launch" in parts:
         results["launch"] = {t: run(bench, t, reps) for t in topologies}
     if "burst" in parts or "waiters" in parts:
@@ -162,6 +288,8 @@ def main() -> int:
         show_servicescale(results["service"])
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    if not args.no_write:
+        write_section("service", results_section(results, started, bench.install.describe), args.results_md)
     return 0
 
 

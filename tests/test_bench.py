@@ -1,11 +1,14 @@
 """The benchmark keeps working: its tiny mode runs every section and writes the JSON.
 
 Timings are not asserted (they depend on the machine); correctness figures are:
-cudawrap never puts two jobs on one device and every one of its jobs runs. And a run writes
-its summary and tables to RESULTS.md only (the docs include that file as it is; no figure is
-copied into the README).
+cudawrap never puts two jobs on one device and every one of its jobs runs. And every
+benchmark writes its figures to its own section of RESULTS.md only, with when, on what
+commit, machine and interpreter they were measured (the docs include that file as it is;
+no figure is copied into the README).
 """
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,23 +16,73 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "RESULTS.md"
 sys.path.insert(0, str(REPO / "bench"))
 
 import report  # noqa: E402
+import resultsmd  # noqa: E402
+
+HEADER = re.compile(r"^Measured by `[^`]+`( \(\w+ mode\))?, 20\d\d-\d\d-\d\d \d\d:\d\d UTC, checkout [0-9a-f]{7,}"
+                    r"( \+ uncommitted changes)?; .+, \d+ cores.*; interpreter `[^`]+` \(→ .+\), Python 3\.\d+", re.M)
 
 
 def test_results_carry_their_summary_and_the_readme_none():
-    results = (REPO / "bench" / "RESULTS.md").read_text(encoding="utf-8")
+    results = RESULTS.read_text(encoding="utf-8")
     block = report.block_of(results)
     assert "Measured in one run of `python3 bench/run.py` (full mode)" in block and "checkout" in block
     assert report.START not in (REPO / "README.md").read_text(encoding="utf-8")
 
 
+def test_each_benchmark_has_its_own_section_and_nothing_is_outside_one():
+    text = RESULTS.read_text(encoding="utf-8")
+    sections = resultsmd.sections(text)
+    assert {"run", "service", "health"} <= set(sections), sorted(sections)
+    assert resultsmd.SECTION.sub("", text).strip() == resultsmd.PREAMBLE.strip()
+    for name, section in sections.items():
+        if name == "run":
+            continue
+        assert len(HEADER.findall(section)) == 1, f"{name}: no header line with date, commit, machine, interpreter"
+        if not name.startswith("attacks-"):  # (attacks.py sets no target: its figures as printed)
+            assert "| what | measured | target |" in section, name
+            assert re.search(r"\*\*(met|MISSED)\*\*", section), name
+            assert re.search(r"^\d+ of \d+ targets met", section, re.M), name
+
+
+def test_a_benchmark_replaces_its_own_section_only():
+    text = resultsmd.replace_section("", "health", "H1")
+    assert text.startswith(resultsmd.PREAMBLE)
+    text = resultsmd.replace_section(text, "attacks-storm", "A1")
+    text = resultsmd.replace_section(text, "run", "R1")  # goes first, whatever came before it
+    text = resultsmd.replace_section(text, "service", "S1")
+    assert list(resultsmd.sections(text)) == ["run", "service", "health", "attacks-storm"]
+    again = resultsmd.replace_section(text, "service", "S2\ntwo lines")
+    assert again == text.replace("\nS1\n", "\nS2\ntwo lines\n")
+    # A file as run.py used to write it, whole and without sections, starts again.
+    assert resultsmd.replace_section("# Benchmark results\n\nold\n", "run", "R") == \
+        resultsmd.PREAMBLE + "\n<!-- bench:run:start -->\nR\n<!-- bench:run:end -->\n"
+
+
+def test_targets_are_judged_and_a_miss_is_said():
+    rows = [("a", 1.5, "≤ 2", resultsmd.at_most(1.5, 2.0)), ("b", 2.5, "≤ 2", resultsmd.at_most(2.5, 2.0)),
+            ("c", None, "< 5", resultsmd.below(None, 5.0))]
+    table = resultsmd.targets_table(rows)
+    assert "| a | 1.50 | ≤ 2 | **met** |" in table and "| b | 2.50 | ≤ 2 | **MISSED** |" in table
+    assert "| c | not measured | < 5 | – |" in table
+    assert resultsmd.tally(rows) == "1 of 2 targets met, **1 MISSED**."
+
+
+def _copy_of_results(tmp: Path) -> Path:
+    copy = tmp / "RESULTS.md"
+    shutil.copy(RESULTS, copy)
+    return copy
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench")
+    _copy_of_results(out)
     # --no-install: never create the peers venv from a test (gpuselect is skipped if absent).
-    # --publish into a copy: RESULTS.md as a full run writes it.
+    # --publish into a copy of RESULTS.md: its run section as a full run writes it.
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "run.py"), "--tiny", "--no-install", "--no-plots", "--publish",
          "--out", str(out), "--results-md", str(out / "RESULTS.md")],
@@ -50,6 +103,30 @@ def test_a_run_writes_its_summary_with_date_commit_and_machine_to_results(tiny_r
     assert tiny["date"] in block and tiny["interpreter"]["version"] in block
     assert tiny["machine"]["cpu"] in block and "checkout" in block
     assert "issue" not in results.lower()
+
+
+def test_a_run_leaves_the_other_benchmarks_sections_as_they_were(tiny_run, tiny):
+    before = resultsmd.sections(RESULTS.read_text(encoding="utf-8"))
+    after = resultsmd.sections((tiny_run / "RESULTS.md").read_text(encoding="utf-8"))
+    assert list(after) == list(before)
+    assert tiny["date"] in after["run"] and tiny["date"] not in before["run"]
+    assert {k: v for k, v in after.items() if k != "run"} == {k: v for k, v in before.items() if k != "run"}
+
+
+@pytest.mark.slow
+def test_health_writes_its_own_section(tmp_path: Path):
+    copy = _copy_of_results(tmp_path)
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "health.py"), "--rounds", "1", "--leftover-rounds",
+                           "1", "--work", str(tmp_path / "work"), "--results-md", str(copy)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = resultsmd.sections(RESULTS.read_text(encoding="utf-8"))
+    after = resultsmd.sections(copy.read_text(encoding="utf-8"))
+    assert set(after) == set(before) | {"health"}
+    assert {k: v for k, v in after.items() if k != "health"} == {k: v for k, v in before.items() if k != "health"}
+    health = after["health"]
+    assert HEADER.search(health) and "--rounds 1 --leftover-rounds 1" in health
+    assert health.count("(n=1)") == 3 and "3 targets" in health
 
 
 def test_ratios_are_against_the_installed_shims_interpreter(tiny):
