@@ -20,6 +20,11 @@ one-second jobs turn over (the CPU of the service, of its monitor loop and of th
 
     sudo python3 bench/service.py [--quick] [--reps 40] [--topologies a100-mig7 dgx-a100-mig56]
                                   [--parts launch,burst,waiters] [--waiters 1000] [--no-enforce]
+                                  [--confine v1,v2]
+
+--confine adds, for each mechanism named, the service's launch block again with [confine]
+runs = true (each run moved into a cgroup of its own before its grant): the cost of
+confinement is its median against the plain service block's.
 """
 from __future__ import annotations
 
@@ -31,8 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Iterator, List, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -94,18 +100,38 @@ def ledger_accuracy(sim: Sim, runs: int, hold: float) -> dict:
             "inside": all(b >= -0.5 and a >= -0.5 for b, a in zip(before, after))}
 
 
-def run(bench: Bench, topology: str, reps: int) -> dict:
+@contextmanager
+def confined(sim: Sim, kind: str) -> Iterator[None]:
+    """`[confine] runs = true` with cgroup = KIND for the block; the config put back after."""
+    config = sim.layout.config_file
+    saved = config.read_text() if config.exists() else None
+    table = f'[confine]\nruns = true\ncgroup = "{kind}"\n'
+    text = saved or ""
+    config.write_text(text.replace("[confine]\n", table, 1) if "[confine]\n" in text else text + "\n" + table)
+    try:
+        yield
+    finally:
+        if saved is None:
+            config.unlink()
+        else:
+            config.write_text(saved)
+
+
+def run(bench: Bench, topology: str, reps: int, confine: Sequence[str] = ()) -> dict:
     sim = bench.sim(topology)
     out = {"devices": sim.devices, "without service": _block(sim, reps)}
     with serving(sim):
         out["with service"] = _block(sim, reps)
         out["ledger"] = ledger_accuracy(sim, LEDGER_RUNS, LEDGER_HOLD_S)
+    for kind in confine:  # the same launch, each run moved into a cgroup of its own ([confine] runs)
+        with confined(sim, kind), serving(sim):
+            out[f"with service, confined ({kind})"] = _block(sim, reps)
     return out
 
 
 def show(topology: str, result: dict) -> None:
     print(f"\n{topology} ({result['devices']} devices)")
-    for block in ("without service", "with service"):
+    for block in [k for k in result if k.startswith(("without service", "with service"))]:
         rows = result[block]
         print(f"  {block}:")
         for name, row in rows.items():
@@ -256,6 +282,8 @@ def main() -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"a subset of {','.join(PARTS)}")
     parser.add_argument("--waiters", type=int, help="waiting runs (default 1000, 40 with --quick)")
     parser.add_argument("--no-enforce", action="store_true", help="leave out the burst under [service] enforce")
+    parser.add_argument("--confine", default="", help="also the service's block with [confine] runs = true, "
+                                                      "for each of these cgroup mechanisms (v1,v2)")
     parser.add_argument("--work", type=Path, help="work directory (default: a new temporary one)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--results-md", type=Path, default=RESULTS, help="the file whose `service` section "
@@ -273,7 +301,8 @@ def main() -> int:
     results: dict = {"date": started.date, "mode": "quick" if args.quick else "full", "checkout": started.checkout,
                      "machine": started.machine}
     if "launch" in parts:
-        results["launch"] = {t: run(bench, t, reps) for t in topologies}
+        kinds = [k.strip() for k in args.confine.split(",") if k.strip()]
+        results["launch"] = {t: run(bench, t, reps, kinds) for t in topologies}
     if "burst" in parts or "waiters" in parts:
         results["service"] = run_servicescale(bench.sim, results["mode"], args.waiters, not args.no_enforce,
                                               burst="burst" in parts, many="waiters" in parts)

@@ -178,6 +178,18 @@ class _Doctor:
             return
         self.add(LEVEL_OK, "config", f"{path}" if path.exists() else f"{path} absent: all defaults")
 
+    def check_confine(self) -> None:
+        from ..ops.ledger import service_running
+        from ..policy.config import load_config
+        from .confinecheck import findings
+
+        try:
+            config = load_config(self.layout.config_file)
+        except CudawrapError:
+            return  # check_config reports it
+        for level, message in findings(config, service_running(self.layout), self.environ):
+            self.add(level, "confine", message)
+
     def _sync(self) -> Optional[Callable[[], str]]:
         try:
             from ..ops.sync import sync
@@ -551,6 +563,7 @@ def check(
     doctor.check_monitor()
     doctor.check_metrics()
     doctor.check_audit()
+    doctor.check_confine()
     if repair and os.path.isdir(layout.state_dir):
         with registry.lock(layout):
             reg = doctor.load_registry()

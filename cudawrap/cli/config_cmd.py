@@ -14,8 +14,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from plumbum import cli
 
+from ..admin.confinecheck import NOT_SERVED
+from ..ops.ledger import service_running
 from ..policy import effective as policy
-from ..policy.config import DEFAULTS, NOTES, format_wait
+from ..policy.config import DEFAULTS, NOTES, OPS_SECTIONS, format_wait
 from ..policy.defaults import toml_value
 from ..errors import UsageError
 from ..policy.limits import NO_LIMITS
@@ -56,7 +58,7 @@ def display(key: str, value: Any) -> str:
     if key in ("wait", "reserve_after") and isinstance(value, (int, float)):
         return format_wait(value)
     if isinstance(value, (list, tuple)):
-        return toml_value(list(value)) if value else "[] (all devices)"
+        return toml_value(list(value)) if value else ("[] (all devices)" if key in ("allow", "devices") else "[]")
     if isinstance(value, str) and not value:
         return '""'
     return str(value)
@@ -127,6 +129,8 @@ class ConfigCommand(Command):
         for key, note in NOTES.items():
             if key in settings and settings.value(key) != DEFAULTS[key]:
                 print(f"# note: {key}: {note}")
+        if not service_running(layout) and any(settings.value(k) != DEFAULTS[k] for k in OPS_SECTIONS["confine"]):
+            print(f"# note: confine: {NOT_SERVED}")
         if any(n for _who, n, _src in limit_rows):
             print(f"# note: limits: {LIMITS_NOTE}")
         return 0

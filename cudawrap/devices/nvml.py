@@ -187,6 +187,26 @@ def mig_by_ids(gpu_uuid: str, gi: int, ci: int) -> Optional[str]:
     return None
 
 
+def node_ids(uuid: str) -> Optional[Tuple[int, Optional[int], Optional[int]]]:
+    """(minor, GI, CI) of a leasable device: the minor number of its GPU's node /dev/nvidiaN
+    (a MIG instance's parent's) and, for a MIG instance, its GPU and compute instance ids,
+    which name its capability nodes; None where NVML cannot say (gone, lost).
+
+    Read only when the service confines a run to its devices, never on the launch path: the
+    inventory has no use for them otherwise.
+    """
+    nv = init()
+    try:
+        handle = nv.nvmlDeviceGetHandleByUUID(uuid)
+        if uuid.startswith("MIG-"):
+            parent = nv.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+            return (nv.nvmlDeviceGetMinorNumber(parent), nv.nvmlDeviceGetGpuInstanceId(handle),
+                    nv.nvmlDeviceGetComputeInstanceId(handle))
+        return nv.nvmlDeviceGetMinorNumber(handle), None, None
+    except nv.NVMLError:
+        return None
+
+
 def matches(layout: Inventory) -> bool:
     """Whether LAYOUT (``invcache``) may still describe the machine, for the shim.
 

@@ -168,7 +168,8 @@ def write_build(layout: Layout, build: str) -> None:
 
 def _install(layout: Layout, python: str, source: Optional[Path], manifest: Manifest,
              say: Callable[[str], None], man_pages: Mapping[Path, str], refresh: Refresh) -> None:
-    from ..policy.defaults import ENFORCED, render_config
+    from ..base.cgroup import confinable
+    from ..policy.defaults import install_choices, render_config
     from ..paths import ROOT_MARKER
 
     (layout.venv_dir / ROOT_MARKER).write_text(f"{layout.root}\n", encoding="utf-8")
@@ -190,11 +191,14 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
     if os.path.lexists(config):
         say(f"==> kept the configuration {config}")
     elif systemd_running(layout):
-        # The service runs here (enabled below), so only it need take leases: README "Two modes".
-        _write_text(config, render_config(ENFORCED))
+        # The service runs here (enabled below), so only it need take leases: README "Two modes";
+        # and it confines each run to its own GPUs where the host can ([confine] runs).
+        confine = confinable()
+        _write_text(config, render_config(install_choices(confine)))
         manifest.replace(CONFFILE, config, sha256=sha256_of(config))
         say(f"==> wrote the default configuration {config} (every setting commented out but "
-            f"[service] enforce = true: only the service grants leases)")
+            f"[service] enforce = true: only the service grants leases"
+            + ("; [confine] runs = true: each run opens its own GPUs only)" if confine else ")"))
     else:
         _write_text(config, render_config())
         manifest.replace(CONFFILE, config, sha256=sha256_of(config))

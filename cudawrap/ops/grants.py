@@ -28,6 +28,10 @@ it made the directories root's being worth no more (RENEWING lists those not yet
 
 Under [service] enforce a shared device's MPS pipe directory is open to the uids of its
 sharers alone (lease/mpsaccess.py): set when a share is confirmed, again as shares end.
+
+Under [confine] runs = true each client's run cgroup (runcgroups.py) opens what it holds
+through the service: widened before a grant is sent, narrowed when one is void, not taken
+or ended (``_confine``).
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .. import wire
 from ..lease.files import LeaseFiles, lock_kind, lock_table
@@ -84,6 +88,7 @@ class Held:
     ended: List[str] = field(default_factory=list)  # devices found released
     slots: Dict[str, int] = field(default_factory=dict)  # uuid -> its slot, for a share (0: let go already)
     how: str = "ended"  # what its end record says ("revoked by NAME": cudawrap revoke)
+    let_go: List[str] = field(default_factory=list)  # devices found free while it ran: closed to its cgroup
 
 
 class Grants:
@@ -102,6 +107,36 @@ class Grants:
         # uuid -> {pid: uid} of a void grant's client, while its lease file waits in RENEWING
         # (held when the grant was voided: by that client, through what it was sent, as a rule).
         self.voided: Dict[str, Dict[int, int]] = {}
+        from ..policy.config import load_config
+        from .runcgroups import for_install
+
+        self.confine = for_install(load_config(layout.config_file), say)
+
+    def close(self) -> None:
+        if self.confine is not None:
+            self.confine.close()
+
+    def enter(self, pid: int, uid: int) -> None:
+        """A client asked for devices: under [confine] runs, into a run cgroup of its own, now."""
+        if self.confine is not None:
+            self.confine.enter(pid, uid)
+
+    def _confine(self, pid: int, more: Sequence[str] = ()) -> bool:
+        """PID's run cgroup set to what it holds through the service, and MORE (about to be
+        sent); False where it could not be done."""
+        if self.confine is None:
+            return True
+        devices = {u for p in self.pending.values() if p.pid == pid for u in p.devices}
+        devices.update(u for h in self.held.values() if h.pid == pid for u in h.devices
+                       if u not in h.ended and u not in h.let_go)
+        return self.confine.allow(pid, sorted(devices.union(more)))
+
+    def let_go(self, held: Held) -> None:
+        """HELD's leases were found free (its client let go, or is exiting): its cgroup no
+        longer opens them, before they go to anyone else (the API's release())."""
+        if self.confine is not None:
+            held.let_go = list(held.devices)
+            self._confine(held.pid)
 
     def sharers(self, uuid: str) -> Set[int]:
         """The uids holding a share of UUID through the service now."""
@@ -191,6 +226,16 @@ class Grants:
             for fd in fds:
                 os.close(fd)
             return False
+        if not self._confine(pid, devices):
+            for fd in fds:
+                os.close(fd)
+            try:  # its one line, then it is dropped as a client gone
+                sock.send(wire.encode(wire.ERROR, {"code": str(os.EX_OSERR), "text": "the cudawrap service could not "
+                                      "confine this run to its devices ([confine] runs = true): nothing was granted",
+                                      "hint": "the service's log says why; `cudawrap doctor` checks the host"}))
+            except OSError:
+                pass
+            return False
         data = wire.encode(wire.GRANT, {"devices": ",".join(devices), "fds": ",".join(described), **(fields or {})})
 
         def send() -> bool:
@@ -205,6 +250,7 @@ class Grants:
         if lease_id is None:
             for fd in fds:
                 os.close(fd)
+            self._confine(pid)
             return False
         self.pending[key] = Pending(key, pid, list(devices), fds, time.monotonic() + DEADLINE_S, lease_id,
                                     exclusive, dict(slots), uid=uid)
@@ -217,6 +263,7 @@ class Grants:
             return []
         pending.close()
         accounts.end(self.layout, pending.lease_id, "not taken")
+        self._confine(pending.pid)  # narrowed first: before anything else happens
         self._renew_void(pending)
         return pending.devices
 
@@ -229,6 +276,7 @@ class Grants:
         pending.close()
         if not ok:
             accounts.end(self.layout, pending.lease_id, "not taken")
+            self._confine(pending.pid)  # narrowed first: before anything else happens
             self._renew_void(pending)
         return pending if ok else None
 
@@ -259,6 +307,7 @@ class Grants:
         self._mps_access(held)
         os.close(held.pidfd)
         accounts.end(self.layout, held.lease_id, held.how)
+        self._confine(held.pid)
         return True
 
     # -- replacing files whose descriptors are out there ----------------------------------
@@ -396,7 +445,22 @@ class Grants:
             else:  # its client is gone
                 held.exited = True
                 self.check(held)
+        if self.confine is not None:
+            self.confine.reconcile(self._holds(), [h.pid for h in self.held.values()])
         return running
+
+    def _holds(self) -> Dict[int, List[str]]:
+        """pid -> the devices it holds: the kernel's locks (a grant sent just before a crash may
+        be missing from the ledger's state), and the grants adopted (a child holds a lease its
+        exited client took, which the lock table credits to the client)."""
+        out: Dict[int, List[str]] = {}
+        table = lock_table()
+        for uuid, ident in self.leases.idents(self.leases.names()).items():
+            for pid, _exclusive in table.get(ident, []) if ident is not None else []:
+                out.setdefault(pid, []).append(uuid)
+        for h in self.held.values():
+            out.setdefault(h.pid, []).extend(u for u in h.devices if u not in h.ended)
+        return out
 
     def lingering(self) -> List[Held]:
         """Grants whose client exited with a lease still held (by a child it passed it to)."""

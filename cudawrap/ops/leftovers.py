@@ -116,7 +116,13 @@ def _ledger(layout: Any) -> Iterable[Mapping[str, Any]]:
 
 
 def end(leftover: Leftover) -> bool:
-    """SIGTERM LEFTOVER if it is still that very process (a pidfd, its start time checked)."""
+    """End LEFTOVER: in a run cgroup of the service's ([confine] runs), that whole cgroup
+    (the run's other leftovers with it); else SIGTERM if it is still that very process (a
+    pidfd, its start time checked)."""
+    from .runcgroups import kill_run_of
+
+    if kill_run_of(leftover.pid, leftover.ticks):
+        return True
     try:
         fd = os.pidfd_open(leftover.pid)  # type: ignore[attr-defined]
     except (OSError, AttributeError):

@@ -129,6 +129,7 @@ class Service:
         self.comeback.census.note(self.roster.ticketed, time.monotonic(), exact=True)
         for client in list(self.clients.values()):
             self._drop(client)
+        self.grants.close()  # [confine] runs: the cgroups made ahead go
         try:
             os.unlink(self.path)
         except OSError:
@@ -454,6 +455,8 @@ class Service:
         key, arrival = asks.arrival_key(client.peer.pid, client.arrival_ns)
         client.ask = ask
         client.waiter = ask.waiter(key, client.peer.uid, client.peer.pid, arrival)
+        if client.facts[0] is None:  # [confine] runs: its own cgroup, made while it is decided on (not in Slurm's)
+            self.grants.enter(client.peer.pid, client.peer.uid)
         now = time.monotonic()
         # Its wait counts from its arrival, before a restart too.
         client.wait_until = now + max(0.0, ask.wait - max(0.0, time.time() - arrival))
@@ -631,6 +634,7 @@ class Service:
             if any(self.grants.sent_since(held, u) for u in held.devices):
                 continue
             if all(map(leases.free_now, held.devices)):
+                self.grants.let_go(held)  # [confine] runs: closed to it before it goes on
                 if not self._hand_over(held):
                     self.freed = self.dirty = True
             elif again:

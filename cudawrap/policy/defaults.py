@@ -113,6 +113,16 @@ def toml_value(value: Any) -> str:
 ENFORCED: Mapping[str, Tuple[Any, str]] = {
     "enforce": (True, "set at install, as the cudawrap service runs here under systemd: only it grants leases"),
 }
+CONFINED: Mapping[str, Tuple[Any, str]] = {
+    "runs": (True, "set at install, as the service runs here and this host can confine runs: each granted "
+                   "run opens its own GPUs only"),
+}
+
+
+def install_choices(confinable: bool) -> Dict[str, Tuple[Any, str]]:
+    """What an install that starts the service writes into a new configuration: enforce, and
+    [confine] runs where the host can confine (CONFINABLE); nodes stays "open"."""
+    return {**ENFORCED, **(CONFINED if confinable else {})}
 
 
 def _table(name: str, keys: Iterable[str], chosen: Mapping[str, Tuple[Any, str]]) -> List[str]:

@@ -7,14 +7,16 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Mapping
 
 from .healthconf import HEALTH_DEFAULTS, HEALTH_DESCRIPTIONS, health_keys
-from .values import (FOREVER, MAX_GPUS, boolean, choice, connections, fraction, memory_limit, mib,
-                     non_negative_int, parse_devices, parse_gpus, parse_model, parse_wait, path_or_empty,
-                     percent, seconds, share_percentage, slots, uuid_list)
+from .values import (FOREVER, MAX_GPUS, absolute_path, account_list, boolean, choice, connections, fraction,
+                     memory_limit, mib, non_negative_int, parse_devices, parse_gpus, parse_model, parse_wait,
+                     path_or_empty, percent, seconds, share_percentage, slots, uuid_list)
 
 PLACEMENTS = ("spread", "pack", "random")
 FOREIGN_RULES = ("avoid", "ignore")
 NO_DRIVER_RULES = ("run", "fail")
 MULTI_MIG_RULES = ("refuse", "whole-gpus")
+NODE_RULES = ("open",)  # "leased" (issue 52, part 2) is not built yet: refused as any unknown value
+CGROUP_VERSIONS = ("auto", "v1", "v2")
 
 
 # Settings a single program may override, by [programs."NAME"] in the config or by
@@ -50,6 +52,10 @@ OPS_SECTIONS: Dict[str, Dict[str, Callable[[Any], Any]]] = {
     "service": {"private_status": boolean, "max_connections_per_uid": connections, "enforce": boolean,
                 "connect_retry_s": seconds(zero_ok=True)},
     "health": health_keys(choice),
+    # What the kernel enforces of the service's grants (README "Confinement"); only the
+    # service applies it.
+    "confine": {"runs": boolean, "nodes": choice(NODE_RULES), "cgroup": choice(CGROUP_VERSIONS),
+                "allow_users": account_list, "proc": absolute_path},
 }
 
 DEFAULTS: Dict[str, Any] = {
@@ -78,6 +84,11 @@ DEFAULTS: Dict[str, Any] = {
     "enforce": False,
     "connect_retry_s": 10.0,
     **HEALTH_DEFAULTS,
+    "runs": False,
+    "nodes": "open",
+    "cgroup": "auto",
+    "allow_users": (),
+    "proc": "/proc",
 }
 
 DESCRIPTIONS: Dict[str, str] = {
@@ -112,6 +123,15 @@ DESCRIPTIONS: Dict[str, str] = {
     "connect_retry_s": "with enforce: how long a run tries to reach the service (a restart) before it "
                        "exits 69",
     **HEALTH_DESCRIPTIONS,
+    "runs": "with `cudawrap serve`: each granted run (and every process it starts) is put in a cgroup of "
+            "its own that can open its own GPUs' and MIG instances' nodes and no other",
+    "nodes": "open: GPU nodes keep the modes the driver gave them (the one value for now)",
+    "cgroup": "the cgroup mechanism for runs: auto (what the host's init uses; v1 on a hybrid host), v1 "
+              "(devices controller) or v2 (a BPF device program)",
+    "allow_users": "accounts that may open every GPU node at all times (nvidia-persistenced, DCGM, "
+                   "exporters), for node rules that close them",
+    "proc": "where the driver's numbers are read: PROC/devices, PROC/driver/nvidia-caps/mig-minors, "
+            "PROC/driver/nvidia/params",
 }
 
 

@@ -143,6 +143,26 @@ def path_or_empty(value: Any) -> str:
     return value
 
 
+def absolute_path(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ValueError(f"{shown(value)} is not an absolute path")
+    return value
+
+
+# POSIX's portable user names (and the dollar of Samba's machine accounts), as useradd takes them.
+_ACCOUNT = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")
+
+
+def account_list(value: Any) -> Tuple[str, ...]:
+    """Account names; whether each exists is asked where they are used (they may come later)."""
+    if not isinstance(value, list):
+        raise ValueError(f"{shown(value)} is not a list of account names")
+    for item in value:
+        if not isinstance(item, str) or not _ACCOUNT.fullmatch(item):
+            raise ValueError(f"{shown(item)} is not an account name")
+    return tuple(value)
+
+
 def fraction(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ValueError(f"{shown(value)} is not a fraction of a device above 0 and at most 1")

@@ -165,6 +165,7 @@ struct fake_gpu {
     unsigned int util, mem_util;
     unsigned int cc_major, cc_minor; /* CUDA compute capability */
     unsigned int temp_c, power_mw, power_limit_mw, pstate; /* status readings */
+    unsigned int minor; /* of its node /dev/nvidiaN (major 195) */
     int lost;
     int persistence_off; /* the driver lets go of the GPU when its last client leaves */
     struct fake_mig slot[MAX_SLOTS];
@@ -446,7 +447,7 @@ static const char *parse_line(struct machine *m, char *line)
                                              "temp", "power_w", "power_limit_w", "pstate",
                                              "reserved_mib", "util", "mem_util", "max_mig",
                                              "pci_device_id", "pci_subsystem_id", "cc", "persistence",
-                                             NULL};
+                                             "minor", NULL};
     static const char *const mig_fields[] = {"parent", "slot", "uuid", "profile", "gi", "ci",
                                              "memory_mib", "used_mib", NULL};
     static const char *const proc_fields[] = {"pid", "device", "memory_mib", NULL};
@@ -582,6 +583,9 @@ static const char *parse_line(struct machine *m, char *line)
             FAIL("gpu: power_w= and power_limit_w= want watts (0..4000)");
         g->power_mw *= 1000;
         g->power_limit_mw *= 1000;
+        /* The driver numbers its nodes in its own probe order, not NVML's: by default they agree. */
+        if (opt_uint(tok, n, "minor", 10, 253, (unsigned long long)m->ngpus, &g->minor))
+            FAIL("gpu: minor= wants the minor number of its node, 0..253");
         if (opt_uint(tok, n, "max_mig", 10, MAX_SLOTS, g->mig == MIG_UNSUPPORTED ? 0 : 7, &g->max_mig))
             FAIL("gpu: max_mig= wants 0..%d", MAX_SLOTS);
         /* NVML packs the vendor (NVIDIA, 0x10DE) into the low half of the device id. */
@@ -1238,7 +1242,10 @@ nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
     return finish(m, NVML_SUCCESS);
 }
 
-nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
+/* A whole GPU's number: its NVML index, or the minor of its node (MINOR). MIG devices live
+   outside the NVML index space and have no node of their own (they are reached through their
+   parent's node and their capability nodes), so NVML refuses both questions for them. */
+static nvmlReturn_t gpu_number(nvmlDevice_t device, unsigned int *out, int minor)
 {
     nvmlReturn_t ret;
     struct machine *m = begin(&ret);
@@ -1247,13 +1254,22 @@ nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
         return ret;
     if ((ret = resolve(m, device, &t, ASK_GPU)) != NVML_SUCCESS)
         return finish(m, ret);
-    /* MIG devices live outside the NVML index space. */
     if (t.mig)
         return finish(m, NVML_ERROR_NOT_SUPPORTED);
-    if (!index)
+    if (!out)
         return finish(m, NVML_ERROR_INVALID_ARGUMENT);
-    *index = (unsigned int)t.g;
+    *out = minor ? t.gpu->minor : (unsigned int)t.g;
     return finish(m, NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
+{
+    return gpu_number(device, index, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
+{
+    return gpu_number(device, minorNumber, 1);
 }
 
 /* ---- identity ---------------------------------------------------------- */

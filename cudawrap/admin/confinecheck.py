@@ -1,0 +1,98 @@
+"""What doctor says of [confine]: the mechanism that would confine runs here (or what is
+missing), how a run's leftovers would be ended, Slurm's own confinement, and what the NVIDIA
+driver publishes (its node parameters, whether MIG capabilities are device nodes at all).
+
+Each finding is (level, message), for doctor's "confine" subject. The host check itself is
+base/cgroup.usable, the one the service runs before it starts with runs = true.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, List, Mapping, Optional, Tuple
+
+from ..base import cgroup
+from ..devices import drivernodes
+
+NOT_SERVED = "no `cudawrap serve` runs for this install: [confine] does nothing here (only the service confines)"
+PARAMS = "driver/nvidia/params"
+NODE_PARAMS = ("DeviceFileUID", "DeviceFileGID", "DeviceFileMode", "ModifyDeviceFiles")
+
+Finding = Tuple[str, str]
+
+
+def driver_params(proc: str) -> Optional[Mapping[str, str]]:
+    """PROC/driver/nvidia/params as NAME -> value ("DeviceFileMode" -> "438"), None without a driver."""
+    try:
+        with open(os.path.join(proc, PARAMS)) as f:
+            return dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+    except OSError:
+        return None
+
+
+def slurm_constrains(environ: Mapping[str, str]) -> Optional[bool]:
+    """Whether Slurm's cgroup.conf (beside $SLURM_CONF, else /etc/slurm) sets ConstrainDevices=yes;
+    None where there is no cgroup.conf (no Slurm here)."""
+    conf = os.path.join(os.path.dirname(environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")), "cgroup.conf")
+    try:
+        with open(conf) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    value = "no"
+    for line in lines:
+        key, _, rest = line.split("#", 1)[0].partition("=")
+        if key.strip().lower() == "constraindevices":
+            value = rest.strip().lower()
+    return value in ("yes", "true", "1")
+
+
+def _mechanism(config: Mapping[str, Any], served: bool) -> List[Finding]:
+    runs = bool(config["runs"])
+    try:
+        mech = cgroup.usable(config["cgroup"])
+    except OSError as e:
+        why = f"cgroup = \"{config['cgroup']}\": runs cannot be confined here: {e.strerror or e}"
+        return [("error" if runs else "note", why)]
+    if isinstance(mech, cgroup.V2):
+        how = f"cgroup v2 at {mech.mount}, a BPF device program on each run's cgroup"
+        ends = ("cgroup.kill" if cgroup.kernel() >= cgroup.KILL_KERNEL else
+                f"cgroup.freeze and a kill of each process (kernel {os.uname().release} has no cgroup.kill, 5.14)")
+    else:
+        how = f"cgroup v1 devices controller at {mech.devices}"
+        ends = f"the v1 freezer at {mech.freezer} and a kill of each process"
+    state = ("runs are confined" if runs and served else "runs = true: the service confines runs" if runs
+             else "runs = false: runs would be confined")
+    out = [("ok", f"{state} by the {how}; a run's leftovers are ended through {ends}")]
+    if runs and cgroup.kernel() >= (6, 0) and not cgroup.favors_dynmods():
+        mount = mech.mount if isinstance(mech, cgroup.V2) else mech.devices
+        out.append(("note", "moving a run into its cgroup can wait for an RCU grace period (~10 ms measured "
+                            "on a 6.18 VM) on each launch; mounting cgroups with favordynmods spares it: "
+                            f"mount -o remount,favordynmods {mount}"))
+    return out
+
+
+def _driver(proc: str) -> List[Finding]:
+    params = driver_params(proc)
+    if params is None:
+        return [("note", f"no NVIDIA driver loaded (no {os.path.join(proc, PARAMS)}): its node parameters "
+                         "not checked")]
+    shown = ", ".join(f"{k}={params[k].strip()}" for k in NODE_PARAMS if k in params)
+    out = [("ok", f"the driver makes its nodes with {shown or 'no node parameters listed'}")]
+    if drivernodes.mig_minors(proc) and drivernodes.char_major(drivernodes.CAPS_NAME, proc) is None:
+        out.append(("warning", "MIG capabilities are exposed through /proc, not device nodes "
+                               "(nv_cap_enable_devfs=0): no device filter can confine a MIG instance; load "
+                               "nvidia with nv_cap_enable_devfs=1"))
+    return out
+
+
+def findings(config: Mapping[str, Any], served: bool, environ: Mapping[str, str]) -> List[Finding]:
+    out: List[Finding] = [] if served else [("note", NOT_SERVED)]
+    out += _mechanism(config, served)
+    slurm = slurm_constrains(environ)
+    if slurm is not None:
+        out.append(("ok" if slurm else "warning",
+                    "Slurm's ConstrainDevices=yes: Slurm confines its jobs' GPUs, and cudawrap leaves its "
+                    "cgroups as Slurm made them" if slurm else
+                    "Slurm's ConstrainDevices is off: Slurm jobs are not confined to their GPUs (cudawrap leaves "
+                    "Slurm's cgroups as Slurm made them); set ConstrainDevices=yes in cgroup.conf"))
+    return out + _driver(config["proc"])

@@ -1,0 +1,143 @@
+"""Real device nodes and real cgroups for the confinement tests, removed whatever happens.
+
+``gpu_nodes``: character nodes made with mknod in a private directory: nvidia0..3 (major
+195, minors 0-3), nvidiactl (195:255), and two MIG capability nodes of a major no driver
+registered (the real nvidia-caps major is dynamic too). No driver answers any of them, so an
+open the kernel lets through fails ENXIO, and one a cgroup refuses fails EPERM.
+
+``cgroups``: each cgroup mechanism of this host (v1 and v2; the CI machine has both), with
+a test parent cgroup below the test's own; at teardown every process left below it is
+killed and every cgroup removed, deepest first.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Sequence
+
+import pytest
+
+from cudawrap.base import cgroup
+
+from .procs import wait_for
+
+PROBE = str(Path(__file__).with_name("devprobe.py"))
+
+
+def free_char_major(start: int = 3000) -> int:
+    """A character major no driver has registered (/proc/devices)."""
+    used = set()
+    with open("/proc/devices") as f:
+        for line in f:
+            if line.startswith("Block"):
+                break
+            parts = line.split()
+            if parts and parts[0].isdigit():
+                used.add(int(parts[0]))
+    return next(m for m in range(start, 4096) if m not in used)
+
+
+@dataclass(frozen=True)
+class Nodes:
+    dir: Path
+    caps_major: int
+
+    def gpu(self, minor: int) -> str:
+        return str(self.dir / f"nvidia{minor}")
+
+    @property
+    def ctl(self) -> str:
+        return str(self.dir / "nvidiactl")
+
+    def cap(self, minor: int) -> str:
+        return str(self.dir / f"nvidia-cap{minor}")
+
+
+CAP_MINORS = (1, 2, 3, 4)  # 1 config, 2 monitor, 3 and 4 two MIG instances' access
+
+
+@pytest.fixture
+def gpu_nodes(tmp_path: Path) -> Iterator[Nodes]:
+    nodes = Nodes(tmp_path / "dev", free_char_major())
+    nodes.dir.mkdir()
+    made: List[str] = []
+    try:
+        for path, major, minor in ([(nodes.gpu(m), 195, m) for m in range(4)] + [(nodes.ctl, 195, 255)]
+                                   + [(nodes.cap(m), nodes.caps_major, m) for m in CAP_MINORS]):
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+            made.append(path)
+            os.chmod(path, 0o666)
+        yield nodes
+    finally:
+        for path in made:
+            os.unlink(path)
+
+
+def _tree(top: str) -> List[str]:
+    """Every directory at and below TOP, deepest first."""
+    dirs = [d for d, _, _ in os.walk(top)]
+    return sorted(dirs, key=lambda d: d.count("/"), reverse=True)
+
+
+def teardown(mech: "cgroup.V1 | cgroup.V2", rel_top: str) -> None:
+    """Kill what is left below REL_TOP (a path the mechanism takes) and remove its cgroups."""
+    for root in mech.roots:
+        top = os.path.join(root, rel_top.lstrip("/"))
+        if not os.path.isdir(top):
+            continue
+        for d in _tree(top):
+            for pid in cgroup._pids(d):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            wait_for(lambda: not cgroup._pids(d), what=f"{d} empty")
+            os.rmdir(d)
+
+
+@dataclass(frozen=True)
+class Cgroups:
+    mech: "cgroup.V1 | cgroup.V2"
+    top: str  # the test's parent cgroup, below the test process's own
+
+
+def run_cgroups(mech: "cgroup.V1 | cgroup.V2") -> List[str]:
+    """Every run cgroup of cudawrap's in MECH's first hierarchy, as paths within it."""
+    root = mech.roots[0]
+    return ["/" + os.path.relpath(os.path.join(d, n), root) for d, dirs, _ in os.walk(root)
+            for n in dirs if n.startswith("cudawrap-run-")]
+
+
+@pytest.fixture(params=["v1", "v2"])
+def cgroups(request: pytest.FixtureRequest) -> Iterator[Cgroups]:
+    mech = cgroup.choose(request.param)
+    top = os.path.join(mech.parent_of(os.getpid()), f"cudawrap-test-{os.getpid()}")
+    before = set(run_cgroups(mech))
+    try:
+        mech.make(*os.path.split(top))
+        yield Cgroups(mech, top)
+    finally:
+        for path in set(run_cgroups(mech)) - before:  # a run cgroup made where the test did not mean it
+            teardown(mech, path)
+        teardown(mech, top)
+
+
+class Probe:
+    """A devprobe process waiting for its go; ``results`` reads what each open got."""
+
+    def __init__(self, mode: str, paths: Sequence[str], argv_prefix: Sequence[str] = ()) -> None:
+        self.proc = subprocess.Popen([*argv_prefix, sys.executable, "-I", PROBE, "--go", mode, *paths],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def results(self) -> Dict[str, str]:
+        out, _ = self.proc.communicate("go\n", timeout=30)
+        return dict(line.rsplit(" ", 1) for line in out.splitlines())
