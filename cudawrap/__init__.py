@@ -263,6 +263,8 @@ def _converse(sock: "Any", request: bytes, prog: str, run: "Tuple[str, str, List
                         sock.sendall(wire.encode(wire.LOST, {"devices": reply.get("devices", "")}))
                         continue
                     fds = []
+                    if reply.get("text"):
+                        say(prog, reply["text"])  # what it got after waiting
                     if not locked[1]:
                         # Whole devices: nothing more to say. The connection closes before the
                         # exec, and the service checks the locks then, as it checks a HELD's.

@@ -255,6 +255,8 @@ def _exchange(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str],
                     _close(fd)
                 conn.send(wire.LOST, {"devices": devices})
                 continue
+            if reply.get("text"):
+                on_wait(reply["text"])  # what it got after waiting
             defaults = wire.unpairs(reply["defaults"]) if "defaults" in reply else None
             granted = Granted(lease, wire.unpairs(reply.get("env", "")), defaults)
             try:

@@ -16,6 +16,9 @@ lease file), or ``lease:UUID:sh`` followed by ``slot:UUID:ex`` (a share: the sha
 the lease file, the exclusive lock on one of its slot files). Its ``env`` and ``defaults``
 (``pairs``) are the variables the run gets, as a run that decides for itself sets them.
 
+A ``grant`` to a run that was told it waits carries ``text=``, the line its client shows
+once the locks are taken (``got DEVICES after N s``), as a run deciding for itself says it.
+
 A ``wait`` message may carry ``ticket=`` (a waiter's place in line, signed by the service:
 ops/tickets.py); a client whose connection ends before its grant sends it back as
 ``ticket=`` of its next ``request``. Both fields are optional: a peer without them is
@@ -52,7 +55,7 @@ CANCEL = "cancel"  # pids=: end those waiting runs (their owner's or root's word
 REVOKE = "revoke"  # devices=, by=: root's `cudawrap revoke` (answer: revoked=, holders=)
 # Service -> client.
 WAIT = "wait"  # a line to show while waiting (text=), and/or a reconnect ticket (ticket=)
-GRANT = "grant"  # descriptors attached (fds= says which is which), env=, defaults=
+GRANT = "grant"  # descriptors attached (fds= says which is which), env=, defaults=; text= a line to show
 DONE = "done"  # the grant counts as held; anything to add to the environment
 ERROR = "error"  # code= (an exit status), text=, hint=; the connection closes after it
 ANSWER = "answer"  # the reply to a question

@@ -10,7 +10,8 @@
  *
  * It does what the shim's fast path does with the rest of the conversation (wire.py has the
  * format): prints the service's WAIT lines, takes the locks on the descriptors of a GRANT
- * (or sends LOST if one was taken past the service, and waits on), for a share sends HELD
+ * (or sends LOST if one was taken past the service, and waits on) and prints the GRANT's line
+ * (what the run got after waiting), for a share sends HELD
  * and waits for DONE, sets the variables as the shim's _become sets them, and execs the
  * program. A whole grant says nothing more: its connection closes as it execs, and the
  * service checks the locks then, one wake-up of the service less in the hand-over.
@@ -437,6 +438,8 @@ int main(int argc, char **argv) {
                 send_message("lost", field(&m, "devices"));
                 continue;
             }
+            const char *got = field(&m, "text"); /* what it got after waiting */
+            if (got && *got) say(got);
             int shared = 0;
             for (int i = 0; i < n; i++) shared |= !described[i].lease;
             /* Whole devices: nothing to say; the connection closes in become(), before the

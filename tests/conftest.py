@@ -6,6 +6,7 @@ from support.installsh import wheelhouse  # noqa: F401
 from support.machine import fakenvml_lib, machine  # noqa: F401
 from support.procs import spawned  # noqa: F401
 from support.users import mu, mu_world  # noqa: F401
+from support.ways import both  # noqa: F401
 
 
 # `make test` runs the suite as two halves side by side (pytest-xdist, -n 2: one worker for

@@ -32,9 +32,9 @@ def test_several_devices_per_run_all_or_nothing_without_deadlock(installed):
     assert overlaps(jobs) == []
 
 
-def test_partial_availability_takes_nothing(installed):
-    inst = installed("four-gpus")
-    inst.wrap("recon")
+def test_partial_availability_takes_nothing(both):
+    way = both("four-gpus")
+    inst = way.inst
     gpus = inst.machine.leaf_uuids()
     holders = [inst.hold(CUDA_VISIBLE_DEVICES=u)[0] for u in gpus[:3]]
     inst.write_config('[policy]\ngpus = 2\n')
@@ -70,9 +70,9 @@ def test_waiters_are_served_first_come_first_served(installed):
     assert started == [p.pid for p in waiters]
 
 
-def test_kill_9_releases_the_lease(installed):
-    inst = installed("a100-mig7")
-    inst.wrap("recon")
+def test_kill_9_releases_the_lease(both):
+    way = both("a100-mig7")
+    inst = way.inst
     inst.allow(inst.machine.leaf_uuids()[0])
     holder, _ = inst.hold()
     assert inst.run("recon", CUDAWRAP_WAIT="0").returncode == 75
@@ -100,9 +100,9 @@ def test_lease_lives_while_a_child_that_inherited_it_runs(installed, tmp_path):
     assert time.monotonic() - t0 >= 1.5
 
 
-def test_wait_limit_ends_with_75_and_one_line(installed):
-    inst = installed("a100-mig7")
-    inst.wrap("recon")
+def test_wait_limit_ends_with_75_and_one_line(both):
+    way = both("a100-mig7")
+    inst = way.inst
     inst.allow(inst.machine.leaf_uuids()[0])
     holder, _ = inst.hold()
     t0 = time.monotonic()
@@ -119,9 +119,9 @@ def test_wait_limit_ends_with_75_and_one_line(installed):
     holder.kill()
 
 
-def test_per_program_wait_from_config(installed):
-    inst = installed("a100-mig7")
-    inst.wrap("recon")
+def test_per_program_wait_from_config(both):
+    way = both("a100-mig7")
+    inst = way.inst
     first = inst.machine.leaf_uuids()[0]
     inst.write_config(f'[devices]\nallow = ["{first}"]\n[programs.recon]\nwait = 0\n')
     holder, _ = inst.hold()
@@ -236,47 +236,55 @@ def test_a_hand_opened_free_lease_file_is_no_inherited_lease(installed):
     holder.kill()
 
 
-def test_foreign_processes_are_avoided(installed):
-    inst = installed("four-gpus")
-    inst.wrap("recon")
+def test_foreign_processes_are_avoided(both):
+    way = both("four-gpus")
+    inst = way.inst
     gpus = inst.machine.leaf_uuids()
     for uuid in gpus[:3]:
         inst.machine.add_process(os.getpid(), uuid, 2048)
+    way.listed()  # through the service: the monitor's next snapshot lists it
+    r = inst.run("recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=gpus[0])
+    assert (r.returncode, r.stderr.decode()) == (75, "recon: no free device: every device it may use is busy; "
+                                                     "position 1 in line; waiting is off (wait = 0)\n"
+                                                     "recon: hint: set CUDAWRAP_WAIT=SECONDS to wait\n"), way
     r = inst.run("recon", CUDAWRAP_WAIT="0")
-    assert json.loads(r.stdout.splitlines()[0])["devices"] == [gpus[3]]
+    assert json.loads(r.stdout.splitlines()[0])["devices"] == [gpus[3]], way
     inst.machine.add_process(os.getpid(), gpus[3], 2048)
-    assert inst.run("recon", CUDAWRAP_WAIT="0").returncode == 75
+    way.listed()
+    assert inst.run("recon", CUDAWRAP_WAIT="0").returncode == 75, way
     inst.write_config('[policy]\nforeign = "ignore"\n')
     assert inst.run("recon", CUDAWRAP_WAIT="0").returncode == 0
 
 
-def test_a_waiter_takes_a_device_once_its_foreign_process_leaves(installed):
-    inst = installed("four-gpus")
-    inst.wrap("recon")
+def test_a_waiter_takes_a_device_once_its_foreign_process_leaves(both):
+    way = both("four-gpus")
+    inst = way.inst
     gpus = inst.machine.leaf_uuids()
     for uuid in gpus:
         inst.machine.add_process(4242, uuid, 2048)
+    way.listed()
     waiter = inst.start("recon", CUDAWRAP_WAIT="20")
     assert b"waiting" in waiter.stderr.readline()
     inst.machine.remove_process(4242)
     assert waiter.wait(timeout=10) == 0
 
 
-def test_hidden_process_lists_fall_back_to_memory_used(installed):
-    inst = installed("a100-mig7")
-    inst.wrap("recon")
+def test_hidden_process_lists_fall_back_to_memory_used(both):
+    way = both("a100-mig7")
+    inst = way.inst
     migs = inst.machine.leaf_uuids()
     inst.machine.set_fault("no_permission", "all")
     for uuid in migs[:6]:
         inst.machine.add_process(4242, uuid, 4096)  # 4 GiB used, above the 1 GiB threshold
+    way.listed()
     r = inst.run("recon", CUDAWRAP_WAIT="0")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[0])["devices"] == [migs[6]]
 
 
-def test_preset_visible_devices_are_only_narrowed(installed):
-    inst = installed("four-gpus")
-    inst.wrap("recon")
+def test_preset_visible_devices_are_only_narrowed(both):
+    way = both("four-gpus")
+    inst = way.inst
     gpus = inst.machine.leaf_uuids()
     r = inst.run("recon", CUDA_VISIBLE_DEVICES="2,3")
     assert json.loads(r.stdout.splitlines()[0])["devices"] in ([gpus[2]], [gpus[3]])

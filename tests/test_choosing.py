@@ -65,9 +65,9 @@ def test_mixed_burst_of_filtered_and_unfiltered_runs(installed):
     assert all(used & set(uuids) for uuids in kinds.values())  # every kind got work
 
 
-def test_a_request_no_device_can_ever_meet_fails_at_once_saying_why(installed):
-    inst = installed(MIXED)
-    inst.wrap("recon")
+def test_a_request_no_device_can_ever_meet_fails_at_once_saying_why(both):
+    way = both(MIXED)
+    inst = way.inst
     r = inst.run("recon", CUDAWRAP_MODEL="V100")
     assert r.returncode == 75 and r.stdout == b""
     assert first_two_lines(r)[0] == (
@@ -82,9 +82,9 @@ def test_a_request_no_device_can_ever_meet_fails_at_once_saying_why(installed):
     assert r.returncode == 75 and "min_free_memory_mib = 81560 leaves out" in first_two_lines(r)[0]
 
 
-def test_the_admins_filters_narrowed_by_a_user_never_widened(installed):
-    inst = installed(MIXED)
-    inst.wrap("recon")
+def test_the_admins_filters_narrowed_by_a_user_never_widened(both):
+    way = both(MIXED)
+    inst = way.inst
     kinds = by_model(inst)
     inst.write_config('[programs."recon"]\nmodel = "A6000"\nmax_gpus = 2\n')
     r = inst.run("recon", CUDAWRAP_MODEL="H100")  # both must match: nothing does
@@ -111,14 +111,14 @@ def test_the_admins_filters_narrowed_by_a_user_never_widened(installed):
     ({"config": '[policy]\ndevices = ["H100"]\n'}, 78, "'H100' is not a GPU-… or MIG-… UUID (or prefix) or an index"),
     ({"config": '[policy]\nmax_gpus = 1\ngpus = 2\n'}, 78, "gpus = 2 is above max_gpus = 1"),
 ], ids=["env-word", "env-negative", "env-percent", "cfg-negative", "cfg-type", "cfg-devices", "cfg-ceiling"])
-def test_bad_filter_values_are_one_line_with_the_documented_code(installed, how, code, text):
-    inst = installed(MIXED)
-    inst.wrap("recon")
+def test_bad_filter_values_are_one_line_with_the_documented_code(both, how, code, text):
+    way = both(MIXED)
+    inst = way.inst
     if "config" in how:
         inst.write_config(how["config"])
     r = inst.run("recon", **how.get("env", {}))
-    assert r.returncode == code and r.stdout == b""
-    assert text in first_two_lines(r)[0]
+    assert r.returncode == code and r.stdout == b"", way
+    assert text in first_two_lines(r)[0], way
 
 
 @pytest.mark.parametrize("args, code, text", [

@@ -121,16 +121,17 @@ def test_a_drains_file_anyone_could_have_written_is_ignored(installed) -> None: 
     assert drained(str(inst.layout.root)) == {}
 
 
-def test_mig_instance_of_a_drained_gpu_is_resumed_through_its_gpu(installed) -> None:  # type: ignore[no-untyped-def]
-    inst = installed("a100-mig7")
+def test_mig_instance_of_a_drained_gpu_is_resumed_through_its_gpu(both) -> None:  # type: ignore[no-untyped-def]
+    way = both("a100-mig7")
+    inst = way.inst
     gpu = inst.machine.gpu_uuids()[0]
     mig = inst.machine.leaf_uuids()[0]
     assert inst.cli("drain", gpu).returncode == 0
-    recon = inst.wrap()
+    recon = inst.bindir / "recon"
     done = inst.run(str(recon), timeout=20)
-    assert done.returncode == 75 and "drained" in done.stderr.decode()
+    assert done.returncode == 75 and "drained" in done.stderr.decode(), way
     done = inst.cli("resume", mig)
     assert done.returncode == 65 and f"cudawrap resume {gpu}" in done.stderr.decode()
     assert inst.cli("resume", gpu).returncode == 0
-    assert inst.run(str(recon)).returncode == 0
+    assert inst.run(str(recon)).returncode == 0, way
 

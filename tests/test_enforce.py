@@ -14,7 +14,7 @@ from typing import Iterator
 import pytest
 
 from support.installed import ready_line
-from test_service import Served, _locks_of, run_nested
+from test_service import Served, _locks_of, ready_line_of, run_nested
 from support.procs import cli_code, root_only
 
 pytestmark = [pytest.mark.root, root_only]
@@ -146,3 +146,21 @@ def test_status_for_a_user_comes_from_the_service_whole_and_says_so_without_it(e
     done = inst.cli(inst.world.bob, "status")
     assert done.returncode == 69, done.stderr
     assert b"the cudawrap service is not running" in done.stderr and b"Traceback" not in done.stderr
+
+
+def test_bobs_hand_run_program_keeps_its_gpu_from_alice_under_enforce(enforced: Served) -> None:
+    """Issue 51 item 1 with enforce on (without it, both ways: tests/test_both_ways.py): bob runs
+    the real program past its shim on GPU 0 after the service read the machine; alice's run
+    naming GPU 0 is refused as busy, one free to choose gets another GPU."""
+    from support.ways import SERVED, Way
+
+    inst = enforced.inst
+    gpus = inst.machine.gpu_uuids()
+    bobs = Way(SERVED, inst).by_hand(inst.world.bob, gpus[0])
+    named = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=gpus[0])
+    assert named.returncode == 75 and "no free device: every device it may use is busy" in named.stderr.decode()
+    for _ in range(3):
+        free = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0")
+        assert free.returncode == 0, free.stderr.decode()
+        assert ready_line_of(free)["devices"] != [gpus[0]]
+    bobs.kill()

@@ -146,10 +146,10 @@ def test_a_large_run_does_not_idle_devices_then_gets_them_reserved(mu) -> None: 
     small[1].kill()
 
 
-def test_limits_per_user_and_their_messages(mu) -> None:  # type: ignore[no-untyped-def]
-    inst = mu("four-gpus")
+def test_limits_per_user_and_their_messages(both) -> None:  # type: ignore[no-untyped-def]
+    way = both(users=True)
+    inst = way.inst
     alice, bob = inst.world.alice, inst.world.bob
-    inst.wrap("recon")
     inst.wrap("big")
     config(inst, '[limits]\nmax_devices_per_user = 1\n\n[limits.users."%s"]\nmax_devices = 2\n\n'
                  '[programs."big"]\ngpus = 2\n' % bob.name)
@@ -159,12 +159,12 @@ def test_limits_per_user_and_their_messages(mu) -> None:  # type: ignore[no-unty
     ready_line(first)
     second = inst.start(alice, "recon", "--log", str(inst.log))
     line = waiting_line(second)
-    assert "you hold 1 device, your limit is 1; waiting for one of yours to end" in line, line
+    assert "you hold 1 device, your limit is 1; waiting for one of yours to end" in line, (way, line)
     # Others are not held up by alice's limit, and bob's own limit is 2.
     done = inst.run(bob, "big", CUDAWRAP_WAIT="0")
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, (way, done.stderr)
     never = inst.run(alice, "big", CUDAWRAP_WAIT="forever")
-    assert never.returncode == 75 and "your limit is 1" in never.stderr.decode()
+    assert never.returncode == 75 and "your limit is 1" in never.stderr.decode(), (way, never.stderr)
     first.kill()
     assert second.wait(timeout=30) == 0
 

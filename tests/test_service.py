@@ -383,18 +383,6 @@ def test_cancel_answers_a_service_waiter_with_its_reason(served: Served) -> None
         h.kill()
 
 
-def test_a_resume_grants_a_waiter_of_the_service(served: Served) -> None:
-    inst = served.inst
-    gpus = sorted(p.name for p in inst.layout.lease_dir.iterdir())
-    done = inst.cli(None, "drain", *gpus, "--reason", "maintenance")
-    assert done.returncode == 0, done.stderr.decode()
-    waiter = served.waiting(inst.world.alice)
-    done = inst.cli(None, "resume", gpus[1])
-    assert done.returncode == 0, done.stderr.decode()
-    assert ready_line(waiter)["cvd"] == gpus[1]
-    waiter.kill()
-
-
 def test_private_status_hides_other_users_and_bounds_come_from_the_config(mu) -> None:
     inst = mu("four-gpus")
     inst.layout.config_file.write_text("[service]\nprivate_status = true\nmax_connections_per_uid = 5\n")

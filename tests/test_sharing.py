@@ -40,9 +40,9 @@ def sharers(inst: Installed) -> Dict[str, int]:
     return {uuid: len(pids) for uuid, pids in share_pids(inst.layout.lease_dir).items()}
 
 
-def test_shared_runs_fill_one_device_before_opening_another(installed):
-    inst = installed("four-gpus")
-    inst.wrap("recon")
+def test_shared_runs_fill_one_device_before_opening_another(both):
+    way = both("four-gpus")
+    inst = way.inst
     share_config(inst, slots=3)
     first = [inst.hold(60, **SHARE) for _ in range(3)]
     devices = {info["devices"][0] for _p, info in first}
@@ -174,9 +174,9 @@ def test_status_shows_the_slots_and_who_holds_them(installed):
         p.wait()
 
 
-def test_shares_count_towards_the_users_limit(installed):
-    inst = installed("four-gpus")
-    inst.wrap("recon")
+def test_shares_count_towards_the_users_limit(both):
+    way = both("four-gpus")
+    inst = way.inst
     d0, d1 = inst.machine.leaf_uuids()[:2]
     share_config(inst, slots=2, extra="\n[limits]\nmax_devices_per_user = 1\n", allow=(d0, d1))
     procs = [inst.hold(60, **SHARE)[0] for _ in range(2)]  # 2 x 1/2 = the whole limit

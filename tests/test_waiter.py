@@ -131,8 +131,10 @@ def test_verbose_says_the_device_as_the_shim_says_it(served: Served) -> None:
     wait_for(lambda: _in_waiter(served, waiter))
     holders[0].kill()
     uuid = ready_line(waiter)["cvd"]
+    assert waiter.stderr.readline().decode().startswith(f"recon: got {uuid} after ")  # as a run deciding for itself
     assert waiter.stderr.readline().decode() == f"recon: CUDA_VISIBLE_DEVICES={uuid} -> {inst.bindir}/CUDAWRAP_recon\n"
     holders[0].wait()
+    assert waiter.wait(timeout=10) == 0  # its device free again (the run after it raced its exit)
     at_once = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0", CUDAWRAP_VERBOSE="1")
     assert at_once.stderr.decode() == f"recon: CUDA_VISIBLE_DEVICES={uuid} -> {inst.bindir}/CUDAWRAP_recon\n"
     _kill(holders[1:] + [waiter])
@@ -196,7 +198,9 @@ def test_an_exec_that_fails_after_the_wait_is_reported_as_the_shim_reports_it(se
     code = waiter.wait(timeout=30)
     err = waiter.stderr.read().decode()
     # The general way, given the lease, looks for the program (an unwrap may have put it back).
-    assert code == 127 and err.startswith(f"recon: the real program {real} is missing\n"), (code, err)
+    got, _, err = err.partition("\n")
+    assert code == 127 and got.startswith("recon: got ") and err.startswith(
+        f"recon: the real program {real} is missing\n"), (code, got, err)
     assert err.count("\n") == 2 and "hint: " in err
     _kill(holders)
 

@@ -302,7 +302,7 @@ class _Run:
     def take(self, job: Any, preset: Optional[str], layout: bool) -> Grant:
         """Read the machine, narrow it to this run's candidates, and lease them."""
         from ..policy.effective import UNFILTERED
-        from ..sched.candidates import allow_list, usable, without_drained
+        from ..sched.candidates import allow_list, check_drained, usable
 
         root, prog, value, count = self.root, self.prog, self.value, self.count
         lease_dir = loc.under(root, loc.LEASE_DIR)
@@ -336,7 +336,7 @@ class _Run:
 
             inventory, unread = NvmlSource.read().inventory(), False
             candidates = usable(inventory, value, allow, preset, count, order)
-        candidates = without_drained(root, candidates, count)
+        check_drained(root, candidates, count)
         if max_util < 100 and not any(d.utilization is not None for d in inventory.devices):
             from ..devices import nvml
 

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, List, Optional
 
+from .. import locations as loc
 from .. import wire
 from ..devices.model import Inventory
 from ..errors import NoDeviceError, SetupError, UsageError
@@ -107,6 +108,7 @@ def read(root: str, inventory: Inventory, fields: Dict[str, str], link: Optional
     candidates = narrow.usable(inventory, value, allow, preset, count, fields.get("order"))
     if job is not None:
         candidates = _in_job(inventory, candidates, job, count, preset is not None)
+    narrow.check_drained(root, candidates, count)  # refused at once, as the launch refuses it
     limited = bool(narrow.limits_of(value, count, uid))
     usable = frozenset(d.uuid for d in candidates if d.uuid in present)
     if len(usable) < count:
@@ -126,14 +128,14 @@ _KEPT_MAX = 1024
 
 def read_kept(root: str, inventory: Inventory, fields: Dict[str, str], link: Optional[str], uid: int,
               present: FrozenSet[str], job: Optional[JobGpus] = None) -> Ask:
-    """read(), remembered while what it reads is the same: the policy's files (their identities),
-    the machine, the request. Reading it costs a launch through the service ~0.15 ms (more on a
-    cold cache); checking the files' identities, three stat calls. A request the policy's
-    [limits] apply to is read every time (its user's groups may change)."""
-    from ..policy.effective import files_signature
+    """read(), remembered while what it reads is the same: the policy's files and the drains
+    (their identities), the machine, the request. Reading it costs a launch through the service
+    ~0.15 ms (more on a cold cache); checking the files' identities, four stat calls. A request
+    the policy's [limits] apply to is read every time (its user's groups may change)."""
+    from ..policy.effective import file_signature, files_signature
 
     key = (link, uid, job, tuple(sorted((k, v) for k, v in fields.items() if k != "ticket")))
-    files = files_signature(root)
+    files = files_signature(root) + (file_signature(loc.under(root, loc.DRAINS)),)  # a drain refuses at once
     kept = _kept.get(key)
     if kept is not None and kept[0] == files and kept[1] is inventory and kept[2] == present:
         return kept[3]

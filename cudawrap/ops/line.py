@@ -12,6 +12,7 @@ a client of the service's own (pass_over: ops/stalls.py says when).
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -19,7 +20,7 @@ from .. import locations as loc
 from ..sched.acquirer import Acquirer
 from ..sched.machine import UNNAMED_HOLDER, _free_mib
 from ..devices.model import Inventory
-from ..errors import NvmlUnavailable
+from ..errors import CudawrapError, NoDeviceError, NvmlUnavailable
 from ..lease.files import LeaseFiles, lease_file_inventory
 from ..sched.request import Request
 from ..sched.schedule import GRANTED, Decision, Verdict, Waiter
@@ -76,15 +77,19 @@ class Line:
         self.books: Callable[[], Dict[str, Dict[int, int]]] = dict
         self.load()
 
-    def load(self) -> None:
-        """Read the machine and the policy afresh (at start, and when the lease files change)."""
+    def load(self, machine: bool = True) -> None:
+        """Read the machine (MACHINE: at start, and when the lease files change) and the policy
+        afresh; the policy alone when its files change (decide), the devices' readings kept."""
         from ..policy import effective as policy
         from ..lease.sharing import Sharing
 
-        self.inventory, refresh = _inventory(self.root)
+        if machine:
+            self.inventory, self.refresh = _inventory(self.root)
+            self.present = frozenset(self.leases.names())
+        self.snapshot_seen: Optional[Tuple[int, int, int]] = None  # the snapshot the devices were last read from
         self.free_at.clear()
         self.prepared = None
-        self.present = frozenset(self.leases.names())
+        self.policy_seen = policy.files_signature(self.root)
         value = policy.effective(self.root, None, {}).values()
         self.reserve_after = float(value.get("reserve_after", 300.0))
         limits = value.get("limits") or {}
@@ -97,15 +102,18 @@ class Line:
         previous: Optional[Acquirer] = getattr(self, "acquirer", None)
         self.acquirer = Acquirer(
             self.leases, self.queue, devices, self.inventory.devices, Request(1, reserve_after=self.reserve_after),
-            foreign=value["foreign"], busy_memory_mib=value["busy_memory_mib"], refresh=refresh,
+            foreign=value["foreign"], busy_memory_mib=value["busy_memory_mib"], refresh=self.refresh,
             limit_of=self.limit_of, drained=self._drained, sharing=Sharing(value.get("sharing")))
         if previous is not None:
             self.acquirer.holders = previous.holders  # who held leases (held_by) outlives a new look at the machine
             self.acquirer.skip_keys, self.acquirer.skip_users = previous.skip_keys, previous.skip_users  # and who is passed over
+            if not machine:  # the same devices: what was read of them since stands
+                a = self.acquirer
+                a.current.update(previous.current)
+                a.checked_at.update(previous.checked_at)
+                a.stale, a.lost = previous.stale, previous.lost
 
     def _drained(self) -> "set[str]":
-        import os
-
         if not os.path.exists(loc.under(self.root, loc.DRAINS)):
             return set()
         from ..sched.drains import covering, drained
@@ -166,6 +174,14 @@ class Line:
         a status's look leaves what is kept as it was."""
         if carry:
             self.prepared = None
+        from ..policy.effective import files_signature
+
+        if files_signature(self.root) != self.policy_seen:
+            try:
+                self.load(machine=False)  # the admin's edit holds for the next decision, as for the next launch
+            except CudawrapError:
+                pass  # a broken config: each request is refused with its error (asks.read); the last policy decides
+        self._look()
         known: Optional[Scan] = None
         if self._alone(mine):
             scan = known = self._probed(claimed)
@@ -198,6 +214,46 @@ class Line:
             self.prepared = self._carried(verdicts)
         return verdicts
 
+    def _look(self) -> None:
+        """The devices as the newest snapshot of the service's monitor lists them (processes,
+        memory), where it was rewritten since the last decision: a process cudawrap did not
+        start counts within one monitor period of NVML listing it, as for a run deciding for
+        itself, without NVML on a served launch's path (a stat of the snapshot when nothing
+        changed). Devices whose lease was held at a look since their last reading are left
+        to be read again as they are let go (MachineView._eligible); without a fresh snapshot
+        (the monitor stopped) the last readings stand."""
+        a = self.acquirer
+        if self.refresh is None:
+            return  # no NVML: nothing lists processes
+        try:
+            st = os.stat(loc.under(self.root, loc.USAGE_SNAPSHOT))
+        except OSError:
+            return
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if seen == self.snapshot_seen:
+            return
+        self.snapshot_seen = seen  # (one found stale is read again once rewritten)
+        from ..devices.snapshot import read_fresh
+
+        fresh = read_fresh(self.root)
+        if fresh is None:
+            return
+        now = time.monotonic()
+        for device in fresh.devices:
+            old = a.current.get(device.uuid)
+            if old is None or device.uuid in a.stale or device.uuid in a.lost:
+                continue
+            if old.pids != device.pids and self.prepared is not None and device.uuid in self.prepared.free:
+                self.forget()  # the look carried on counts it free: a release must not grant it unread
+            a.current[device.uuid] = device
+            a.checked_at[device.uuid] = now
+
+    def unreachable(self, w: Waiter) -> Optional[NoDeviceError]:
+        """Why the service's waiter W can never be served now (its devices drained or lost since
+        it asked), as a run deciding for itself is told (MachineView.unreachable); None if it can."""
+        return self.acquirer.unreachable(self.present if w.candidates is None else w.candidates & self.present,
+                                         w.count)
+
     def _carried(self, verdicts: Decision) -> Optional[State]:
         """The decision's look once its grants are taken, where a release can carry it on:
         every holder known to the service (no lock table read), no device shared, nobody
@@ -229,6 +285,7 @@ class Line:
         last look carried on (key -> devices), each device read again first as a decision
         reads a device let go (foreign work on it, or lost: not free). None where nothing is
         carried on, or a device is not plainly free now: a full decision is needed."""
+        self._look()  # processes the monitor listed since on other devices: not the look carried (forget)
         state, self.prepared = self.prepared, None
         if state is None:
             return None

@@ -725,7 +725,10 @@ class Service:
             verdict = verdicts.get(client.waiter.key)
             if verdict is None or verdict.kind == GRANTED:
                 continue
-            if client.ask.wait <= 0 or now >= client.wait_until:
+            unreachable = self.line.unreachable(client.waiter)
+            if unreachable is not None:  # drained or lost since it asked: told at once, as without the service
+                self._fail(client, unreachable.exit_code, unreachable.message, unreachable.hint or "")
+            elif client.ask.wait <= 0 or now >= client.wait_until:
                 self._timed_out(client, verdict)
             elif verdict.kind != client.told:
                 client.told = verdict.kind
@@ -753,9 +756,11 @@ class Service:
             return True
         sharing = self.line.acquirer.sharing
         self.line.touched(devices)  # claimed now (decide() counts them held), tried again once let go
+        fields = ask.variables(self.root, shared, self.line.acquirer.current, slots)
+        if client.told:  # told it waits: then what it got and after how long, as a run deciding for itself says
+            fields["text"] = f"got {','.join(devices)} after {max(0.0, time.time() - client.waiter.arrival):.1f} s"
         if not self.grants.offer(client.sock, client.waiter.key, client.peer.pid, client.peer.uid, devices,
-                                 ask.program, client.waiter.arrival, chosen,
-                                 ask.variables(self.root, shared, self.line.acquirer.current, slots),
+                                 ask.program, client.waiter.arrival, chosen, fields,
                                  sum(sharing.cost(slots.get(u, 1)) for u in devices), client.ticks, client.exe):
             return False
         self.stalls.offered(client, time.monotonic())  # judged from now on (ops/stalls.py)

@@ -131,6 +131,9 @@ def _signatures(root: str) -> tuple:
     return (_signature(loc.under(root, loc.CONFIG_FILE)), _signature(loc.under(root, loc.REGISTRY_FILE)))
 
 
+file_signature = _signature  # one file's identity, as files_signature takes each
+
+
 def files_signature(root: str) -> tuple:
     """What effective() reads, as file identities: equal, it gives the same settings."""
     return (_signature(loc.under(root, loc.LAUNCH_CACHE)),) + _signatures(root)

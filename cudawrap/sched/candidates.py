@@ -1,7 +1,7 @@
 """The devices a run may be given before it waits, and the bounds it waits under.
 
 Narrowed once per launch (the allow-list, CUDA_VISIBLE_DEVICES, the filters that never
-change, the admin's drains, the lease files sync made) and checked against the caller's
+change, the lease files sync made) and checked against the admin's drains and the caller's
 [limits]; what changes while a run waits (usage, drains, others' leases) the acquirer
 judges at every decision. On the shim's path: each rule's module is imported only when
 that rule is set.
@@ -86,21 +86,27 @@ def drains(root: str) -> Dict[str, Any]:
     return drained(root)
 
 
-def without_drained(root: str, candidates: List[Any], count: int) -> List[Any]:
-    """CANDIDATES less those an admin drained (`cudawrap drain`): no new lease there."""
+def check_drained(root: str, candidates: List[Any], count: int) -> None:
+    """NoDeviceError (at once, naming the drains and their reasons) where fewer than COUNT of
+    CANDIDATES are left undrained by an admin (`cudawrap drain`). The drained ones stay
+    candidates: the acquirer leaves them out at every decision, re-reading the drains, so a
+    `cudawrap resume` while the run waits gives it the device resumed."""
     admin = drains(root)
     if not admin:
-        return candidates
-    from .drains import undrained
+        return
+    from .drains import covering, undrained
 
     kept = undrained(candidates, admin)
-    if len(kept) < count:
-        names = ", ".join(d.uuid for d in candidates if d not in kept)
-        raise NoDeviceError(f"{count} device{'s' if count > 1 else ''} asked for, but {names} "
-                            f"{'is' if len(candidates) - len(kept) == 1 else 'are'} drained by an admin "
-                            f"and only {len(kept)} can be used now",
-                            hint="`cudawrap status` says why and since when; try again after `cudawrap resume`")
-    return kept
+    if len(kept) >= count:
+        return
+    out = [d for d in candidates if d not in kept]
+    # Each drain's reason once (a GPU's covers its MIG instances), as `status` shows it.
+    reasons = list(dict.fromkeys(admin[covering(admin, d.uuid, d.parent_uuid) or d.uuid].reason for d in out))
+    why = f" ({'; '.join(r for r in reasons if r)})" if any(reasons) else ""
+    raise NoDeviceError(f"{count} device{'s' if count > 1 else ''} asked for, but "
+                        f"{', '.join(d.uuid for d in out)} {'is' if len(out) == 1 else 'are'} drained by an "
+                        f"admin{why} and only {len(kept)} can be used now",
+                        hint="`cudawrap status` says why and since when; try again after `cudawrap resume`")
 
 
 def limits_of(value: Dict[str, Any], count: int, uid: int) -> Dict[str, Any]:

@@ -12,11 +12,12 @@ import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+    from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
     from .schedule import Bounds, Decision, Shares, Waiter
 
 from ..devices.model import Device
+from ..errors import NoDeviceError
 from ..lease.files import LeaseFiles
 from ..lease.sharing import MPS, Sharing, mps_daemon
 from .queue import Scan
@@ -377,8 +378,17 @@ class MachineView:
         now = self.clock()
         return any([self._recheck(uuid, now) for uuid in self.foreign_busy])
 
-    def usable(self) -> int:
-        return len([d for d in self.candidates if d.uuid not in self.lost and d.uuid not in self.unavailable])
+    def unreachable(self, uuids: Iterable[str], count: int) -> Optional[NoDeviceError]:
+        """Why a run waiting for COUNT of UUIDS can never be served now: fewer of them are left
+        undrained and not lost (as the last decision found them). One rule for a run deciding
+        for itself (waiting.py, its candidates) and for the service's waiters (ops/line.py)."""
+        uuids = list(uuids)
+        if len([u for u in uuids if u not in self.lost and u not in self.unavailable]) >= count:
+            return None
+        if any(u in self.unavailable for u in uuids):
+            return NoDeviceError("the devices this run may use were drained by an admin while it waited",
+                                 hint="`cudawrap status` says why and since when")
+        return NoDeviceError("the devices this run may use are gone (lost or removed)")
 
     # -- deciding ----------------------------------------------------------------------
     def _limit(self, uid: int) -> int:

@@ -280,11 +280,9 @@ class Waiting:
             jitter()
             self.lost_race = True
             return True
-        if acq.usable() < acq.request.count:
-            if any(d.uuid in acq.unavailable for d in acq.candidates):
-                raise NoDeviceError("the devices this run may use were drained by an admin while it waited",
-                                    hint="`cudawrap status` says why and since when")
-            raise NoDeviceError("the devices this run may use are gone (lost or removed)")
+        unreachable = acq.unreachable([d.uuid for d in acq.candidates], acq.request.count)
+        if unreachable is not None:
+            raise unreachable
         if verdict.kind != self.told:
             if self.on_wait is not None:
                 self.on_wait(verdict.text)
