@@ -112,6 +112,12 @@ class SlurmUnavailable(CudawrapError):
     exit_code = os.EX_UNAVAILABLE  # 69
 
 
+class NotConfined(CudawrapError):
+    """Under [confine] runs = true, the service could not put this run in a cgroup of its own, so it granted nothing."""
+
+    exit_code = os.EX_OSERR  # 71
+
+
 class SetupError(CudawrapError):
     """A directory or file the installation provides is missing or unsafe."""
 

@@ -65,8 +65,8 @@ def _mechanism(config: Mapping[str, Any], served: bool) -> List[Finding]:
     out = [("ok", f"{state} by the {how}; a run's leftovers are ended through {ends}")]
     if runs and cgroup.kernel() >= (6, 0) and not cgroup.favors_dynmods():
         mount = mech.mount if isinstance(mech, cgroup.V2) else mech.devices
-        out.append(("note", "moving a run into its cgroup can wait for an RCU grace period (~10 ms measured "
-                            "on a 6.18 VM) on each launch; mounting cgroups with favordynmods spares it: "
+        out.append(("note", "moving a run into its cgroup can wait for an RCU grace period on each launch "
+                            "(bench/RESULTS.md, cgroupmove); mounting cgroups with favordynmods spares it: "
                             f"mount -o remount,favordynmods {mount}"))
     return out
 

@@ -137,9 +137,11 @@ class ConfigCommand(Command):
 
 
 # What a limit cannot catch without a root process between users and their leases.
-LIMITS_NOTE = ("each run counts its user's leases from the kernel's locks and the descriptors it may "
-               "read; a lease handed to a setuid program or to another user's process after the process "
-               "that took it exited counts for nobody (the user guide, \"Limits and filters\")")
+LIMITS_NOTE = ("through the service a lease counts for the user it was granted to while its lock is held, "
+               "wherever its descriptor went; a run deciding for itself counts its user's leases from the "
+               "kernel's locks and the descriptors it may read, so there a lease handed to a setuid program or "
+               "to another user's process after the process that took it exited counts for nobody (the user "
+               "guide, \"Limits and filters\")")
 
 
 def _sharing_rows(sharing: Dict[str, Any]) -> List[Tuple[str, Any, str]]:

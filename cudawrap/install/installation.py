@@ -299,7 +299,7 @@ def _service_without_systemd(layout: Layout, why: str) -> str:
                if running(loc.under(str(layout.root), loc.SERVICE_PID)) == pid else "as it was started")
         return f"==> the cudawrap service runs (pid {pid}), the monitor's loop with it; restart it to run this version: {how}"
     return (f"==> {SERVICE_UNIT} not enabled ({why}); start the service, which runs the monitor's loop too, with "
-            f"`{cudawrap} serve --daemon` (README \"The cudawrap service\")")
+            f"`{cudawrap} serve --daemon` (docs/admin/service.md)")
 
 
 def _retire_monitor_unit(layout: Layout, manifest: Manifest, say: Callable[[str], None]) -> None:

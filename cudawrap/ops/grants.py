@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .. import wire
+from ..errors import NotConfined
 from ..lease.files import LeaseFiles, lock_kind, lock_table
 from ..lease.renew import replace
 from ..paths import Layout
@@ -230,7 +231,7 @@ class Grants:
             for fd in fds:
                 os.close(fd)
             try:  # its one line, then it is dropped as a client gone
-                sock.send(wire.encode(wire.ERROR, {"code": str(os.EX_OSERR), "text": "the cudawrap service could not "
+                sock.send(wire.encode(wire.ERROR, {"code": str(NotConfined.exit_code), "text": "the cudawrap service could not "
                                       "confine this run to its devices ([confine] runs = true): nothing was granted",
                                       "hint": "the service's log says why; `cudawrap doctor` checks the host"}))
             except OSError:
