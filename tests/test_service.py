@@ -1082,3 +1082,60 @@ def test_a_client_that_never_takes_its_grants_is_passed_over_then_let_go(served:
         for p in [fake] + holders:
             p.kill()
             p.wait()
+
+
+def _refused_on(inst: MuInstall, gpu: str) -> bool:
+    """Whether alice's run naming GPU is told it is busy (a process cudawrap did not start there)."""
+    r = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=gpu)
+    assert r.returncode in (0, 75), r.stderr.decode()
+    return r.returncode == 75
+
+
+def _listed(inst: MuInstall, pid: int, gpu: str) -> bool:
+    """Whether the monitor's newest snapshot lists PID on GPU (what the service decides on)."""
+    from cudawrap.devices.snapshot import read_fresh
+
+    fresh = read_fresh(str(inst.layout.root))
+    return fresh is not None and any(d.uuid == gpu and pid in (d.pids or ()) for d in fresh.devices)
+
+
+def test_a_monitor_killed_is_started_again_and_foreign_work_is_seen(served: Served) -> None:
+    """The service's monitor child killed with SIGKILL: the service starts another (after a
+    backoff, said in its log), whose snapshot shows a process started after the kill."""
+    inst = served.inst
+    gpu = inst.machine.gpu_uuids()[0]
+    child = _monitor_pid(inst)
+    os.kill(child, signal.SIGKILL)
+    inst.machine.add_process(4242, gpu, 2048)
+    wait_for(lambda: _refused_on(inst, gpu), 15, "a process started after the monitor's kill to be seen")
+    again = _monitor_pid(inst)
+    assert again != child and _parent_of(again) == served.proc.pid
+    said: List[str] = []  # and the grants of the runs before it was seen, before and between
+    while f"(pid {again})\n" not in "".join(said[-1:]):
+        said.append(served.granted())
+    assert f"cudawrap serve: the monitor (pid {child}) ended (killed by signal 9): started again in 0.5 s\n" in said
+    assert f"cudawrap serve: the monitor started again (pid {again})\n" in said
+
+
+def test_the_services_monitor_survives_a_broken_config_and_takes_the_fixed_one(served: Served) -> None:
+    """A config broken (a [policy] error) when the service's monitor starts (here: again, after
+    its kill): it keeps the last good settings, says so once, and its snapshot still lists a
+    process started meanwhile; once the config is fixed, runs are told that GPU is busy."""
+    inst = served.inst
+    gpu = inst.machine.gpu_uuids()[0]
+    child = _monitor_pid(inst)
+    os.kill(child, signal.SIGKILL)
+    inst.write_config('[policy]\nforeign = "sometimes"\n')  # before it starts again (RESTART_FIRST_S)
+    wait_for(lambda: _monitor_pid(inst) != child, 15, "the monitor to start again")
+    inst.machine.add_process(4242, gpu, 2048)
+    wait_for(lambda: _listed(inst, 4242, gpu), 10, "the process to be listed with the config broken")
+    time.sleep(2)  # a few periods: the monitor lives on, and says nothing more
+    again = _monitor_pid(inst)
+    assert _parent_of(again) == served.proc.pid
+    inst.write_config("")
+    wait_for(lambda: _refused_on(inst, gpu), 10, "the process to be seen once the config is fixed")
+    assert _monitor_pid(inst) == again
+    served.proc.terminate()
+    said = served.proc.communicate(timeout=20)[1].decode()
+    assert "Traceback" not in said, said
+    assert said.count("'sometimes' is not one of") == 1, said

@@ -265,6 +265,8 @@ class Line:
         waiters, free, held, limits, busy, fit, shares, bounds, idents = a.last
         if len(waiters) > CARRY_MAX_WAITERS:
             return None  # a long line's hand-over waits for the full decision, as before
+        if any(w.request.foreign not in (None, (a.foreign, a.busy_memory_mib)) for w in waiters):
+            return None  # a run judged by its program's own foreign rule: a device let go is judged for it there
         state = State(waiters, free, held, limits, a.parents, busy, fit, shares, bounds, list(idents), a.whole)
         return after(state, {key: v.devices for key, v in verdicts.items() if v.kind == GRANTED})
 
