@@ -33,9 +33,10 @@ def serve(root: str) -> None:
     config = load_config(Path(root) / loc.CONFIG_FILE)  # a broken config: one line, 78, before listening
     from ..install.runtime import prepare_runtime
 
-    # [service] enforce: the lease, slot and queue directories become root's before the
-    # first grant (and users' again when it is turned off); `cudawrap sync` does the same.
-    prepare_runtime(Layout(Path(root)), bool(config["enforce"]))
+    # The only arbiter, however started (README "One arbiter"): the lease, slot and queue
+    # directories become root's before the first grant; they stay so once it stops, until
+    # `cudawrap way daemonless` (or sync in a daemonless install) gives them back.
+    prepare_runtime(Layout(Path(root)), True)
     lock = _hold_service_lock(root)
     from .accounts import recover
 
