@@ -132,6 +132,32 @@ def test_a_service_started_by_hand_is_the_only_arbiter_and_adopts_roots_runs(one
     mine.wait()
     done = inst.run(alice, "recon", "--hold", "0", CUDAWRAP_WAIT="10")
     assert done.returncode == 0, done.stderr
+    # Stopped, it gives the directories back: the install runs daemonless, as recorded.
+    assert inst.cli(None, "serve", "--stop").returncode == 0
+    assert _modes(inst) == OPEN
+    done = inst.run(alice, "recon", "--hold", "0", CUDAWRAP_WAIT="0")
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_service_does_not_start_while_users_wait_in_the_queue_directory(one_gpu: MuInstall, runs) -> None:
+    """Started by hand beside a daemonless waiter, the service would strand it (it could not
+    open a lease file once the directories are root's): it refuses, one line, 75, and the
+    waiter gets its turn as it would have."""
+    inst, d0 = one_gpu, one_gpu.d0  # type: ignore[attr-defined]
+    holder = inst.start(inst.world.alice, "recon", "--hold", "120", CUDAWRAP_WAIT="0")
+    runs.append(holder)
+    assert ready_line(holder)["cvd"] == d0
+    waiter = inst.start(inst.world.bob, "recon", "--hold", "0", CUDAWRAP_WAIT="120")
+    runs.append(waiter)
+    wait_for(lambda: _waiting(inst) == 1, timeout=20, what="bob waiting in the queue directory")
+    for flags in ((), ("--daemon",)):
+        refused = inst.cli(None, "serve", *flags, timeout=30)
+        err = refused.stderr.decode().splitlines()
+        assert refused.returncode == 75 and "wait in" in err[0] and "not started" in err[0], (flags, err)
+        assert _modes(inst) == OPEN
+    holder.kill()
+    holder.wait()
+    assert waiter.wait(timeout=30) == 0, waiter.stderr.read()
 
 
 def test_the_way_command_says_the_way_and_refuses_bad_input(one_gpu: MuInstall) -> None:

@@ -28,20 +28,14 @@ import time
 from typing import Callable, List, Optional
 
 from .. import locations as loc
-from ..errors import CudawrapError, SetupError
+from ..errors import RunsWaiting, SetupError
 from ..install.runtime import prepare_runtime
 from ..install.way import DAEMONLESS, SERVICE, read_way, write_way
 from ..paths import Layout
 
-# EX_TEMPFAIL: runs wait on the side the switch would leave; try again when none does.
-EX_BUSY = 75
 # How long a started service has to answer, and a stopped one to end.
 START_WITHIN_S = 30.0
 STOP_WITHIN_S = 15.0
-
-
-class Busy(CudawrapError):
-    exit_code = EX_BUSY
 
 
 def switch(layout: Layout, way: str, say: Callable[[str], None]) -> None:
@@ -82,8 +76,8 @@ def _to_service(layout: Layout, say: Callable[[str], None]) -> None:
         f"leases keep them")
 
 
-def _busy_daemonless(layout: Layout, waiting: List[int]) -> Busy:
-    return Busy(f"{len(waiting)} run(s) wait in {layout.queue_dir} (pid {', '.join(map(str, waiting[:5]))}"
+def _busy_daemonless(layout: Layout, waiting: List[int]) -> RunsWaiting:
+    return RunsWaiting(f"{len(waiting)} run(s) wait in {layout.queue_dir} (pid {', '.join(map(str, waiting[:5]))}"
                 f"{', …' if len(waiting) > 5 else ''}): under the service they could never take their turn; "
                 f"nothing changed", hint="switch once none waits (`cudawrap status` lists them)")
 
@@ -97,7 +91,7 @@ def _to_daemonless(layout: Layout, say: Callable[[str], None]) -> None:
     if pid is not None:
         waiting = _service_waiters(layout)
         if waiting:
-            raise Busy(f"{len(waiting)} run(s) wait in the service's line (pid "
+            raise RunsWaiting(f"{len(waiting)} run(s) wait in the service's line (pid "
                        f"{', '.join(map(str, waiting[:5]))}{', …' if len(waiting) > 5 else ''}): stopping it "
                        f"would send them to the back of the queue; nothing changed",
                        hint="switch once none waits (`cudawrap status` lists them)")

@@ -32,6 +32,9 @@ class ServeCommand(Command):
             return stop_daemon(root, pid_file)
         if not layout.runtime_dir.is_dir():
             raise SetupError(f"the runtime directory {layout.runtime_dir} is missing", hint=SYNC_HINT)
+        from ..ops.servestart import refuse_stranded_waiters
+
+        refuse_stranded_waiters(layout)  # here too: a --daemon's refusal is said in this terminal
         if not self.daemon:
             serve(root)
             return 0

@@ -12,8 +12,8 @@ daemon's sockets are open to everyone (NVIDIA makes them 0777), so the directory
   the grants the service follows when it starts. Root's tools (sync, ``mps start``) make a
   directory without an ACL 0700 and leave an ACL the service set alone.
 
-A filesystem without ACLs (EOPNOTSUPP) leaves the directory as it is, 0755: enforce then
-the service cannot keep users off the daemons, and says so once in its log.
+A filesystem without ACLs (EOPNOTSUPP) leaves the directory as it is, 0755: the
+service cannot keep users off the daemons, and says so once in its log.
 """
 from __future__ import annotations
 
