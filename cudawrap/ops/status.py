@@ -258,7 +258,7 @@ def _through_service_whole(layout: Layout) -> Dict[str, Any]:
 
     reply = client.question(str(layout.root), wire.STATUS, {"whole": "1"})
     if reply is None or "status" not in reply:
-        raise ServiceUnavailable(f"{client.NOT_RUNNING}, and only it may read the leases (it is this install's arbiter)",
+        raise ServiceUnavailable(f"{client.NOT_RUNNING}, and only it may read the leases (the install's arbiter)",
                                  hint=client.start_it(str(layout.root)))
     return json.loads(reply["status"])
 
