@@ -101,9 +101,16 @@ class MpsUnavailable(CudawrapError):
 
 
 class ServiceUnavailable(CudawrapError):
-    """Under [service] enforce, the service that alone grants leases does not answer."""
+    """The service, this install's only arbiter, does not answer."""
 
     exit_code = os.EX_UNAVAILABLE  # 69
+
+
+class RunsWaiting(CudawrapError):
+    """Runs wait where a switch between the install's ways (or a service's start) would
+    strand them: nothing changed; try again once none waits."""
+
+    exit_code = os.EX_TEMPFAIL  # 75
 
 
 class SlurmUnavailable(CudawrapError):

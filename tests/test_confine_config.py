@@ -166,7 +166,8 @@ def test_an_install_that_starts_the_service_sets_runs_where_the_host_can_confine
     if not can:
         monkeypatch.setattr(cgroup, "confinable", lambda setting="auto": False)
     said: list = []
-    installation.install(layout, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: ())
+    installation.install(layout, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: (),
+                         way="service")
     config = load_config(layout.config_file)
-    assert config["runs"] is can and config["nodes"] == "open" and config["enforce"] is True
+    assert config["runs"] is can and config["nodes"] == "open"
     assert any("[confine] runs = true" in line for line in said) is can

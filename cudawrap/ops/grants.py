@@ -22,11 +22,11 @@ A grant void (declined, "lost", lapsed at its deadline unlocked) leaves its clie
 descriptors, which it may lock whenever it likes (a flock belongs to the open file
 description, and SCM_RIGHTS passed that whole: closing our copies takes nothing back). So
 each of its files is replaced by a fresh one (lease/renew.py) while nobody holds it, the
-first time it is found free: what the client kept names a file nobody reads. Under enforce
+first time it is found free: what the client kept names a file nobody reads. And
 every lease and slot file is replaced so at the service's start, descriptors opened before
 it made the directories root's being worth no more (RENEWING lists those not yet replaced).
 
-Under [service] enforce a shared device's MPS pipe directory is open to the uids of its
+A shared device's MPS pipe directory is open to the uids of its
 sharers alone (lease/mpsaccess.py): set when a share is confirmed, again as shares end.
 
 Under [confine] runs = true each client's run cgroup (runcgroups.py) opens what it holds
@@ -93,7 +93,7 @@ class Held:
 
 
 class Grants:
-    def __init__(self, leases: LeaseFiles, layout: Layout, enforce: bool = False,
+    def __init__(self, leases: LeaseFiles, layout: Layout,
                  say: Callable[[str], None] = lambda line: None) -> None:
         from ..lease.mpsaccess import PipeAccess
 
@@ -101,7 +101,7 @@ class Grants:
         self.layout = layout
         self.pending: Dict[str, Pending] = {}
         self.held: Dict[int, Held] = {}  # pidfd -> grant
-        self.pipes = PipeAccess(layout, say) if enforce else None
+        self.pipes = PipeAccess(layout, say)
         # (uuid, slot) of each lease file (slot 0) and slot file to replace once found free.
         self.renewing: Set[Tuple[str, int]] = set()
         self.renewing_file = layout.runtime_dir / "service.renewing"
@@ -144,15 +144,13 @@ class Grants:
         return {h.uid for h in self.held.values() if h.slots.get(uuid) and uuid not in h.ended}
 
     def _mps_access(self, held: Held) -> None:
-        """HELD's shared devices' pipe directories for their sharers now (enforce)."""
-        if self.pipes is not None:
-            for uuid in held.slots:
-                self.pipes.set(uuid, self.sharers(uuid))
+        """HELD's shared devices' pipe directories for their sharers now."""
+        for uuid in held.slots:
+            self.pipes.set(uuid, self.sharers(uuid))
 
     def restore_mps_access(self) -> None:
         """Every pipe directory for the shares followed now: a restart's, after adopting."""
-        if self.pipes is not None:
-            self.pipes.rebuild({u: self.sharers(u) for h in self.held.values() for u in h.slots})
+        self.pipes.rebuild({u: self.sharers(u) for h in self.held.values() for u in h.slots})
 
     def claimed(self) -> Dict[str, List[Tuple[int, bool]]]:
         """uuid -> (client pid, exclusive) of each grant sent whose lock may not show yet."""

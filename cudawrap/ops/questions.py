@@ -84,7 +84,7 @@ def cancellable(pids_text: str, waiting: Dict[int, Any], asker: int, private: bo
 
 def whole(root: str, waiting: List[Dict[str, Any]], asker: int, private: bool, held: Sequence[Any]) -> str:
     """The whole of `cudawrap status` as root reads it, for ASKER, who cannot read the lease
-    files ([service] enforce): this line, the holders the service granted named, others'
+    files (the service is the install's arbiter): this line, the holders the service granted named, others'
     hidden where PRIVATE. (NVML is read here, in the service's loop: a status costs the
     grants behind it a few milliseconds.)"""
     from pathlib import Path
@@ -106,7 +106,7 @@ def status(root: str, deciding: Any, claimed: Dict[str, Any], held: List[Any], c
            asker: int, private: bool, with_whole: bool) -> Dict[str, Any]:
     """The reply to a STATUS: the line as DECIDING (the service's ops.line.Line) decides it
     now with CLAIMED (the grants sent), the HELD grants and the service's waiting CLIENTS,
-    as ASKER may see them; WITH_WHOLE, the user's whole status too (under enforce)."""
+    as ASKER may see them; WITH_WHOLE, the user's whole status too (the service arbitrating)."""
     mine = [c.waiter for c in clients if c.waiter is not None]
     verdicts = deciding.decide(mine, claimed).finish()  # every waiter's verdict, not the grants alone
     waiting = line(deciding.entries, mine, verdicts, deciding.programs(), asker, private)

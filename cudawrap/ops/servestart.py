@@ -35,9 +35,11 @@ def serve(root: str) -> None:
     config = load_config(Path(root) / loc.CONFIG_FILE)  # a broken config: one line, 78, before listening
     from ..install.runtime import prepare_runtime
 
-    # [service] enforce: the lease, slot and queue directories become root's before the
-    # first grant (and users' again when it is turned off); `cudawrap sync` does the same.
-    prepare_runtime(Layout(Path(root)), bool(config["enforce"]))
+    # The only arbiter, however started (README "One arbiter"): the lease, slot and queue
+    # directories become root's before the first grant (and users' again at its stop only
+    # where the install runs daemonless: _step_down).
+    refuse_stranded_waiters(Layout(Path(root)))
+    prepare_runtime(Layout(Path(root)), True)
     lock = _hold_service_lock(root)
     from .accounts import recover
 
@@ -61,8 +63,38 @@ def serve(root: str) -> None:
         service.run()
     finally:
         monitor.stop()
+        _step_down(Layout(Path(root)))
         os.close(lock)
         _say(f"stopped (pid {os.getpid()})")  # the journal's or the --daemon log's last line
+
+
+def refuse_stranded_waiters(layout: Layout) -> None:
+    """Refuse to start while users' runs wait in the queue directory (a daemonless install's):
+    once the directories are root's they could never take their turn, and the service has no
+    connection to hand them one. Root's waiters may stay: root still opens the lease files."""
+    from ..errors import RunsWaiting
+    from ..sched.queue import WaitQueue
+
+    users = sorted({w.pid for w in WaitQueue(str(layout.queue_dir)).scan(bounded=False).waiters if w.uid != 0})
+    if users:
+        raise RunsWaiting(f"{len(users)} run(s) of users wait in {layout.queue_dir} (pid "
+                   f"{', '.join(map(str, users[:5]))}{', …' if len(users) > 5 else ''}): once the service "
+                   f"holds the directories they could never take their turn; not started",
+                   hint="start it once none waits (`cudawrap status` lists them)")
+
+
+def _step_down(layout: Layout) -> None:
+    """A service started by hand in a daemonless install gives the directories back as it
+    stops (its runs keep their locks; its waiters decide for themselves); in an install that
+    runs with it they stay root's, and users' runs wait for its restart."""
+    from ..install.runtime import prepare_runtime
+    from ..paths import SERVICE, recorded_way
+
+    if recorded_way(str(layout.root)) != SERVICE:
+        try:
+            prepare_runtime(layout, False)
+        except OSError as exc:
+            _say(f"warning: the directories stay root's ({exc}): `cudawrap sync` gives them back")
 
 
 def _hold_service_lock(root: str) -> int:

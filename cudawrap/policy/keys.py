@@ -117,11 +117,9 @@ DESCRIPTIONS: Dict[str, str] = {
                       "devices and counts (status, why, health, mps status, the monitor's files; root sees all)",
     "max_connections_per_uid": "with `cudawrap serve`: the most connections one user may keep open to it, "
                                "so runs waiting at once (root is not limited)",
-    "enforce": "only `cudawrap serve` may take a lease: lease, slot and queue directories root-only, "
-               "MPS pipe directories open to their device's sharers alone (applied by `cudawrap sync` "
-               "and the service); users' runs need the service",
-    "connect_retry_s": "with enforce: how long a run tries to reach the service (a restart) before it "
-                       "exits 69",
+    "enforce": "retired: it no longer does anything (RETIRED)",
+    "connect_retry_s": "where the service arbitrates: how long a user's run tries to reach it (a restart) "
+                       "before it exits 69",
     **HEALTH_DESCRIPTIONS,
     "runs": "with `cudawrap serve`: each granted run (and every process it starts) is put in a cgroup of "
             "its own that can open its own GPUs' and MIG instances' nodes and no other",
@@ -136,6 +134,14 @@ DESCRIPTIONS: Dict[str, str] = {
 
 
 # What `cudawrap config` adds below the table when a setting is in force.
+# Keys that still parse (an older config keeps working) and do nothing: said in one line by
+# `cudawrap config`, sync and doctor wherever a config sets one (config.retired_notes).
+RETIRED: Dict[str, str] = {
+    "enforce": "[service] enforce no longer does anything: wherever the cudawrap service runs it is "
+               "the only arbiter, and `cudawrap way` says (and switches) which way this install runs; "
+               "remove the line",
+}
+
 NOTES: Dict[str, str] = {
     "max_utilization": "NVML reports no utilisation for MIG instances (nor for a GPU in MIG mode), "
                        "so max_utilization never excludes them; it applies to whole GPUs only",
