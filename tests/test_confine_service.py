@@ -18,7 +18,7 @@ from typing import Iterator, List
 import pytest
 
 from cudawrap.base import cgroup
-from support.confine import PROBE, run_cgroups, teardown
+from support.confine import PROBE, numbered_nodes, run_cgroups, teardown
 from support.procs import cli_code, root_only, wait_for
 from support.users import MuInstall
 
@@ -33,17 +33,7 @@ class Confined:
         self.inst = inst
         self.mech = cgroup.choose(kind)
         self.before = set(run_cgroups(self.mech))
-        topo = inst.machine.read()
-        for uuid, minor in zip(inst.machine.gpu_uuids(), MINORS):
-            topo = topo.replace(f"uuid={uuid} ", f"uuid={uuid} minor={minor} ")
-        inst.machine.write(topo)
-        self.dev = inst.dir / "dev"
-        self.dev.mkdir(mode=0o755)
-        for minor in range(4):
-            os.mknod(self.dev / f"nvidia{minor}", 0o666 | stat.S_IFCHR, os.makedev(195, minor))
-            os.chmod(self.dev / f"nvidia{minor}", 0o666)
-        os.mknod(self.dev / "nvidiactl", 0o666 | stat.S_IFCHR, os.makedev(195, 255))
-        os.chmod(self.dev / "nvidiactl", 0o666)
+        self.dev = numbered_nodes(inst, MINORS)
         (inst.dir / "proc").mkdir(mode=0o755)  # no nvidia-caps driver: GPU nodes only
         probe = inst.dir / "devprobe.py"
         shutil.copy(PROBE, probe)
