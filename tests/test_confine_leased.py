@@ -19,7 +19,7 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 
 from cudawrap.base import nodemodes, posixacl
-from support.confine import PROBE, numbered_nodes
+from support.confine import PROBE, numbered_nodes, run_cgroups
 from support.procs import cli_code, root_only, wait_for
 from support.users import MuInstall
 
@@ -34,8 +34,9 @@ def node_state(path: str) -> tuple:
 
 
 class Leased:
-    def __init__(self, inst: MuInstall, params: Optional[str] = None, nodes: str = "leased") -> None:
+    def __init__(self, inst: MuInstall, params: Optional[str] = None, nodes: str = "leased", extra: str = "") -> None:
         self.inst = inst
+        self.extra = extra  # more of [confine]
         self.dev = numbered_nodes(inst, MINORS)
         # One node as an admin may have left it: another owner and group, an ACL of its own.
         os.chown(self.dev / "nvidia3", inst.world.carol.uid, 44)
@@ -57,6 +58,7 @@ class Leased:
         inst.wrap("probe", program)
         self.configure(nodes)
         self.service: Optional[subprocess.Popen] = None
+        self.served: List[int] = []  # the pids of every service started: its run cgroups bear it
 
     def mknod(self, name: str, minor: int) -> None:
         """A node made whole, then moved in (the watch sees it at once: made in place, its
@@ -66,7 +68,7 @@ class Leased:
         os.rename(self.inst.dir / name, self.dev / name)
 
     def configure(self, nodes: str) -> None:
-        self.inst.write_config(f'[confine]\nnodes = "{nodes}"\ndev = "{self.dev}"\nproc = "{self.proc}"\n')
+        self.inst.write_config(f'[confine]\nnodes = "{nodes}"\ndev = "{self.dev}"\nproc = "{self.proc}"\n{self.extra}')
 
     def states(self) -> Dict[str, tuple]:
         return {p: node_state(p) for p in self.nodes()}
@@ -78,6 +80,7 @@ class Leased:
         """Start the service; the result of one that did not start."""
         inst = self.inst
         self.service = inst.start(None, inst.world.python, "-I", "-c", cli_code(inst.path), "serve")
+        self.served.append(self.service.pid)
         said = b""
         while True:  # lines before it: the nodes put back
             line = self.service.stdout.readline()
@@ -305,3 +308,77 @@ def test_a_mig_lessee_gets_its_parent_and_its_own_capabilities_only(leased) -> N
 
 def uuid_gi(inst: MuInstall, uuid: str) -> int:
     return int(next(f for f in inst.machine.read().split("\n") if uuid in f).split(" gi=")[1].split()[0])
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+def test_after_a_burst_of_runs_nothing_is_left_but_the_runs_still_going(leased, kind: str) -> None:
+    """100 runs a mechanism, 8 at once, under runs = true and nodes = "leased": plain runs,
+    runs killed with -9, runs leaving a daemon behind, and the service SIGKILLed half-way and
+    started again. Once they are over, no run cgroup of either service holds a process or is
+    left but the still-going run's and the spare made ahead, none at all once the service has
+    stopped, and no node has an ACL entry but the still-going run's."""
+    import random
+    import signal
+    import time
+
+    from cudawrap.base import cgroup
+
+    c = leased(extra=f'runs = true\ncgroup = "{kind}"\n')
+    inst, world = c.inst, c.inst.world
+    mech = cgroup.choose(kind)
+    lingerer = inst.dir / "linger.sh"
+    # Its daemon closes every descriptor (the lease's too): the run's end is read at its own
+    # exit, with the daemon still in its cgroup for 0.3 s.
+    lingerer.write_text(f"#!/bin/sh\nsetsid {world.python} -I -c 'import os, time; os.closerange(3, 4096); "
+                        "time.sleep(0.3)' </dev/null >/dev/null 2>&1 &\nexit 0\n")
+    inst.wrap("linger", lingerer)
+    hold = inst.dir / "hold"
+
+    def ours() -> List[str]:
+        return [p for p in run_cgroups(mech) if any(f"/cudawrap-run-{pid}-" in p for pid in c.served)]
+
+    assert c.serve().returncode == 0
+    rng = random.Random(52)
+    running: List[subprocess.Popen] = []
+    kinds = ["plain", "kill", "linger"]
+    for n in range(100):
+        if n == 50:
+            c.stop(kill=True)
+            assert c.serve().returncode == 0
+        what = rng.choice(kinds)
+        user = (world.alice, world.bob, world.carol)[n % 3]
+        if what == "linger":
+            running.append(inst.start(user, "linger"))
+        elif what == "kill":
+            p = inst.start(user, "probe", "--after", str(hold), "here", *c.nodes())
+            time.sleep(rng.random() * 0.2)
+            p.send_signal(signal.SIGKILL)
+            running.append(p)
+        else:
+            running.append(inst.start(user, "probe", "here", *c.nodes()))
+        while sum(p.poll() is None for p in running) >= 8:
+            time.sleep(0.01)
+    for p in running:
+        p.communicate(timeout=120)
+    # One run still going, then one that leaves a daemon behind as it ends: nothing comes to the
+    # service after its daemon's exit, yet its cgroup goes then (the service does not wait for
+    # another run's end to remove it).
+    going = inst.start(world.alice, "probe", "--after", str(hold), "here", *c.nodes())
+    wait_for(lambda: any(nodemodes.read_acl(p) for p in c.nodes()[:4]), what="the last run's node opened")
+    done = inst.run(world.bob, "linger")
+    assert done.returncode == 0, done.stderr.decode()
+
+    def left() -> List[str]:
+        return [p for p in ours() if mech.pids(p) and not any(q == going.pid for q in mech.pids(p))]
+
+    wait_for(lambda: not left() and len([p for p in ours() if not mech.pids(p)]) <= 1,
+             what="no run cgroup left but the going run's and the spare",
+             details=lambda: str({p: [(q, open(f"/proc/{q}/cmdline").read()) for q in mech.pids(p)] for p in ours()}))
+    acls = {p: nodemodes.read_acl(p) for p in c.nodes()[:4]}
+    assert [posixacl.users(a) for a in acls.values() if a] == [[world.alice.uid]], (
+        acls, going.poll(), going.poll() is not None and going.communicate(), inst.status(None))
+    hold.touch()
+    going.communicate(timeout=30)
+    wait_for(lambda: not any(nodemodes.read_acl(p) for p in c.nodes()[:4]), what="every ACL entry gone")
+    c.stop()
+    wait_for(lambda: not ours(), what="every run cgroup gone", details=lambda: str(ours()))

@@ -145,6 +145,12 @@ class Grants:
                        if u not in h.ended and u not in h.let_go)
         return self.confine.allow(pid, sorted(devices.union(more)))
 
+    def gone(self, pid: int) -> None:
+        """PID's connection is closed: its run cgroup opens what it still holds through the
+        service (nothing, for a run killed while it waited: its cgroup goes once empty)."""
+        if self.confine is not None:
+            self._confine(pid)
+
     def _lessees(self, more: Sequence[str] = (), uid: int = -1) -> Dict[str, Set[int]]:
         """uuid -> the uids holding it through the service now (and UID, MORE about to be sent)."""
         out: Dict[str, Set[int]] = {u: {uid} for u in more}
