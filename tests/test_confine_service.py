@@ -283,3 +283,46 @@ def test_a_service_killed_leaves_runs_confined_and_its_successor_removes_their_c
     assert [m for m in range(4) if got[str(c.dev / f"nvidia{m}")] == "ENXIO"] == [own]
     wait_for(lambda: not (set(run_cgroups(c.mech)) - c.before), what="every run cgroup removed",
              details=lambda: str(set(run_cgroups(c.mech)) - c.before))
+
+
+SETUID_PROBE = r"""
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    printf("euid %d\n", (int)geteuid());
+    for (int i = 1; i < argc; i++) {
+        int fd = open(argv[i], O_RDWR);
+        printf("%s %s\n", argv[i], fd >= 0 ? "OK" : errno == ENXIO ? "ENXIO" : errno == EPERM ? "EPERM"
+               : errno == EACCES ? "EACCES" : strerror(errno));
+        if (fd >= 0) close(fd);
+    }
+    return 0;
+}
+"""
+
+
+def test_a_run_that_execs_a_setuid_root_program_stays_confined(confined) -> None:
+    """The wrapped program execs a setuid-root binary (built here with cc): root by its
+    effective uid, which the nodes' modes let through, it still opens no GPU but the run's own."""
+    c = confined()
+    inst = c.inst
+    source = inst.dir / "suidprobe.c"
+    source.write_text(SETUID_PROBE)
+    binary = inst.dir / "suidprobe"
+    subprocess.run(["cc", "-O", "-o", str(binary), str(source)], check=True)
+    os.chown(binary, 0, 0)
+    binary.chmod(0o4755)
+    program = inst.dir / "suid.sh"
+    program.write_text(f'#!/bin/sh\necho "cvd $CUDA_VISIBLE_DEVICES"\nunset CUDA_VISIBLE_DEVICES\nexec {binary} "$@"\n')
+    inst.wrap("suid", program)
+    done = inst.run(inst.world.alice, "suid", *c.nodes())
+    assert done.returncode == 0, done.stderr.decode()
+    lines = done.stdout.decode().splitlines()
+    assert lines[1] == "euid 0", lines  # it did run as root
+    own = MINORS[inst.machine.gpu_uuids().index(lines[0].split()[1])]
+    got = dict(line.rsplit(" ", 1) for line in lines[2:])
+    assert got == {**{str(c.dev / f"nvidia{m}"): "ENXIO" if m == own else "EPERM" for m in range(4)},
+                   str(c.dev / "nvidiactl"): "ENXIO"}
