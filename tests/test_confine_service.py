@@ -13,7 +13,7 @@ import shutil
 import stat
 import subprocess
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Set
 
 import pytest
 
@@ -32,7 +32,7 @@ class Confined:
     def __init__(self, inst: MuInstall, kind: str, served: bool) -> None:
         self.inst = inst
         self.mech = cgroup.choose(kind)
-        self.before = set(run_cgroups(self.mech))
+        self.served: List[int] = []  # the pids of the services started: their run cgroups bear them
         self.dev = numbered_nodes(inst, MINORS)
         (inst.dir / "proc").mkdir(mode=0o755)  # no nvidia-caps driver: GPU nodes only
         probe = inst.dir / "devprobe.py"
@@ -48,6 +48,7 @@ class Confined:
         self.service = None
         if served:
             self.service = inst.start(None, inst.world.python, "-I", "-c", cli_code(inst.path), "serve")
+            self.served.append(self.service.pid)
             line = self.service.stdout.readline().decode()
             assert "listening on" in line, line + self.service.stderr.read().decode()
 
@@ -61,11 +62,15 @@ class Confined:
         self.last_cgroup = lines[1].split(" ", 1)[1]
         return lines[0].split()[1], dict(line.rsplit(" ", 1) for line in lines[2:])
 
+    def ours(self) -> Set[str]:
+        """The run cgroups of this test's services (others' tests on the host make theirs)."""
+        return {p for p in run_cgroups(self.mech) if any(f"/cudawrap-run-{pid}-" in p for pid in self.served)}
+
     def close(self) -> None:
         if self.service is not None:
             self.service.terminate()
             self.service.wait(timeout=10)
-        for path in set(run_cgroups(self.mech)) - self.before:
+        for path in self.ours():
             teardown(self.mech, path)
 
 
@@ -102,8 +107,8 @@ def test_a_run_opens_its_own_gpu_only_whatever_it_does(confined, mode: str, serv
         # The run is over: its cgroup is gone (a spare made ahead for the next run stays).
         assert os.path.basename(c.last_cgroup).startswith("cudawrap-run-")
         wait_for(lambda: not os.path.exists(os.path.join(c.mech.roots[0], c.last_cgroup.lstrip("/"))),
-                 what="the run's cgroup removed", details=lambda: str(run_cgroups(c.mech)))
-        assert len(set(run_cgroups(c.mech)) - c.before) == 1
+                 what="the run's cgroup removed", details=lambda: str(c.ours()))
+        assert len(c.ours()) == 1
     else:
         assert set(got.values()) == {"ENXIO"}  # nothing confines without the service
 
@@ -114,7 +119,7 @@ def test_two_users_runs_each_open_their_own(confined) -> None:
     inst = c.inst
     go = inst.dir / "go"
     holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
-    wait_for(lambda: any(c.mech.pids(p) for p in set(run_cgroups(c.mech)) - c.before),
+    wait_for(lambda: any(c.mech.pids(p) for p in c.ours()),
              what="alice's run in its cgroup")
     uuid, got = c.run(inst.world.bob, "here")
     own = MINORS[inst.machine.gpu_uuids().index(uuid)]
@@ -270,10 +275,11 @@ def test_a_service_killed_leaves_runs_confined_and_its_successor_removes_their_c
     inst = c.inst
     go = inst.dir / "go"
     holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
-    wait_for(lambda: any(c.mech.pids(p) for p in set(run_cgroups(c.mech)) - c.before), what="the run confined")
+    wait_for(lambda: any(c.mech.pids(p) for p in c.ours()), what="the run confined")
     c.service.kill()
     c.service.wait()
     c.service = inst.start(None, inst.world.python, "-I", "-c", cli_code(inst.path), "serve")
+    c.served.append(c.service.pid)
     assert "listening on" in c.service.stdout.readline().decode()
     go.touch()
     out, _ = holder.communicate(timeout=30)
@@ -281,8 +287,8 @@ def test_a_service_killed_leaves_runs_confined_and_its_successor_removes_their_c
     own = MINORS[inst.machine.gpu_uuids().index(lines[0].split()[1])]
     got = dict(line.rsplit(" ", 1) for line in lines[2:])
     assert [m for m in range(4) if got[str(c.dev / f"nvidia{m}")] == "ENXIO"] == [own]
-    wait_for(lambda: not (set(run_cgroups(c.mech)) - c.before), what="every run cgroup removed",
-             details=lambda: str(set(run_cgroups(c.mech)) - c.before))
+    wait_for(lambda: not (c.ours()), what="every run cgroup removed",
+             details=lambda: str(c.ours()))
 
 
 SETUID_PROBE = r"""
