@@ -182,6 +182,8 @@ def test_doctor_under_leased_names_the_modprobe_line_or_warns_without_a_driver(a
     assert any(line.startswith('error: confine: nodes = "leased", but the NVIDIA driver makes its nodes with '
                                "DeviceFileMode=438") and "options nvidia NVreg_DeviceFileMode=0660 "
                "NVreg_DeviceFileUID=0 NVreg_DeviceFileGID=0" in line for line in lines), lines
+    assert any(line.startswith('note: confine: nodes = "leased": GPU nodes are root:root 0660') and
+               "while it is down, no user opens a GPU (root excepted)" in line for line in lines), lines
     configure(admin, f'[confine]\nnodes = "leased"\nproc = "{tmp_path / "none"}"\n')
     assert any(line.startswith("warning: confine: no NVIDIA driver loaded") and 'nodes = "leased"' in line
                for line in confine_lines(admin.cli("doctor")))

@@ -91,4 +91,9 @@ def findings(config: Mapping[str, Any], served: bool, environ: Mapping[str, str]
                     "cgroups as Slurm made them" if slurm else
                     "Slurm's ConstrainDevices is off: Slurm jobs are not confined to their GPUs (cudawrap leaves "
                     "Slurm's cgroups as Slurm made them); set ConstrainDevices=yes in cgroup.conf"))
+    if config["nodes"] == "leased":
+        out.append(("note", "nodes = \"leased\": GPU nodes are root:root 0660, opened to each lessee by a POSIX "
+                            "ACL entry while the service runs; while it is down, no user opens a GPU ("
+                            + (", ".join(config["allow_users"]) + " and root excepted)" if config["allow_users"]
+                               else "root excepted)")))
     return out + _driver(config["proc"], config["nodes"] == "leased")
