@@ -283,6 +283,33 @@ def test_uninstall_keeps_an_edited_config_and_what_was_there(tmp_path, machine, 
     assert set(snapshot(prefix)) == mine
 
 
+def test_uninstall_puts_back_the_nodes_a_leased_service_closed(tmp_path, machine, wheelhouse):
+    """[confine] nodes = "leased" left GPU nodes closed (the service stopped): uninstall puts
+    each back as the state file says it was (a node made with mknod, major 195)."""
+    import stat
+
+    from cudawrap.base import nodemodes
+
+    fake = machine("four-gpus")
+    fake.set_fault("driver_not_loaded")
+    env = clean_env(fake.environ())
+    prefix = tmp_path / "cw"
+    r = install_sh("--prefix", str(prefix), "--python", sys.executable, *wheel_args(wheelhouse), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    node = str(tmp_path / "nvidia0")
+    os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(195, 0))
+    os.chmod(node, 0o666)
+    state = str(Layout(prefix).state_dir / "nodes.saved")
+    nodemodes.save(state, {node: nodemodes.snapshot(node)})
+    nodemodes.close(node, [12345])
+    assert stat.S_IMODE(os.lstat(node).st_mode) == 0o660 and nodemodes.read_acl(node) is not None
+    r = install_sh("--uninstall", "--prefix", str(prefix), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "==> put back 1 GPU node(s) as they were" in r.stdout
+    assert stat.S_IMODE(os.lstat(node).st_mode) == 0o666 and nodemodes.read_acl(node) is None
+    assert not os.path.exists(state)
+
+
 TRY = SOURCE / "docs" / "try.md"  # the "Try it without a GPU" walk-throughs
 
 

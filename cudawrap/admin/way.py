@@ -107,9 +107,15 @@ def _to_daemonless(layout: Layout, say: Callable[[str], None]) -> None:
 
 
 def restore_confined_nodes(layout: Layout, say: Callable[[str], None]) -> None:
-    """[confine]'s device nodes as they were before the service ran. `nodes` is "open" for
-    now, which changes no node: nothing to put back. A rule that changes nodes records what
-    it changed at the service's start and puts it back here."""
+    """[confine]'s device nodes as they were before the service ran: what `nodes = "leased"`
+    closed (recorded at the service's start, ops/leasednodes.py) is put back exactly, since
+    runs deciding for themselves need the nodes as the driver made them."""
+    import os
+
+    from ..ops.leasednodes import put_back, state_file
+
+    if os.path.exists(state_file(str(layout.state_dir))):
+        put_back(str(layout.state_dir), say)
 
 
 def _service_waiters(layout: Layout) -> List[int]:

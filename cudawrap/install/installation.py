@@ -421,6 +421,7 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
     if wrapped and unwrap_all:
         _unwrap_all(layout, environ, len(wrapped), say)
     _stop_units(layout, environ, say)
+    _open_nodes(layout, say)
     kept = {str(p) for p in _handed_over(layout)} if keep_wraps else set() if purge else {str(layout.state_dir)}
     if not keep_wraps:
         _release_claims(layout, say)
@@ -439,6 +440,20 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
         f"{layout.config_file} and {layout.runtime_dir} (the leases of running programs)")
     say("==> wrapped programs cannot start until the package is installed: now run "
         "`sudo apt-get install ./cudawrap_VERSION_ARCH.deb` (or `sudo ./install.sh` to go back)")
+
+
+def _open_nodes(layout: Layout, say: Callable[[str], None]) -> None:
+    """GPU nodes the stopped service closed ([confine] nodes = "leased") put back as they were."""
+    from ..base import nodemodes
+
+    state = os.path.join(layout.state_dir, "nodes.saved")  # ops/leasednodes.py's STATE_NAME
+    try:
+        count = nodemodes.put_back(state)
+    except (OSError, ValueError) as exc:
+        say(f"==> warning: the GPU nodes could not be put back as they were ({state}): {exc}")
+        return
+    if count:
+        say(f"==> put back {count} GPU node(s) as they were before [confine] nodes = \"leased\"")
 
 
 def _unwrap_all(layout: Layout, environ: Dict[str, str], count: int, say: Callable[[str], None]) -> None:

@@ -343,6 +343,7 @@ class Service:
         if client.waiter is not None:
             self._void(client.waiter.key)  # and a waiter gone is one the last look counted
             self.stalls.end(client.waiter.key)
+            self.grants.gone(client.peer.pid)  # [confine] runs: one that got nothing leaves no cgroup
         client.sock.close()
         client.peer.close()
 

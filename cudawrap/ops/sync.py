@@ -122,6 +122,7 @@ def _sync(layout: Layout) -> SyncReport:
     record_way(layout, DAEMONLESS)
     prepare_runtime(layout)
     report.lines.extend(retired_lines(layout))
+    _open_nodes(layout, report)
     try:
         inventory = nvml.inventory()
     except NvmlUnavailable as exc:
@@ -170,6 +171,24 @@ def _sync(layout: Layout) -> SyncReport:
     if held:
         report.lines.append(f"warning: {held}")
     return report
+
+
+def _open_nodes(layout: Layout, report: SyncReport) -> None:
+    """GPU nodes a service closed ([confine] nodes = "leased") put back as they were, where no
+    service runs and none should close them: the config says "open", or the install runs
+    without the service (daemonless runs need the nodes as the driver made them). While a
+    service runs, the nodes are its own."""
+    from ..policy.config import load_config
+    from .leasednodes import put_back, state_file
+    from .ledger import service_running
+
+    if not os.path.exists(state_file(str(layout.state_dir))) or service_running(layout):
+        return
+    from ..install.way import SERVICE, read_way
+
+    config = load_config(layout.config_file)
+    if config["nodes"] != "leased" or read_way(layout) != SERVICE:
+        put_back(str(layout.state_dir), report.lines.append)
 
 
 def not_renewed(layout: Layout) -> Optional[str]:

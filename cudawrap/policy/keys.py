@@ -15,7 +15,7 @@ PLACEMENTS = ("spread", "pack", "random")
 FOREIGN_RULES = ("avoid", "ignore")
 NO_DRIVER_RULES = ("run", "fail")
 MULTI_MIG_RULES = ("refuse", "whole-gpus")
-NODE_RULES = ("open",)  # "leased" (issue 52, part 2) is not built yet: refused as any unknown value
+NODE_RULES = ("open", "leased")
 CGROUP_VERSIONS = ("auto", "v1", "v2")
 
 
@@ -55,7 +55,7 @@ OPS_SECTIONS: Dict[str, Dict[str, Callable[[Any], Any]]] = {
     # What the kernel enforces of the service's grants (README "Confinement"); only the
     # service applies it.
     "confine": {"runs": boolean, "nodes": choice(NODE_RULES), "cgroup": choice(CGROUP_VERSIONS),
-                "allow_users": account_list, "proc": absolute_path},
+                "allow_users": account_list, "proc": absolute_path, "dev": absolute_path},
 }
 
 DEFAULTS: Dict[str, Any] = {
@@ -89,6 +89,7 @@ DEFAULTS: Dict[str, Any] = {
     "cgroup": "auto",
     "allow_users": (),
     "proc": "/proc",
+    "dev": "/dev",
 }
 
 DESCRIPTIONS: Dict[str, str] = {
@@ -123,13 +124,16 @@ DESCRIPTIONS: Dict[str, str] = {
     **HEALTH_DESCRIPTIONS,
     "runs": "with `cudawrap serve`: each granted run (and every process it starts) is put in a cgroup of "
             "its own that can open its own GPUs' and MIG instances' nodes and no other",
-    "nodes": "open: GPU nodes keep the modes the driver gave them (the one value for now)",
+    "nodes": "open: GPU nodes keep the modes the driver gave them; leased (with `cudawrap serve`): GPU and "
+             "MIG instance nodes root:root 0660, opened by a POSIX ACL entry to each user holding a lease on "
+             "the device now and to allow_users",
     "cgroup": "the cgroup mechanism for runs: auto (what the host's init uses; v1 on a hybrid host), v1 "
               "(devices controller) or v2 (a BPF device program)",
     "allow_users": "accounts that may open every GPU node at all times (nvidia-persistenced, DCGM, "
                    "exporters), for node rules that close them",
     "proc": "where the driver's numbers are read: PROC/devices, PROC/driver/nvidia-caps/mig-minors, "
             "PROC/driver/nvidia/params",
+    "dev": "where the device nodes are that nodes = \"leased\" closes: DEV/nvidiaN, DEV/nvidia-caps/nvidia-capN",
 }
 
 
