@@ -89,6 +89,12 @@ def _pids(directory: str) -> List[int]:
         return [int(p) for p in _read(os.path.join(directory, "cgroup.procs")).split()]
     except FileNotFoundError:
         return []
+    except OSError as exc:
+        # A cgroup removed between the open and the read (its last process gone, the
+        # service's emptier at work) reads ENODEV: it holds nobody, as one never made.
+        if exc.errno == errno.ENODEV:
+            return []
+        raise
 
 
 def _mkdir(path: str) -> None:
