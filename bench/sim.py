@@ -181,7 +181,7 @@ class Sim:
     """One simulated machine with cudawrap installed and every tool ready to launch."""
 
     def __init__(self, work: Path, lib_dir: Path, true_exe: Path, topology: str, peers: Peers,
-                 install: Install, hold_exe: Optional[Path] = None) -> None:
+                 install: Install, hold_exe: Optional[Path] = None, nvml_timing: str = "") -> None:
         self.work = work
         self.topology_name = topology
         self.peers = peers
@@ -189,8 +189,10 @@ class Sim:
         work.mkdir(parents=True, exist_ok=True)
         self.machine = FakeMachine(work / "machine", lib_dir)
         # What an NVIDIA H200 costs (tests/fakenvml/FORMAT.md), whatever the caller's environment
-        # says: NVML calls, a CUDA context's creation, a process leaving NVML's list.
-        self.machine.env["FAKENVML_TIMING"] = ""
+        # says: NVML calls, a CUDA context's creation, a process leaving NVML's list. NVML_TIMING
+        # "none" (run.py --nvml-timing none) charges nothing: the launch's own cost, comparable
+        # with figures taken before the stand-in charged an H200's.
+        self.machine.env["FAKENVML_TIMING"] = nvml_timing
         self.machine.load(topology)
         # One install serves every machine in turn: sync makes its lease files this
         # machine's (the last machine's devices vanished, nobody holds them).
@@ -358,8 +360,9 @@ class Sim:
 class Bench:
     """Shared state of one benchmark run: the work directory, the library, the peers."""
 
-    def __init__(self, work: Path, peers: Peers, install: Optional[Install] = None) -> None:
+    def __init__(self, work: Path, peers: Peers, install: Optional[Install] = None, nvml_timing: str = "") -> None:
         self.work = work
+        self.nvml_timing = nvml_timing
         self.install = install or Install(work / "install")
         self.lib_dir = build_fakenvml(work / "fakenvml")
         self.true_exe = build_c(work / "cbin", "true")
@@ -372,4 +375,4 @@ class Bench:
         """A fresh machine and install root (nothing held, nothing queued)."""
         self._count += 1
         return Sim(self.work / f"sim{self._count}-{Path(topology).stem}", self.lib_dir, self.true_exe, topology, self.peers,
-                   self.install, self.hold_exe)
+                   self.install, self.hold_exe, self.nvml_timing)

@@ -207,8 +207,9 @@ LAUNCH_MODULES = {
     "cudawrap.devices.source", "cudawrap.sched.candidates",
     # Not sched.run: it is for runs that wait.
 }
-# With the monitor's snapshot: /proc, for whether the processes it names have exited since.
-LAUNCH_MODULES_SNAPSHOT = LAUNCH_MODULES | {"cudawrap.proc"}
+# With the monitor's snapshot of an idle machine: nothing more (/proc, for whether the processes
+# it names have exited since, only once it names one).
+LAUNCH_MODULES_SNAPSHOT = LAUNCH_MODULES
 # Without the monitor's snapshot: NVML through the lean binding, and the inventory cache.
 LAUNCH_MODULES_NVML = LAUNCH_MODULES | {
     "cudawrap.devices.invcache", "cudawrap.devices.nvml", "cudawrap.devices.nvmldirect",
@@ -226,6 +227,76 @@ def test_a_launch_imports_exactly_these_cudawrap_modules(installed):
     inst.layout.usage_snapshot.unlink()
     ours = sorted(m for m in shim_modules(inst, str(link)) if m.split(".")[0] == "cudawrap")
     assert ours == sorted(LAUNCH_MODULES_NVML)
+
+
+def test_a_snapshot_naming_a_process_brings_in_proc(installed):
+    from cudawrap.ops.monitor import refresh_once
+
+    inst = installed("four-gpus")
+    link = inst.wrap("recon")
+    foreign = subprocess.Popen(["sleep", "60"])  # alive: the monitor records when it started
+    try:
+        inst.machine.add_process(foreign.pid, inst.machine.leaf_uuids()[0])
+        assert refresh_once(inst.layout) is None
+        ours = {m for m in shim_modules(inst, str(link)) if m.split(".")[0] == "cudawrap"}
+    finally:
+        foreign.kill()
+        foreign.wait()
+    assert ours == LAUNCH_MODULES | {"cudawrap.proc"}
+
+
+# Runs the shim at SHIM (argv[1]) as its #! line would, writing a line on stderr for each
+# collection of the cyclic garbage collector once the general way (cudawrap.launch) loads.
+GC_WATCH = """
+import gc, sys
+def seen(phase, info):
+    if phase == "start" and "cudawrap.launch" in sys.modules:
+        sys.stderr.write("collection of generation %d\\n" % info["generation"])
+gc.callbacks.append(seen)
+shim = sys.argv[1]
+sys.argv = sys.argv[1:]
+exec(compile(open(shim).read(), shim, "exec"), {"__name__": "__main__"})
+"""
+
+
+@pytest.mark.parametrize("monitor", [True, False])
+def test_a_launch_runs_no_garbage_collection(installed, monitor):
+    # ~24 modules' objects are loaded by the general way: at the default threshold (700) the
+    # collector ran ~10 times a launch, one of them over every object (generation 1, ~1 ms).
+    from cudawrap.ops.monitor import refresh_once
+
+    inst = installed("four-gpus")
+    link = inst.wrap("recon")
+    if monitor:
+        assert refresh_once(inst.layout) is None
+    shebang = inst.layout.shim.read_text().split("\n", 1)[0][2:].split()
+    r = inst.run(*shebang, "-c", GC_WATCH, str(link))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[0])["devices"]
+    assert b"collection of generation" not in r.stderr, r.stderr.decode()
+
+
+def test_own_modules_finds_what_the_path_finder_finds():
+    # The shim's general way finds cudawrap's submodules with OwnModules: the same spec
+    # (file, bytecode cache, package path, loader) as the path finder's, so loading is unchanged.
+    import importlib
+    from importlib.machinery import PathFinder, SourceFileLoader
+
+    from cudawrap import OwnModules
+
+    for name in sorted(LAUNCH_MODULES_NVML | {"cudawrap.proc", "cudawrap.launch.given", "cudawrap.sched.run"}):
+        if name == "cudawrap":
+            continue
+        parent = importlib.import_module(name.rpartition(".")[0])
+        ours, theirs = OwnModules.find_spec(name, parent.__path__), PathFinder.find_spec(name, parent.__path__)
+        assert ours is not None and theirs is not None, name
+        assert type(ours.loader) is SourceFileLoader is type(theirs.loader), name
+        assert (ours.name, ours.origin, ours.cached, ours.submodule_search_locations, ours.parent, ours.has_location) == (
+            theirs.name, theirs.origin, theirs.cached, theirs.submodule_search_locations, theirs.parent,
+            theirs.has_location), name
+    # Anything else is left to the finders after it.
+    assert OwnModules.find_spec("json", None) is None
+    assert OwnModules.find_spec("cudawrap.no_such_module", importlib.import_module("cudawrap").__path__) is None
 
 
 def test_real_program_not_executable_reads_like_the_shell(installed):

@@ -63,10 +63,12 @@ def _exited(started: Dict[int, int], listed: Iterable[int], recorded: object) ->
     """Those of LISTED seen by the monitor (STARTED: pid -> start time) that are no longer
     the process it saw: exited, a zombie, or their pid reused. None where the pids of
     this process's namespace are not the monitor's (RECORDED)."""
+    seen = [p for p in listed if p in started]
+    if not seen:
+        return set()  # no process on any device: proc.py stays off the launch's path
     from ..proc import namespace, started_as
 
-    seen = [p for p in listed if p in started]
-    if not seen or namespace() != recorded:
+    if namespace() != recorded:
         return set()
     return {p for p in seen if not started_as(p, started[p])}
 
