@@ -32,7 +32,7 @@ die() {
 
 usage() {
     cat <<'EOF'
-Usage: ./install.sh [--prefix DIR] [--python PATH] [--wheelhouse DIR] [--with-plot]
+Usage: ./install.sh [--prefix DIR] [--service | --no-service] [--python PATH] [--wheelhouse DIR] [--with-plot]
        ./install.sh --uninstall [--unwrap-all | --keep-wraps] [--purge] [--prefix DIR]
 
 Install cudawrap from this source directory, or upgrade an existing install in place
@@ -40,6 +40,10 @@ Install cudawrap from this source directory, or upgrade an existing install in p
 
   --prefix DIR      install everything under DIR instead of / (no root needed);
                     the commands are then DIR/usr/local/bin/cudawrap and create-cudawrap
+  --service         run the cudawrap service, the install's only arbiter (the default
+                    of a root install; a --prefix install runs daemonless without it)
+  --no-service      run daemonless: each run decides for itself (an upgrade keeps the
+                    way an install runs; `cudawrap way` switches it)
   --python PATH     the Python (3.9 or newer) for cudawrap's private virtual
                     environment (default: python3 on PATH if every user can run
                     it, else /usr/bin/python3; the first step line says which)
@@ -72,7 +76,7 @@ need_value() { # OPTION COUNT VALUE
     fi
 }
 
-prefix="" python="" wheelhouse="" action=install unwrap_all=0 keep_wraps=0 purge=0 prefix_given=0 extras=""
+prefix="" python="" wheelhouse="" action=install unwrap_all=0 keep_wraps=0 purge=0 prefix_given=0 extras="" way=""
 while [ $# -gt 0 ]; do
     case $1 in
         -h | --help) usage; exit 0 ;;
@@ -83,6 +87,8 @@ while [ $# -gt 0 ]; do
         --wheelhouse) need_value "$1" $# "${2-}"; wheelhouse=$2; shift 2 ;;
         --wheelhouse=*) wheelhouse=${1#*=}; need_value --wheelhouse 2 "$wheelhouse"; shift ;;
         --with-plot) extras="[plot]"; shift ;;
+        --service) [ "$way" != daemonless ] || die $EX_USAGE "--service and --no-service exclude each other"; way=service; shift ;;
+        --no-service) [ "$way" != service ] || die $EX_USAGE "--service and --no-service exclude each other"; way=daemonless; shift ;;
         --uninstall) action=uninstall; shift ;;
         --unwrap-all) unwrap_all=1; shift ;;
         --keep-wraps) keep_wraps=1; shift ;;
@@ -102,8 +108,8 @@ fi
 if [ "$purge" = 1 ] && [ "$keep_wraps" = 1 ]; then
     die $EX_USAGE "--purge and --keep-wraps exclude each other: --keep-wraps keeps the state for the Debian package"
 fi
-if [ "$action" = uninstall ] && { [ -n "$python" ] || [ -n "$wheelhouse" ]; }; then
-    die $EX_USAGE "--python and --wheelhouse are for installing, not with --uninstall"
+if [ "$action" = uninstall ] && { [ -n "$python" ] || [ -n "$wheelhouse" ] || [ -n "$way" ]; }; then
+    die $EX_USAGE "--python, --wheelhouse, --service and --no-service are for installing, not with --uninstall"
 fi
 
 SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
@@ -415,8 +421,10 @@ fi
 # ---- the rest, from the installed package -------------------------------------------------
 created_args=()
 for dir in ${created[@]+"${created[@]}"}; do created_args+=(--created "$dir"); done
+way_args=()
+[ -z "$way" ] || way_args=(--way "$way")
 (cd "$tmp" && "$vpy" -I -m cudawrap.cli.installer install --root "$root" --python "$vpy" --source "$SRC" --build "$build" \
-    ${created_args[@]+"${created_args[@]}"} ${wheel_args[@]+"${wheel_args[@]}"}) || exit $?
+    ${created_args[@]+"${created_args[@]}"} ${wheel_args[@]+"${wheel_args[@]}"} ${way_args[@]+"${way_args[@]}"}) || exit $?
 
 step "cudawrap sync: a lease file for every GPU and MIG instance"
 set +e
@@ -432,6 +440,17 @@ esac
 # Said here once, not by every admin command: many containers run no syslog.
 audit=$("$vpy" -I -c 'from cudawrap.base.audit import channel_problem; print(channel_problem() or "")') || audit=""
 [ -z "$audit" ] || warn "$audit; grants and ends of leases are still recorded in the ledger ('cudawrap usage'), and 'cudawrap doctor' reports it"
+
+# The service where the install runs it and no unit does (systemd does not run here, or a
+# --prefix install): started now, after sync made the lease files; at boot the admin starts it.
+if [ "$(cat "$base/var/lib/cudawrap/way" 2>/dev/null)" = service ] &&
+    ! { [ "$root" = / ] && [ -d /run/systemd/system ]; } &&
+    ! "$vpy" -I -c 'import sys; from cudawrap.base.daemon import running; sys.exit(running(sys.argv[1]) is None)' \
+        "$base/run/cudawrap/service.lock"; then
+    step "starting the cudawrap service: 'cudawrap serve --daemon' (start it so after every boot, after 'cudawrap sync')"
+    CUDAWRAP_ROOT=$root "$venv/bin/cudawrap" serve --daemon ||
+        warn "the service did not start: runs of other users wait for it; see $base/run/cudawrap/service.log"
+fi
 
 # Enabled by the step above only when [sharing] mode = "mps"; its daemons need the lease files.
 if [ "$root" = / ] && [ -d /run/systemd/system ] && systemctl --quiet is-enabled cudawrap-mps.service 2>/dev/null; then

@@ -269,7 +269,7 @@ def _converse(sock: "Any", request: bytes, prog: str, run: "Tuple[str, str, List
                         # Whole devices: nothing more to say. The connection closes before the
                         # exec, and the service checks the locks then, as it checks a HELD's.
                         return locked + (reply,)
-                    # A share says HELD and waits for DONE: under enforce the service opens the
+                    # A share says HELD and waits for DONE: the service opens the
                     # device's MPS pipe directory to this user then, before the program may
                     # connect to it.
                     sock.sendall(wire.encode(wire.HELD, {"devices": reply.get("devices", "")}))

@@ -201,7 +201,7 @@ def start_it(root: str) -> str:
 
 def ask_retrying(root: str, fields: Dict[str, str], on_wait: Callable[[str], None],
                     retry_s: float) -> Granted:
-    """ask() where the run cannot decide for itself ([service] enforce): a service that
+    """ask() where the run cannot decide for itself (the service is the install's arbiter): a service that
     does not answer, or goes away before granting (a restart), is tried again for RETRY_S;
     ServiceUnavailable (69) after that. A run that was waiting asks again with the ticket
     the service gave it (in FIELDS), which a restarted service honours with its place."""
@@ -262,7 +262,7 @@ def _exchange(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str],
             try:
                 conn.send(wire.HELD, {"devices": devices})
                 # A whole device is held now: the service checks the lock itself. A share
-                # waits for DONE: under enforce the service opens the device's MPS pipe
+                # waits for DONE: the service opens the device's MPS pipe
                 # directory to this user then, before the program may connect to it.
                 while lease.shared and conn.receive()[0] != wire.DONE:
                     pass

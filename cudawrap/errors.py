@@ -101,15 +101,28 @@ class MpsUnavailable(CudawrapError):
 
 
 class ServiceUnavailable(CudawrapError):
-    """Under [service] enforce, the service that alone grants leases does not answer."""
+    """The service, this install's only arbiter, does not answer."""
 
     exit_code = os.EX_UNAVAILABLE  # 69
+
+
+class RunsWaiting(CudawrapError):
+    """Runs wait where a switch between the install's ways (or a service's start) would
+    strand them: nothing changed; try again once none waits."""
+
+    exit_code = os.EX_TEMPFAIL  # 75
 
 
 class SlurmUnavailable(CudawrapError):
     """The service cannot learn from Slurm which GPUs a client's job has (scontrol failed)."""
 
     exit_code = os.EX_UNAVAILABLE  # 69
+
+
+class NotConfined(CudawrapError):
+    """Under [confine] runs = true, the service could not put this run in a cgroup of its own, so it granted nothing."""
+
+    exit_code = os.EX_OSERR  # 71
 
 
 class SetupError(CudawrapError):

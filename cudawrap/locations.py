@@ -20,6 +20,9 @@ CONFIG_FILE = "etc/cudawrap/config.toml"
 STATE_DIR = "var/lib/cudawrap"
 REGISTRY_FILE = STATE_DIR + "/registry.json"
 REGISTRY_LOCK = STATE_DIR + "/registry.lock"
+# Which way this install runs, "service" or "daemonless" (paths.recorded_way): root's, written
+# by install.sh, the .deb and `cudawrap way`; read by sync, the general launch and doctor.
+WAY_FILE = STATE_DIR + "/way"
 # `cudawrap drain` (drains.py); the shim checks it exists before importing drains.
 DRAINS = STATE_DIR + "/drains"
 RUNTIME_DIR = "run/cudawrap"
@@ -70,3 +73,27 @@ CLAIMS_DIR = "/run/cudawrap-devices"
 def under(root: str, rel: str) -> str:
     """ROOT joined with a relative location from this module."""
     return root.rstrip("/") + "/" + rel
+
+
+# The two ways an install runs (README "One arbiter"): its service grants every lease, or
+# each run decides for itself.
+SERVICE, DAEMONLESS = "service", "daemonless"
+WAYS = (SERVICE, DAEMONLESS)
+
+
+def recorded_way(root: str) -> "str | None":
+    """The way the install at ROOT runs, as its WAY_FILE says; None where none is recorded
+    (an install from before the file, until an upgrade or `cudawrap sync` records it). It
+    lies in the state directory, which only the install's owner writes. One open and one
+    read (posix, loaded already: no import): the general launch asks this of each run."""
+    import posix
+
+    try:
+        fd = posix.open(under(root, WAY_FILE), posix.O_RDONLY | posix.O_NOFOLLOW | posix.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        text = posix.read(fd, 64).decode("ascii", "replace").strip()
+    finally:
+        posix.close(fd)
+    return text if text in WAYS else None

@@ -46,6 +46,10 @@ class Layout:
         return self.root / loc.REGISTRY_FILE
 
     @property
+    def way_file(self) -> Path:
+        return self.root / loc.WAY_FILE
+
+    @property
     def registry_lock(self) -> Path:
         return self.root / loc.REGISTRY_LOCK
 
@@ -148,6 +152,10 @@ class Layout:
 
     def lease_file(self, uuid: str) -> Path:
         return self.lease_dir / uuid
+
+
+# The two ways an install runs, and the one recorded (locations.py: the general launch reads it).
+SERVICE, DAEMONLESS, WAYS, recorded_way = loc.SERVICE, loc.DAEMONLESS, loc.WAYS, loc.recorded_way
 
 
 def installed_root() -> Optional[Path]:

@@ -122,3 +122,57 @@ def test_a_resume_gives_a_waiting_run_the_device_resumed_both_ways(both) -> None
     assert ready_line(waiter)["devices"] == [gpus[2]], way
     waiter.kill()
     holder.kill()
+
+
+def wrapped(way, name: str, *switches: str) -> str:  # type: ignore[no-untyped-def]
+    """NAME wrapped by `create-cudawrap SWITCHES` (the switches kept in the registry)."""
+    import sys
+
+    from support.machine import FAKECUDA
+
+    inst = way.inst
+    program = inst.bindir / name
+    program.write_bytes(f"#!{sys.executable} -IS\n".encode() + FAKECUDA.read_bytes().split(b"\n", 1)[1])
+    program.chmod(0o755)
+    done = inst.cli("wrap", *switches, str(program))
+    assert done.returncode == 0, done.stderr.decode()
+    return name
+
+
+def test_a_programs_own_foreign_rule_holds_both_ways(both) -> None:  # type: ignore[no-untyped-def]
+    """A program wrapped with --foreign (or --busy-memory-mib) unlike the config's [policy] is
+    judged by its own rule, through the service as without it: one that ignores foreign work
+    is given the GPU a process cudawrap did not start is on, one that avoids it is refused."""
+    way = both("four-gpus")
+    inst = way.inst
+    gpus = inst.machine.leaf_uuids()
+    careless = wrapped(way, "careless", "--foreign", "ignore")
+    careful = wrapped(way, "careful", "--foreign", "avoid")
+    inst.machine.add_process(os.getpid(), gpus[0], 2048)
+    way.listed()
+    on_gpu0 = dict(CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=gpus[0])
+    refused = NO_WAIT.format(why=BUSY).replace("recon:", f"{careful}:")
+    for foreign in ("avoid", "ignore"):  # the config's rule: each program's own holds over it
+        inst.write_config(f'[policy]\nforeign = "{foreign}"\n')
+        r = inst.run(careful, **on_gpu0)
+        assert (r.returncode, r.stderr.decode()) == (75, refused), (way, foreign)
+        assert devices_of(inst.run(careless, **on_gpu0)) == [gpus[0]], (way, foreign)
+        r = inst.run("recon", **on_gpu0)  # recon has none: the config's
+        assert r.returncode == (75 if foreign == "avoid" else 0), (way, foreign, r.stderr.decode())
+        assert devices_of(inst.run(careful, CUDAWRAP_WAIT="0")) == [gpus[1]], (way, foreign)
+
+
+def test_a_programs_own_busy_memory_threshold_holds_both_ways(both) -> None:  # type: ignore[no-untyped-def]
+    """Where NVML hides process lists, a program's own --busy-memory-mib says when the memory
+    used keeps it off a device, through the service as without it."""
+    way = both("a100-mig7")
+    inst = way.inst
+    gpus = inst.machine.leaf_uuids()  # MIG instances: their processes hidden by the fault below
+    strict = wrapped(way, "strict", "--busy-memory-mib", "100")
+    inst.machine.set_fault("no_permission", "all")
+    inst.machine.add_process(4242, gpus[0], 512)  # 512 MiB used: under the default 1024, over 100
+    way.listed()
+    on_gpu0 = dict(CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=gpus[0])
+    r = inst.run(strict, **on_gpu0)
+    assert (r.returncode, r.stderr.decode()) == (75, NO_WAIT.format(why=BUSY).replace("recon:", f"{strict}:")), way
+    assert devices_of(inst.run("recon", **on_gpu0)) == [gpus[0]], way

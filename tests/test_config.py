@@ -12,7 +12,7 @@ from cudawrap.policy.config import (
     DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, FOREVER, OPS_SECTIONS, MAX_GPUS, MAX_WAIT_S, POLICY_KEYS, load_config, parse_config,
     parse_gpus, parse_wait, validate_policy,
 )
-from cudawrap.policy.defaults import ENFORCED, render_config, sections, toml_value
+from cudawrap.policy.defaults import CONFINED, render_config, sections, toml_value
 from cudawrap.errors import ConfigError
 
 P = Path("/etc/cudawrap/config.toml")
@@ -112,7 +112,7 @@ def test_the_natural_edit_of_the_default_file_works():
     """Issue 51 item 8: a table and a key appended to the default file (its own headers are
     commented out, as its keys are), as an admin adds them; and a key uncommented without its
     table's header is told which line to uncomment."""
-    for chosen in ({}, ENFORCED):
+    for chosen in ({}, CONFINED):
         text = render_config(chosen) + "\n[policy]\ngpus = 2\n\n[ledger]\nmax_mib = 8\n"
         config = parse_config(P, text)
         assert config["gpus"] == 2 and config["max_mib"] == 8
@@ -233,15 +233,20 @@ def test_parse_gpus_refuses(raw):
 
 # ---- the generated default file --------------------------------------------------------------
 
+from cudawrap.policy.keys import RETIRED  # noqa: E402 - beside the tests that leave it out
+
+# The keys that do something (a retired one parses, and is neither offered nor shown).
+LIVE = [k for k in DEFAULTS if k not in RETIRED]
+
 
 def test_default_file_lists_every_setting_once_in_its_section():
     text = render_config()
     head = text.split("# Per-program settings")[0]  # then an example [programs."recon"] table
     setting_lines = [line for line in head.splitlines() if line.startswith("#") and " = " in line
                      and line[1:].split(" = ")[0] in DEFAULTS]
-    assert sorted(line[1:].split(" = ")[0] for line in setting_lines) == sorted(DEFAULTS)
+    assert sorted(line[1:].split(" = ")[0] for line in setting_lines) == sorted(LIVE)
     assert set(sections()["devices"]) == set(DEVICE_KEYS) and set(sections()["policy"]) == set(POLICY_KEYS)
-    for key in DEFAULTS:
+    for key in LIVE:
         assert f"# {DESCRIPTIONS[key]}\n#{key} = " in text
 
 
@@ -261,7 +266,8 @@ def test_default_file_parses_to_the_defaults_and_so_does_every_line_uncommented_
             numbers[key] = number
     config = parse_config(P, "\n".join(lines))
     assert values(config.settings) == DEFAULTS
-    assert {k: s.source for k, s in config.settings.items()} == {k: f"{P}:{n}" for k, n in numbers.items()}
+    assert {k: s.source for k, s in config.settings.items() if k not in RETIRED} == {
+        k: f"{P}:{n}" for k, n in numbers.items()}
 
 
 def _tables_and_keys(data, label=""):
@@ -299,7 +305,7 @@ def test_default_file_shows_every_table_and_key_of_the_schema_and_nothing_else()
     assert set(shown) == set(schema)
     for table, keys in shown.items():
         # A [programs."NAME"] example shows two of the [policy] keys it may hold; the rest, all.
-        assert keys <= schema[table] if table == "programs.*" else keys == schema[table], table
+        assert keys <= schema[table] if table == "programs.*" else keys == schema[table] - set(RETIRED), table
     parse_config(P, text)  # and all of it is valid
 
 
@@ -352,7 +358,7 @@ def test_config_command_defaults(installed):
     r = inst.cli("config")
     assert r.returncode == 0, r.stderr
     rows = table(r.stdout)
-    assert list(rows) == list(DEFAULTS)
+    assert list(rows) == LIVE
     assert rows["wait"] == ("forever", "default") and rows["gpus"] == ("1", "default")
     assert str(inst.layout.config_file) in r.stdout.decode().splitlines()[0]
 
@@ -451,3 +457,17 @@ def test_a_setting_above_any_section_says_where_it_belongs(tmp_path):
     with pytest.raises(ConfigError) as err:
         parse_config(tmp_path / "c.toml", "# top\ngpus = 2\n[policy]\nwait = 1\n")
     assert str(err.value) == f"{tmp_path / 'c.toml'}:2: 'gpus' belongs in [policy]"
+
+
+def test_the_retired_enforce_key_still_parses_and_is_said_in_one_line_where_set():
+    """[service] enforce retired (README "One arbiter"): an older config keeps working, its
+    line (true or false) is named as doing nothing; an unknown key still exits 78."""
+    from cudawrap.policy.config import retired_notes
+
+    for value in ("true", "false"):
+        notes = retired_notes(parse_config(P, f"[service]\nenforce = {value}\n"))
+        assert len(notes) == 1 and notes[0].startswith(f"{P}:2: [service] enforce no longer does anything"), notes
+    assert retired_notes(parse_config(P, "[service]\nprivate_status = true\n")) == []
+    assert "enforce" not in render_config()  # the default file no longer offers it
+    err = refused("[service]\nenforce_harder = true\n")
+    assert err.exit_code == 78 and "enforce_harder" in err.message

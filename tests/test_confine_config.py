@@ -18,11 +18,12 @@ NOT_SERVED = "[confine] does nothing here (only the service confines)"
 @pytest.mark.parametrize("text,message", [
     ('[confine]\ncgroup = "v3"\n', "2: bad value for 'cgroup': 'v3' is not one of auto, v1, v2"),
     ('[confine]\nruns = "yes"\n', "2: bad value for 'runs': "),
-    ('[confine]\nnodes = "leased"\n', "2: bad value for 'nodes': 'leased' is not one of open"),
+    ('[confine]\nnodes = "closed"\n', "2: bad value for 'nodes': 'closed' is not one of open, leased"),
     ('[confine]\nallow_users = ["dcgm", "bad name"]\n', "2: bad value for 'allow_users': 'bad name' is not an account name"),
     ('[confine]\nallow_users = "dcgm"\n', "2: bad value for 'allow_users': 'dcgm' is not a list of account names"),
     ('[confine]\nproc = "proc"\n', "2: bad value for 'proc': 'proc' is not an absolute path"),
-], ids=["cgroup", "runs", "nodes-not-built", "allow-users-name", "allow-users-list", "proc-relative"])
+    ('[confine]\ndev = "dev"\n', "2: bad value for 'dev': 'dev' is not an absolute path"),
+], ids=["cgroup", "runs", "nodes", "allow-users-name", "allow-users-list", "proc-relative", "dev-relative"])
 def test_confine_values_are_checked(text, message):
     with pytest.raises(ConfigError) as info:
         parse_config(P, text)
@@ -166,7 +167,24 @@ def test_an_install_that_starts_the_service_sets_runs_where_the_host_can_confine
     if not can:
         monkeypatch.setattr(cgroup, "confinable", lambda setting="auto": False)
     said: list = []
-    installation.install(layout, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: ())
+    installation.install(layout, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: (),
+                         way="service")
     config = load_config(layout.config_file)
-    assert config["runs"] is can and config["nodes"] == "open" and config["enforce"] is True
+    assert config["runs"] is can and config["nodes"] == "open"
     assert any("[confine] runs = true" in line for line in said) is can
+
+
+def test_doctor_under_leased_names_the_modprobe_line_or_warns_without_a_driver(admin: Admin, tmp_path):
+    """nodes = "leased": driver parameters that let nvidia-modprobe reopen the nodes are an
+    error naming the line to add; no driver loaded, a warning (the service proceeds)."""
+    proc = fake_proc(tmp_path, "DeviceFileUID: 0\nDeviceFileGID: 0\nDeviceFileMode: 438\nModifyDeviceFiles: 1\n")
+    configure(admin, f'[confine]\nnodes = "leased"\nproc = "{proc}"\n')
+    lines = confine_lines(admin.cli("doctor"))
+    assert any(line.startswith('error: confine: nodes = "leased", but the NVIDIA driver makes its nodes with '
+                               "DeviceFileMode=438") and "options nvidia NVreg_DeviceFileMode=0660 "
+               "NVreg_DeviceFileUID=0 NVreg_DeviceFileGID=0" in line for line in lines), lines
+    assert any(line.startswith('note: confine: nodes = "leased": GPU nodes are root:root 0660') and
+               "while it is down, no user opens a GPU (root excepted)" in line for line in lines), lines
+    configure(admin, f'[confine]\nnodes = "leased"\nproc = "{tmp_path / "none"}"\n')
+    assert any(line.startswith("warning: confine: no NVIDIA driver loaded") and 'nodes = "leased"' in line
+               for line in confine_lines(admin.cli("doctor")))

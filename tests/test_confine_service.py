@@ -13,12 +13,12 @@ import shutil
 import stat
 import subprocess
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Set
 
 import pytest
 
 from cudawrap.base import cgroup
-from support.confine import PROBE, run_cgroups, teardown
+from support.confine import PROBE, numbered_nodes, run_cgroups, teardown
 from support.procs import cli_code, root_only, wait_for
 from support.users import MuInstall
 
@@ -32,18 +32,8 @@ class Confined:
     def __init__(self, inst: MuInstall, kind: str, served: bool) -> None:
         self.inst = inst
         self.mech = cgroup.choose(kind)
-        self.before = set(run_cgroups(self.mech))
-        topo = inst.machine.read()
-        for uuid, minor in zip(inst.machine.gpu_uuids(), MINORS):
-            topo = topo.replace(f"uuid={uuid} ", f"uuid={uuid} minor={minor} ")
-        inst.machine.write(topo)
-        self.dev = inst.dir / "dev"
-        self.dev.mkdir(mode=0o755)
-        for minor in range(4):
-            os.mknod(self.dev / f"nvidia{minor}", 0o666 | stat.S_IFCHR, os.makedev(195, minor))
-            os.chmod(self.dev / f"nvidia{minor}", 0o666)
-        os.mknod(self.dev / "nvidiactl", 0o666 | stat.S_IFCHR, os.makedev(195, 255))
-        os.chmod(self.dev / "nvidiactl", 0o666)
+        self.served: List[int] = []  # the pids of the services started: their run cgroups bear them
+        self.dev = numbered_nodes(inst, MINORS)
         (inst.dir / "proc").mkdir(mode=0o755)  # no nvidia-caps driver: GPU nodes only
         probe = inst.dir / "devprobe.py"
         shutil.copy(PROBE, probe)
@@ -58,6 +48,7 @@ class Confined:
         self.service = None
         if served:
             self.service = inst.start(None, inst.world.python, "-I", "-c", cli_code(inst.path), "serve")
+            self.served.append(self.service.pid)
             line = self.service.stdout.readline().decode()
             assert "listening on" in line, line + self.service.stderr.read().decode()
 
@@ -71,11 +62,15 @@ class Confined:
         self.last_cgroup = lines[1].split(" ", 1)[1]
         return lines[0].split()[1], dict(line.rsplit(" ", 1) for line in lines[2:])
 
+    def ours(self) -> Set[str]:
+        """The run cgroups of this test's services (others' tests on the host make theirs)."""
+        return {p for p in run_cgroups(self.mech) if any(f"/cudawrap-run-{pid}-" in p for pid in self.served)}
+
     def close(self) -> None:
         if self.service is not None:
             self.service.terminate()
             self.service.wait(timeout=10)
-        for path in set(run_cgroups(self.mech)) - self.before:
+        for path in self.ours():
             teardown(self.mech, path)
 
 
@@ -112,8 +107,8 @@ def test_a_run_opens_its_own_gpu_only_whatever_it_does(confined, mode: str, serv
         # The run is over: its cgroup is gone (a spare made ahead for the next run stays).
         assert os.path.basename(c.last_cgroup).startswith("cudawrap-run-")
         wait_for(lambda: not os.path.exists(os.path.join(c.mech.roots[0], c.last_cgroup.lstrip("/"))),
-                 what="the run's cgroup removed", details=lambda: str(run_cgroups(c.mech)))
-        assert len(set(run_cgroups(c.mech)) - c.before) == 1
+                 what="the run's cgroup removed", details=lambda: str(c.ours()))
+        assert len(c.ours()) == 1
     else:
         assert set(got.values()) == {"ENXIO"}  # nothing confines without the service
 
@@ -124,7 +119,7 @@ def test_two_users_runs_each_open_their_own(confined) -> None:
     inst = c.inst
     go = inst.dir / "go"
     holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
-    wait_for(lambda: any(c.mech.pids(p) for p in set(run_cgroups(c.mech)) - c.before),
+    wait_for(lambda: any(c.mech.pids(p) for p in c.ours()),
              what="alice's run in its cgroup")
     uuid, got = c.run(inst.world.bob, "here")
     own = MINORS[inst.machine.gpu_uuids().index(uuid)]
@@ -280,10 +275,11 @@ def test_a_service_killed_leaves_runs_confined_and_its_successor_removes_their_c
     inst = c.inst
     go = inst.dir / "go"
     holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
-    wait_for(lambda: any(c.mech.pids(p) for p in set(run_cgroups(c.mech)) - c.before), what="the run confined")
+    wait_for(lambda: any(c.mech.pids(p) for p in c.ours()), what="the run confined")
     c.service.kill()
     c.service.wait()
     c.service = inst.start(None, inst.world.python, "-I", "-c", cli_code(inst.path), "serve")
+    c.served.append(c.service.pid)
     assert "listening on" in c.service.stdout.readline().decode()
     go.touch()
     out, _ = holder.communicate(timeout=30)
@@ -291,5 +287,48 @@ def test_a_service_killed_leaves_runs_confined_and_its_successor_removes_their_c
     own = MINORS[inst.machine.gpu_uuids().index(lines[0].split()[1])]
     got = dict(line.rsplit(" ", 1) for line in lines[2:])
     assert [m for m in range(4) if got[str(c.dev / f"nvidia{m}")] == "ENXIO"] == [own]
-    wait_for(lambda: not (set(run_cgroups(c.mech)) - c.before), what="every run cgroup removed",
-             details=lambda: str(set(run_cgroups(c.mech)) - c.before))
+    wait_for(lambda: not (c.ours()), what="every run cgroup removed",
+             details=lambda: str(c.ours()))
+
+
+SETUID_PROBE = r"""
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    printf("euid %d\n", (int)geteuid());
+    for (int i = 1; i < argc; i++) {
+        int fd = open(argv[i], O_RDWR);
+        printf("%s %s\n", argv[i], fd >= 0 ? "OK" : errno == ENXIO ? "ENXIO" : errno == EPERM ? "EPERM"
+               : errno == EACCES ? "EACCES" : strerror(errno));
+        if (fd >= 0) close(fd);
+    }
+    return 0;
+}
+"""
+
+
+def test_a_run_that_execs_a_setuid_root_program_stays_confined(confined) -> None:
+    """The wrapped program execs a setuid-root binary (built here with cc): root by its
+    effective uid, which the nodes' modes let through, it still opens no GPU but the run's own."""
+    c = confined()
+    inst = c.inst
+    source = inst.dir / "suidprobe.c"
+    source.write_text(SETUID_PROBE)
+    binary = inst.dir / "suidprobe"
+    subprocess.run(["cc", "-O", "-o", str(binary), str(source)], check=True)
+    os.chown(binary, 0, 0)
+    binary.chmod(0o4755)
+    program = inst.dir / "suid.sh"
+    program.write_text(f'#!/bin/sh\necho "cvd $CUDA_VISIBLE_DEVICES"\nunset CUDA_VISIBLE_DEVICES\nexec {binary} "$@"\n')
+    inst.wrap("suid", program)
+    done = inst.run(inst.world.alice, "suid", *c.nodes())
+    assert done.returncode == 0, done.stderr.decode()
+    lines = done.stdout.decode().splitlines()
+    assert lines[1] == "euid 0", lines  # it did run as root
+    own = MINORS[inst.machine.gpu_uuids().index(lines[0].split()[1])]
+    got = dict(line.rsplit(" ", 1) for line in lines[2:])
+    assert got == {**{str(c.dev / f"nvidia{m}"): "ENXIO" if m == own else "EPERM" for m in range(4)},
+                   str(c.dev / "nvidiactl"): "ENXIO"}

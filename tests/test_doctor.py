@@ -369,23 +369,27 @@ def test_doctor_says_the_services_state_and_fails_where_runs_need_it(mu) -> None
 
     inst = mu("four-gpus")
     found = inst.cli(None, "doctor")
-    assert "ok: service: not used by this install: runs decide for themselves" in found.stdout.decode()
-    # Under enforce, with no service, every user's run fails: doctor says so, how to start it here
-    # (no systemd on this machine, a --prefix root), and exits non-zero.
-    inst.layout.config_file.write_text("[service]\nenforce = true\nconnect_retry_s = 1\n")
+    assert "ok: service: this install runs daemonless: runs decide for themselves" in found.stdout.decode()
+    # Run with the service, with no service, every user's run fails: doctor says so, how to start
+    # it here (no systemd on this machine, a --prefix root), and exits non-zero.
+    from cudawrap.install.way import SERVICE, write_way
+
+    write_way(inst.layout, SERVICE)
+    inst.layout.config_file.write_text("[service]\nconnect_retry_s = 1\n")
     inst.layout.config_file.chmod(0o644)
     assert inst.cli(None, "sync").returncode == 0
     found = inst.cli(None, "doctor")
     (line,) = [line for line in found.stdout.decode().splitlines() if line.startswith("error: service: ")]
     assert found.returncode == 65, found.stdout
-    assert line == ("error: service: not running, and [service] enforce says only it grants leases: every run of "
-                    "a user other than root fails after 1 s (exit 69); start it: "
+    assert line == ("error: service: this install runs with the service, its only arbiter, and it is not running: "
+                    "every run of a user other than root fails after 1 s (exit 69); start it: "
                     f"CUDAWRAP_ROOT={inst.layout.root} cudawrap serve --daemon")
     served = Served(inst)
     try:
         found = inst.cli(None, "doctor")
         out = found.stdout.decode()
-        assert f"ok: service: running: answering on {inst.layout.runtime_dir / 'cudawrap.sock'}" in out
+        assert ("ok: service: this install runs with the service, its only arbiter: answering on "
+                f"{inst.layout.runtime_dir / 'cudawrap.sock'}\n") in out
         # (The fixture wraps recon by hand, without a registry entry: doctor's only error.)
         assert [line for line in out.splitlines() if line.startswith("error: ")] == [
             f"error: {served.link}: a shim link with its real program {inst.bindir / 'CUDAWRAP_recon'} but no "

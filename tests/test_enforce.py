@@ -1,4 +1,5 @@
-"""[service] enforce = true with real accounts: only the service takes leases.
+"""An install that runs with the service (its recorded way), with real accounts: only the
+service takes leases.
 
 The lease, slot and queue directories are root's alone, so a user can neither flock a lease
 file past the line nor queue a claim; their runs are granted through the service, and when
@@ -19,7 +20,14 @@ from support.procs import cli_code, root_only
 
 pytestmark = [pytest.mark.root, root_only]
 
-ENFORCE = "[service]\nenforce = true\nconnect_retry_s = {retry}\n"
+ENFORCE = "[service]\nconnect_retry_s = {retry}\n"
+
+
+def runs_with_the_service(inst) -> None:  # type: ignore[no-untyped-def]
+    """INST's recorded way: the service, its only arbiter (as install.sh records it)."""
+    from cudawrap.install.way import SERVICE, write_way
+
+    write_way(inst.layout, SERVICE)
 
 
 def _mode(path) -> int:  # type: ignore[no-untyped-def]
@@ -30,6 +38,7 @@ def _enforced(mu, retry: float = 2):  # type: ignore[no-untyped-def]
     inst = mu("four-gpus")
     inst.layout.config_file.write_text(ENFORCE.format(retry=retry))
     inst.layout.config_file.chmod(0o644)
+    runs_with_the_service(inst)
     return inst
 
 
@@ -113,13 +122,21 @@ def test_a_run_that_finds_the_service_restarting_is_served_once_it_is_back(mu) -
         service.wait(timeout=10)
 
 
-def test_enforce_off_gives_the_directories_back(mu) -> None:
+def test_enforce_false_does_nothing_and_switching_to_daemonless_gives_the_directories_back(mu) -> None:
+    """The retired key still parses and changes nothing: sync, config and doctor say so in one
+    line each; `cudawrap way daemonless` is what gives the directories back."""
     inst = _enforced(mu)
     inst.cli(None, "sync")
     inst.wrap("recon")
     inst.layout.config_file.write_text("[service]\nenforce = false\n")
-    assert inst.cli(None, "sync").returncode == 0
     layout = inst.layout
+    for command in (("sync",), ("config",), ("doctor",)):
+        said = inst.cli(None, *command)
+        notes = [line for line in said.stdout.decode().splitlines() if "enforce no longer does anything" in line]
+        assert len(notes) == 1 and f"{layout.config_file}:2" in notes[0], (command, said.stdout, said.stderr)
+    assert (_mode(layout.lease_dir), _mode(layout.share_dir), _mode(layout.queue_dir)) == (0o700, 0o700, 0o1700)
+    switched = inst.cli(None, "way", "daemonless")
+    assert switched.returncode == 0, switched.stderr
     assert (_mode(layout.lease_dir), _mode(layout.share_dir), _mode(layout.queue_dir)) == (0o755, 0o755, 0o1777)
     assert inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0").returncode == 0
 

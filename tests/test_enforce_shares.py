@@ -17,7 +17,7 @@ import pytest
 from cudawrap.base import posixacl
 from support.installed import ready_line, waiting_line
 from support.procs import cli_code, wait_for
-from test_enforce import ENFORCE
+from test_enforce import ENFORCE, runs_with_the_service
 from test_mps import control_dir, mu_mps, share_beside_a_stranger  # noqa: F401 - a fixture
 
 from test_service import Served, _ledger, run_nested, run_spawner
@@ -34,6 +34,7 @@ def configure(inst: MuInstall, text: str, devices: int = 1) -> List[str]:
     allow = ", ".join(f'"{u}"' for u in allowed)
     inst.layout.config_file.write_text(ENFORCE.format(retry=2) + text + f"\n[devices]\nallow = [{allow}]\n")
     inst.layout.config_file.chmod(0o644)
+    runs_with_the_service(inst)
     inst.sync()
     return allowed
 

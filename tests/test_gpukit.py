@@ -38,7 +38,7 @@ import kit  # noqa: E402  (tests/gpu is no package: the kit is a script run on G
 # What must pass on the simulated machine. `torch` needs PyTorch in python3 (it may skip),
 # and `stall` is the 1-second stall of issue 31 item 1, which the kit reports either way.
 CORE = ("lease", "burst", "kill9", "foreign", "foreign-monitor", "accounts", "drain", "slots", "mps",
-        "overhead", "overhead-monitor", "overhead-service")
+        "overhead", "overhead-monitor", "overhead-service", "confine")
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the kit runs as root (it creates accounts)")
 
 
@@ -190,6 +190,10 @@ def test_the_kit_passes_its_checks_on_the_simulated_machine(stand_ins: Path, gpu
     assert doc["summary"] == {s: sum(c["status"] == s for c in doc["checks"]) for s in ("PASS", "FAIL", "SKIP")}
     assert doc["machine"]["target"] == gpu_machine.gpu_uuids()[0]
     assert doc["machine"]["driver"] == "580.159.04" and doc["machine"]["gpus"][0][0] == "NVIDIA H200"
+    # Confined, the run that reset CUDA_VISIBLE_DEVICES saw its one device; the nodes half
+    # needs the NVIDIA driver's parameters, which the simulated machine has none of.
+    assert checks["confine"]["detail"].startswith("runs = true: a wrapped probe that reset CUDA_VISIBLE_DEVICES "
+                                                  "saw 1 device; nodes = \"leased\" not checked: no NVIDIA driver")
     burst = checks["burst"]["data"]
     assert len(burst["runs"]) == 4 and kit.overlaps(burst["runs"]) == 1 and min(burst["gaps_s"]) >= 0
     assert checks["accounts"]["data"]["first"]["uid"] != checks["accounts"]["data"]["second"]["uid"]

@@ -20,7 +20,7 @@ import pytest
 from support.installed import ready_line
 from support.procs import one_line, root_only, wait_for
 from support.users import MuInstall, User
-from test_enforce import ENFORCE
+from test_enforce import ENFORCE, runs_with_the_service
 from test_service import Served, _ledger
 
 pytestmark = [pytest.mark.root, root_only]
@@ -92,6 +92,7 @@ def mallory_code(served: Served) -> str:
 def configured(inst: MuInstall, extra: str = "") -> MuInstall:
     inst.layout.config_file.write_text(ENFORCE.format(retry=2) + extra)
     inst.layout.config_file.chmod(0o644)
+    runs_with_the_service(inst)
     inst.sync()
     return inst
 

@@ -117,9 +117,9 @@ def test_prefix_install_wrap_upgrade_uninstall(tmp_path, machine, wheelhouse):
     r = install_sh("--prefix", str(prefix), "--python", sys.executable, *wheel_args(wheelhouse), env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("==> ") and "==> done" in r.stdout
-    # Issue 51 item 11: only what applies; the service runs the monitor's loop, so no word on the monitor.
-    assert (f"==> {SERVICE_UNIT} not enabled (a --prefix install); start the service, which runs the monitor's "
-            f"loop too, with `{layout.bin_dir}/cudawrap serve --daemon`") in r.stdout
+    # Issue 51 item 11: only what applies. A --prefix install runs daemonless: no word on the service.
+    assert f"==> runs daemonless ({layout.way_file}; `cudawrap way` switches it)" in r.stdout, r.stdout
+    assert f"{SERVICE_UNIT} not enabled" not in r.stdout and "serve --daemon" not in r.stdout
     assert [line for line in r.stdout.splitlines() if "monitor`" in line or f"{MONITOR_UNIT} not" in line] == []
     # Without a syslog socket the install says so once (admin commands later do not).
     assert r.stderr.count("syslog messages (the audit trail) are lost") == (1 if channel_problem() else 0), r.stderr
@@ -170,12 +170,13 @@ def test_prefix_install_wrap_upgrade_uninstall(tmp_path, machine, wheelhouse):
     edited = written.replace(b'#wait = "forever"', b"wait = 30").replace(b"#[policy]", b"[policy]")
     assert edited != written
     layout.config_file.write_bytes(edited)
-    served = run(cudawrap, "serve", "--daemon", env=env)  # where the service runs, the upgrade says so
+    served = run(cudawrap, "way", "service", env=env)  # where the service runs, the upgrade keeps it and says so
     assert served.returncode == 0, served.stderr
     service = running(loc.under(str(prefix), loc.SERVICE_PID))
     r = install_sh("--prefix", str(prefix), "--python", sys.executable, *wheel_args(wheelhouse), env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "upgrading in place" in r.stdout and "kept the configuration" in r.stdout
+    assert f"==> runs with the service as its only arbiter ({layout.way_file}" in r.stdout, r.stdout
     assert (f"==> the cudawrap service runs (pid {service}), the monitor's loop with it; restart it to run this "
             f"version: `{cudawrap} serve --stop`, then `{cudawrap} serve --daemon`") in r.stdout, r.stdout
     assert "not enabled (a --prefix install); start the service" not in r.stdout
@@ -280,6 +281,33 @@ def test_uninstall_keeps_an_edited_config_and_what_was_there(tmp_path, machine, 
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"==> removed {layout.state_dir}/" in r.stdout and f"==> removed {layout.config_file}" in r.stdout
     assert set(snapshot(prefix)) == mine
+
+
+def test_uninstall_puts_back_the_nodes_a_leased_service_closed(tmp_path, machine, wheelhouse):
+    """[confine] nodes = "leased" left GPU nodes closed (the service stopped): uninstall puts
+    each back as the state file says it was (a node made with mknod, major 195)."""
+    import stat
+
+    from cudawrap.base import nodemodes
+
+    fake = machine("four-gpus")
+    fake.set_fault("driver_not_loaded")
+    env = clean_env(fake.environ())
+    prefix = tmp_path / "cw"
+    r = install_sh("--prefix", str(prefix), "--python", sys.executable, *wheel_args(wheelhouse), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    node = str(tmp_path / "nvidia0")
+    os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(195, 0))
+    os.chmod(node, 0o666)
+    state = str(Layout(prefix).state_dir / "nodes.saved")
+    nodemodes.save(state, {node: nodemodes.snapshot(node)})
+    nodemodes.close(node, [12345])
+    assert stat.S_IMODE(os.lstat(node).st_mode) == 0o660 and nodemodes.read_acl(node) is not None
+    r = install_sh("--uninstall", "--prefix", str(prefix), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "==> put back 1 GPU node(s) as they were" in r.stdout
+    assert stat.S_IMODE(os.lstat(node).st_mode) == 0o666 and nodemodes.read_acl(node) is None
+    assert not os.path.exists(state)
 
 
 TRY = SOURCE / "docs" / "try.md"  # the "Try it without a GPU" walk-throughs
@@ -432,8 +460,11 @@ def public_script(public_dir: Path) -> Path:
     (["--prefix", "X", "--python", "/nonexistent/python3"], 69, ["--python /nonexistent/python3: no such file"]),
     (["--prefix", "X", "--python", "/bin/true"], 69, ["/bin/true does not run as a Python interpreter"]),
     (["--uninstall", "--prefix", "X"], 66, ["cudawrap is not installed in"]),
+    (["--service", "--no-service", "--prefix", "X"], 64, ["--service and --no-service exclude each other"]),
+    (["--uninstall", "--no-service", "--prefix", "X"], 64, ["not with --uninstall"]),
 ], ids=["unknown-option", "stray-argument", "prefix-without-value", "empty-prefix", "unwrap-all-alone",
-        "keep-wraps-alone", "keep-and-unwrap", "purge-alone", "keep-and-purge", "uninstall-with-wheelhouse", "no-wheelhouse", "no-such-python", "not-a-python", "nothing-to-uninstall"])
+        "keep-wraps-alone", "keep-and-unwrap", "purge-alone", "keep-and-purge", "uninstall-with-wheelhouse", "no-wheelhouse", "no-such-python", "not-a-python", "nothing-to-uninstall",
+        "service-and-not", "uninstall-with-a-way"])
 def test_refusals(tmp_path, args, code, words):
     args = [str(tmp_path / "cw") if a == "X" else a for a in args]
     r = install_sh(*args, env=clean_env())
@@ -445,7 +476,8 @@ def test_refusals(tmp_path, args, code, words):
 def test_help():
     r = install_sh("--help", env=clean_env())
     assert r.returncode == 0 and r.stderr == ""
-    for word in ("--prefix DIR", "--python PATH", "--wheelhouse DIR", "--uninstall", "--unwrap-all", "Exit codes"):
+    for word in ("--prefix DIR", "--service", "--no-service", "--python PATH", "--wheelhouse DIR", "--uninstall",
+                 "--unwrap-all", "Exit codes"):
         assert word in r.stdout
 
 

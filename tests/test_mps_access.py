@@ -130,7 +130,7 @@ def test_a_restarted_service_gives_the_pipe_directory_back_to_the_shares_it_foll
     wait_for(lambda: named(pipe) == [], what="alice's name gone from the ACL")
 
 
-def test_turning_enforce_off_opens_the_pipe_directories_again(mu_mps: MuInstall, tmp_path: Path,
+def test_switching_to_daemonless_opens_the_pipe_directories_again(mu_mps: MuInstall, tmp_path: Path,
                                                               serving) -> None:  # noqa: F811
     inst = mu_mps
     alice, bob = inst.world.alice, inst.world.bob
@@ -143,9 +143,8 @@ def test_turning_enforce_off_opens_the_pipe_directories_again(mu_mps: MuInstall,
     served.proc.terminate()
     served.proc.wait(timeout=10)
     os.setxattr(pipe, posixacl.XATTR, posixacl.owner_and_users(posixacl.RWX, [alice.uid]))  # as if still held
-    config = inst.layout.config_file.read_text().replace("enforce = true", "enforce = false")
-    inst.layout.config_file.write_text(config)
-    inst.sync()
+    switched = inst.cli(None, "way", "daemonless")
+    assert switched.returncode == 0, switched.stderr
     assert stat.S_IMODE(os.stat(pipe).st_mode) == 0o755
     with pytest.raises(OSError):
         os.getxattr(pipe, posixacl.XATTR)

@@ -245,3 +245,30 @@ def test_no_starvation_in_a_simulated_stream() -> None:
     assert _stream(float("inf")) is None  # without reservations it would wait for ever
     started = _stream(30.0)
     assert started is not None and 30.0 <= started <= 30.0 + 9.0 + 0.05
+
+
+def test_each_waiter_is_judged_by_its_own_foreign_rule() -> None:
+    """Work cudawrap did not start keeps a run off a device by the run's own rule (its
+    program's foreign and busy_memory_mib), whatever rule the caller judged FREE by."""
+    from cudawrap.sched.request import Request
+    from cudawrap.sched.schedule import LISTED, kept
+
+    avoid, ignore = ("avoid", 1024), ("ignore", 1024)
+    on_a = frozenset({"a"})
+    parents = {"a": "a", "b": "b", "c": "c"}
+    work = {"a": LISTED, "c": 512}  # processes listed on a; c's hidden, 512 MiB used
+    careless = Waiter("1", 1000, 1, Request(1, on_a, foreign=ignore))
+    careful = Waiter("2", 1001, 2, Request(1, on_a, foreign=avoid))
+    strict = Waiter("3", 1002, 3, Request(1, frozenset({"c"}), foreign=("avoid", 100)))
+    plain = Waiter("4", 1003, 4, Request(1, frozenset({"c"})))  # a queue entry: the caller's rule
+    # Judged by "avoid": a set aside, c free (512 MiB is not over 1024).
+    v = decide([careless, careful, strict, plain], ["b", "c"], {}, {}, 0.0, parents, {"a"},
+               work=work, rule=avoid, aside=["a"])
+    assert (v["1"].kind, v["1"].devices) == (GRANTED, ("a",))
+    assert v["2"].kind == BUSY and v["3"].kind == BUSY
+    assert (v["4"].kind, v["4"].devices) == (GRANTED, ("c",))
+    # Judged by "ignore": nothing set aside; the careful runs are still kept off.
+    v = decide([careful, strict, plain], ["a", "b", "c"], {}, {}, 0.0, parents, set(), work=work, rule=ignore)
+    assert v["2"].kind == BUSY and v["3"].kind == BUSY
+    assert (v["4"].kind, v["4"].devices) == (GRANTED, ("c",))
+    assert not kept(ignore, LISTED) and kept(avoid, LISTED) and not kept(avoid, None) and kept(("avoid", 100), 512)

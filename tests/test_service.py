@@ -225,25 +225,6 @@ def test_connections_per_user_are_bounded(served: Served) -> None:
 
 
 # A queue entry made and held by hand, claiming 999 devices and no patience (reserve_after 0).
-FORGED = r"""
-import fcntl, os, sys, time
-name = "%020d.%d.999sa.0.wait" % (time.time_ns() - 10**12, os.getpid())
-fd = os.open(os.path.join(sys.argv[1], name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("held", flush=True)
-time.sleep(120)
-"""
-
-
-def test_a_forged_queue_entry_keeps_no_device_idle(served: Served) -> None:
-    inst = served.inst
-    forger = inst.py_start(inst.world.bob, FORGED, str(inst.layout.queue_dir))
-    assert forger.stdout.readline().strip() == b"held"
-    run = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="3")
-    assert run.returncode == 0, run.stderr.decode()
-    assert f"({Path(str(served.link)).name})" in served.granted()
-
-
 def test_a_runs_program_is_the_kernels_word_not_the_clients(served: Served) -> None:
     """[programs."recon"] allows 2 devices: a shim run of recon gets them; an API call that
     names itself recon (sys.argv[0]) and skips its own check gets the defaults' 1."""
@@ -421,12 +402,12 @@ def test_private_status_hides_other_users_and_bounds_come_from_the_config(mu) ->
         served.proc.wait(timeout=10)
 
 
-def test_under_systemd_install_enables_the_service_with_enforce_on(tmp_path: Path, monkeypatch) -> None:
+def test_under_systemd_install_enables_the_service_and_records_the_way(tmp_path: Path, monkeypatch) -> None:
     import sys
 
     from cudawrap.install import installation
     from cudawrap.install.installation import SERVICE_UNIT, render_service_unit, unit_file
-    from cudawrap.paths import Layout
+    from cudawrap.paths import Layout, recorded_way
 
     unit = render_service_unit(Layout(Path("/")))
     for line in ("ExecStart=/opt/cudawrap/venv/bin/cudawrap serve", "Restart=on-failure", "WantedBy=multi-user.target"):
@@ -443,23 +424,56 @@ def test_under_systemd_install_enables_the_service_with_enforce_on(tmp_path: Pat
     wants = installation.unit_wants_link(layout, installation.MONITOR_UNIT)
     wants.parent.mkdir(parents=True)
     wants.symlink_to(unit_file(layout, installation.MONITOR_UNIT))
-    installation.install(layout, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: ())
+    installation.install(layout, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: (),
+                         way="service")
     assert unit_file(layout, SERVICE_UNIT).read_text() == render_service_unit(layout)
     assert ["enable", "--now", SERVICE_UNIT] in calls and ["restart", SERVICE_UNIT] in calls
     assert ["disable", "--now", installation.MONITOR_UNIT] in calls
     assert f"==> disabled {installation.MONITOR_UNIT}: {SERVICE_UNIT} runs the monitor's loop" in said
+    assert recorded_way(str(layout.root)) == "service" and layout.way_file.read_text() == "service\n"
     from cudawrap.policy.config import load_config
 
-    config = load_config(layout.config_file)
-    assert config["enforce"] is True and config.settings["enforce"].source.startswith(f"{layout.config_file}:")
+    assert "enforce" not in layout.config_file.read_text()  # retired: a new config does not set it
     assert load_config(layout.config_file).settings["gpus"].source == "default"  # the rest as shipped
-    # Without systemd (a container), the same install leaves enforce off and names the service.
+    # An upgrade keeps the way, whatever it is asked (`cudawrap way` switches, safely).
+    said.clear()
+    installation.install(layout, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: (),
+                         way="daemonless")
+    assert recorded_way(str(layout.root)) == "service"
+    assert ("install.sh: warning: kept the way this install runs (service): switch it with "
+            "`cudawrap way daemonless`") in said
+    # Daemonless (--no-service): no service unit enabled.
     layout2 = Layout(tmp_path / "root2")
     layout2.venv_dir.mkdir(parents=True)
+    calls.clear()
+    installation.install(layout2, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: (),
+                         way="daemonless")
+    assert recorded_way(str(layout2.root)) == "daemonless" and not any(SERVICE_UNIT in c for c in calls), calls
+
+
+@pytest.mark.parametrize("older", ["enforce = true", "enforce = false", "unit", "nothing"])
+def test_an_upgrade_keeps_the_way_an_older_install_ran(tmp_path: Path, monkeypatch, older: str) -> None:
+    """An install from before the way file: `[service] enforce = true`, or its service unit
+    enabled, ran with the service; anything else ran daemonless. The upgrade records that,
+    whatever a fresh install of its kind would get."""
+    import sys
+
+    from cudawrap.install import installation
+    from cudawrap.install.installation import SERVICE_UNIT, unit_file
+    from cudawrap.paths import Layout, recorded_way
+
     monkeypatch.setattr(installation, "systemd_running", lambda _layout: False)
-    said.clear()
-    installation.install(layout2, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: ())
-    assert load_config(layout2.config_file)["enforce"] is False
+    layout = Layout(tmp_path / "root")
+    layout.venv_dir.mkdir(parents=True)
+    layout.etc_dir.mkdir(parents=True)
+    layout.config_file.write_text(f"[service]\n{older}\n" if older.startswith("enforce") else "")
+    if older == "unit":
+        wants = installation.unit_wants_link(layout, SERVICE_UNIT)
+        wants.parent.mkdir(parents=True)
+        wants.symlink_to(unit_file(layout, SERVICE_UNIT))
+    installation.install(layout, sys.executable, None, [], say=lambda _: None, man_pages={}, refresh=lambda _: (),
+                         way=None)
+    assert recorded_way(str(layout.root)) == ("service" if older in ("enforce = true", "unit") else "daemonless")
 
 
 def test_serve_daemon_writes_a_pid_file_and_uninstall_stops_it(mu) -> None:
@@ -634,48 +648,6 @@ def test_a_shims_variables_are_read_by_the_service_as_the_launch_reads_them(serv
     served.proc.wait(timeout=10)
     alone = inst.run(inst.world.alice, "recon", CUDAWRAP_GPUS="two")
     assert (alone.returncode, alone.stderr.decode().splitlines()) == (bad.returncode, lines)
-
-
-TAKE_LATER = r"""
-import fcntl, os, signal, sys
-signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
-fds = [os.open(os.path.join(sys.argv[1], name), os.O_RDONLY) for name in sorted(os.listdir(sys.argv[1]))]
-print("opened", flush=True)
-signal.sigwait([signal.SIGUSR1])
-import time
-for fd in fds:
-    # The service probes a lease its run let go of with a lock of its own, for a moment:
-    # met here, it is tried again (no run holds these devices).
-    for _ in range(500):
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            time.sleep(0.01)
-    else:
-        sys.exit("a lease stayed locked")
-print("locked", flush=True)
-signal.sigwait([signal.SIGUSR1])
-"""
-
-
-def test_a_lease_locked_through_a_descriptor_opened_earlier_is_never_granted_twice(served: Served) -> None:
-    """The service believes a lease it found free until its watch reports an open (Line._free).
-    Bob opens every lease file first and locks them only after the service has tried them
-    (no open then, so no news): the next run is granted a device bob holds, finds it held,
-    says so, and the service tries the leases again: no device free, the run is told so
-    (wait 0). Nothing was handed out twice: every lock is still bob's."""
-    inst = served.inst
-    bob = inst.py_start(inst.world.bob, TAKE_LATER, str(inst.layout.lease_dir))
-    assert bob.stdout.readline().strip() == b"opened"
-    first = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0")
-    assert first.returncode == 0, first.stderr.decode()  # the service has tried every lease
-    os.kill(bob.pid, signal.SIGUSR1)
-    assert bob.stdout.readline().strip() == b"locked"
-    again = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0")
-    assert again.returncode == os.EX_TEMPFAIL and b"no free device" in again.stderr, again.stderr.decode()
-    assert len(_locks_of(bob.pid)) == 4
-    bob.kill()
 
 
 def test_a_config_change_reaches_the_next_run_through_the_service(served: Served) -> None:
@@ -1158,3 +1130,60 @@ def test_a_client_that_never_takes_its_grants_is_passed_over_then_let_go(served:
         for p in [fake] + holders:
             p.kill()
             p.wait()
+
+
+def _refused_on(inst: MuInstall, gpu: str) -> bool:
+    """Whether alice's run naming GPU is told it is busy (a process cudawrap did not start there)."""
+    r = inst.run(inst.world.alice, "recon", CUDAWRAP_WAIT="0", CUDA_VISIBLE_DEVICES=gpu)
+    assert r.returncode in (0, 75), r.stderr.decode()
+    return r.returncode == 75
+
+
+def _listed(inst: MuInstall, pid: int, gpu: str) -> bool:
+    """Whether the monitor's newest snapshot lists PID on GPU (what the service decides on)."""
+    from cudawrap.devices.snapshot import read_fresh
+
+    fresh = read_fresh(str(inst.layout.root))
+    return fresh is not None and any(d.uuid == gpu and pid in (d.pids or ()) for d in fresh.devices)
+
+
+def test_a_monitor_killed_is_started_again_and_foreign_work_is_seen(served: Served) -> None:
+    """The service's monitor child killed with SIGKILL: the service starts another (after a
+    backoff, said in its log), whose snapshot shows a process started after the kill."""
+    inst = served.inst
+    gpu = inst.machine.gpu_uuids()[0]
+    child = _monitor_pid(inst)
+    os.kill(child, signal.SIGKILL)
+    inst.machine.add_process(4242, gpu, 2048)
+    wait_for(lambda: _refused_on(inst, gpu), 15, "a process started after the monitor's kill to be seen")
+    again = _monitor_pid(inst)
+    assert again != child and _parent_of(again) == served.proc.pid
+    said: List[str] = []  # and the grants of the runs before it was seen, before and between
+    while f"(pid {again})\n" not in "".join(said[-1:]):
+        said.append(served.granted())
+    assert f"cudawrap serve: the monitor (pid {child}) ended (killed by signal 9): started again in 0.5 s\n" in said
+    assert f"cudawrap serve: the monitor started again (pid {again})\n" in said
+
+
+def test_the_services_monitor_survives_a_broken_config_and_takes_the_fixed_one(served: Served) -> None:
+    """A config broken (a [policy] error) when the service's monitor starts (here: again, after
+    its kill): it keeps the last good settings, says so once, and its snapshot still lists a
+    process started meanwhile; once the config is fixed, runs are told that GPU is busy."""
+    inst = served.inst
+    gpu = inst.machine.gpu_uuids()[0]
+    child = _monitor_pid(inst)
+    os.kill(child, signal.SIGKILL)
+    inst.write_config('[policy]\nforeign = "sometimes"\n')  # before it starts again (RESTART_FIRST_S)
+    wait_for(lambda: _monitor_pid(inst) != child, 15, "the monitor to start again")
+    inst.machine.add_process(4242, gpu, 2048)
+    wait_for(lambda: _listed(inst, 4242, gpu), 10, "the process to be listed with the config broken")
+    time.sleep(2)  # a few periods: the monitor lives on, and says nothing more
+    again = _monitor_pid(inst)
+    assert _parent_of(again) == served.proc.pid
+    inst.write_config("")
+    wait_for(lambda: _refused_on(inst, gpu), 10, "the process to be seen once the config is fixed")
+    assert _monitor_pid(inst) == again
+    served.proc.terminate()
+    said = served.proc.communicate(timeout=20)[1].decode()
+    assert "Traceback" not in said, said
+    assert said.count("'sometimes' is not one of") == 1, said

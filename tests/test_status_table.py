@@ -54,7 +54,7 @@ def test_holder_is_shown_by_program_name(installed):
         r = inst.cli("status")
         assert r.returncode == 0, r.stderr
         lines = r.stdout.decode().splitlines()
-        assert lines[0] == f"install root {inst.layout.root}: 4 devices, 1 leased, 0 waiting"
+        assert lines[0] == f"install root {inst.layout.root}: 4 devices, 1 leased, 0 waiting (runs daemonless)"
         assert any(f"pid {holder.pid} " in line and line.split()[6:7] == ["recon"] for line in lines), lines
         assert all(len(line) <= 80 for line in lines[1:]), lines  # the first names a long tmp_path
     finally:

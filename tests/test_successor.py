@@ -125,18 +125,22 @@ def test_a_release_frees_its_holders_share_of_the_turns() -> None:
     assert carried.decide(NOW) == {"0001": ("GPU-1",)}
 
 
-def _line_after_a_decision(waiting: int):  # type: ignore[no-untyped-def]
+def _line_after_a_decision(waiting: int, foreign=None):  # type: ignore[no-untyped-def]
     """A service's Line whose last decision (Acquirer.last) saw WAITING runs in line, every
-    device held: what Line._carried reads, nothing else of a machine."""
+    device held: what Line._carried reads, nothing else of a machine. FOREIGN: the last
+    one's own rule for work cudawrap did not start (None: the service's)."""
     from types import SimpleNamespace
 
     from cudawrap.ops.line import Line
 
     line = Line.__new__(Line)  # the decision's look alone: no machine read
-    waiters = [SimpleNamespace(key=f"run-{i}", uid=1000 + i % 3) for i in range(waiting)]
+    waiters = [SimpleNamespace(key=f"run-{i}", uid=1000 + i % 3, request=SimpleNamespace(foreign=None))
+               for i in range(waiting)]
+    waiters[-1].request.foreign = foreign
     last = (waiters, [], {1000: 1.0}, {}, {"GPU-a"}, {}, None, None, ["GPU-a"])
     line.acquirer = SimpleNamespace(last=last, sharing=SimpleNamespace(anywhere=False), skip_keys=set(),
-                                    skip_users=set(), parents={}, whole={"GPU-a": 1000})
+                                    skip_users=set(), parents={}, whole={"GPU-a": 1000}, foreign="avoid",
+                                    busy_memory_mib=1024)
     return line
 
 
@@ -149,3 +153,10 @@ def test_a_line_longer_than_the_cap_is_not_carried_on_to_a_release() -> None:
     assert kept is not None and len(kept.waiters) == CARRY_MAX_WAITERS
     assert kept.owners == {"GPU-a": 1000}
     assert _line_after_a_decision(CARRY_MAX_WAITERS + 1)._carried({}) is None  # type: ignore[arg-type]
+
+
+def test_a_line_with_a_run_of_its_own_foreign_rule_is_not_carried_on_to_a_release() -> None:
+    """A run whose program has its own `foreign` rule: a device let go is judged for it by a
+    full decision (a release's hand-over judges it by the service's rule alone)."""
+    assert _line_after_a_decision(3, ("avoid", 1024))._carried({}) is not None  # type: ignore[arg-type]
+    assert _line_after_a_decision(3, ("ignore", 1024))._carried({}) is None  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ import pytest
 from cudawrap.install.waiter import build_waiter, compiler
 from cudawrap.paths import Layout
 from support.installed import ready_line
-from support.procs import open_files, root_only, wait_for
+from support.procs import cli_code, open_files, root_only, wait_for
 from test_enforce_shares import _environment, configure, serving  # noqa: F401 - a fixture
 from test_mps import control_dir, mu_mps  # noqa: F401 - a fixture
 from test_service import Served, _locks_of, _status
@@ -172,18 +172,26 @@ def test_ctrl_c_in_the_waiter_exits_130_and_leaves_no_waiter(served: Served) -> 
 
 
 def test_a_service_that_goes_away_hands_the_run_back_to_the_shim(served: Served) -> None:
-    """kill -9 of the service: the waiter execs the shim, which goes the general way (here
-    without the service: the queue directory) and is granted once a device is free."""
+    """kill -9 of the service: the waiter execs the shim, which goes the general way. The
+    service made the directories root's (the only arbiter, however started), so the run waits
+    for it (connect_retry_s) with its ticket, and is granted by the next one once a device is free."""
     inst = served.inst
     holders = served.fill()
     waiter = served.waiting(inst.world.alice)
     wait_for(lambda: _in_waiter(served, waiter))
     served.proc.kill()
     served.proc.wait()
-    wait_for(lambda: os.listdir(inst.layout.queue_dir) != [])  # the shim's general way queued it
-    assert not _in_waiter(served, waiter)
-    holders[3].kill()
-    assert len(ready_line(waiter)["devices"]) == 1
+    wait_for(lambda: not _in_waiter(served, waiter) and _exe(waiter.pid) != "")  # the shim's general way
+    assert os.listdir(inst.layout.queue_dir) == []  # not a queue entry: it cannot decide for itself
+    code = cli_code(inst.path)
+    again = inst.start(None, inst.world.python, "-I", "-c", code, "serve")
+    try:
+        assert b"listening on" in again.stdout.readline()
+        holders[3].kill()
+        assert len(ready_line(waiter)["devices"]) == 1
+    finally:
+        again.terminate()
+        again.wait(timeout=10)
     _kill(holders + [waiter])
 
 

@@ -12,21 +12,12 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 from ..base import cgroup
 from ..devices import drivernodes
+from ..ops.leasednodes import MODPROBE_LINE, driver_params, params_problem
 
 NOT_SERVED = "no `cudawrap serve` runs for this install: [confine] does nothing here (only the service confines)"
-PARAMS = "driver/nvidia/params"
 NODE_PARAMS = ("DeviceFileUID", "DeviceFileGID", "DeviceFileMode", "ModifyDeviceFiles")
 
 Finding = Tuple[str, str]
-
-
-def driver_params(proc: str) -> Optional[Mapping[str, str]]:
-    """PROC/driver/nvidia/params as NAME -> value ("DeviceFileMode" -> "438"), None without a driver."""
-    try:
-        with open(os.path.join(proc, PARAMS)) as f:
-            return dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
-    except OSError:
-        return None
 
 
 def slurm_constrains(environ: Mapping[str, str]) -> Optional[bool]:
@@ -65,19 +56,24 @@ def _mechanism(config: Mapping[str, Any], served: bool) -> List[Finding]:
     out = [("ok", f"{state} by the {how}; a run's leftovers are ended through {ends}")]
     if runs and cgroup.kernel() >= (6, 0) and not cgroup.favors_dynmods():
         mount = mech.mount if isinstance(mech, cgroup.V2) else mech.devices
-        out.append(("note", "moving a run into its cgroup can wait for an RCU grace period (~10 ms measured "
-                            "on a 6.18 VM) on each launch; mounting cgroups with favordynmods spares it: "
+        out.append(("note", "moving a run into its cgroup can wait for an RCU grace period on each launch "
+                            "(bench/RESULTS.md, cgroupmove); mounting cgroups with favordynmods spares it: "
                             f"mount -o remount,favordynmods {mount}"))
     return out
 
 
-def _driver(proc: str) -> List[Finding]:
+def _driver(proc: str, leased: bool) -> List[Finding]:
     params = driver_params(proc)
     if params is None:
-        return [("note", f"no NVIDIA driver loaded (no {os.path.join(proc, PARAMS)}): its node parameters "
-                         "not checked")]
-    shown = ", ".join(f"{k}={params[k].strip()}" for k in NODE_PARAMS if k in params)
-    out = [("ok", f"the driver makes its nodes with {shown or 'no node parameters listed'}")]
+        return [("warning" if leased else "note",
+                 f"no NVIDIA driver loaded (no {os.path.join(proc, 'driver/nvidia/params')}): its node parameters "
+                 "not checked" + ("; nodes = \"leased\" closes the nodes there are, and must be checked again "
+                                  "once the driver is loaded" if leased else ""))]
+    shown = ", ".join(f"{k}={params[k]}" for k in NODE_PARAMS if k in params)
+    problem = params_problem(params) if leased else None
+    out = [("error", f"nodes = \"leased\", but {problem}: the service will not start; add `{MODPROBE_LINE}` "
+                     "to /etc/modprobe.d/nvidia.conf and reload the driver") if problem else
+           ("ok", f"the driver makes its nodes with {shown or 'no node parameters listed'}")]
     if drivernodes.mig_minors(proc) and drivernodes.char_major(drivernodes.CAPS_NAME, proc) is None:
         out.append(("warning", "MIG capabilities are exposed through /proc, not device nodes "
                                "(nv_cap_enable_devfs=0): no device filter can confine a MIG instance; load "
@@ -95,4 +91,9 @@ def findings(config: Mapping[str, Any], served: bool, environ: Mapping[str, str]
                     "cgroups as Slurm made them" if slurm else
                     "Slurm's ConstrainDevices is off: Slurm jobs are not confined to their GPUs (cudawrap leaves "
                     "Slurm's cgroups as Slurm made them); set ConstrainDevices=yes in cgroup.conf"))
-    return out + _driver(config["proc"])
+    if config["nodes"] == "leased":
+        out.append(("note", "nodes = \"leased\": GPU nodes are root:root 0660, opened to each lessee by a POSIX "
+                            "ACL entry while the service runs; while it is down, no user opens a GPU ("
+                            + (", ".join(config["allow_users"]) + " and root excepted)" if config["allow_users"]
+                               else "root excepted)")))
+    return out + _driver(config["proc"], config["nodes"] == "leased")

@@ -308,33 +308,38 @@ class _Doctor:
                                         "'cudawrap serve --daemon'), or alone: 'cudawrap monitor --daemon'")
 
     def check_service(self) -> None:
-        """Whether the service answers, and whether runs need it: under [service] enforce a
-        user's run is granted by it alone, and without it fails after connect_retry_s."""
+        """Which way this install runs (its way file), whether the service answers, and what
+        that means: where it is the only arbiter, a user's run without it fails after
+        connect_retry_s. And the retired [service] enforce, in one line where it is set."""
         from .. import client
-        from ..install.units import SERVICE_UNIT, unit_wants_link
-        from ..policy.config import load_config
+        from ..paths import SERVICE, recorded_way
+        from ..policy.config import load_config, retired_notes
 
         root = os.fspath(self.layout.root)
-        sock = client.connect(root)
-        if sock is not None:
-            sock.close()
-            self.add(LEVEL_OK, "service", f"running: answering on {client.socket_path(root)}")
-            return
         try:
             config = load_config(self.layout.config_file)
         except CudawrapError:
-            return  # check_config reports it
-        start = client.start_command(root)
-        if config["enforce"]:
-            self.add(LEVEL_ERROR, "service", f"not running, and [service] enforce says only it grants leases: "
-                                             f"every run of a user other than root fails after "
-                                             f"{float(config['connect_retry_s']):g} s (exit 69); start it: {start}")
-        elif unit_wants_link(self.layout, SERVICE_UNIT).is_symlink():
-            self.add(LEVEL_WARNING, "service", f"not running, though its systemd unit is enabled: runs decide for "
-                                               f"themselves meanwhile; start it: {start}")
+            config = None  # check_config reports it
+        for line in retired_notes(config) if config is not None else []:
+            self.add(LEVEL_NOTE, "config", line)
+        way = recorded_way(root)
+        sock = client.connect(root)
+        if sock is not None:
+            sock.close()
+            said = ("" if way == SERVICE else
+                    f" (started by hand: this install runs {way or 'daemonless'}; `cudawrap way service` "
+                    f"records it, `cudawrap way daemonless` ends it)")
+            self.add(LEVEL_OK, "service", f"this install runs with the service, its only arbiter: answering on "
+                                          f"{client.socket_path(root)}{said}")
+            return
+        if way == SERVICE:
+            retry = float(config["connect_retry_s"]) if config is not None else 10.0
+            self.add(LEVEL_ERROR, "service", f"this install runs with the service, its only arbiter, and it is not "
+                                             f"running: every run of a user other than root fails after "
+                                             f"{retry:g} s (exit 69); start it: {client.start_command(root)}")
         else:
-            self.add(LEVEL_OK, "service", "not used by this install: runs decide for themselves ([service] enforce "
-                                          "is off)")
+            self.add(LEVEL_OK, "service", "this install runs daemonless: runs decide for themselves "
+                                          "(`cudawrap way service` switches it)")
 
     def _devices(self) -> Optional[Inventory]:
         try:

@@ -49,6 +49,7 @@ _SUBCOMMANDS = {
     "status": "cudawrap.cli.runtime.StatusCommand",
     "monitor": "cudawrap.cli.runtime.MonitorCommand",
     "serve": "cudawrap.cli.serve_cmd.ServeCommand",
+    "way": "cudawrap.cli.serve_cmd.WayCommand",
     "run": "cudawrap.cli.runtime.RunCommand",
     "config": "cudawrap.cli.config_cmd.ConfigCommand",
     "drain": "cudawrap.cli.ops.DrainCommand",

@@ -17,7 +17,7 @@ from plumbum import cli
 from ..admin.confinecheck import NOT_SERVED
 from ..ops.ledger import service_running
 from ..policy import effective as policy
-from ..policy.config import DEFAULTS, NOTES, OPS_SECTIONS, format_wait
+from ..policy.config import DEFAULTS, NOTES, OPS_SECTIONS, RETIRED, format_wait
 from ..policy.defaults import toml_value
 from ..errors import UsageError
 from ..policy.limits import NO_LIMITS
@@ -92,7 +92,7 @@ class ConfigCommand(Command):
         limits = settings.limits or NO_LIMITS
         share_rows = _sharing_rows(settings.sharing)
         tables = ("limits", "sharing")  # shown as tables of their own below
-        keys = [k for k in DEFAULTS if k in settings and k not in tables] + sorted(
+        keys = [k for k in DEFAULTS if k in settings and k not in tables and k not in RETIRED] + sorted(
             k for k in settings.keys() if k not in DEFAULTS and k not in tables)
         limit_rows = _limit_rows(limits)
         if self.as_json:
@@ -129,6 +129,9 @@ class ConfigCommand(Command):
         for key, note in NOTES.items():
             if key in settings and settings.value(key) != DEFAULTS[key]:
                 print(f"# note: {key}: {note}")
+        for key, why in RETIRED.items():
+            if key in settings and settings.source(key) != "default":
+                print(f"# note: {source_text(settings.source(key))}: {why}")
         if not service_running(layout) and any(settings.value(k) != DEFAULTS[k] for k in OPS_SECTIONS["confine"]):
             print(f"# note: confine: {NOT_SERVED}")
         if any(n for _who, n, _src in limit_rows):
@@ -137,9 +140,11 @@ class ConfigCommand(Command):
 
 
 # What a limit cannot catch without a root process between users and their leases.
-LIMITS_NOTE = ("each run counts its user's leases from the kernel's locks and the descriptors it may "
-               "read; a lease handed to a setuid program or to another user's process after the process "
-               "that took it exited counts for nobody (the user guide, \"Limits and filters\")")
+LIMITS_NOTE = ("through the service a lease counts for the user it was granted to while its lock is held, "
+               "wherever its descriptor went; a run deciding for itself counts its user's leases from the "
+               "kernel's locks and the descriptors it may read, so there a lease handed to a setuid program or "
+               "to another user's process after the process that took it exited counts for nobody (the user "
+               "guide, \"Limits and filters\")")
 
 
 def _sharing_rows(sharing: Dict[str, Any]) -> List[Tuple[str, Any, str]]:

@@ -65,10 +65,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                       help="a directory install.sh created for the virtual environment")
     inst.add_argument("--wheel", type=Path, help="the client wheel to leave for users")
     inst.add_argument("--build", default="", help="which build this is (commit, date), for --version")
+    inst.add_argument("--way", choices=("service", "daemonless"),
+                      help="how a new install runs (default: a root install with its service, a --prefix "
+                           "one daemonless); an upgrade keeps its way")
     prep = sub.add_parser("prepare", help="directories, runtime area and shim of an install root (the .deb's "
                                            "postinst)")
     prep.add_argument("--root", required=True, type=Path)
     prep.add_argument("--python", required=True, help="the interpreter baked into the shim")
+    prep.add_argument("--way", choices=("service", "daemonless"), default="service",
+                      help="how a new install runs (the .deb's: service); an upgrade keeps its way")
     rem = sub.add_parser("uninstall")
     rem.add_argument("--root", required=True, type=Path)
     rem.add_argument("--unwrap-all", action="store_true")
@@ -98,10 +103,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     who = "cudawrap" if args.action in ("prepare", "stop-monitor") else PROG  # the .deb's scripts
     try:
         if args.action == "prepare":
+            from ..install.way import record_way
+
+            record_way(layout, args.way)  # before prepare: the directories' modes follow it
             prepare_package(layout, args.python, refresh_shims)
         elif args.action == "install":
             install(layout, args.python, args.source, args.created, wheel=args.wheel, build=args.build,
-                    man_pages=man_pages(layout), refresh=refresh_shims)
+                    man_pages=man_pages(layout), refresh=refresh_shims, way=args.way)
         elif args.action == "stop-monitor":
             stop_monitor(layout, _package_say)
         else:

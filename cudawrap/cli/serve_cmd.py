@@ -32,6 +32,9 @@ class ServeCommand(Command):
             return stop_daemon(root, pid_file)
         if not layout.runtime_dir.is_dir():
             raise SetupError(f"the runtime directory {layout.runtime_dir} is missing", hint=SYNC_HINT)
+        from ..ops.servestart import refuse_stranded_waiters
+
+        refuse_stranded_waiters(layout)  # here too: a --daemon's refusal is said in this terminal
         if not self.daemon:
             serve(root)
             return 0
@@ -67,3 +70,31 @@ def stop_daemon(root: str, pid_file: str) -> int:
                          f"(no live {pid_file})", hint="stop it as it was started: systemctl stop cudawrap")
     print(f"cudawrap serve: no service runs (no live {pid_file})")
     return 0
+
+
+class WayCommand(Command):
+    """Say, or switch (root), which way this install runs: with the service or daemonless."""
+
+    DESCRIPTION_MORE = (
+        "With the service, it is the only arbiter: the lease, slot and queue directories are root's "
+        "and every run is its grant (root's own decide for themselves only while it is down). "
+        "Daemonless, each run decides for itself. Switching keeps every lease held; it refuses "
+        "(exit 75, nothing changed) while runs wait on the side it leaves, as they would lose their turn.")
+
+    def main(self, way: str = "") -> int:
+        from ..admin.way import service_pid, switch
+        from ..base.privilege import require_admin
+        from ..paths import WAYS, recorded_way
+
+        layout = default_layout()
+        if not way:
+            recorded = recorded_way(str(layout.root))
+            pid = service_pid(layout)
+            running = f"the service runs (pid {pid})" if pid else "no service runs"
+            print(f"{recorded or 'no way recorded'} ({layout.way_file}); {running}")
+            return 0
+        if way not in WAYS:
+            raise UsageError(f"no way {way!r}: choose service or daemonless", hint="cudawrap way --help")
+        require_admin(layout, "switch the way this install runs")
+        switch(layout, way, lambda line: print(f"cudawrap way: {line}", flush=True))
+        return 0

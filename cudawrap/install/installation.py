@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from .. import __version__
-from ..paths import Layout
+from ..paths import SERVICE, Layout
 # Re-exported: callers (the CLI, install.sh's check, doctor, sync, the tests) import these from here.
 from .manifest import (  # noqa: F401
     CONFFILE, DIR, FILE, LINK, TREE, InstallError, Manifest, manifest_file, missing_dirs, sha256_of,
@@ -118,10 +118,12 @@ def check_command_links(layout: Layout) -> None:
 
 def install(layout: Layout, python: str, source: Optional[Path], created: List[Path],
             say: Callable[[str], None] = _say, wheel: Optional[Path] = None, build: str = "", *,
-            man_pages: Mapping[Path, str], refresh: Refresh) -> None:
+            man_pages: Mapping[Path, str], refresh: Refresh, way: Optional[str] = None) -> None:
     """Everything after pip: the install root, config, boot files, commands on PATH.
 
-    CREATED are the directories install.sh made for the virtual environment. MAN_PAGES
+    CREATED are the directories install.sh made for the virtual environment. WAY: how a new
+    install runs (None: a root install with its service, a --prefix one daemonless); an
+    upgrade keeps the way it runs (README "One arbiter"). MAN_PAGES
     (path -> text) and REFRESH (the wrapped programs' shims, rewritten) come from the
     layers above, which own the CLI definitions and the wraps. Idempotent:
     a re-run (an upgrade) refreshes the shim and the boot files and keeps the config.
@@ -134,7 +136,7 @@ def install(layout: Layout, python: str, source: Optional[Path], created: List[P
             manifest.add(DIR, path)
     manifest.add(TREE, layout.venv_dir)
     try:
-        _install(layout, python, source, manifest, say, man_pages, refresh)
+        _install(layout, python, source, manifest, say, man_pages, refresh, way)
         if build:
             write_build(layout, build)
             say(f"==> build: {build} (`cudawrap --version` and `cudawrap doctor` show it)")
@@ -167,7 +169,8 @@ def write_build(layout: Layout, build: str) -> None:
 
 
 def _install(layout: Layout, python: str, source: Optional[Path], manifest: Manifest,
-             say: Callable[[str], None], man_pages: Mapping[Path, str], refresh: Refresh) -> None:
+             say: Callable[[str], None], man_pages: Mapping[Path, str], refresh: Refresh,
+             asked: Optional[str] = None) -> None:
     from ..base.cgroup import confinable
     from ..policy.defaults import install_choices, render_config
     from ..paths import ROOT_MARKER
@@ -177,6 +180,7 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
     for target in (layout.etc_dir, layout.state_dir, layout.runtime_dir, layout.shim.parent, layout.shim_dir):
         for path in missing_dirs(target):
             manifest.add(TREE if path in trees else DIR, path)
+    way = _record_way(layout, asked, say)
     shim_existed = layout.shim.exists()
     prepare(layout, python)
     if not shim_existed:
@@ -190,15 +194,12 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
     config = layout.config_file
     if os.path.lexists(config):
         say(f"==> kept the configuration {config}")
-    elif systemd_running(layout):
-        # The service runs here (enabled below), so only it need take leases: README "Two modes";
-        # and it confines each run to its own GPUs where the host can ([confine] runs).
-        confine = confinable()
-        _write_text(config, render_config(install_choices(confine)))
+    elif way == SERVICE and systemd_running(layout) and confinable():
+        # The service runs here (enabled below): it confines each run to its own GPUs.
+        _write_text(config, render_config(install_choices(True)))
         manifest.replace(CONFFILE, config, sha256=sha256_of(config))
         say(f"==> wrote the default configuration {config} (every setting commented out but "
-            f"[service] enforce = true: only the service grants leases"
-            + ("; [confine] runs = true: each run opens its own GPUs only)" if confine else ")"))
+            f"[confine] runs = true: each run opens its own GPUs only)")
     else:
         _write_text(config, render_config())
         manifest.replace(CONFFILE, config, sha256=sha256_of(config))
@@ -215,7 +216,22 @@ def _install(layout: Layout, python: str, source: Optional[Path], manifest: Mani
             manifest.add(LINK, link, target=str(target))
         say(f"==> command {link} -> {target}")
 
-    _enable_units(layout, manifest, say)
+    _enable_units(layout, manifest, say, way)
+
+
+def _record_way(layout: Layout, asked: Optional[str], say: Callable[[str], None]) -> str:
+    """The way this install runs: kept on an upgrade (an older install's, as it ran),
+    else ASKED, else a root install's service or a --prefix install's daemonless."""
+    from .way import DAEMONLESS, record_way
+
+    # State, as the registry is: kept by --uninstall for a later install, gone with --purge.
+    way = record_way(layout, asked or (SERVICE if layout.is_system else DAEMONLESS))
+    if asked and asked != way:
+        say(f"{PROG}: warning: kept the way this install runs ({way}): switch it with `cudawrap way {asked}`")
+    else:
+        say(f"==> runs {'with the service as its only arbiter' if way == SERVICE else 'daemonless'} "
+            f"({layout.way_file}; `cudawrap way` switches it)")
+    return way
 
 
 def _write_files(layout: Layout, source: Optional[Path], manifest: Manifest, say: Callable[[str], None],
@@ -240,12 +256,13 @@ def _write_files(layout: Layout, source: Optional[Path], manifest: Manifest, say
         say(f"==> {what}: {path}")
 
 
-def _enable_units(layout: Layout, manifest: Manifest, say: Callable[[str], None]) -> None:
+def _enable_units(layout: Layout, manifest: Manifest, say: Callable[[str], None], way: str) -> None:
     """Enable the units that should run (where systemd runs), or say what to run instead."""
     mps = mps_mode(layout)
     if systemd_running(layout):
-        enable = [(UNIT_NAME, "`cudawrap sync` runs at every boot"),
-                  (SERVICE_UNIT, "`cudawrap serve` grants leases and runs the monitor's loop")]
+        enable = [(UNIT_NAME, "`cudawrap sync` runs at every boot")]
+        if way == SERVICE:
+            enable.append((SERVICE_UNIT, "`cudawrap serve` grants leases and runs the monitor's loop"))
         _retire_monitor_unit(layout, manifest, say)
         if mps:
             enable.append((MPS_UNIT, "an MPS control daemon runs for each shared device"))
@@ -273,14 +290,16 @@ def _enable_units(layout: Layout, manifest: Manifest, say: Callable[[str], None]
     elif layout.is_system:
         say(f"==> {UNIT_NAME} not enabled: systemd is not running here; run `cudawrap sync` "
             f"after every boot (the runtime directory is on /run)")
-        say(_service_without_systemd(layout, "systemd is not running here"))
+        if way == SERVICE:
+            say(_service_without_systemd(layout, "systemd is not running here"))
         if mps:
             say(f"==> {MPS_UNIT} not enabled: systemd is not running here; run `cudawrap mps start` "
                 f"after every boot")
     else:
         say(f"==> {UNIT_NAME} not enabled (a --prefix install); run `cudawrap sync` after a reboot "
             f"or a MIG change")
-        say(_service_without_systemd(layout, "a --prefix install"))
+        if way == SERVICE:
+            say(_service_without_systemd(layout, "a --prefix install"))
         if mps:
             say(f"==> {MPS_UNIT} not enabled (a --prefix install); run `cudawrap mps start` yourself")
 
@@ -299,7 +318,7 @@ def _service_without_systemd(layout: Layout, why: str) -> str:
                if running(loc.under(str(layout.root), loc.SERVICE_PID)) == pid else "as it was started")
         return f"==> the cudawrap service runs (pid {pid}), the monitor's loop with it; restart it to run this version: {how}"
     return (f"==> {SERVICE_UNIT} not enabled ({why}); start the service, which runs the monitor's loop too, with "
-            f"`{cudawrap} serve --daemon` (README \"The cudawrap service\")")
+            f"`{cudawrap} serve --daemon` (docs/admin/service.md)")
 
 
 def _retire_monitor_unit(layout: Layout, manifest: Manifest, say: Callable[[str], None]) -> None:
@@ -402,6 +421,7 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
     if wrapped and unwrap_all:
         _unwrap_all(layout, environ, len(wrapped), say)
     _stop_units(layout, environ, say)
+    _open_nodes(layout, say)
     kept = {str(p) for p in _handed_over(layout)} if keep_wraps else set() if purge else {str(layout.state_dir)}
     if not keep_wraps:
         _release_claims(layout, say)
@@ -420,6 +440,20 @@ def uninstall(layout: Layout, unwrap_all: bool, say: Callable[[str], None] = _sa
         f"{layout.config_file} and {layout.runtime_dir} (the leases of running programs)")
     say("==> wrapped programs cannot start until the package is installed: now run "
         "`sudo apt-get install ./cudawrap_VERSION_ARCH.deb` (or `sudo ./install.sh` to go back)")
+
+
+def _open_nodes(layout: Layout, say: Callable[[str], None]) -> None:
+    """GPU nodes the stopped service closed ([confine] nodes = "leased") put back as they were."""
+    from ..base import nodemodes
+
+    state = os.path.join(layout.state_dir, "nodes.saved")  # ops/leasednodes.py's STATE_NAME
+    try:
+        count = nodemodes.put_back(state)
+    except (OSError, ValueError) as exc:
+        say(f"==> warning: the GPU nodes could not be put back as they were ({state}): {exc}")
+        return
+    if count:
+        say(f"==> put back {count} GPU node(s) as they were before [confine] nodes = \"leased\"")
 
 
 def _unwrap_all(layout: Layout, environ: Dict[str, str], count: int, say: Callable[[str], None]) -> None:

@@ -20,40 +20,45 @@ def _dir(path: Path, mode: int) -> None:
         os.chmod(path, mode)
 
 
-def enforced(layout: Layout) -> bool:
-    """Whether the config says only the service takes leases ([service] enforce)."""
-    from ..policy.effective import effective
+def sealed(layout: Layout) -> bool:
+    """Whether only the service may open the lease, slot and queue directories: where the
+    install runs it (its recorded way), and wherever it runs now, however started (README
+    "One arbiter"): one arbiter at a time, never the service beside runs that go around it."""
+    from .. import locations as loc
+    from ..base.daemon import running
+    from ..paths import SERVICE, recorded_way
 
-    return bool(effective(str(layout.root), None, {}).value("enforce"))
+    return (recorded_way(str(layout.root)) == SERVICE
+            or running(loc.under(str(layout.root), loc.SERVICE_LOCK)) is not None)
 
 
-def prepare_runtime(layout: Layout, enforce: Optional[bool] = None) -> None:
+def prepare_runtime(layout: Layout, seal: Optional[bool] = None) -> None:
     """The tmpfs part (/run/cudawrap): lease, slot and queue directories and the queue lock.
 
-    ENFORCE (None: as the config says): the lease, slot and queue directories are root's
+    SEAL (None: as sealed() says): the lease, slot and queue directories are root's
     alone, so no user can open a lease file to flock it, nor queue a claim: only the
     service (root) opens them, and hands a run the descriptors it granted. Otherwise users
-    open the lease files and queue themselves (the daemonless path). MPS pipe directories
+    open the lease files and queue themselves (the daemonless way). MPS pipe directories
     likewise: reachable by the service's sharers alone (lease/mpsaccess.py), or by everyone."""
-    if enforce is None:
-        enforce = enforced(layout)
+    if seal is None:
+        seal = sealed(layout)
     _dir(layout.runtime_dir, 0o755)
-    _dir(layout.lease_dir, 0o700 if enforce else 0o755)
-    _dir(layout.share_dir, 0o700 if enforce else 0o755)
+    _dir(layout.lease_dir, 0o700 if seal else 0o755)
+    _dir(layout.share_dir, 0o700 if seal else 0o755)
     # Sticky and world-writable like /tmp: everyone may queue, nobody may unqueue others.
-    _dir(layout.queue_dir, 0o1700 if enforce else 0o1777)
+    _dir(layout.queue_dir, 0o1700 if seal else 0o1777)
     fd = os.open(layout.queue_lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     os.fchmod(fd, 0o644)
     os.close(fd)
     from ..lease.mpsaccess import prepare as prepare_mps
 
-    prepare_mps(layout, enforce)  # each MPS pipe directory: 0700 for the service's ACLs, or 0755
+    prepare_mps(layout, seal)  # each MPS pipe directory: 0700 for the service's ACLs, or 0755
 
 
 def prepare(layout: Layout, python: str = sys.executable) -> None:
     """Every directory of an install root, the runtime area and the shim."""
     _dir(layout.etc_dir, 0o755)
     _dir(layout.state_dir, 0o755)
-    prepare_runtime(layout, enforced(layout) if layout.config_file.exists() else False)
+    prepare_runtime(layout)
     install_shim(layout, python)
     _dir(layout.shim_dir, 0o755)

@@ -237,18 +237,31 @@ def obtain(root: str, prog: str, settings: Settings, environ: Any,
     from ..lease.sharing import of_run
 
     sharing, share = of_run(value, count)
-    # Under [service] enforce a user cannot open the lease files: the service alone grants,
-    # shares too (root still may decide for itself, so a stopped service never locks the
-    # admin out). Without it, shared runs decide for themselves.
-    enforced = bool(value.get("enforce")) and os.geteuid() != 0
-    if enforced or (job is None and not share and os.path.exists(loc.under(root, loc.SERVICE_SOCKET))):
+    # Where the service arbitrates (README "One arbiter") every run, shares and Slurm jobs
+    # too, is its grant: a user cannot open the lease files, and waits for a service that is
+    # restarting; root decides for itself only while it is down, so a stopped service never
+    # locks the admin out. Elsewhere an unshared run asks a service that answers.
+    arbiter = _service_arbitrates(root, lease_dir)
+    must = arbiter and os.geteuid() != 0
+    if must or ((arbiter or (job is None and not share)) and os.path.exists(loc.under(root, loc.SERVICE_SOCKET))):
         from .given import from_service
 
-        served = from_service(root, prog, value, environ, count, job, enforced, ticket)
+        served = from_service(root, prog, value, environ, count, job, must, ticket)
         if served is not None:
             return served
 
     return _Run(root, prog, settings, environ, count, sharing, share).take(job, preset, layout)
+
+
+def _service_arbitrates(root: str, lease_dir: str) -> bool:
+    """Whether the service is this install's one arbiter: its recorded way (paths.py), or
+    a lease directory it made root's alone when it started by hand in a daemonless install."""
+    if loc.recorded_way(root) == loc.SERVICE:
+        return True
+    try:
+        return not os.stat(lease_dir).st_mode & 0o001
+    except OSError:
+        return False  # no lease directory: the run says so as it decides
 
 
 def _grant_without_lease(prog: str, job: Any, preset: Optional[str]) -> Optional[Grant]:

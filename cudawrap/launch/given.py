@@ -61,10 +61,11 @@ def inherited_grant(lease_dir: str, marker: Optional[str], preset: Optional[str]
 
 
 def from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, count: int, job: Any = None,
-                  enforced: bool = False, ticket: str = "") -> Optional[Grant]:
+                  must: bool = False, ticket: str = "") -> Optional[Grant]:
     """Devices (or shares) granted by `cudawrap serve` (README "The cudawrap service"); None
-    when it does not answer, and the run decides for itself as without it. ENFORCED: it
-    cannot; the service is tried again for connect_retry_s (a restart), then ServiceUnavailable."""
+    when it does not answer, and the run decides for itself as without it. MUST: it cannot
+    (the service is the install's arbiter): the service is tried again for connect_retry_s
+    (a restart), then ServiceUnavailable."""
     from .. import client
 
     def on_wait(text: str) -> None:
@@ -77,7 +78,7 @@ def from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, coun
         devices = _job_devices(job)
         if devices is not None:
             fields["visible"] = devices
-    if not enforced:
+    if not must:
         granted = client.ask(root, fields, on_wait)
     else:
         granted = client.ask_retrying(root, fields, on_wait, float(value.get("connect_retry_s", 10.0)))

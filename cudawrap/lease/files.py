@@ -397,7 +397,7 @@ def _locked_file(fd: int, path: str, exclusive: bool) -> bool:
         current = os.stat(path, follow_symlinks=False)
         same = (mine.st_ino, mine.st_dev) == (current.st_ino, current.st_dev)
     except PermissionError:
-        # [service] enforce: the directory is root's, and only the service opens its files,
+        # The service arbitrates: the directory is root's, and only the service opens its files,
         # so a descriptor the kernel names by that path (not replaced since: no " (deleted)")
         # was granted by it.
         try:

@@ -4,7 +4,7 @@ An MPS client connects to a socket in its device's pipe directory (``sharing.mps
 and the MPS server the daemon starts for it runs with its uid and works there too. The
 daemon's sockets are open to everyone (NVIDIA makes them 0777), so the directory decides.
 
-* Without ``[service] enforce``: root's, 0755, no ACL. Every user reaches every daemon;
+* Where no service arbitrates (the daemonless way): root's, 0755, no ACL. Every user reaches every daemon;
   MPS's one user at a time still holds, and a client without a share shows in status.
 * With it: root's, 0700, plus an access ACL naming, with rwx, exactly the uids that hold a
   share of that device through the service (``Grants``): set when the service confirms a
@@ -12,8 +12,8 @@ daemon's sockets are open to everyone (NVIDIA makes them 0777), so the directory
   the grants the service follows when it starts. Root's tools (sync, ``mps start``) make a
   directory without an ACL 0700 and leave an ACL the service set alone.
 
-A filesystem without ACLs (EOPNOTSUPP) leaves the directory as it is, 0755: enforce then
-cannot keep users off the daemons, and the service says so once in its log.
+A filesystem without ACLs (EOPNOTSUPP) leaves the directory as it is, 0755: the
+service cannot keep users off the daemons, and says so once in its log.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def named(path: str) -> Set[int]:
 
 
 def open_up(path: str) -> None:
-    """PATH back to 0755 without an ACL ([service] enforce turned off)."""
+    """PATH back to 0755 without an ACL (back to the daemonless way)."""
     fd = os.open(path, _OPEN)
     try:
         try:
@@ -77,7 +77,7 @@ def open_up(path: str) -> None:
 
 
 def seal(path: str) -> None:
-    """Root's tools under enforce: PATH 0700 unless the service gave users access (an ACL
+    """Root's tools where the service arbitrates: PATH 0700 unless the service gave users access (an ACL
     naming them: the shares it follows); left as it is where ACLs are not supported."""
     if named(path):
         return
@@ -88,10 +88,10 @@ def seal(path: str) -> None:
             raise
 
 
-def prepare(layout: Layout, enforce: bool) -> None:
-    """Every pipe directory as ENFORCE wants it (sync and the service's start)."""
+def prepare(layout: Layout, sealed: bool) -> None:
+    """Every pipe directory sealed (SEALED) or open to all (sync and the service's start)."""
     for path in pipe_dirs(layout).values():
-        (seal if enforce else open_up)(path)
+        (seal if sealed else open_up)(path)
 
 
 class PipeAccess:

@@ -16,19 +16,15 @@ class Comeback:
     gathers what the log says once the service listens; SAY is the log."""
 
     def __init__(self, layout: Layout, notes: List[str], say: Callable[[str], None]) -> None:
-        from ..install.runtime import enforced
-
         self.say = say
         key, why = tickets.load_key(layout.service_key)
         if why not in ("", "missing"):
             notes.append(f"a new key for reconnect tickets in {layout.service_key} (the old one was {why})")
         self.tickets = tickets.Tickets(key, time.time())
         # Nothing is granted until as many runs as held tickets of the service before this one
-        # are back in line with them, or GRACE_S. Without [service] enforce the waiters of a
-        # service that went away wait in the queue directory instead (client.ask): none
-        # comes back to be waited for.
+        # are back in line with them, or GRACE_S.
         self.census = tickets.Census(layout.service_waiters)
-        self.expected = self.census.previous(time.time()) if enforced(layout) else 0
+        self.expected = self.census.previous(time.time())
         self.returned = 0
         self.grace_until = time.monotonic() + (tickets.GRACE_S if self.expected else 0.0)
         if self.expected:

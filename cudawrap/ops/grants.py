@@ -22,11 +22,11 @@ A grant void (declined, "lost", lapsed at its deadline unlocked) leaves its clie
 descriptors, which it may lock whenever it likes (a flock belongs to the open file
 description, and SCM_RIGHTS passed that whole: closing our copies takes nothing back). So
 each of its files is replaced by a fresh one (lease/renew.py) while nobody holds it, the
-first time it is found free: what the client kept names a file nobody reads. Under enforce
+first time it is found free: what the client kept names a file nobody reads. And
 every lease and slot file is replaced so at the service's start, descriptors opened before
 it made the directories root's being worth no more (RENEWING lists those not yet replaced).
 
-Under [service] enforce a shared device's MPS pipe directory is open to the uids of its
+A shared device's MPS pipe directory is open to the uids of its
 sharers alone (lease/mpsaccess.py): set when a share is confirmed, again as shares end.
 
 Under [confine] runs = true each client's run cgroup (runcgroups.py) opens what it holds
@@ -43,9 +43,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .. import wire
+from ..errors import NotConfined
 from ..lease.files import LeaseFiles, lock_kind, lock_table
 from ..lease.renew import replace
 from ..paths import Layout
+from ..proc import real_uid
 from . import accounts
 
 DEADLINE_S = 2.0
@@ -92,7 +94,7 @@ class Held:
 
 
 class Grants:
-    def __init__(self, leases: LeaseFiles, layout: Layout, enforce: bool = False,
+    def __init__(self, leases: LeaseFiles, layout: Layout,
                  say: Callable[[str], None] = lambda line: None) -> None:
         from ..lease.mpsaccess import PipeAccess
 
@@ -100,7 +102,7 @@ class Grants:
         self.layout = layout
         self.pending: Dict[str, Pending] = {}
         self.held: Dict[int, Held] = {}  # pidfd -> grant
-        self.pipes = PipeAccess(layout, say) if enforce else None
+        self.pipes = PipeAccess(layout, say)
         # (uuid, slot) of each lease file (slot 0) and slot file to replace once found free.
         self.renewing: Set[Tuple[str, int]] = set()
         self.renewing_file = layout.runtime_dir / "service.renewing"
@@ -108,22 +110,35 @@ class Grants:
         # (held when the grant was voided: by that client, through what it was sent, as a rule).
         self.voided: Dict[str, Dict[int, int]] = {}
         from ..policy.config import load_config
+        from . import leasednodes
         from .runcgroups import for_install
 
-        self.confine = for_install(load_config(layout.config_file), say)
+        config = load_config(layout.config_file)
+        self.confine = for_install(config, say)
+        self.nodes = leasednodes.for_install(config, str(layout.state_dir), say)
 
     def close(self) -> None:
         if self.confine is not None:
             self.confine.close()
+        if self.nodes is not None:
+            from ..policy.config import load_config
+            from . import leasednodes
+
+            self.nodes.close()
+            if load_config(self.layout.config_file)["nodes"] != "leased":  # set to "open" since the start
+                leasednodes.put_back(str(self.layout.state_dir))
 
     def enter(self, pid: int, uid: int) -> None:
         """A client asked for devices: under [confine] runs, into a run cgroup of its own, now."""
         if self.confine is not None:
             self.confine.enter(pid, uid)
 
-    def _confine(self, pid: int, more: Sequence[str] = ()) -> bool:
+    def _confine(self, pid: int, more: Sequence[str] = (), uid: int = -1) -> bool:
         """PID's run cgroup set to what it holds through the service, and MORE (about to be
-        sent); False where it could not be done."""
+        sent, to UID); under nodes = "leased" every node to its lessees; False where it could
+        not be done."""
+        if self.nodes is not None and not self.nodes.lessees(self._lessees(more, uid)):
+            return False
         if self.confine is None:
             return True
         devices = {u for p in self.pending.values() if p.pid == pid for u in p.devices}
@@ -131,10 +146,28 @@ class Grants:
                        if u not in h.ended and u not in h.let_go)
         return self.confine.allow(pid, sorted(devices.union(more)))
 
-    def let_go(self, held: Held) -> None:
-        """HELD's leases were found free (its client let go, or is exiting): its cgroup no
-        longer opens them, before they go to anyone else (the API's release())."""
+    def gone(self, pid: int) -> None:
+        """PID's connection is closed: its run cgroup opens what it still holds through the
+        service (nothing, for a run killed while it waited: its cgroup goes once empty)."""
         if self.confine is not None:
+            self._confine(pid)
+
+    def _lessees(self, more: Sequence[str] = (), uid: int = -1) -> Dict[str, Set[int]]:
+        """uuid -> the uids holding it through the service now (and UID, MORE about to be sent)."""
+        out: Dict[str, Set[int]] = {u: {uid} for u in more}
+        for p in self.pending.values():
+            for u in p.devices:
+                out.setdefault(u, set()).add(p.uid)
+        for h in self.held.values():
+            for u in h.devices:
+                if u not in h.ended and u not in h.let_go:
+                    out.setdefault(u, set()).add(h.uid)
+        return out
+
+    def let_go(self, held: Held) -> None:
+        """HELD's leases were found free (its client let go, or is exiting): its cgroup and the
+        nodes no longer open them, before they go to anyone else (the API's release())."""
+        if self.confine is not None or self.nodes is not None:
             held.let_go = list(held.devices)
             self._confine(held.pid)
 
@@ -143,15 +176,13 @@ class Grants:
         return {h.uid for h in self.held.values() if h.slots.get(uuid) and uuid not in h.ended}
 
     def _mps_access(self, held: Held) -> None:
-        """HELD's shared devices' pipe directories for their sharers now (enforce)."""
-        if self.pipes is not None:
-            for uuid in held.slots:
-                self.pipes.set(uuid, self.sharers(uuid))
+        """HELD's shared devices' pipe directories for their sharers now."""
+        for uuid in held.slots:
+            self.pipes.set(uuid, self.sharers(uuid))
 
     def restore_mps_access(self) -> None:
         """Every pipe directory for the shares followed now: a restart's, after adopting."""
-        if self.pipes is not None:
-            self.pipes.rebuild({u: self.sharers(u) for h in self.held.values() for u in h.slots})
+        self.pipes.rebuild({u: self.sharers(u) for h in self.held.values() for u in h.slots})
 
     def claimed(self) -> Dict[str, List[Tuple[int, bool]]]:
         """uuid -> (client pid, exclusive) of each grant sent whose lock may not show yet."""
@@ -226,11 +257,11 @@ class Grants:
             for fd in fds:
                 os.close(fd)
             return False
-        if not self._confine(pid, devices):
+        if not self._confine(pid, devices, uid):
             for fd in fds:
                 os.close(fd)
             try:  # its one line, then it is dropped as a client gone
-                sock.send(wire.encode(wire.ERROR, {"code": str(os.EX_OSERR), "text": "the cudawrap service could not "
+                sock.send(wire.encode(wire.ERROR, {"code": str(NotConfined.exit_code), "text": "the cudawrap service could not "
                                       "confine this run to its devices ([confine] runs = true): nothing was granted",
                                       "hint": "the service's log says why; `cudawrap doctor` checks the host"}))
             except OSError:
@@ -447,6 +478,10 @@ class Grants:
                 self.check(held)
         if self.confine is not None:
             self.confine.reconcile(self._holds(), [h.pid for h in self.held.values()])
+        if self.nodes is not None:
+            followed = {h.pid for h in self.held.values()}
+            unfollowed = {pid: (real_uid(pid), uuids) for pid, uuids in self._holds().items() if pid not in followed}
+            self.nodes.reconcile(self._lessees(), {p: (u, d) for p, (u, d) in unfollowed.items() if u is not None})
         return running
 
     def _holds(self) -> Dict[int, List[str]]:

@@ -97,7 +97,7 @@ class MonitorHealth:
     """The monitor's hook: the [health] settings (re-read when the config changes) and a
     keeper fed the snapshot the monitor has just written."""
 
-    def __init__(self, layout: Any) -> None:
+    def __init__(self, layout: Any, strict: bool = True) -> None:
         from .ledgerfile import Notes
 
         self.layout = layout
@@ -114,7 +114,7 @@ class MonitorHealth:
         self.idle_watch = IdleWatch(self.notes, *idle_leases(str(layout.root))[::2])  # a spell outlives a restart
         self._signature: Any = None
         self.policy: Optional[Policy] = None
-        self._reload(strict=True)  # a bad [health] value stops the monitor at start: one line, 78
+        self._reload(strict)  # STRICT: a bad [health] value stops the monitor at start: one line, 78
         self._listen()
 
     def _listen(self) -> None:
@@ -143,10 +143,9 @@ class MonitorHealth:
             self.policy = Policy.from_config(config)
             self.ledger_limits = (config["max_mib"] << 20, config["keep"])
             self.keeper.private = bool(config["private_status"])
-        except ConfigError as exc:  # keep the last good settings; the shims say what is wrong
+        except ConfigError:  # keep the last good settings; the shims say what is wrong, the monitor once
             if strict:
                 raise
-            log.warning("[health] settings not re-read: %s", exc.message)
             if self.policy is None:
                 from ..policy.config import DEFAULTS
 

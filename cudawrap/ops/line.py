@@ -135,8 +135,8 @@ class Line:
 
         A lease found free stays free until someone takes its lock, and nobody can without
         a descriptor on it: one opened since (the watch reports the open), or one that was
-        open already and unlocked (a grant sent: touched() then; or, without enforce, a run
-        deciding for itself, or anyone). A run granted such a lease finds it held when it
+        open already and unlocked (a grant sent: touched() then; or root's run
+        deciding for itself). A run granted such a lease finds it held when it
         takes it, says so (wire.LOST), and the lease is tried again: the flock stays the
         truth. A free lease is tried again at least every FREE_KEPT_S all the same, and one
         found held always (a holder may let go without a close the watch would report)."""
@@ -265,6 +265,8 @@ class Line:
         waiters, free, held, limits, busy, fit, shares, bounds, idents = a.last
         if len(waiters) > CARRY_MAX_WAITERS:
             return None  # a long line's hand-over waits for the full decision, as before
+        if any(w.request.foreign not in (None, (a.foreign, a.busy_memory_mib)) for w in waiters):
+            return None  # a run judged by its program's own foreign rule: a device let go is judged for it there
         state = State(waiters, free, held, limits, a.parents, busy, fit, shares, bounds, list(idents), a.whole)
         return after(state, {key: v.devices for key, v in verdicts.items() if v.kind == GRANTED})
 

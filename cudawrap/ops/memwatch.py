@@ -51,7 +51,7 @@ class Watch:
         """Account every run, act on the shared ones over their share, write the snapshot.
         Returns the snapshot. Raises nothing for a broken config: the launch reports it."""
         from ..devices import nvml
-        from ..errors import CudawrapError
+        from ..errors import ConfigError, CudawrapError
 
         now = time.time()
         held = runs(self.layout)
@@ -64,9 +64,9 @@ class Watch:
         try:
             settings = self._settings()
         except CudawrapError as exc:
-            if exc.message != self._problem:
+            if exc.message != self._problem and not isinstance(exc, ConfigError):  # a config's: the monitor says it
                 log.warning("memory limits not applied: %s", exc.message)
-            self._problem, settings = exc.message, None
+            self._problem, settings = exc.message, self._config  # the last good settings (None: none yet)
         rows = []
         alive: Set[Tuple[int, str]] = set()
         for run in held:

@@ -241,6 +241,7 @@ class MonitorHook:
 
     def _reload(self) -> None:
         """The [metrics] and [ledger] settings, re-read when the config file changes."""
+        from ..errors import ConfigError
         from ..policy.config import DEFAULTS, load_config
 
         path = self.layout.config_file
@@ -251,8 +252,9 @@ class MonitorHook:
         try:
             config = load_config(path)
             self.settings = {k: config[k] for k in ("textfile", "max_mib", "keep", "private_status")}
-        except Exception as exc:  # a broken config is the launch path's to report (exit 78)
-            self._say(f"{exc}; accounting keeps its previous settings")
+        except Exception as exc:  # a broken config is the launch path's to report (exit 78), the monitor's once
+            if not isinstance(exc, ConfigError):
+                self._say(f"{exc}; accounting keeps its previous settings")
             self.settings = self.settings or {k: DEFAULTS[k] for k in ("textfile", "max_mib", "keep", "private_status")}
 
     def _say(self, error: Optional[str]) -> None:

@@ -174,7 +174,7 @@ def _start_one(layout: Layout, control: str, device: Managed) -> Outcome:
         return Outcome(device.uuid, False, f"its pipe directory {pipe} is too long for MPS's unix sockets "
                                            f"(at most {MAX_PIPE_DIR_BYTES} bytes): install under a shorter --prefix")
     try:
-        # Root's, 0755; the pipe directory, where clients connect, as [service] enforce wants.
+        # Root's, 0755; the pipe directory, where clients connect, as _pipe_dir says.
         for path in (layout.mps_dir, layout.root / loc.LOG_DIR, layout.mps_log_dir, Path(logs)):
             _dir(path, 0o755)
         _pipe_dir(layout, pipe)
@@ -196,13 +196,13 @@ def _start_one(layout: Layout, control: str, device: Managed) -> Outcome:
 
 
 def _pipe_dir(layout: Layout, pipe: str) -> None:
-    """PIPE made, then as [service] enforce wants it: for the service's sharers alone
+    """PIPE made, then as the one arbiter wants it: where the service arbitrates, for its sharers alone
     (0700 and their ACL, which this leaves alone), else 0755 (lease/mpsaccess.py)."""
-    from ..install.runtime import enforced
+    from ..install.runtime import sealed
     from ..lease.mpsaccess import OPEN_MODE, open_up, seal
 
     os.makedirs(pipe, mode=OPEN_MODE, exist_ok=True)
-    (seal if enforced(layout) else open_up)(pipe)
+    (seal if sealed(layout) else open_up)(pipe)
 
 
 def _seal_pid_file(pipe: str) -> None:

@@ -85,8 +85,9 @@ def cancellable(pids_text: str, waiting: Dict[int, Any], asker: int, private: bo
 def whole(root: str, waiting: List[Dict[str, Any]], asker: int, private: bool,
           named: Dict[str, Dict[str, Any]], pause: Callable[[], None] = lambda: None) -> str:
     """The whole of `cudawrap status` as root reads it, for ASKER, who cannot read the lease
-    files ([service] enforce): this line, the holders the service granted (NAMED: holders()),
-    others' hidden where PRIVATE. (NVML is read here, off the service's loop: reply().)"""
+    files (the service is the install's arbiter): this line, the holders the service granted
+    (NAMED: holders()), others' hidden where PRIVATE. (NVML is read here, off the service's
+    loop: reply().)"""
     from pathlib import Path
 
     from ..paths import Layout
@@ -130,8 +131,8 @@ class Look:
 
 def reply(seen: Look, with_whole: bool, pause: Callable[[], None] = lambda: None) -> Dict[str, str]:
     """Off the loop (ops/answers.py: finish): the reply to a STATUS from SEEN, as its asker
-    may see it; WITH_WHOLE, the user's whole status too (under enforce). PAUSE between its
-    steps (each ~10 ms with 900 waiting): the loop's work goes first."""
+    may see it; WITH_WHOLE, the user's whole status too (the service arbitrating). PAUSE
+    between its steps (each ~10 ms with 900 waiting): the loop's work goes first."""
     asker, private = seen.asker, seen.private
     verdicts = seen.decision.finish()  # every waiter's verdict, not the grants alone
     pause()

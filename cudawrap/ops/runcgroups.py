@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Dict, Iterable, Mapping, Optional, Set
+from typing import Callable, Dict, Iterable, Mapping, Optional, Set, Tuple
 
 from ..base import cgroup
 from ..base.devrule import Rule
@@ -62,13 +62,20 @@ class RunCgroups:
         self.made = 0
         self.failed: Set[int] = set()  # entered, not confined: refused its grants
         self.ended: Set[int] = set()  # holding nothing, cgroup not yet empty
-        self.orphans_gone: "queue.SimpleQueue[int]" = queue.SimpleQueue()  # removed by their watcher thread
+        self.orphans_gone: "queue.SimpleQueue[Tuple[int, str]]" = queue.SimpleQueue()  # (pid, cgroup) the emptier removed
+        self.emptying: Dict[str, int] = {}  # a cgroup the emptier removes once empty -> its pid (its lock's)
+        self.emptying_lock = threading.Lock()
+        self.emptier: Optional[threading.Thread] = None
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="cudawrap-confine")
 
     # -- the run's cgroup -------------------------------------------------------------------
     def enter(self, pid: int, uid: int) -> None:
         """Move PID into a cgroup of its own refusing every GPU, on the worker (see the module)."""
         self.sweep()  # a pid that was an orphan's is a new process's now
+        if pid in self.ended:  # so is one whose run ended, its cgroup waiting for its leftovers
+            self._await_empty({pid: self.runs.pop(pid)})
+            self.ended.discard(pid)
+            self.rules.pop(pid, None)
         if pid not in self.runs and pid not in self.entering:
             self.entering[pid] = self.worker.submit(self._enter, pid, uid)
 
@@ -186,9 +193,11 @@ class RunCgroups:
     def sweep(self) -> None:
         """Remove the cgroups of runs that hold nothing and have no process left."""
         while not self.orphans_gone.empty():
-            pid = self.orphans_gone.get()
-            self.runs.pop(pid, None)
-            self.rules.pop(pid, None)
+            pid, path = self.orphans_gone.get()
+            if self.runs.get(pid) == path:  # not a new process's of that number since
+                del self.runs[pid]
+                self.rules.pop(pid, None)
+                self.ended.discard(pid)
         for pid in list(self.ended):
             path = self.runs.get(pid)
             try:
@@ -200,6 +209,11 @@ class RunCgroups:
                 self.ended.discard(pid)
                 self.runs.pop(pid, None)
                 self.rules.pop(pid, None)
+        # Still a process in them (most often the run itself, exiting: its lease's close comes
+        # before its exit): removed once empty off the loop, or an idle service keeps them.
+        left = {pid: self.runs[pid] for pid in self.ended if pid in self.runs}
+        if left:
+            self._await_empty(left)
 
     def close(self) -> None:
         """The service stops: its spares go (a run's cgroup stays with its run)."""
@@ -233,23 +247,39 @@ class RunCgroups:
             if holders and owner not in followed:
                 unfollowed[owner] = path
         if unfollowed:
-            threading.Thread(target=self._orphans, args=(unfollowed,), daemon=True,
-                             name="cudawrap-confine-orphans").start()
+            self._await_empty(unfollowed)
 
-    def _orphans(self, left: Dict[int, str]) -> None:
-        """Remove each cgroup of LEFT (pid -> path) once no process is in it: no grant of the
-        service's follows them, so no exit or close of theirs reaches its loop. Its own thread:
-        a poll each ORPHAN_POLL_S touches nothing of the loop's but the queue it reports to."""
-        while left:
+    def _await_empty(self, left: Mapping[int, str]) -> None:
+        """Remove each cgroup of LEFT (pid -> path) once no process is in it: a restart's whose
+        holders no grant follows (no exit or close of theirs reaches the loop), and runs ended
+        with a process still in their cgroup (nothing may come to the loop after it). A cgroup
+        with a process cannot be removed, so its pid, gone, can get no grant meanwhile."""
+        with self.emptying_lock:
+            self.emptying.update({path: pid for pid, path in left.items()})
+            if self.emptier is None:
+                self.emptier = threading.Thread(target=self._empty, daemon=True, name="cudawrap-confine-orphans")
+                self.emptier.start()
+
+    def _empty(self) -> None:
+        """The emptier: a poll each ORPHAN_POLL_S while it has cgroups to remove, touching nothing
+        of the loop's but the queue it reports to (sweep reads it)."""
+        while True:
             time.sleep(ORPHAN_POLL_S)
-            for pid, path in list(left.items()):
+            with self.emptying_lock:
+                left = dict(self.emptying)
+            for path, pid in left.items():
                 try:
                     gone = self.mech.remove(path)
                 except OSError:
                     gone = True
                 if gone:
-                    del left[pid]
-                    self.orphans_gone.put(pid)
+                    with self.emptying_lock:
+                        del self.emptying[path]
+                    self.orphans_gone.put((pid, path))
+            with self.emptying_lock:
+                if not self.emptying:
+                    self.emptier = None
+                    return
 
 
 def kill_run_of(pid: int, ticks: int) -> bool:

@@ -67,11 +67,9 @@ class Service:
         self.line = Line(root)
         from pathlib import Path
 
-        from ..install.runtime import enforced
-
         layout = Layout(Path(root))
         accounts.background(layout)  # the ledger's state rewrites and fsyncs off this loop
-        self.grants = Grants(self.line.leases, layout, enforced(layout), _say)  # say: MPS's ACLs
+        self.grants = Grants(self.line.leases, layout, _say)  # say: MPS's ACLs
         self.line.books = self.grants.books  # who holds what, from the grants, never a pid alone
         self.clients: Dict[int, Client] = {}  # socket fd -> client
         self.roster = Roster()  # who waits, who has not asked yet: kept, not found by a pass over everyone
@@ -102,8 +100,8 @@ class Service:
         self.jobs = slurmjob.Lookups()  # Slurm is asked off the loop: it may block
         self.selector.register(self.jobs.fileno(), selectors.EVENT_READ, "slurm")
         self._adopt()
-        if self.grants.pipes is not None:  # enforce: what anyone opened before is worth nothing now
-            self._renewed(self.grants.renew(self.grants.every_file()))
+        # The directories are root's now (servestart): what anyone opened before is worth nothing.
+        self._renewed(self.grants.renew(self.grants.every_file()))
         self.comeback = Comeback(layout, self.notes, _say)
 
     # -- setting up -------------------------------------------------------------------------
@@ -346,6 +344,7 @@ class Service:
         if client.waiter is not None:
             self._void(client.waiter.key)  # and a waiter gone is one the last look counted
             self.stalls.end(client.waiter.key)
+            self.grants.gone(client.peer.pid)  # [confine] runs: one that got nothing leaves no cgroup
         client.sock.close()
         client.peer.close()
 

@@ -204,7 +204,7 @@ def machine_status(layout: Layout, ask_service: bool = True,
         user_name(viewer) if private and viewer != 0 else None)
 
     if ask_service and not os.access(layout.lease_dir, os.X_OK) and layout.lease_dir.exists():
-        return _through_service_whole(layout)  # [service] enforce: only root reads the leases
+        return _through_service_whole(layout)  # the service arbitrates: only root reads the leases
     leases = _leases(layout)  # read before NVML, as the rows always were
     nvml_error: Optional[str] = None
     nv = None
@@ -231,7 +231,10 @@ def machine_status(layout: Layout, ask_service: bool = True,
     for device in devices:
         device["waiters"] = [w["pid"] for w in waiting
                              if w["candidates"] is None or device["uuid"] in w["candidates"]]
-    return {"root": str(layout.root), "devices": devices, "waiting": waiting, "drained": drains,
+    from ..paths import recorded_way
+
+    return {"root": str(layout.root), "way": recorded_way(str(layout.root)),
+            "devices": devices, "waiting": waiting, "drained": drains,
             "nvml_error": nvml_error,
             "lost": list(inventory.lost) if inventory else [],
             "gpus": _gpus(inventory, nv) if inventory else []}
@@ -258,7 +261,7 @@ def _through_service_whole(layout: Layout) -> Dict[str, Any]:
 
     reply = client.question(str(layout.root), wire.STATUS, {"whole": "1"})
     if reply is None or "status" not in reply:
-        raise ServiceUnavailable(f"{client.NOT_RUNNING}, and only it may read the leases ([service] enforce)",
+        raise ServiceUnavailable(f"{client.NOT_RUNNING}, and only it may read the leases (the install's arbiter)",
                                  hint=client.start_it(str(layout.root)))
     return json.loads(reply["status"])
 

@@ -147,7 +147,8 @@ def render(status: Dict[str, Any], cut: bool = True) -> List[str]:
     held = sum(1 for d in status["devices"] if d["holder"] or d.get("shares"))
     count = (f"devices unknown, {len(status['devices'])} lease files" if status["nvml_error"]
              else f"{len(status['devices'])} devices")
-    lines = [f"install root {status['root']}: {count}, {held} leased, {len(status['waiting'])} waiting"]
+    way = {"service": " (runs with the service)", "daemonless": " (runs daemonless)"}.get(status.get("way") or "", "")
+    lines = [f"install root {status['root']}: {count}, {held} leased, {len(status['waiting'])} waiting{way}"]
     if status["devices"]:
         lines += table(status["devices"], DEVICE_COLUMNS, cut)
     for d in status["devices"]:

@@ -18,7 +18,7 @@ from ..devices import invcache
 from ..policy import effective as policy
 from ..lease.claims import Claims, claim, claims_dir
 from ..devices.model import Inventory
-from ..errors import CannotWrite, NvmlUnavailable
+from ..errors import CannotWrite, ConfigError, NvmlUnavailable
 from ..install.installation import prepare_runtime
 from ..lease.holders import _proc_locks
 from ..lease.files import OPEN_FLAGS
@@ -115,7 +115,14 @@ def _sync(layout: Layout) -> SyncReport:
     from ..devices import nvml
 
     report = SyncReport()
+    from ..install.way import DAEMONLESS, record_way
+
+    # At boot, before the service starts: the directories are the way's (an install from
+    # before the way file gets the way it ran, recorded).
+    record_way(layout, DAEMONLESS)
     prepare_runtime(layout)
+    report.lines.extend(retired_lines(layout))
+    _open_nodes(layout, report)
     try:
         inventory = nvml.inventory()
     except NvmlUnavailable as exc:
@@ -166,6 +173,24 @@ def _sync(layout: Layout) -> SyncReport:
     return report
 
 
+def _open_nodes(layout: Layout, report: SyncReport) -> None:
+    """GPU nodes a service closed ([confine] nodes = "leased") put back as they were, where no
+    service runs and none should close them: the config says "open", or the install runs
+    without the service (daemonless runs need the nodes as the driver made them). While a
+    service runs, the nodes are its own."""
+    from ..policy.config import load_config
+    from .leasednodes import put_back, state_file
+    from .ledger import service_running
+
+    if not os.path.exists(state_file(str(layout.state_dir))) or service_running(layout):
+        return
+    from ..install.way import SERVICE, read_way
+
+    config = load_config(layout.config_file)
+    if config["nodes"] != "leased" or read_way(layout) != SERVICE:
+        put_back(str(layout.state_dir), report.lines.append)
+
+
 def not_renewed(layout: Layout) -> Optional[str]:
     """What the running service has not replaced yet of the files it took over (ops/grants.py:
     held at its start, by no grant of its own), said once; None when nothing."""
@@ -180,6 +205,16 @@ def not_renewed(layout: Layout) -> Optional[str]:
     return (f"{len(names)} lease or slot file(s) held since before the service took the directories over, "
             f"by no grant of its own: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}; each is "
             f"replaced once let go (`cudawrap revoke DEVICE` ends such a lease now)")
+
+
+def retired_lines(layout: Layout) -> List[str]:
+    """A line for each retired key the config sets ([service] enforce)."""
+    from ..policy.config import load_config, retired_notes
+
+    try:
+        return [f"warning: {line}" for line in retired_notes(load_config(layout.config_file))]
+    except ConfigError:
+        return []  # a broken config stops every launch, which says why
 
 
 def limit_warnings(layout: Layout, inventory: Inventory) -> List[str]:
@@ -222,8 +257,8 @@ def _sync_files(directory: str, make: Iterable[str], removable: Callable[[str], 
     O_NOFOLLOW. A file still locked (a running job's) stays until a later sync; one removed
     is unlinked while we hold its lock, so nobody can win it on the dead inode.
     """
-    # The directory's mode is prepare_runtime's: users' (0755), or root's alone under
-    # [service] enforce; it is not touched here.
+    # The directory's mode is prepare_runtime's: users' (0755), or root's alone where the
+    # service arbitrates; it is not touched here.
     os.makedirs(directory, mode=0o755, exist_ok=True)
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 from ..errors import ConfigError
 from .keys import (  # noqa: F401 - re-exported
     DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, FOREIGN_RULES, LIMIT_DESCRIPTIONS, LIMIT_ENTRY_KEYS, LIMIT_KEYS,
-    MEMORY_KEYS, MULTI_MIG_RULES, NO_DRIVER_RULES, NOTES, OPS_SECTIONS, PLACEMENTS, POLICY_KEYS, SCHEMA,
+    MEMORY_KEYS, MULTI_MIG_RULES, NO_DRIVER_RULES, NOTES, OPS_SECTIONS, RETIRED, PLACEMENTS, POLICY_KEYS, SCHEMA,
     SHARING_DESCRIPTIONS, SHARING_DEVICE_KEYS, SHARING_KEYS, SHARING_MODES,
 )
 from .values import (  # noqa: F401 - re-exported
@@ -275,6 +275,12 @@ def load_config(path: Path) -> Config:
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
     return parse_config(path, text)
+
+
+def retired_notes(config: Config) -> List[str]:
+    """One line per retired key CONFIG sets (keys.RETIRED), where it sets it."""
+    return [f"{config.settings[key].source}: {why}" for key, why in RETIRED.items()
+            if key in config.settings and config.settings[key].source != "default"]
 
 
 def validate_policy(policy: Mapping[str, Any], source: str) -> Dict[str, Setting]:

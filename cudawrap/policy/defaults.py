@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any, Dict, Iterable, List, Mapping, Tuple
 
-from .config import DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, OPS_SECTIONS, POLICY_KEYS, SHARING_DESCRIPTIONS
+from .config import DEFAULTS, DESCRIPTIONS, DEVICE_KEYS, OPS_SECTIONS, POLICY_KEYS, RETIRED, SHARING_DESCRIPTIONS
 
 HEADER = """\
 # cudawrap configuration.
@@ -109,10 +109,7 @@ def toml_value(value: Any) -> str:
     raise TypeError(f"no TOML form for {value!r}")
 
 
-# What install.sh sets where systemd runs the service (README "Two modes"), and why.
-ENFORCED: Mapping[str, Tuple[Any, str]] = {
-    "enforce": (True, "set at install, as the cudawrap service runs here under systemd: only it grants leases"),
-}
+# What an install that runs the service writes into a new configuration, and why.
 CONFINED: Mapping[str, Tuple[Any, str]] = {
     "runs": (True, "set at install, as the service runs here and this host can confine runs: each granted "
                    "run opens its own GPUs only"),
@@ -120,9 +117,9 @@ CONFINED: Mapping[str, Tuple[Any, str]] = {
 
 
 def install_choices(confinable: bool) -> Dict[str, Tuple[Any, str]]:
-    """What an install that starts the service writes into a new configuration: enforce, and
-    [confine] runs where the host can confine (CONFINABLE); nodes stays "open"."""
-    return {**ENFORCED, **(CONFINED if confinable else {})}
+    """What an install that runs the service writes into a new configuration: [confine] runs
+    where the host can confine (CONFINABLE); nodes stays "open"."""
+    return {**(CONFINED if confinable else {})}
 
 
 def _table(name: str, keys: Iterable[str], chosen: Mapping[str, Tuple[Any, str]]) -> List[str]:
@@ -143,7 +140,7 @@ def sections() -> Dict[str, List[str]]:
     return {
         "devices": [k for k in DEFAULTS if k in DEVICE_KEYS],
         "policy": [k for k in DEFAULTS if k in POLICY_KEYS],
-        **{name: [k for k in DEFAULTS if k in keys] for name, keys in OPS_SECTIONS.items()},
+        **{name: [k for k in DEFAULTS if k in keys and k not in RETIRED] for name, keys in OPS_SECTIONS.items()},
     }
 
 

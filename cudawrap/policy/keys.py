@@ -15,7 +15,7 @@ PLACEMENTS = ("spread", "pack", "random")
 FOREIGN_RULES = ("avoid", "ignore")
 NO_DRIVER_RULES = ("run", "fail")
 MULTI_MIG_RULES = ("refuse", "whole-gpus")
-NODE_RULES = ("open",)  # "leased" (issue 52, part 2) is not built yet: refused as any unknown value
+NODE_RULES = ("open", "leased")
 CGROUP_VERSIONS = ("auto", "v1", "v2")
 
 
@@ -55,7 +55,7 @@ OPS_SECTIONS: Dict[str, Dict[str, Callable[[Any], Any]]] = {
     # What the kernel enforces of the service's grants (README "Confinement"); only the
     # service applies it.
     "confine": {"runs": boolean, "nodes": choice(NODE_RULES), "cgroup": choice(CGROUP_VERSIONS),
-                "allow_users": account_list, "proc": absolute_path},
+                "allow_users": account_list, "proc": absolute_path, "dev": absolute_path},
 }
 
 DEFAULTS: Dict[str, Any] = {
@@ -89,6 +89,7 @@ DEFAULTS: Dict[str, Any] = {
     "cgroup": "auto",
     "allow_users": (),
     "proc": "/proc",
+    "dev": "/dev",
 }
 
 DESCRIPTIONS: Dict[str, str] = {
@@ -117,25 +118,34 @@ DESCRIPTIONS: Dict[str, str] = {
                       "devices and counts (status, why, health, mps status, the monitor's files; root sees all)",
     "max_connections_per_uid": "with `cudawrap serve`: the most connections one user may keep open to it, "
                                "so runs waiting at once (root is not limited)",
-    "enforce": "only `cudawrap serve` may take a lease: lease, slot and queue directories root-only, "
-               "MPS pipe directories open to their device's sharers alone (applied by `cudawrap sync` "
-               "and the service); users' runs need the service",
-    "connect_retry_s": "with enforce: how long a run tries to reach the service (a restart) before it "
-                       "exits 69",
+    "enforce": "retired: it no longer does anything (RETIRED)",
+    "connect_retry_s": "where the service arbitrates: how long a user's run tries to reach it (a restart) "
+                       "before it exits 69",
     **HEALTH_DESCRIPTIONS,
     "runs": "with `cudawrap serve`: each granted run (and every process it starts) is put in a cgroup of "
             "its own that can open its own GPUs' and MIG instances' nodes and no other",
-    "nodes": "open: GPU nodes keep the modes the driver gave them (the one value for now)",
+    "nodes": "open: GPU nodes keep the modes the driver gave them; leased (with `cudawrap serve`): GPU and "
+             "MIG instance nodes root:root 0660, opened by a POSIX ACL entry to each user holding a lease on "
+             "the device now and to allow_users",
     "cgroup": "the cgroup mechanism for runs: auto (what the host's init uses; v1 on a hybrid host), v1 "
               "(devices controller) or v2 (a BPF device program)",
     "allow_users": "accounts that may open every GPU node at all times (nvidia-persistenced, DCGM, "
                    "exporters), for node rules that close them",
     "proc": "where the driver's numbers are read: PROC/devices, PROC/driver/nvidia-caps/mig-minors, "
             "PROC/driver/nvidia/params",
+    "dev": "where the device nodes are that nodes = \"leased\" closes: DEV/nvidiaN, DEV/nvidia-caps/nvidia-capN",
 }
 
 
 # What `cudawrap config` adds below the table when a setting is in force.
+# Keys that still parse (an older config keeps working) and do nothing: said in one line by
+# `cudawrap config`, sync and doctor wherever a config sets one (config.retired_notes).
+RETIRED: Dict[str, str] = {
+    "enforce": "[service] enforce no longer does anything: wherever the cudawrap service runs it is "
+               "the only arbiter, and `cudawrap way` says (and switches) which way this install runs; "
+               "remove the line",
+}
+
 NOTES: Dict[str, str] = {
     "max_utilization": "NVML reports no utilisation for MIG instances (nor for a GPU in MIG mode), "
                        "so max_utilization never excludes them; it applies to whole GPUs only",

@@ -159,6 +159,7 @@ class MachineView:
         # Our devices whose lease was free at the last look but which processes cudawrap did
         # not start kept from us.
         self.foreign_busy: Set[str] = set()
+        self.aside: List[str] = []  # and those of them kept off only by this view's rule (machine())
         # The last decision's inputs, and uuid -> the uid holding it whole (machine): what a
         # release carries on without a new look (successor.py; the service's hand-over).
         self.last: Optional[Tuple[Sequence[Waiter], List[str], Dict[int, float], Dict[int, int], Set[str],
@@ -176,6 +177,13 @@ class MachineView:
             return False
         if device.pids is None:
             return (device.memory_used_mib or 0) > self.busy_memory_mib
+        return self.work(device) is not None
+
+    def work(self, device: Device) -> Optional[int]:
+        """The work cudawrap did not start on DEVICE, whatever the rule (schedule.kept judges
+        it): None, none; schedule.LISTED, processes; else the MiB used where NVML hides them."""
+        if device.pids is None:
+            return device.memory_used_mib or 0
         daemon: Optional[int] = -1  # not read yet: only once a process is seen
         for pid in device.pids:
             if pid in self.holders and _exited(pid):
@@ -183,8 +191,8 @@ class MachineView:
             if daemon == -1:
                 daemon = self.mps_daemon(device.uuid)
             if not _mps_server(pid, daemon):
-                return True
-        return False
+                return -1  # schedule.LISTED (schedule is not imported on a lone launch's path)
+        return None
 
     def mps_daemon(self, uuid: str) -> Optional[int]:
         """The pid of the MPS control daemon cudawrap runs for UUID, or None."""
@@ -228,9 +236,12 @@ class MachineView:
         return False
 
     def machine(self, table: Dict[Tuple[int, int], List[Tuple[int, bool]]],
-                idents: Dict[str, Optional[Tuple[int, int]]]) -> Tuple[List[str], Dict[int, float], Set[str], Shares]:
+                idents: Dict[str, Optional[Tuple[int, int]]],
+                work: Optional[Dict[str, int]] = None) -> Tuple[List[str], Dict[int, float], Set[str], Shares]:
         """(free devices in the machine's order, devices held per uid, busy devices, shares);
-        IDENTS: each device's lease file (LeaseFiles.idents)."""
+        IDENTS: each device's lease file (LeaseFiles.idents). WORK (where given) gets the work
+        cudawrap did not start on each device whose lease is free (self.work), and self.aside
+        those of them this view's rule keeps off: for waiters judged by a rule of their own."""
         now = self.clock()
         free: List[str] = []
         held: Dict[int, float] = {}
@@ -238,6 +249,7 @@ class MachineView:
         used: Dict[str, List[int]] = {}
         closed: Set[str] = set()  # shared, but to take no new shares
         self.foreign_busy = set()
+        self.aside = []
         self.whole = {}
         owners = self._owners({ident: table[ident] for ident in idents.values() if ident in table})
         for uuid, ident in idents.items():
@@ -286,6 +298,12 @@ class MachineView:
                 busy.add(uuid)
                 if uuid in self.mine:
                     self.foreign_busy.add(uuid)
+                    if work is not None and uuid not in self.stale:
+                        self.aside.append(uuid)
+        for uuid in free + self.aside if work is not None else ():
+            seen = self.work(self.current[uuid]) if uuid in self.mine else None
+            if seen is not None:
+                work[uuid] = seen
         slots = {u: 0 if u in closed else n for u, n in self.slots.items()}
         from .schedule import Shares
 
@@ -417,16 +435,22 @@ class MachineView:
         if self.drained is not None:
             self.unavailable = set(self.drained())
         idents = self.leases.idents(self.current)  # read once, for the machine and the bounds
-        free, held, busy, shares = self.machine(scan.table, idents)
+        rule = (self.foreign, self.busy_memory_mib)
+        # Work cudawrap did not start, for runs whose program has a rule of its own (schedule.kept).
+        work: Optional[Dict[str, int]] = {} if any(w.request.foreign not in (None, rule) for w in waiters) else None
+        free, held, busy, shares = self.machine(scan.table, idents, work)
         self.joined = set(shares.used)
         self.used = shares.used
         limits = {uid: self._limit(uid) for uid in {w.uid for w in waiters}}
-        fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items() if u in free or u in shares.used}
+        aside = self.aside if work else []
+        fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items()
+               if u in free or u in shares.used or u in aside}
         from .schedule import decide
 
         bounds = self._bounds(idents)
         self.last = (waiters, free, held, limits, busy, fit, shares, bounds, idents)
-        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares, bounds, grants_first)
+        verdicts = decide(waiters, free, held, limits, time.time(), self.parents, busy, fit, shares, bounds, grants_first,
+                          work, rule, aside)
         return verdicts, free
 
     def _bounds(self, idents: Dict[str, Optional[Tuple[int, int]]]) -> Bounds:

@@ -18,13 +18,16 @@ class Request:
     """COUNT devices (a slot on each if SHARE) among CANDIDATES (None: any), preferred by
     PLACEMENT, kept for this run once it has waited RESERVE_AFTER s, each with at least
     MIN_FREE_MIB free and at most MAX_UTIL % busy (the filters on what changes as jobs come
-    and go; the others narrowed CANDIDATES already). Immutable: replace() makes another."""
+    and go; the others narrowed CANDIDATES already). FOREIGN: the run's own rule for work
+    cudawrap did not start, (foreign, busy_memory_mib) of its program's settings; None: the
+    deciding view's (a queue entry's name does not carry it). Immutable: replace() makes another."""
 
-    __slots__ = ("count", "candidates", "placement", "reserve_after", "min_free_mib", "max_util", "share")
+    __slots__ = ("count", "candidates", "placement", "reserve_after", "min_free_mib", "max_util", "share",
+                 "foreign")
 
     def __init__(self, count: int = 1, candidates: Optional[FrozenSet[str]] = None, placement: str = "spread",
                  reserve_after: float = 300.0, min_free_mib: int = 0, max_util: int = 100,
-                 share: bool = False) -> None:
+                 share: bool = False, foreign: Optional[Tuple[str, int]] = None) -> None:
         put = object.__setattr__
         put(self, "count", count)
         put(self, "candidates", None if candidates is None else frozenset(candidates))
@@ -33,12 +36,14 @@ class Request:
         put(self, "min_free_mib", min_free_mib)
         put(self, "max_util", max_util)
         put(self, "share", share)
+        put(self, "foreign", foreign)
 
     @classmethod
     def of(cls, values: Any, count: int, share: bool) -> Request:
         """The request of a run under VALUES (key -> value: Settings.values()) for COUNT devices."""
         return cls(count, None, values.get("placement", "spread"), float(values.get("reserve_after", 300.0)),
-                   values.get("min_free_memory_mib", 0), values.get("max_utilization", 100), share)
+                   values.get("min_free_memory_mib", 0), values.get("max_utilization", 100), share,
+                   (values.get("foreign", "avoid"), values.get("busy_memory_mib", 1024)))
 
     def replace(self, **changes: Any) -> Request:
         fields = {k: getattr(self, k) for k in self.__slots__}

@@ -27,6 +27,11 @@ device only when none has room, so whole devices stay free for exclusive runs. U
 device's shares belong to one user at a time. A share counts as `Shares.cost` of a device
 towards its user's turn and limit. A starving exclusive run also keeps new shares off the
 shared devices it could use, so they drain for it.
+
+Work cudawrap did not start keeps a device from a run by that run's own rule (its program's
+`foreign` and `busy_memory_mib`, README "How leases work"): the caller judges the devices by
+one rule, its own (FREE leaves out those the rule keeps off, ASIDE lists them); a waiter whose
+request carries another rule is judged by it over WORK, what was seen on each lease-free device.
 """
 from __future__ import annotations
 
@@ -45,6 +50,17 @@ LIMIT = "limit"  # its user's limit would be exceeded
 
 ALL_BUSY = "every device it may use is busy"  # a BUSY verdict's text, with the place in line after it
 EPSILON = 1e-9  # shares add up in floating point: 4 x 0.25 must not exceed a limit of 1
+# In WORK (decide): NVML lists processes cudawrap did not start on the device (else the MiB
+# used, where process lists are hidden).
+LISTED = -1
+
+
+def kept(rule: Tuple[str, int], work: Optional[int]) -> bool:
+    """Whether RULE ((foreign, busy_memory_mib)) keeps a run off a device whose lease is free
+    and where WORK was seen (None: none; LISTED: processes; else MiB used, processes hidden)."""
+    if work is None or rule[0] == "ignore":
+        return False
+    return work == LISTED or work > rule[1]
 
 
 class Waiter:
@@ -261,7 +277,9 @@ def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, fl
            limits: Mapping[int, int], now: float, parents: Optional[Mapping[str, str]] = None,
            busy: Optional[Set[str]] = None,
            fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]] = None,
-           shares: Optional[Shares] = None, bounds: Bounds = UNBOUNDED, grants_first: bool = False) -> Decision:
+           shares: Optional[Shares] = None, bounds: Bounds = UNBOUNDED, grants_first: bool = False,
+           work: Optional[Mapping[str, int]] = None, rule: Optional[Tuple[str, int]] = None,
+           aside: Sequence[str] = ()) -> Decision:
     """A Verdict for every waiter: what it may take now (FREE, in the machine's order), or why not.
 
     HELD: devices each uid holds now (a share as its cost); LIMITS: uid -> most devices
@@ -270,10 +288,12 @@ def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, fl
     are judged by; SHARES the shared devices and slots; BOUNDS what the admin allows any
     run, whatever the waiters' entries claim. GRANTS_FIRST: return once nobody further in
     line can be granted anything (the grants are all in it), the rest at Decision.finish():
-    the service sends the grants first.
+    the service sends the grants first. WORK, RULE, ASIDE: work cudawrap did not start on
+    the devices whose lease is free (uuid -> LISTED or MiB used; see kept), the rule FREE was
+    judged by, and the devices it kept off: a waiter with a rule of its own is judged by that.
     """
     out = Decision()
-    steps = _steps(out, waiters, free, held, limits, now, parents, busy, fit, shares, bounds)
+    steps = _steps(out, waiters, free, held, limits, now, parents, busy, fit, shares, bounds, work, rule, aside)
     next(steps, None)
     out._rest = steps
     return out if grants_first else out.finish()
@@ -282,21 +302,28 @@ def decide(waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, fl
 def _steps(out: Dict[str, Verdict], waiters: Sequence[Waiter], free: Sequence[str], held: Mapping[int, float],
            limits: Mapping[int, int], now: float, parents: Optional[Mapping[str, str]], busy: Optional[Set[str]],
            fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]], shares: Optional[Shares],
-           bounds: Bounds) -> Iterator[None]:
+           bounds: Bounds, work: Optional[Mapping[str, int]] = None, rule: Optional[Tuple[str, int]] = None,
+           aside: Sequence[str] = ()) -> Iterator[None]:
     """decide()'s verdicts, into OUT in the order of the line; it pauses once, when nothing
     is left that anyone further in line could be given."""
     parents = parents if parents is not None else {u: u for u in free}
     busy = set(busy or ())
     shares = shares if shares is not None else Shares()
     used = {u: list(uids) for u, uids in shares.used.items()}
-    rank = {u: i for i, u in enumerate(list(used) + list(free))}
+    rank = {u: i for i, u in enumerate(list(used) + list(free) + list(aside))}
     avail = list(free)
+    # Runs judged by a rule of their own (README "How leases work"): ASIDE is theirs to take
+    # where their rule allows, and FREE what their rule does not keep them off.
+    work = work or {}
+    ruled = bool(work) and any(w.request.foreign not in (None, rule) for w in waiters)
+    aside = list(aside) if ruled else []
+    machine = {u: i for i, u in enumerate(parents)} if ruled else {}  # the order a ruled pool is in
     reserved: Dict[str, str] = {}  # device -> key of the starving run it is kept for
     holding: Dict[int, float] = dict(held)
     ordered, starving_first = _order(waiters, held, now, bounds)
     granting = True
     for position, w in enumerate(ordered):
-        if granting and not avail and not any(len(uids) < shares.slots_of(u) for u, uids in used.items()):
+        if granting and not avail and not aside and not any(len(uids) < shares.slots_of(u) for u, uids in used.items()):
             granting = False  # no free device, no shared one with room: no grant past this point
             yield
         reserving = position < starving_first
@@ -306,21 +333,27 @@ def _steps(out: Dict[str, Verdict], waiters: Sequence[Waiter], free: Sequence[st
         if not share and limit and mine + count > limit + EPSILON:
             out[w.key] = Verdict(LIMIT, position, _limit_text(mine, limit))
             continue
-        if not avail and not reserving and not share and count > 0:
+        pool, seen_busy = avail, busy
+        own = w.request.foreign
+        if ruled and own is not None and own != rule:
+            pool = sorted([u for u in avail if not kept(own, work.get(u))] +
+                          [u for u in aside if not kept(own, work.get(u))], key=lambda u: machine.get(u, len(machine)))
+            seen_busy = busy | set(avail).difference(pool)  # work on a device makes it busy for placement, by any rule
+        if not pool and not reserving and not share and count > 0:
             # Nothing is left to give: what the general way below concludes, without its
             # lists. Past the head of a long line this is every waiter (1000 waiting: the
             # decision a hand-over waits for went from ~7 to ~4 ms on a slow 2-core VM).
             out[w.key] = Verdict(BUSY, position, f"{ALL_BUSY}; position {position + 1} in line")
             continue
-        usable = w.usable(avail, fit)
+        usable = w.usable(pool, fit)
         open_ = [u for u in usable if u not in reserved]
         if w.share:
-            verdict = _share(w, position, open_, usable, used, reserved, shares, parents, busy, fit, rank,
+            verdict = _share(w, position, open_, usable, used, reserved, shares, parents, seen_busy, fit, rank,
                              mine, limit, bounds.reserve_after(w) if reserving else None)
             if verdict.kind == GRANTED:
                 for u in verdict.devices:
-                    if u in avail:
-                        avail.remove(u)
+                    if u in avail or u in aside:
+                        (avail if u in avail else aside).remove(u)
                         if shares.slots_of(u) > 1:
                             used[u] = []
                     if u in used:
@@ -333,9 +366,9 @@ def _steps(out: Dict[str, Verdict], waiters: Sequence[Waiter], free: Sequence[st
             out[w.key] = verdict
             continue
         if len(open_) >= w.count:
-            chosen = place(open_, w.count, w.placement, parents, busy, seed=w.key)
+            chosen = place(open_, w.count, w.placement, parents, seen_busy, seed=w.key)
             for u in chosen:
-                avail.remove(u)
+                (avail if u in avail else aside).remove(u)
                 busy.add(u)
             holding[w.uid] = mine + w.count
             out[w.key] = Verdict(GRANTED, position, "granted", tuple(chosen))

@@ -42,7 +42,7 @@ CLAIMS_ENV = "CUDAWRAP_DEVICE_CLAIMS"
 EXIT_BUSY = 75  # a wrapped run that got no device
 WAIT = "60"  # CUDAWRAP_WAIT of every wrapped run: no check can hang on a lost turn
 ALL_CHECKS = ("lease", "burst", "kill9", "foreign", "foreign-monitor", "accounts", "drain", "slots", "mps",
-              "torch", "overhead", "overhead-monitor", "overhead-service", "stall")
+              "torch", "overhead", "overhead-monitor", "overhead-service", "stall", "confine")
 STALL_LIMIT_S = 0.25  # issue 31: slowest launch after a foreign exit, over the normal launch
 HOLD_S = 60.0  # the holder's hold in kill9: the waiter starting long before that was freed by the kill
 CHECK_LIMIT_S = {"torch": 240.0}  # each check's time limit; others get DEFAULT_LIMIT_S
@@ -180,6 +180,7 @@ class Kit:
         self.results: List[Dict[str, Any]] = []
         self.info: Dict[str, Any] = {}
         self.target = ""
+        self.confining = False  # the confine check changed [confine]: its nodes are put back at cleanup
         self.counter = 0
         self.deadline = time.monotonic() + args.budget
 
@@ -379,6 +380,37 @@ class Kit:
             self.config.write_text(self.config_saved + "\n[sharing]\n" + added)
         self.cli("sync")
 
+    def set_confine(self, text: str) -> None:
+        """TEXT as the install's [confine] table, in place of the one it has (commented out or
+        not: TOML allows a table once); the original config kept, as set_sharing does."""
+        if self.config_saved is None:
+            self.config_saved = self.config.read_text()
+        kept, inside = [], False
+        for line in self.config_saved.splitlines(keepends=True):
+            if line.startswith(("[", "#[")):
+                inside = line.strip() in ("[confine]", "#[confine]")
+            if not inside:
+                kept.append(line)
+        self.config.write_text("".join(kept) + "\n[confine]\n# added by the real-GPU kit\n" + text)
+
+    def confine_stop(self) -> None:
+        """The service the confine check started, stopped (its nodes then stay as they are)."""
+        if self.confining:
+            self.service_stop()
+
+    def open_nodes(self) -> None:
+        """GPU nodes the confine check closed ([confine] nodes = "leased") put back as the state
+        file says they were, whatever happened: the config restored says "open" and no service
+        runs, so sync puts them back; if it did not, they are put back directly."""
+        state = self.root / "var/lib/cudawrap/nodes.saved"
+        if not self.confining or not state.exists():
+            return
+        self.cli("sync", check=False)
+        if state.exists():
+            subprocess.run([self.vpy, "-I", "-c", "import sys; from cudawrap.base import nodemodes; "
+                            "nodemodes.put_back(sys.argv[1])", str(state)], env=self.env(), timeout=60)
+        self.confining = False
+
     def restore_config(self) -> None:
         if self.config_saved is not None:
             self.config.write_text(self.config_saved)
@@ -453,7 +485,8 @@ class Kit:
 
     def cleanup(self) -> None:
         steps: List[Callable[[], None]] = [self.reap, self.monitor_stop, self.stop_mps, self.resume_target,
-                                           self.restore_config, self.remove_users, self.uninstall]
+                                           self.confine_stop, self.restore_config, self.open_nodes,
+                                           self.remove_users, self.uninstall]
         for step in steps:
             try:
                 step()
@@ -731,6 +764,74 @@ class Kit:
         if max(after) > base + STALL_LIMIT_S:
             raise CheckFailed(detail + f": over the normal launch + {ms(STALL_LIMIT_S)}")
         return detail, data
+
+    def check_confine(self) -> Tuple[str, Dict[str, Any]]:
+        """Issue 52: [confine] runs = true, a wrapped probe that resets CUDA_VISIBLE_DEVICES
+        still sees one device; [confine] nodes = "leased", another account's unwrapped probe
+        fails cuInit, and succeeds once the nodes are "open" again. The nodes are put back at
+        cleanup whatever happens (open_nodes)."""
+        if not shutil.which("useradd") or not shutil.which("setpriv"):
+            raise Skipped("needs useradd and setpriv")
+        self.monitor_stop()
+        reset = self.bin / "cw-reset"
+        reset.write_text(f"#!/bin/sh\nunset CUDA_VISIBLE_DEVICES\nexec {self.bin / 'probe'} \"$@\"\n")
+        reset.chmod(0o755)
+        done = subprocess.run([str(self.root / "usr/local/bin/create-cudawrap"), str(reset)], env=self.env(),
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise CheckFailed(f"create-cudawrap {reset}: exit {done.returncode}: {done.stderr.strip()[-300:]}")
+        self.wrapped.append(reset)
+        self.confining = True
+        self.set_confine("runs = true\n")
+        self.service_start_checked()
+        try:
+            confined = self.start([str(reset)], self.env()).finish(60).ok()
+        finally:
+            self.service_stop()
+        if len(confined["devices"]) != 1:
+            raise CheckFailed(f"the confined run that reset CUDA_VISIBLE_DEVICES saw {confined['devices']}")
+        data: Dict[str, Any] = {"confined": confined}
+        detail = f"runs = true: a wrapped probe that reset CUDA_VISIBLE_DEVICES saw {len(confined['devices'])} device"
+        params = Path("/proc/driver/nvidia/params")
+        if not params.exists():
+            return detail + "; nodes = \"leased\" not checked: no NVIDIA driver (no /proc/driver/nvidia/params)", data
+        values = dict(line.split(":", 1) for line in params.read_text().splitlines() if ":" in line)
+        node = {k: values.get(k, "?").strip() for k in ("DeviceFileMode", "DeviceFileUID", "DeviceFileGID",
+                                                         "ModifyDeviceFiles")}
+        data["driver"] = node
+        if node["ModifyDeviceFiles"] != "0" and (node["DeviceFileMode"], node["DeviceFileUID"],
+                                                 node["DeviceFileGID"]) != ("432", "0", "0"):
+            return detail + (f"; nodes = \"leased\" not checked: the driver makes its nodes with "
+                             f"{', '.join(f'{k}={v}' for k, v in node.items())} (the service refuses it there)"), data
+        other = self.add_user("c")
+        self.set_confine("runs = true\nnodes = \"leased\"\n")
+        self.service_start_checked()
+        try:
+            closed = self.direct_probe(env=self.env(), user=other).finish(60)
+        finally:
+            self.service_stop()
+        self.set_confine("runs = true\nnodes = \"open\"\n")
+        self.cli("sync")  # no service runs, the config says "open": the nodes go back as they were
+        opened = self.direct_probe(env=self.env(), user=other).finish(60)
+        data.update(closed=closed.result, opened=opened.result)
+        if not closed.result or not str(closed.result.get("error", "")).startswith("cuInit"):
+            raise CheckFailed(f"under nodes = \"leased\" {other[0]}'s unwrapped probe did not fail cuInit: "
+                              f"exit {closed.rc}: {closed.tail()}")
+        opened.ok()
+        return detail + (f"; nodes = \"leased\": {other[0]}'s unwrapped probe failed {closed.result['error']}, "
+                         f"and ran once the nodes were \"open\" again"), data
+
+    def service_start_checked(self) -> None:
+        """service_start, its refusal's own line as the failure (a host that cannot confine)."""
+        done = self.cli("serve", "--daemon", check=False)
+        if done.returncode != 0:
+            raise CheckFailed(f"cudawrap serve --daemon: exit {done.returncode}: "
+                              f"{(done.stderr.strip() or done.stdout.strip() or '?').splitlines()[-1]}")
+        deadline = time.monotonic() + 15
+        while self.service_pid() is None or not (self.root / "run/cudawrap/cudawrap.sock").exists():
+            if time.monotonic() > deadline:
+                raise CheckFailed("cudawrap serve --daemon: no live pid file and socket after 15 s")
+            time.sleep(0.02)
 
     # ---- driver ---------------------------------------------------------------------------
 

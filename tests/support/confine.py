@@ -42,6 +42,22 @@ def free_char_major(start: int = 3000) -> int:
     return next(m for m in range(start, 4096) if m not in used)
 
 
+def numbered_nodes(inst, minors: Sequence[int]) -> Path:
+    """INST's simulated GPUs given node minors MINORS (in NVML order, not their indices, as the
+    driver may number them), and a node directory INST.dir/dev with nvidia0..N-1 and nvidiactl
+    (195:255), each 0666 as the driver makes them by default."""
+    topo = inst.machine.read()
+    for uuid, minor in zip(inst.machine.gpu_uuids(), minors):
+        topo = topo.replace(f"uuid={uuid} ", f"uuid={uuid} minor={minor} ")
+    inst.machine.write(topo)
+    dev = inst.dir / "dev"
+    dev.mkdir(mode=0o755)
+    for name, minor in [(f"nvidia{m}", m) for m in range(len(minors))] + [("nvidiactl", 255)]:
+        os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(195, minor))
+        os.chmod(dev / name, 0o666)
+    return dev
+
+
 @dataclass(frozen=True)
 class Nodes:
     dir: Path
