@@ -124,14 +124,15 @@ def _mig_devices(nv: Any, gpu: Gpu, handle: Any) -> List[Device]:
     return devices
 
 
-def inventory(utilization: bool = False, direct: bool = False) -> Inventory:
+def inventory(utilization: bool = False, direct: bool = False, nv: Any = None) -> Inventory:
     """Enumerate every leasable device with its current processes and memory.
 
     UTILIZATION: also read whole GPUs' utilisation (one more query each), for a filter
     that needs it; the launch path otherwise never pays for it. DIRECT: through
-    ``nvmldirect`` (the shim's lean binding) instead of pynvml.
+    ``nvmldirect`` (the shim's lean binding) instead of pynvml. NV: the binding init()
+    gave the caller, who reads more after this (status): no nvmlInit again.
     """
-    nv = init(direct)
+    nv = init(direct) if nv is None else nv
     try:
         driver = nv.nvmlSystemGetDriverVersion()
         count = nv.nvmlDeviceGetCount()
@@ -259,15 +260,16 @@ def _reading(nv: Any, ask: Any, *args: Any) -> Any:
         return None
 
 
-def readings(uuid: str) -> Dict[str, Any]:
+def readings(uuid: str, nv: Any = None) -> Dict[str, Any]:
     """What `cudawrap status` shows beyond the inventory, for the GPU or MIG device UUID:
     utilisation, temperature, power, performance state and each process's memory.
 
     Status only: these are a dozen more queries per device, which the launch path never
     makes. Every value is None where the driver does not report it (most of them on MIG
-    instances).
+    instances). NV: the binding init() gave the caller, once for all its devices (an
+    nvmlInit per device cost a status with 900 waiting ~100 ms on the stand-in).
     """
-    nv = init()
+    nv = init() if nv is None else nv
     try:
         handle = nv.nvmlDeviceGetHandleByUUID(uuid)
     except nv.NVMLError:

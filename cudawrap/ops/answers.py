@@ -8,14 +8,20 @@ until a step has done everything else (the grants, the hand-overs), one is answe
 and its answer goes out as the client reads it: what its socket does not take now is kept,
 and sent as the socket becomes writable. A whole status (NVML read, every run's ETA worked
 out: 150-200 ms with 900 waiting) is finished on a thread of its own (finish()), one at a
-time, while the loop goes on. What a user may have unsent at once is bounded
+time, while the loop goes on; so is every status's line (each waiter's place and why, and
+its words: ~30 ms with 900 waiting), from what the loop saw (questions.Look). That thread
+waits between the steps of its work while the loop works (pause), runs at a lower nice,
+and gives the interpreter back within SWITCH_S (a hand-over's every system call lets it
+go to that thread). What a user may have unsent at once is bounded
 (MAX_UNSENT: one answer of the largest size); a question past it is refused with an error
 line, and an answer of which its client takes nothing for ANSWER_S is dropped with the
 connection. Root's are not bounded, as root's connections are not.
 """
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -26,6 +32,14 @@ from ..base.wakepipe import WakePipe
 from ..errors import CudawrapError
 from .connection import ANSWER_S, Client
 
+# The interpreter's switch interval in the service (5 ms by default): a thread working out
+# an answer keeps the loop waiting at most this long each time the loop wants to run again,
+# and a hand-over wants to many times (each system call lets the interpreter go).
+SWITCH_S = 0.0005
+# And between the steps of its work, that thread waits while the loop has work of its own
+# (a step under way), at most this long each time: a hand-over is not shared with it.
+PAUSE_S = 0.05
+NICE = 10  # the answering thread's nice (the loop's is the service's)
 MAX_UNSENT = wire.MAX_ANSWER  # per user: bytes of answers its clients have not taken
 UNREAD_HINT = "read the answers your connections asked for, or close them"
 
@@ -40,6 +54,12 @@ class Answers:
         self.working: Optional[Client] = None  # the client whose answer a thread is finishing
         self._finished: "queue.Queue[Tuple[Client, Union[Dict[str, str], CudawrapError]]]" = queue.Queue()
         self._wake = WakePipe()
+        sys.setswitchinterval(SWITCH_S)
+        self.idle = threading.Event()  # set while the loop waits for something to do (Service.step)
+
+    def pause(self) -> None:
+        """On the answering thread, between two steps of its work: wait while the loop works."""
+        self.idle.wait(PAUSE_S)
 
     def fileno(self) -> int:
         """Readable once an answer finish() began is finished (finished())."""
@@ -78,14 +98,20 @@ class Answers:
                 return client
         return None
 
-    def finish(self, client: Client, reply: Dict[str, str], work: Callable[[], Dict[str, str]]) -> None:
+    def finish(self, client: Client, reply: Dict[str, str],
+               work: Callable[[Callable[[], None]], Dict[str, str]]) -> None:
         """CLIENT's REPLY, with WORK's fields added on a thread (it reads nothing the loop
-        changes): finished() gives it, or the CudawrapError WORK raised."""
+        changes; it calls the pause it is given between its steps): finished() gives it, or
+        the CudawrapError WORK raised."""
         self.working = client
 
         def run() -> None:
+            try:  # on Linux a thread's own nice: the loop, and the runs, get the CPU first
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+            except OSError:
+                pass
             try:
-                done: Union[Dict[str, str], CudawrapError] = dict(reply, **work())
+                done: Union[Dict[str, str], CudawrapError] = dict(reply, **work(self.pause))
             except CudawrapError as exc:
                 done = exc
             except Exception as exc:  # a bug of ours: said, and the next question is answered all the same

@@ -312,10 +312,11 @@ class Line:
         deciding for itself checks before it stays (its device's data may be older)."""
         return all(self.acquirer._joinable(u, uid) for u in uuids if u in self.acquirer.joined)
 
-    def programs(self) -> Dict[str, str]:
-        """Queue entry -> the program its file names (its owner's word, shown as such)."""
-        return {w.key: (self.queue.read_info(self.paths[w.key]) or {}).get("program", "?")
-                for w in self.entries if w.key in self.paths}
+    def programs(self, entries: Sequence[Waiter], paths: Dict[str, str]) -> Dict[str, str]:
+        """Queue entry -> the program its file names (its owner's word, shown as such), for
+        a decision's ENTRIES and their PATHS (kept: a status reads them off the loop)."""
+        return {w.key: (self.queue.read_info(paths[w.key]) or {}).get("program", "?")
+                for w in entries if w.key in paths}
 
     def _alone(self, mine: Sequence[Waiter]) -> bool:
         """Whether the one run asking now has nobody to take turns with: no other waiter of the

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..errors import NotPermitted, UsageError
-from ..sched.schedule import Verdict, Waiter
+from ..sched.schedule import GRANTED, Verdict, Waiter
 from .procinfo import printable
 from ..users import either, user_name
 
@@ -82,11 +82,12 @@ def cancellable(pids_text: str, waiting: Dict[int, Any], asker: int, private: bo
     return chosen
 
 
-def whole(root: str, waiting: List[Dict[str, Any]], asker: int, private: bool, held: Sequence[Any]) -> str:
+def whole(root: str, waiting: List[Dict[str, Any]], asker: int, private: bool,
+          named: Dict[str, Dict[str, Any]], pause: Callable[[], None] = lambda: None) -> str:
     """The whole of `cudawrap status` as root reads it, for ASKER, who cannot read the lease
-    files (the service is the install's arbiter): this line, the holders the service granted named, others'
-    hidden where PRIVATE. (NVML is read here, in the service's loop: a status costs the
-    grants behind it a few milliseconds.)"""
+    files (the service is the install's arbiter): this line, the holders the service granted
+    (NAMED: holders()), others' hidden where PRIVATE. (NVML is read here, off the service's
+    loop: reply().)"""
     from pathlib import Path
 
     from ..paths import Layout
@@ -94,26 +95,55 @@ def whole(root: str, waiting: List[Dict[str, Any]], asker: int, private: bool, h
 
     # Others' runs, processes and leftovers are hidden there, as for the asker's own look.
     status = machine_status(Layout(Path(root)), ask_service=False, line=waiting, viewer=asker, private=private)
-    named = holders(held, asker, private)
     for device in status["devices"]:
         holder = device.get("holder")
         if device["uuid"] in named and holder is not None and named[device["uuid"]]["pid"] is not None:
             device["holder"] = dict(holder, **named[device["uuid"]])
+    pause()
     return json.dumps(status, default=str)
 
 
-def status(root: str, deciding: Any, claimed: Dict[str, Any], held: List[Any], clients: Sequence[Any],
-           asker: int, private: bool, with_whole: bool) -> Dict[str, Any]:
-    """The reply to a STATUS: the line as DECIDING (the service's ops.line.Line) decides it
-    now with CLAIMED (the grants sent), the HELD grants and the service's waiting CLIENTS,
-    as ASKER may see them; WITH_WHOLE, the user's whole status too (the service arbitrating)."""
-    mine = [c.waiter for c in clients if c.waiter is not None]
-    verdicts = deciding.decide(mine, claimed).finish()  # every waiter's verdict, not the grants alone
-    waiting = line(deciding.entries, mine, verdicts, deciding.programs(), asker, private)
-    reply = answer(waiting, holders(held, asker, private))
+class Look:
+    """What a STATUS is answered from (reply()), taken on the service's loop: DECIDING's
+    (the service's ops.line.Line) decision now with CLAIMED (the grants sent) and GRANTED
+    (the grants held), as far as its grants (its other verdicts are worked out from its own
+    copies of the line), the queue entries it counted and their files, the HELD grants'
+    holders and the waiting CLIENTS' pids, as ASKER may see them. What the loop changes
+    after, the answer does not read: a status costs the loop a decision's look, no more."""
+
+    __slots__ = ("root", "decision", "entries", "mine", "paths", "deciding", "named", "pids", "asker", "private",
+                 "grants")
+
+    def __init__(self, root: str, deciding: Any, claimed: Dict[str, Any], granted: Dict[str, int],
+                 held: List[Any], clients: Sequence[Any], asker: int, private: bool) -> None:
+        self.root, self.asker, self.private = root, asker, private
+        self.mine = [c.waiter for c in clients if c.waiter is not None]
+        # Every grant in it, as a decision of the loop's; its other verdicts (every waiter's
+        # place and why: most of the work with 900 waiting) on the thread (Decision.finish).
+        self.decision = deciding.decide(self.mine, claimed, granted)
+        self.entries, self.paths, self.deciding = list(deciding.entries), dict(deciding.paths), deciding
+        self.named = holders(held, asker, private)  # reads grants the loop changes: here
+        # Whether it found a grant to make (the loop's next decision makes it): a status
+        # that found none costs the loop no decision of its own.
+        self.grants = any(v.kind == GRANTED for v in self.decision.values())
+        self.pids = [(c.peer.pid, c.peer.uid) for c in clients]
+
+
+def reply(seen: Look, with_whole: bool, pause: Callable[[], None] = lambda: None) -> Dict[str, str]:
+    """Off the loop (ops/answers.py: finish): the reply to a STATUS from SEEN, as its asker
+    may see it; WITH_WHOLE, the user's whole status too (the service arbitrating). PAUSE
+    between its steps (each ~10 ms with 900 waiting): the loop's work goes first."""
+    asker, private = seen.asker, seen.private
+    verdicts = seen.decision.finish()  # every waiter's verdict, not the grants alone
+    pause()
+    waiting = line(seen.entries, seen.mine, verdicts, seen.deciding.programs(seen.entries, seen.paths),
+                   asker, private)
+    pause()
+    out = answer(waiting, seen.named)
     # For `cudawrap cancel`: under private_status, the asker's own waiting runs only.
-    reply["service_pids"] = ",".join(f"{c.peer.pid}:{c.peer.uid}" for c in clients
-                                     if not private or asker in (0, c.peer.uid))
+    out["service_pids"] = ",".join(f"{pid}:{uid}" for pid, uid in seen.pids
+                                   if not private or asker in (0, uid))
     if with_whole:
-        reply["status"] = whole(root, waiting, asker, private, held)
-    return reply
+        pause()
+        out["status"] = whole(seen.root, waiting, asker, private, seen.named, pause)
+    return out

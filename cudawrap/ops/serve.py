@@ -14,7 +14,6 @@ are answered after the grants, one a step, their answers sent as their clients r
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import selectors
@@ -178,7 +177,9 @@ class Service:
         return max(0.0, min(times) - now) if times else TICK_S * 30
 
     def step(self, timeout: float) -> None:
+        self.answers.idle.set()  # an answer being worked out on its thread goes on meanwhile
         ready = self.selector.select(accounts.idle_within(timeout))
+        self.answers.idle.clear()
         if not ready:
             accounts.idle()  # the ledger's state written, its fsync later (on the writer's thread)
         # One ledger turn for all of it, carried on to the next while hand-overs follow each
@@ -549,14 +550,13 @@ class Service:
             elif verb == wire.REVOKE:
                 reply = self._revoke(asker, fields)
             else:
-                held = list(self.grants.held.values())
-                reply = questions.status(self.root, self.line, self.grants.claimed(), held,
-                                         self._waiting(), asker, self.private_status, False)
-                self.dirty = True  # what it found may grant someone: the loop decides next
-                if fields.get("whole") == "1":  # the rest (NVML, the ETAs) off the loop
-                    self.answers.finish(client, reply, lambda: {"status": questions.whole(
-                        self.root, json.loads(reply["json"])["waiting"], asker, self.private_status, held)})
-                    return
+                seen = questions.Look(self.root, self.line, self.grants.claimed(), self.grants.holders(),
+                                      list(self.grants.held.values()), self._waiting(), asker, self.private_status)
+                self.dirty = self.dirty or seen.grants  # what it found grants someone: the loop decides next
+                with_whole = fields.get("whole") == "1"
+                # The rest (every waiter's place and why, the line's words, NVML, the ETAs) off the loop.
+                self.answers.finish(client, {}, lambda pause: questions.reply(seen, with_whole, pause))
+                return
         except CudawrapError as exc:
             reply = exc
         self._send_answer(client, reply)

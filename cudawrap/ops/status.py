@@ -154,11 +154,12 @@ _NO_READINGS: Dict[str, Any] = {
 }
 
 
-def _readings(uuid: str) -> Tuple[Dict[str, Any], Optional[Dict[int, Optional[int]]]]:
-    """(the readings of _NO_READINGS' keys, pid -> memory MiB of its processes or None)."""
+def _readings(uuid: str, nv: Any) -> Tuple[Dict[str, Any], Optional[Dict[int, Optional[int]]]]:
+    """(the readings of _NO_READINGS' keys, pid -> memory MiB of its processes or None),
+    through NV, the binding machine_status initialised once for the whole status."""
     from ..devices import nvml
 
-    got = nvml.readings(uuid)
+    got = nvml.readings(uuid, nv)
     return {key: got.get(key) for key in _NO_READINGS}, got.get("process_memory_mib")
 
 
@@ -178,11 +179,11 @@ def _processes(pids: Optional[Any], holder: Optional[Dict[str, Any]],
     return out
 
 
-def _gpus(inventory: Any) -> List[Dict[str, Any]]:
+def _gpus(inventory: Any, nv: Any) -> List[Dict[str, Any]]:
     """The physical GPUs with their board readings (a MIG instance has none of its own)."""
     out = []
     for gpu in inventory.gpus:
-        readings, _memory = _readings(gpu.uuid)
+        readings, _memory = _readings(gpu.uuid, nv)
         out.append({"uuid": gpu.uuid, "index": gpu.index, "name": gpu.name, "mig_mode": gpu.mig_mode,
                     **readings})
     return out
@@ -206,12 +207,14 @@ def machine_status(layout: Layout, ask_service: bool = True,
         return _through_service_whole(layout)  # the service arbitrates: only root reads the leases
     leases = _leases(layout)  # read before NVML, as the rows always were
     nvml_error: Optional[str] = None
+    nv = None
     try:
-        inventory = nvml.inventory()
+        nv = nvml.init()  # once for the whole status: the inventory and every device's readings
+        inventory = nvml.inventory(nv=nv)
     except NvmlUnavailable as exc:
         nvml_error = str(exc)
         inventory = None
-    devices = _devices(layout, inventory, leases)
+    devices = _devices(layout, inventory, leases, nv)
     drains = _add_drains(str(layout.root), devices)
     _add_health(str(layout.root), devices, me)
     _run_memory(layout, devices)
@@ -234,7 +237,7 @@ def machine_status(layout: Layout, ask_service: bool = True,
             "devices": devices, "waiting": waiting, "drained": drains,
             "nvml_error": nvml_error,
             "lost": list(inventory.lost) if inventory else [],
-            "gpus": _gpus(inventory) if inventory else []}
+            "gpus": _gpus(inventory, nv) if inventory else []}
 
 
 def _hide(devices: List[Dict[str, Any]], waiting: List[Dict[str, Any]], me: str,
@@ -280,8 +283,9 @@ def _leases(layout: Layout) -> Tuple[Any, ...]:
     return table, held, apart, sharing, lease_files
 
 
-def _devices(layout: Layout, inventory: Any, leases: Tuple[Any, ...]) -> List[Dict[str, Any]]:
-    """A row per device: NVML's (INVENTORY), or the lease files' when NVML is unusable (None)."""
+def _devices(layout: Layout, inventory: Any, leases: Tuple[Any, ...], nv: Any = None) -> List[Dict[str, Any]]:
+    """A row per device: NVML's (INVENTORY, read through NV), or the lease files' when NVML
+    is unusable (None)."""
     from ..lease.sharing import MPS
 
     lease_dir = str(layout.lease_dir)
@@ -296,7 +300,7 @@ def _devices(layout: Layout, inventory: Any, leases: Tuple[Any, ...]) -> List[Di
             # With the holder unknown its processes cannot be told from others': unknown too.
             unknown = d.pids is None or (holder is not None and holder["pid"] is None)
             foreign = None if unknown else foreign_pids(lease_dir, d.uuid, d.pids)
-            readings, memory = _readings(d.uuid)
+            readings, memory = _readings(d.uuid, nv)
             devices.append({
                 "uuid": d.uuid, "name": d.name, "gpu_index": d.gpu_index, "parent": d.parent_uuid,
                 "mig_slot": d.mig_slot, "memory_used_mib": d.memory_used_mib,
