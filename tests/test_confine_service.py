@@ -32,7 +32,6 @@ class Confined:
     def __init__(self, inst: MuInstall, kind: str, served: bool) -> None:
         self.inst = inst
         self.mech = cgroup.choose(kind)
-        self.before = set(run_cgroups(self.mech))
         topo = inst.machine.read()
         for uuid, minor in zip(inst.machine.gpu_uuids(), MINORS):
             topo = topo.replace(f"uuid={uuid} ", f"uuid={uuid} minor={minor} ")
@@ -55,11 +54,21 @@ class Confined:
                            f'unset CUDA_VISIBLE_DEVICES\nexec {inst.world.python} -I {probe} "$@"\n')
         inst.wrap("probe", program)
         inst.write_config(f'[confine]\nruns = true\ncgroup = "{kind}"\nproc = "{inst.dir / "proc"}"\n')
-        self.service = None
+        self.service: "subprocess.Popen | None" = None
+        self.services: List[int] = []  # the pids of this install's services, each run cgroup's maker
         if served:
-            self.service = inst.start(None, inst.world.python, "-I", "-c", cli_code(inst.path), "serve")
-            line = self.service.stdout.readline().decode()
-            assert "listening on" in line, line + self.service.stderr.read().decode()
+            self.serve()
+
+    def serve(self) -> None:
+        self.service = self.inst.start(None, self.inst.world.python, "-I", "-c", cli_code(self.inst.path), "serve")
+        self.services.append(self.service.pid)
+        line = self.service.stdout.readline().decode()
+        assert "listening on" in line, line + self.service.stderr.read().decode()
+
+    def made(self) -> List[str]:
+        """The run cgroups this install's services made that are still there (not another
+        test's: other tests beside this one make theirs on the same host)."""
+        return run_cgroups(self.mech, by=self.services)
 
     def nodes(self) -> List[str]:
         return [str(self.dev / f"nvidia{m}") for m in range(4)] + [str(self.dev / "nvidiactl")]
@@ -75,7 +84,7 @@ class Confined:
         if self.service is not None:
             self.service.terminate()
             self.service.wait(timeout=10)
-        for path in set(run_cgroups(self.mech)) - self.before:
+        for path in self.made():
             teardown(self.mech, path)
 
 
@@ -112,8 +121,8 @@ def test_a_run_opens_its_own_gpu_only_whatever_it_does(confined, mode: str, serv
         # The run is over: its cgroup is gone (a spare made ahead for the next run stays).
         assert os.path.basename(c.last_cgroup).startswith("cudawrap-run-")
         wait_for(lambda: not os.path.exists(os.path.join(c.mech.roots[0], c.last_cgroup.lstrip("/"))),
-                 what="the run's cgroup removed", details=lambda: str(run_cgroups(c.mech)))
-        assert len(set(run_cgroups(c.mech)) - c.before) == 1
+                 what="the run's cgroup removed", details=lambda: str(c.made()))
+        assert len(c.made()) == 1
     else:
         assert set(got.values()) == {"ENXIO"}  # nothing confines without the service
 
@@ -124,7 +133,7 @@ def test_two_users_runs_each_open_their_own(confined) -> None:
     inst = c.inst
     go = inst.dir / "go"
     holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
-    wait_for(lambda: any(c.mech.pids(p) for p in set(run_cgroups(c.mech)) - c.before),
+    wait_for(lambda: any(c.mech.pids(p) for p in c.made()),
              what="alice's run in its cgroup")
     uuid, got = c.run(inst.world.bob, "here")
     own = MINORS[inst.machine.gpu_uuids().index(uuid)]
@@ -135,6 +144,42 @@ def test_two_users_runs_each_open_their_own(confined) -> None:
     alice_own = MINORS[inst.machine.gpu_uuids().index(lines[0].split()[1])]
     assert alice_own != own
     assert dict(line.rsplit(" ", 1) for line in lines[2:])[str(c.dev / f"nvidia{own}")] == "EPERM"
+
+
+def test_an_install_s_end_leaves_the_runs_of_another_alone(confined) -> None:
+    """Two installs on one host, as tests running beside each other are: the one set up
+    first ends while a run of the other's holds its GPU; that run goes on and exits 0 (the
+    end once killed every run cgroup made since its start, the other's run with SIGKILL)."""
+    first = confined()
+    c = confined()
+    inst = c.inst
+    go = inst.dir / "go"
+    holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
+    wait_for(lambda: any(c.mech.pids(p) for p in c.made()), what="alice's run in its cgroup")
+    first.close()
+    go.touch()
+    out, err = holder.communicate(timeout=30)
+    assert holder.returncode == 0, err.decode()
+    assert out.decode().count(" ENXIO") == 2  # its own GPU's node and nvidiactl
+
+
+def test_a_service_s_start_leaves_another_install_s_runs_as_they_are(confined) -> None:
+    """Two installs on one host: the second's service starts while a run of the first's holds
+    its GPU, beside a spare made for the next; it adopts nothing of theirs (it once narrowed
+    them to no GPU, as ended runs of its own, and removed the spare the next run went into)."""
+    c = confined()
+    inst = c.inst
+    go = inst.dir / "go"
+    holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
+    wait_for(lambda: len(c.made()) == 2 and any(c.mech.pids(p) for p in c.made()),
+             what="alice's run in its cgroup, and a spare", details=lambda: str(c.made()))
+    confined()
+    go.touch()
+    out, err = holder.communicate(timeout=30)
+    assert holder.returncode == 0, err.decode()
+    assert out.decode().count(" ENXIO") == 2  # its own GPU's node and nvidiactl
+    uuid, got = c.run(inst.world.bob, "here")  # into the spare
+    assert list(got.values()).count("ENXIO") == 2
 
 
 def test_the_service_refuses_to_start_where_runs_cannot_be_confined(mu) -> None:
@@ -280,16 +325,15 @@ def test_a_service_killed_leaves_runs_confined_and_its_successor_removes_their_c
     inst = c.inst
     go = inst.dir / "go"
     holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
-    wait_for(lambda: any(c.mech.pids(p) for p in set(run_cgroups(c.mech)) - c.before), what="the run confined")
+    wait_for(lambda: any(c.mech.pids(p) for p in c.made()), what="the run confined")
     c.service.kill()
     c.service.wait()
-    c.service = inst.start(None, inst.world.python, "-I", "-c", cli_code(inst.path), "serve")
-    assert "listening on" in c.service.stdout.readline().decode()
+    c.serve()
     go.touch()
     out, _ = holder.communicate(timeout=30)
     lines = out.decode().splitlines()
     own = MINORS[inst.machine.gpu_uuids().index(lines[0].split()[1])]
     got = dict(line.rsplit(" ", 1) for line in lines[2:])
     assert [m for m in range(4) if got[str(c.dev / f"nvidia{m}")] == "ENXIO"] == [own]
-    wait_for(lambda: not (set(run_cgroups(c.mech)) - c.before), what="every run cgroup removed",
-             details=lambda: str(set(run_cgroups(c.mech)) - c.before))
+    wait_for(lambda: not c.made(), what="every run cgroup removed",
+             details=lambda: str(c.made()))

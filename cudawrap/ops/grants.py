@@ -110,7 +110,7 @@ class Grants:
         from ..policy.config import load_config
         from .runcgroups import for_install
 
-        self.confine = for_install(load_config(layout.config_file), say)
+        self.confine = for_install(load_config(layout.config_file), str(layout.root), say)
 
     def close(self) -> None:
         if self.confine is not None:
