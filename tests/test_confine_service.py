@@ -146,11 +146,13 @@ def test_two_users_runs_each_open_their_own(confined) -> None:
     assert dict(line.rsplit(" ", 1) for line in lines[2:])[str(c.dev / f"nvidia{own}")] == "EPERM"
 
 
-def test_an_install_s_end_leaves_the_runs_of_another_alone(confined) -> None:
+@pytest.mark.parametrize("served", [True, False], ids=["service", "daemonless"])
+def test_an_install_s_end_leaves_the_runs_of_another_alone(confined, served: bool) -> None:
     """Two installs on one host, as tests running beside each other are: the one set up
-    first ends while a run of the other's holds its GPU; that run goes on and exits 0 (the
-    end once killed every run cgroup made since its start, the other's run with SIGKILL)."""
-    first = confined()
+    first (with its service or without) ends while a run of the other's holds its GPU; that
+    run goes on and exits 0 (the end once killed every run cgroup made since its start, the
+    other's run with SIGKILL)."""
+    first = confined(served=served)
     c = confined()
     inst = c.inst
     go = inst.dir / "go"

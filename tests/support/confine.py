@@ -18,7 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
@@ -106,7 +106,7 @@ class Cgroups:
     top: str  # the test's parent cgroup, below the test process's own
 
 
-def run_cgroups(mech: "cgroup.V1 | cgroup.V2", by: Sequence[int] = ()) -> List[str]:
+def run_cgroups(mech: "cgroup.V1 | cgroup.V2", by: Optional[Sequence[int]] = None) -> List[str]:
     """Every run cgroup of cudawrap's in MECH's first hierarchy, as paths within it; with BY,
     only those the processes of these pids made (a run cgroup's name ends "-PID-COUNT"). Other
     tests run beside this one on the same host, their services' run cgroups among these: a
@@ -114,7 +114,7 @@ def run_cgroups(mech: "cgroup.V1 | cgroup.V2", by: Sequence[int] = ()) -> List[s
     root = mech.roots[0]
     return ["/" + os.path.relpath(os.path.join(d, n), root) for d, dirs, _ in os.walk(root)
             for n in dirs if n.startswith("cudawrap-run-")
-            and (not by or any(n.rsplit("-", 2)[-2] == str(pid) for pid in by))]
+            and (by is None or any(n.rsplit("-", 2)[-2] == str(pid) for pid in by))]
 
 
 @pytest.fixture(params=["v1", "v2"])
