@@ -13,7 +13,7 @@ import shutil
 import stat
 import subprocess
 from pathlib import Path
-from typing import Iterator, List, Set
+from typing import Iterator, List
 
 import pytest
 
@@ -32,7 +32,6 @@ class Confined:
     def __init__(self, inst: MuInstall, kind: str, served: bool) -> None:
         self.inst = inst
         self.mech = cgroup.choose(kind)
-        self.served: List[int] = []  # the pids of the services started: their run cgroups bear them
         self.dev = numbered_nodes(inst, MINORS)
         (inst.dir / "proc").mkdir(mode=0o755)  # no nvidia-caps driver: GPU nodes only
         probe = inst.dir / "devprobe.py"
@@ -45,12 +44,21 @@ class Confined:
                            f'unset CUDA_VISIBLE_DEVICES\nexec {inst.world.python} -I {probe} "$@"\n')
         inst.wrap("probe", program)
         inst.write_config(f'[confine]\nruns = true\ncgroup = "{kind}"\nproc = "{inst.dir / "proc"}"\n')
-        self.service = None
+        self.service: "subprocess.Popen | None" = None
+        self.services: List[int] = []  # the pids of this install's services, each run cgroup's maker
         if served:
-            self.service = inst.start(None, inst.world.python, "-I", "-c", cli_code(inst.path), "serve")
-            self.served.append(self.service.pid)
-            line = self.service.stdout.readline().decode()
-            assert "listening on" in line, line + self.service.stderr.read().decode()
+            self.serve()
+
+    def serve(self) -> None:
+        self.service = self.inst.start(None, self.inst.world.python, "-I", "-c", cli_code(self.inst.path), "serve")
+        self.services.append(self.service.pid)
+        line = self.service.stdout.readline().decode()
+        assert "listening on" in line, line + self.service.stderr.read().decode()
+
+    def made(self) -> List[str]:
+        """The run cgroups this install's services made that are still there (not another
+        test's: other tests beside this one make theirs on the same host)."""
+        return run_cgroups(self.mech, by=self.services)
 
     def nodes(self) -> List[str]:
         return [str(self.dev / f"nvidia{m}") for m in range(4)] + [str(self.dev / "nvidiactl")]
@@ -62,15 +70,11 @@ class Confined:
         self.last_cgroup = lines[1].split(" ", 1)[1]
         return lines[0].split()[1], dict(line.rsplit(" ", 1) for line in lines[2:])
 
-    def ours(self) -> Set[str]:
-        """The run cgroups of this test's services (others' tests on the host make theirs)."""
-        return {p for p in run_cgroups(self.mech) if any(f"/cudawrap-run-{pid}-" in p for pid in self.served)}
-
     def close(self) -> None:
         if self.service is not None:
             self.service.terminate()
             self.service.wait(timeout=10)
-        for path in self.ours():
+        for path in self.made():
             teardown(self.mech, path)
 
 
@@ -107,8 +111,8 @@ def test_a_run_opens_its_own_gpu_only_whatever_it_does(confined, mode: str, serv
         # The run is over: its cgroup is gone (a spare made ahead for the next run stays).
         assert os.path.basename(c.last_cgroup).startswith("cudawrap-run-")
         wait_for(lambda: not os.path.exists(os.path.join(c.mech.roots[0], c.last_cgroup.lstrip("/"))),
-                 what="the run's cgroup removed", details=lambda: str(c.ours()))
-        assert len(c.ours()) == 1
+                 what="the run's cgroup removed", details=lambda: str(c.made()))
+        assert len(c.made()) == 1
     else:
         assert set(got.values()) == {"ENXIO"}  # nothing confines without the service
 
@@ -119,7 +123,7 @@ def test_two_users_runs_each_open_their_own(confined) -> None:
     inst = c.inst
     go = inst.dir / "go"
     holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
-    wait_for(lambda: any(c.mech.pids(p) for p in c.ours()),
+    wait_for(lambda: any(c.mech.pids(p) for p in c.made()),
              what="alice's run in its cgroup")
     uuid, got = c.run(inst.world.bob, "here")
     own = MINORS[inst.machine.gpu_uuids().index(uuid)]
@@ -130,6 +134,44 @@ def test_two_users_runs_each_open_their_own(confined) -> None:
     alice_own = MINORS[inst.machine.gpu_uuids().index(lines[0].split()[1])]
     assert alice_own != own
     assert dict(line.rsplit(" ", 1) for line in lines[2:])[str(c.dev / f"nvidia{own}")] == "EPERM"
+
+
+@pytest.mark.parametrize("served", [True, False], ids=["service", "daemonless"])
+def test_an_install_s_end_leaves_the_runs_of_another_alone(confined, served: bool) -> None:
+    """Two installs on one host, as tests running beside each other are: the one set up
+    first (with its service or without) ends while a run of the other's holds its GPU; that
+    run goes on and exits 0 (the end once killed every run cgroup made since its start, the
+    other's run with SIGKILL)."""
+    first = confined(served=served)
+    c = confined()
+    inst = c.inst
+    go = inst.dir / "go"
+    holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
+    wait_for(lambda: any(c.mech.pids(p) for p in c.made()), what="alice's run in its cgroup")
+    first.close()
+    go.touch()
+    out, err = holder.communicate(timeout=30)
+    assert holder.returncode == 0, err.decode()
+    assert out.decode().count(" ENXIO") == 2  # its own GPU's node and nvidiactl
+
+
+def test_a_service_s_start_leaves_another_install_s_runs_as_they_are(confined) -> None:
+    """Two installs on one host: the second's service starts while a run of the first's holds
+    its GPU, beside a spare made for the next; it adopts nothing of theirs (it once narrowed
+    them to no GPU, as ended runs of its own, and removed the spare the next run went into)."""
+    c = confined()
+    inst = c.inst
+    go = inst.dir / "go"
+    holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
+    wait_for(lambda: len(c.made()) == 2 and any(c.mech.pids(p) for p in c.made()),
+             what="alice's run in its cgroup, and a spare", details=lambda: str(c.made()))
+    confined()
+    go.touch()
+    out, err = holder.communicate(timeout=30)
+    assert holder.returncode == 0, err.decode()
+    assert out.decode().count(" ENXIO") == 2  # its own GPU's node and nvidiactl
+    uuid, got = c.run(inst.world.bob, "here")  # into the spare
+    assert list(got.values()).count("ENXIO") == 2
 
 
 def test_the_service_refuses_to_start_where_runs_cannot_be_confined(mu) -> None:
@@ -275,60 +317,15 @@ def test_a_service_killed_leaves_runs_confined_and_its_successor_removes_their_c
     inst = c.inst
     go = inst.dir / "go"
     holder = inst.start(inst.world.alice, "probe", "--after", str(go), "here", *c.nodes())
-    wait_for(lambda: any(c.mech.pids(p) for p in c.ours()), what="the run confined")
+    wait_for(lambda: any(c.mech.pids(p) for p in c.made()), what="the run confined")
     c.service.kill()
     c.service.wait()
-    c.service = inst.start(None, inst.world.python, "-I", "-c", cli_code(inst.path), "serve")
-    c.served.append(c.service.pid)
-    assert "listening on" in c.service.stdout.readline().decode()
+    c.serve()
     go.touch()
     out, _ = holder.communicate(timeout=30)
     lines = out.decode().splitlines()
     own = MINORS[inst.machine.gpu_uuids().index(lines[0].split()[1])]
     got = dict(line.rsplit(" ", 1) for line in lines[2:])
     assert [m for m in range(4) if got[str(c.dev / f"nvidia{m}")] == "ENXIO"] == [own]
-    wait_for(lambda: not (c.ours()), what="every run cgroup removed",
-             details=lambda: str(c.ours()))
-
-
-SETUID_PROBE = r"""
-#include <errno.h>
-#include <fcntl.h>
-#include <stdio.h>
-#include <string.h>
-#include <unistd.h>
-int main(int argc, char **argv) {
-    printf("euid %d\n", (int)geteuid());
-    for (int i = 1; i < argc; i++) {
-        int fd = open(argv[i], O_RDWR);
-        printf("%s %s\n", argv[i], fd >= 0 ? "OK" : errno == ENXIO ? "ENXIO" : errno == EPERM ? "EPERM"
-               : errno == EACCES ? "EACCES" : strerror(errno));
-        if (fd >= 0) close(fd);
-    }
-    return 0;
-}
-"""
-
-
-def test_a_run_that_execs_a_setuid_root_program_stays_confined(confined) -> None:
-    """The wrapped program execs a setuid-root binary (built here with cc): root by its
-    effective uid, which the nodes' modes let through, it still opens no GPU but the run's own."""
-    c = confined()
-    inst = c.inst
-    source = inst.dir / "suidprobe.c"
-    source.write_text(SETUID_PROBE)
-    binary = inst.dir / "suidprobe"
-    subprocess.run(["cc", "-O", "-o", str(binary), str(source)], check=True)
-    os.chown(binary, 0, 0)
-    binary.chmod(0o4755)
-    program = inst.dir / "suid.sh"
-    program.write_text(f'#!/bin/sh\necho "cvd $CUDA_VISIBLE_DEVICES"\nunset CUDA_VISIBLE_DEVICES\nexec {binary} "$@"\n')
-    inst.wrap("suid", program)
-    done = inst.run(inst.world.alice, "suid", *c.nodes())
-    assert done.returncode == 0, done.stderr.decode()
-    lines = done.stdout.decode().splitlines()
-    assert lines[1] == "euid 0", lines  # it did run as root
-    own = MINORS[inst.machine.gpu_uuids().index(lines[0].split()[1])]
-    got = dict(line.rsplit(" ", 1) for line in lines[2:])
-    assert got == {**{str(c.dev / f"nvidia{m}"): "ENXIO" if m == own else "EPERM" for m in range(4)},
-                   str(c.dev / "nvidiactl"): "ENXIO"}
+    wait_for(lambda: not c.made(), what="every run cgroup removed",
+             details=lambda: str(c.made()))

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from cudawrap.base import cgroup
-from cudawrap.ops.runcgroups import RUN_PREFIX, RunCgroups
+from cudawrap.ops.runcgroups import RUN_PREFIX, RunCgroups, install_tag
 from support.confine import Cgroups, Nodes, Probe, cgroups, gpu_nodes, run_cgroups  # noqa: F401
 from support.procs import wait_for
 
@@ -28,7 +28,7 @@ def gpus(machine, monkeypatch):
 
 def service(cg: Cgroups, tmp_path) -> RunCgroups:
     said = []
-    rc = RunCgroups(cg.mech, str(tmp_path), said.append)
+    rc = RunCgroups(cg.mech, str(tmp_path), install_tag(str(tmp_path)), said.append)
     rc.said = said  # type: ignore[attr-defined]
     return rc
 
@@ -130,14 +130,18 @@ def test_never_below_a_cgroup_the_user_can_write(cgroups: Cgroups, gpus, tmp_pat
 
 def test_a_restart_keeps_held_runs_and_removes_the_others(cgroups: Cgroups, gpu_nodes: Nodes, gpus, tmp_path):
     mech = cgroups.mech
-    gone = mech.make(cgroups.top, f"{RUN_PREFIX}999999-1")  # a run that ended while no service ran
+    ours = f"{RUN_PREFIX}{install_tag(str(tmp_path))}-"
+    gone = mech.make(cgroups.top, f"{ours}999999-1")  # a run that ended while no service ran
+    # Another install's service, on the same host, made this one ahead: not this service's to remove.
+    theirs = mech.make(cgroups.top, f"{RUN_PREFIX}{install_tag(str(tmp_path / 'other'))}-999999-1")
     probe = probe_in(cgroups, gpu_nodes)
-    held = mech.make(cgroups.top, f"{RUN_PREFIX}1-1")
-    mech.confine(held, RunCgroups(mech, str(tmp_path)).rule(gpus))  # as wide as a crashed service left it
+    held = mech.make(cgroups.top, f"{ours}1-1")
+    mech.confine(held, service(cgroups, tmp_path).rule(gpus))  # as wide as a crashed service left it
     mech.move(held, probe.pid)
     rc = service(cgroups, tmp_path)
     rc.reconcile({probe.pid: [gpus[2]]})
     assert not any(os.path.exists(os.path.join(r, gone.lstrip("/"))) for r in mech.roots)
+    assert all(os.path.isdir(os.path.join(r, theirs.lstrip("/"))) for r in mech.roots)
     assert rc.runs[probe.pid] == held
     assert opened(gpu_nodes, probe.results()) == [2]
 
@@ -160,7 +164,7 @@ def test_the_next_run_there_takes_a_cgroup_made_ahead(cgroups: Cgroups, gpus, tm
     assert rc.allow(second.pid, [gpus[0]])
     assert rc.runs[second.pid] == spare
     rc.worker.submit(lambda: None).result()
-    assert RunCgroups(cgroups.mech, str(tmp_path)).reconcile({second.pid: [gpus[0]]}) is None
+    assert service(cgroups, tmp_path).reconcile({second.pid: [gpus[0]]}) is None
     assert not os.path.exists(os.path.join(cgroups.mech.roots[0], rc.spares[cgroups.top].lstrip("/")))
     assert os.path.exists(os.path.join(cgroups.mech.roots[0], spare.lstrip("/")))  # held: kept
     rc3 = service(cgroups, tmp_path)  # the restarted service's
@@ -182,12 +186,12 @@ def test_a_pid_that_could_not_be_confined_gets_no_grant(cgroups: Cgroups, gpus, 
     rc = service(cgroups, tmp_path)
     proc = subprocess.Popen(["true"])
     proc.wait()
-    before = set(run_cgroups(cgroups.mech))
+    before = set(run_cgroups(cgroups.mech, by=[os.getpid()]))
     rc.enter(proc.pid, 0)  # gone before it was moved
     assert rc.allow(proc.pid, [gpus[0]]) is False
     assert rc.allow(proc.pid, [gpus[0]]) is False  # nor at a later grant
     assert any("could not be confined" in line for line in rc.said)  # type: ignore[attr-defined]
-    assert set(run_cgroups(cgroups.mech)) == before  # the cgroup made for it is gone
+    assert set(run_cgroups(cgroups.mech, by=[os.getpid()])) == before  # the cgroup made for it is gone
 
 
 def test_leftovers_are_ended_through_their_run_cgroup_daemons_and_all(cgroups: Cgroups, gpus, tmp_path):

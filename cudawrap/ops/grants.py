@@ -114,7 +114,7 @@ class Grants:
         from .runcgroups import for_install
 
         config = load_config(layout.config_file)
-        self.confine = for_install(config, say)
+        self.confine = for_install(config, str(layout.root), say)
         self.nodes = leasednodes.for_install(config, str(layout.state_dir), say)
 
     def close(self) -> None:

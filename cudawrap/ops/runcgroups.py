@@ -27,6 +27,7 @@ Slurm's (ConstrainDevices), and doctor says whether it confines.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -48,10 +49,19 @@ RUN_PREFIX = "cudawrap-run-"
 ORPHAN_POLL_S = 0.5
 
 
+def install_tag(root: str) -> str:
+    """A short name for the install at ROOT, in its run cgroups' names: each install's
+    service adopts its own install's run cgroups at its start, never another install's on
+    the same host (which it would narrow to nothing, its spares removed)."""
+    return hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:8]
+
+
 class RunCgroups:
-    def __init__(self, mech: "cgroup.V1 | cgroup.V2", proc: str, say: Callable[[str], None] = log.warning) -> None:
+    def __init__(self, mech: "cgroup.V1 | cgroup.V2", proc: str, tag: str,
+                 say: Callable[[str], None] = log.warning) -> None:
         self.mech = mech
         self.proc = proc
+        self.prefix = f"{RUN_PREFIX}{tag}-"  # this install's run cgroups (install_tag)
         self.say = say
         self.ids: Dict[str, drivernodes.NodeIds] = {}  # uuid -> its node numbers (fixed while it exists)
         self.runs: Dict[int, str] = {}  # client pid -> its cgroup
@@ -91,11 +101,11 @@ class RunCgroups:
         return path
 
     def _make(self, base: str) -> str:
-        """A new run cgroup below BASE refusing every GPU. Named by the service's pid and a
-        count, not the run's: a restart finds a run's cgroup from its pid's /proc entry."""
+        """A new run cgroup below BASE refusing every GPU. Named by the install, the service's
+        pid and a count, not the run's: a restart finds a run's cgroup from its pid's /proc entry."""
         while True:  # never one that exists: a service before this one may have had this pid
             self.made += 1
-            name = f"{RUN_PREFIX}{os.getpid()}-{self.made}"
+            name = f"{self.prefix}{os.getpid()}-{self.made}"
             if not os.path.lexists(os.path.join(self.mech.roots[0], base.lstrip("/"), name)):
                 break
         path = self.mech.make(base, name)
@@ -232,12 +242,13 @@ class RunCgroups:
         nothing (a run that ended while no service watched, a spare) is narrowed to nothing
         and removed once empty. A holder no adopted grant follows (FOLLOWED: their clients'
         pids; one granted just before a crash, before the ledger's state had it) keeps its
-        devices, and its cgroup goes once empty, at a later sweep."""
+        devices, and its cgroup goes once empty, at a later sweep. Another install's run
+        cgroups (another service's, on the same host) are not this one's to touch."""
         followed = set(followed)
         unfollowed: Dict[int, str] = {}  # found holding, followed by no grant: goes once empty
         root = self.mech.roots[0]
         found = ["/" + os.path.relpath(os.path.join(where, name), root) for where, dirs, _files in os.walk(root)
-                 for name in dirs if name.startswith(RUN_PREFIX)]
+                 for name in dirs if name.startswith(self.prefix)]
         for n, path in enumerate(found):
             inside = set(self.mech.pids(path))
             holders = [pid for pid in held if pid in inside]
@@ -311,9 +322,9 @@ def kill_run_of(pid: int, ticks: int) -> bool:
     return False
 
 
-def for_install(config: Mapping[str, object], say: Callable[[str], None]) -> Optional[RunCgroups]:
-    """The service's run cgroups under CONFIG's [confine]; None with runs = false. A host that
-    cannot confine refuses the service's start, in one line."""
+def for_install(config: Mapping[str, object], root: str, say: Callable[[str], None]) -> Optional[RunCgroups]:
+    """The service's run cgroups under CONFIG's [confine] (the install at ROOT's); None with
+    runs = false. A host that cannot confine refuses the service's start, in one line."""
     if not config["runs"]:
         return None
     try:
@@ -321,4 +332,4 @@ def for_install(config: Mapping[str, object], say: Callable[[str], None]) -> Opt
     except OSError as exc:
         raise SetupError(f"[confine] runs = true, but runs cannot be confined here: {exc.strerror or exc}",
                          hint="`cudawrap doctor` says what is missing; or set [confine] runs = false") from None
-    return RunCgroups(mech, str(config["proc"]), say)
+    return RunCgroups(mech, str(config["proc"]), install_tag(root), say)

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
@@ -122,23 +122,27 @@ class Cgroups:
     top: str  # the test's parent cgroup, below the test process's own
 
 
-def run_cgroups(mech: "cgroup.V1 | cgroup.V2") -> List[str]:
-    """Every run cgroup of cudawrap's in MECH's first hierarchy, as paths within it."""
+def run_cgroups(mech: "cgroup.V1 | cgroup.V2", by: Optional[Sequence[int]] = None) -> List[str]:
+    """Every run cgroup of cudawrap's in MECH's first hierarchy, as paths within it; with BY,
+    only those the processes of these pids made (a run cgroup's name ends "-PID-COUNT"). Other
+    tests run beside this one on the same host, their services' run cgroups among these: a
+    test must never count them as its own, let alone kill what runs in them."""
     root = mech.roots[0]
     return ["/" + os.path.relpath(os.path.join(d, n), root) for d, dirs, _ in os.walk(root)
-            for n in dirs if n.startswith("cudawrap-run-")]
+            for n in dirs if n.startswith("cudawrap-run-")
+            and (by is None or any(n.rsplit("-", 2)[-2] == str(pid) for pid in by))]
 
 
 @pytest.fixture(params=["v1", "v2"])
 def cgroups(request: pytest.FixtureRequest) -> Iterator[Cgroups]:
     mech = cgroup.choose(request.param)
     top = os.path.join(mech.parent_of(os.getpid()), f"cudawrap-test-{os.getpid()}")
-    before = set(run_cgroups(mech))
     try:
         mech.make(*os.path.split(top))
         yield Cgroups(mech, top)
     finally:
-        for path in set(run_cgroups(mech)) - before:  # a run cgroup made where the test did not mean it
+        # A run cgroup made where the test did not mean it: by this process's RunCgroups alone.
+        for path in run_cgroups(mech, by=[os.getpid()]):
             teardown(mech, path)
         teardown(mech, top)
 
