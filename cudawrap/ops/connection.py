@@ -80,6 +80,10 @@ def answer_bytes(fields: Dict[str, str]) -> bytes:
         return wire.encode(wire.ERROR, {"text": str(exc), "code": str(os.EX_SOFTWARE)})
 
 
+# sizeof(struct sockaddr_un.sun_path) - 1 (linux/un.h UNIX_PATH_MAX 108, less the NUL).
+UNIX_PATH_MAX = 107
+
+
 def listen(path: str) -> socket.socket:
     """The service's socket at PATH, listening (every user may connect); SetupError where a
     service already answers there, or the runtime directory is missing."""
@@ -87,11 +91,15 @@ def listen(path: str) -> socket.socket:
         from ..lease.files import SYNC_HINT
 
         raise SetupError(f"the runtime directory {os.path.dirname(path)} is missing", hint=SYNC_HINT)
+    if len(os.fsencode(path)) > UNIX_PATH_MAX:
+        raise SetupError(f"the service's socket path {path} is {len(os.fsencode(path))} bytes, over the "
+                         f"kernel's {UNIX_PATH_MAX} for a unix socket",
+                         hint="install under a shorter root (install.sh --prefix DIR)")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
         raise SetupError(f"a service already answers on {path}",
-                         hint="stop it first (systemctl stop cudawrap, or kill the pid in its pid file)")
+                         hint="stop it first (systemctl stop cudawrap, or cudawrap serve --stop)")
     except OSError:
         pass  # nobody answers: a socket left by a service that died is replaced
     finally:
@@ -101,7 +109,8 @@ def listen(path: str) -> socket.socket:
     except FileNotFoundError:
         pass
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    tmp = f"{path}.{os.getpid()}.new"
+    # Beside it, no longer than its own name (a unix socket's path has the kernel's limit).
+    tmp = os.path.join(os.path.dirname(path), f".s{os.getpid()}")
     sock.bind(tmp)
     os.chmod(tmp, 0o666)  # every user connects; who they are comes from the kernel
     os.rename(tmp, path)
