@@ -285,7 +285,8 @@ def test_install_enables_the_mps_unit_only_in_mps_mode(tmp_path: Path, monkeypat
     def install() -> List[str]:
         said: List[str] = []
         calls.clear()
-        installation.install(layout, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: ())
+        installation.install(layout, sys.executable, None, [], say=said.append, man_pages={}, refresh=lambda _: (),
+                             way="service")  # as a root install runs
         return said
 
     said = install()
