@@ -189,7 +189,7 @@ def test_from_install_sh_to_the_deb_keeps_wraps_config_and_leases(deb, public_di
         for prog in progs:
             as_user = wrap_and_run_as_user("/usr/local/bin/create-cudawrap", prog, throwaway_user, fake, env)
         written = Path(CONFIG).read_bytes()
-        edited = written.replace(b'#wait = "forever"', b"wait = 30")
+        edited = written.replace(b'#wait = "forever"', b"wait = 30").replace(b"#[policy]", b"[policy]")
         assert edited != written
         Path(CONFIG).write_bytes(edited)
         leases = {name: os.stat(system.lease_file(name)).st_ino for name in fake.leaf_uuids()}
