@@ -255,7 +255,10 @@ class RunCgroups:
             owner = holders[0] if holders else -1 - n  # negative: nobody in it holds a device
             self.runs[owner] = path
             self.allow(owner, sorted({u for pid in holders for u in held[pid]}))
-            if holders and owner not in followed:
+            # Nobody in it holds a device (a spare the last service made ahead, a run that
+            # ended meanwhile), or its holders no grant follows: it goes once empty. No exit
+            # or close of theirs reaches the loop, so nothing else would remove it.
+            if not holders or owner not in followed:
                 unfollowed[owner] = path
         if unfollowed:
             self._await_empty(unfollowed)
