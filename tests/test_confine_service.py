@@ -53,7 +53,9 @@ class Confined:
         self.service = self.inst.start(None, self.inst.world.python, "-I", "-c", cli_code(self.inst.path), "serve")
         self.services.append(self.service.pid)
         line = self.service.stdout.readline().decode()
-        assert "listening on" in line, line + self.service.stderr.read().decode()
+        if "listening on" not in line:  # its say, not reading a live service's stderr to an end that never comes
+            self.service.kill()
+            raise AssertionError(line + self.service.communicate(timeout=10)[1].decode())
 
     def made(self) -> List[str]:
         """The run cgroups this install's services made that are still there (not another
