@@ -226,9 +226,13 @@ class RunCgroups:
             self._await_empty(left)
 
     def close(self) -> None:
-        """The service stops: its spares go (a run's cgroup stays with its run)."""
+        """The service stops: its spares go, and so does each cgroup the emptier waited on that
+        is empty by now (its next poll would have come too late: the emptier dies with the
+        service); a run's cgroup with a process in it stays with its run."""
         self.worker.shutdown(wait=True)
-        for path in self.spares.values():
+        with self.emptying_lock:
+            waited = list(self.emptying)
+        for path in list(self.spares.values()) + waited:
             try:
                 self.mech.remove(path)
             except OSError:
