@@ -20,7 +20,7 @@ import pytest
 
 from cudawrap.base import nodemodes, posixacl
 from support.confine import PROBE, numbered_nodes, run_cgroups
-from support.procs import cli_code, root_only, wait_for
+from support.procs import cli_code, first_line, root_only, wait_for
 from support.users import MuInstall
 
 pytestmark = [pytest.mark.root, root_only]
@@ -144,7 +144,7 @@ def test_no_lease_no_gpu_and_a_lessee_opens_only_what_it_holds_while_it_holds_it
     # Alice's run holds a GPU: it opens that node; her other process too, Bob's still none.
     go = inst.dir / "go"
     run = inst.start(world.alice, "probe", "--after", str(go), "here", *c.nodes())
-    wait_for(lambda: any(nodemodes.read_acl(p) for p in c.nodes()[:4]), what="a node opened to alice")
+    cvd = first_line(run)  # her program runs: every entry was set before its grant went out
     acl = {p: nodemodes.read_acl(p) for p in c.nodes()[:4]}
     [own_node] = [p for p, a in acl.items() if a]
     own = int(own_node[len(str(c.dev / "nvidia")):])
@@ -154,9 +154,8 @@ def test_no_lease_no_gpu_and_a_lessee_opens_only_what_it_holds_while_it_holds_it
     go.touch()
     out, err = run.communicate(timeout=30)
     assert run.returncode == 0, err.decode()
-    lines = out.decode().splitlines()
-    assert MINORS[inst.machine.gpu_uuids().index(lines[0].split()[1])] == own
-    assert c.gpus_opened(dict(line.rsplit(" ", 1) for line in lines[1:])) == [own]
+    assert MINORS[inst.machine.gpu_uuids().index(cvd.split()[1])] == own
+    assert c.gpus_opened(dict(line.rsplit(" ", 1) for line in out.decode().splitlines())) == [own]
     # The lease has ended: her other process opens it no more.
     wait_for(lambda: nodemodes.read_acl(own_node) is None, what="alice's ACL entry removed")
     assert c.gpus_opened(c.opens(world.alice)) == []
@@ -213,7 +212,7 @@ def test_a_service_killed_then_restarted_sets_the_acls_to_the_leases_held(leased
     assert c.serve().returncode == 0
     go = inst.dir / "go"
     run = inst.start(world.alice, "probe", "--after", str(go), "here", *c.nodes())
-    wait_for(lambda: any(nodemodes.read_acl(p) for p in c.nodes()[:4]), what="a node opened to alice")
+    first_line(run)  # her grant went out: she holds the lease (killed before, she would not yet)
     [own_node] = [p for p in c.nodes()[:4] if nodemodes.read_acl(p)]
     c.stop(kill=True)
     assert c.gpus_opened(c.opens(world.bob)) == []
@@ -289,16 +288,17 @@ def test_a_mig_lessee_gets_its_parent_and_its_own_capabilities_only(leased) -> N
     assert {m: node_state(p)[2] for m, p in cap.items()} == {m: 0o666 if m < 3 else 0o660 for m in cap}
     go = inst.dir / "go"
     run = inst.start(world.alice, "probe", "--after", str(go), "here", *cap.values())
-    wait_for(lambda: nodemodes.read_acl(str(c.dev / "nvidia2")), what="the parent node opened to alice")
+    cvd = first_line(run)  # her program runs: every entry was set before its grant went out
+    assert nodemodes.read_acl(str(c.dev / "nvidia2"))
     opened = {m for m, p in cap.items() if nodemodes.read_acl(p)}
     assert len(opened) == 2
     gi = (min(opened) - 10) // 2
     assert opened == {table[f"gpu2/gi{gi}/access"], table[f"gpu2/gi{gi}/ci0/access"]}
     go.touch()
     out, _ = run.communicate(timeout=30)
-    got = dict(line.rsplit(" ", 1) for line in out.decode().splitlines()[1:])
+    got = dict(line.rsplit(" ", 1) for line in out.decode().splitlines())
     assert {m for m, p in cap.items() if got[p] == "ENXIO"} == opened | {1, 2}
-    assert uuid_gi(inst, out.decode().splitlines()[0].split()[1]) == gi
+    assert uuid_gi(inst, cvd.split()[1]) == gi
     wait_for(lambda: not any(nodemodes.read_acl(p) for p in cap.values()), what="alice's entries removed")
     c.stop()
     c.configure("open")
@@ -364,7 +364,7 @@ def test_after_a_burst_of_runs_nothing_is_left_but_the_runs_still_going(leased, 
     # service after its daemon's exit, yet its cgroup goes then (the service does not wait for
     # another run's end to remove it).
     going = inst.start(world.alice, "probe", "--after", str(hold), "here", *c.nodes())
-    wait_for(lambda: any(nodemodes.read_acl(p) for p in c.nodes()[:4]), what="the last run's node opened")
+    first_line(going)  # its grant went out: its node is open to alice
     done = inst.run(world.bob, "linger")
     assert done.returncode == 0, done.stderr.decode()
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import textwrap
 import time
@@ -48,6 +49,20 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "c
             raise AssertionError(f"{what} not reached in {timeout:g} s" + (f"\n{more}" if more else ""))
         time.sleep(pause)
         pause = min(pause * 2, _LONGEST_PAUSE)
+
+
+def first_line(proc: subprocess.Popen, timeout: float = 30.0) -> str:
+    """PROC's first line of output, read a byte at a time from its pipe (what follows stays for
+    ``communicate``); an AssertionError after TIMEOUT seconds or at its end without one."""
+    fd, line = proc.stdout.fileno(), b""  # type: ignore[union-attr]
+    deadline = time.monotonic() + timeout
+    while not line.endswith(b"\n"):
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        byte = os.read(fd, 1) if ready else b""
+        if not byte:
+            raise AssertionError(f"no first line from pid {proc.pid} in {timeout:g} s (so far {line!r})")
+        line += byte
+    return line.decode().rstrip("\n")
 
 
 def open_files(pid: int) -> List[str]:
