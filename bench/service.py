@@ -15,11 +15,11 @@ asserts a time.
 
 Then bench/servicescale.py's two (see there): a burst of N one-second C jobs through the
 service on 7 MIG instances (grant from a release's exit to the next run's exec, makespan,
-overlaps, failures; again under `[service] enforce = true`), and W waiting runs while 50
+overlaps, failures; again with the jobs run by `nobody`, an ordinary account), and W waiting runs while 50
 one-second jobs turn over (the CPU of the service, of its monitor loop and of the waiters).
 
     sudo python3 bench/service.py [--quick] [--reps 40] [--topologies a100-mig7 dgx-a100-mig56]
-                                  [--parts launch,burst,waiters] [--waiters 1000] [--no-enforce]
+                                  [--parts launch,burst,waiters] [--waiters 1000] [--no-nobody]
                                   [--confine v1,v2]
 
 --confine adds, for each mechanism named, the service's launch block again with [confine]
@@ -179,7 +179,7 @@ SERVICE_CPU_PCT = 5.0  # the service, % of one core, while the turnover runs wit
 WAITERS_CPU_PCT = 0.5  # all W waiters together, likewise
 
 BURSTS = {"root": "as root, runs waiting in the waiter", "root, no waiter": "as root, the waiter moved aside",
-          "enforce": "`nobody` under `[service] enforce = true`"}
+          "nobody": "`nobody`, an ordinary account"}
 
 
 def _judged(results: dict) -> list:
@@ -318,7 +318,7 @@ def main() -> int:
                                                         "a100-mig7 with --quick)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"a subset of {','.join(PARTS)}")
     parser.add_argument("--waiters", type=int, help="waiting runs (default 1000, 40 with --quick)")
-    parser.add_argument("--no-enforce", action="store_true", help="leave out the burst under [service] enforce")
+    parser.add_argument("--no-nobody", action="store_true", help="leave out the burst run by `nobody`")
     parser.add_argument("--confine", default="", help="also the service's block with [confine] runs = true, "
                                                       "for each of these cgroup mechanisms (v1,v2)")
     parser.add_argument("--work", type=Path, help="work directory (default: a new temporary one)")
@@ -341,7 +341,7 @@ def main() -> int:
         kinds = [k.strip() for k in args.confine.split(",") if k.strip()]
         results["launch"] = {t: run(bench, t, reps, kinds) for t in topologies}
     if "burst" in parts or "waiters" in parts:
-        results["service"] = run_servicescale(bench.sim, results["mode"], args.waiters, not args.no_enforce,
+        results["service"] = run_servicescale(bench.sim, results["mode"], args.waiters, not args.no_nobody,
                                               burst="burst" in parts, many="waiters" in parts)
     results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"bench/service.py ({results['mode']}), {results['date']}, commit {results['checkout']['commit']}"

@@ -3,9 +3,9 @@
 burst: N simultaneous wrapped C jobs (bench/hold.c) holding their device H s each on the 7
 MIG instances, `cudawrap serve` running; once as root, again as root with the install's
 waiter (shims/cudawrap-wait.c) moved aside, so that runs wait in the shim's interpreter
-(where no C compiler was found at install: the A/B of the waiter), and once under
-`[service] enforce = true` with the jobs run by `nobody` (then no run can take a lease but
-through the service).
+(where no C compiler was found at install: the A/B of the waiter), and once with the jobs
+run by `nobody`, an ordinary account (the service is the install's one arbiter: no run takes a
+lease but through it, root's included).
 With bench/burst.py's machinery (bench/watch.py): the kernel's process events clock each
 job's exit (its lease released) and each exec, with the kernel's own times. The grant is
 clocked as the issue defines it, from that exit to the next job's exec of its program on
@@ -116,30 +116,11 @@ def _answers(path: Path) -> bool:
         s.close()
 
 
-def _set_enforce(config: Path, on: bool) -> None:
-    """[service] enforce = ON in the install's configuration."""
-    text = config.read_text() if config.exists() else ""
-    line = f"enforce = {'true' if on else 'false'}"
-    if re.search(r"(?m)^enforce\s*=.*$", text):
-        text = re.sub(r"(?m)^enforce\s*=.*$", line, text)
-    elif re.search(r"(?m)^\[service\]\s*$", text):
-        text = re.sub(r"(?m)^\[service\]\s*$", "[service]\n" + line, text, count=1)
-    else:
-        text += f"\n[service]\n{line}\n"
-    config.write_text(text)
-
-
 @contextlib.contextmanager
-def serving(sim: Sim, enforce: bool = False) -> Iterator[Service]:
-    """`cudawrap serve` running (as root, as its unit runs it) until the block ends; with
-    ENFORCE, under `[service] enforce = true` (the configuration is put back after, and the
-    machine re-synced, so what follows runs as before)."""
-    config = sim.layout.config_file
-    saved = config.read_text() if config.exists() else None
-    if enforce:
-        _set_enforce(config, True)
+def serving(sim: Sim) -> Iterator[Service]:
+    """`cudawrap serve` running (as root, as its unit runs it) until the block ends."""
     sock = sim.layout.runtime_dir / "cudawrap.sock"
-    log = sim.work / f"serve{'-enforce' if enforce else ''}.log"
+    log = sim.work / "serve.log"
     with open(log, "ab") as out:
         since = out.tell()
         proc = subprocess.Popen([sim.install.cudawrap, "serve"], env=sim.machine.environ(),
@@ -153,12 +134,6 @@ def serving(sim: Sim, enforce: bool = False) -> Iterator[Service]:
         yield Service(proc, log, since)
     finally:
         stop(proc, 30)
-        if enforce:
-            if saved is None:
-                config.unlink()
-            else:
-                config.write_text(saved)
-            sim.sync()
 
 
 # ---- the burst ------------------------------------------------------------------------------
@@ -179,27 +154,27 @@ def _waiter_aside(sim: Sim, keep: bool) -> Iterator[bool]:
         os.replace(aside, waiter)
 
 
-def service_burst(sim: Sim, n: int, hold: float, enforce: bool, waiter: bool = True) -> dict:
-    """N wrapped hold.c jobs at once through the service (by `nobody` under ENFORCE); without
+def service_burst(sim: Sim, n: int, hold: float, nobody: bool, waiter: bool = True) -> dict:
+    """N wrapped hold.c jobs at once through the service (by `nobody` with NOBODY); without
     WAITER, with the install's waiter moved aside (an A/B of the same code)."""
     with _waiter_aside(sim, waiter) as waits_in_it:
-        out = _service_burst(sim, n, hold, enforce)
+        out = _service_burst(sim, n, hold, nobody)
     out["waiter"] = waits_in_it
     return out
 
 
-def _service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
+def _service_burst(sim: Sim, n: int, hold: float, nobody: bool) -> dict:
     if sim.hold_wrapped is None:
         return {"error": "no C compiler: bench/hold.c was not built"}
-    if enforce and shutil.which("setpriv") is None:
-        return {"error": "setpriv is missing: the runs under enforce are `nobody`'s"}
-    closed = _open_to_all(sim) if enforce else None
+    if nobody and shutil.which("setpriv") is None:
+        return {"error": "setpriv is missing: it runs the jobs as `nobody`"}
+    closed = _open_to_all(sim) if nobody else None
     if closed:
         return {"error": closed}
-    with serving(sim, enforce) as service:
+    with serving(sim) as service:
         since = time.time()
-        out = _burst(sim, "cudawrap", n, hold, "hold", NOBODY if enforce else (),
-                     name="service-enforce" if enforce else "service",
+        out = _burst(sim, "cudawrap", n, hold, "hold", NOBODY if nobody else (),
+                     name="service-nobody" if nobody else "service",
                      granted_at=lambda: ledger_grants(sim, since))
         granted = service.granted_pids()
         handed = service.granted_pids(HANDED)
@@ -214,7 +189,7 @@ def _service_burst(sim: Sim, n: int, hold: float, enforce: bool) -> dict:
     starts = [j["start"] for j in jobs if j["start"] is not None]
     ends = [j["end"] for j in jobs if j["end"] is not None]
     out.pop("after_startup_storm", None)  # it needs the queue directory, which the service's runs never enter
-    out.update({"enforce": enforce, "as": "nobody" if enforce else "root",
+    out.update({"as": "nobody" if nobody else "root",
                 "granted_by_service": len(pids & granted),
                 "handed_over": len(pids & handed),  # of those, decided on the last look at a release
                 # The hand-over in two: a release to the grant's record (the service's decision:
@@ -552,7 +527,7 @@ SHIM_WAITERS = {"full": 100, "quick": 20}
 
 
 def run_servicescale(sim_for: Callable[[str], Sim], mode: str, waiters: Optional[int] = None,
-                     enforce: bool = True, burst: bool = True, many: bool = True) -> dict:
+                     nobody: bool = True, burst: bool = True, many: bool = True) -> dict:
     """Both measurements, each on a fresh a100-mig7 machine (SIM_FOR(topology) makes one)."""
     sizes = SIZES[mode]
     out: dict = {}
@@ -563,8 +538,8 @@ def run_servicescale(sim_for: Callable[[str], Sim], mode: str, waiters: Optional
             # The same burst with runs waiting in the shim's interpreter, as where no compiler was found.
             out["burst"]["root, no waiter"] = service_burst(sim_for("a100-mig7"), b["n"], b["hold"], False,
                                                             waiter=False)
-        if enforce:
-            out["burst"]["enforce"] = service_burst(sim_for("a100-mig7"), b["n"], b["hold"], True)
+        if nobody:
+            out["burst"]["nobody"] = service_burst(sim_for("a100-mig7"), b["n"], b["hold"], True)
     if many:
         w = dict(sizes["waiters"])
         if waiters is not None:
@@ -597,7 +572,7 @@ def show(result: dict) -> None:
             continue
         waits = ("the waiter (shims/cudawrap-wait.c)" if r.get("waiter")
                  else "the shim's interpreter (no waiter" + (": moved aside)" if "no waiter" in name else " built)"))
-        print(f"  burst through the service ({'[service] enforce = true' if r['enforce'] else 'enforce off'}, runs as {r['as']}): "
+        print(f"  burst through the service (runs as {r['as']}): "
               f"{r['n']} x {r['hold_s']:g} s hold.c on {r['devices']} devices; runs wait in {waits}")
         print(f"    ran {r['ok']}/{r['n']}, failures {r['failures']}, overlaps {r['overlap_pairs']}, "
               f"granted by the service {r['granted_by_service']}/{r['ok']}"
