@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from ..paths import Layout
 
 from ..errors import NotPermitted, StateError, UsageError
-from ..proc import real_uid
-from ..users import either, user_name
+from ..base.proc import real_uid
+from ..base.users import either, user_name
 
 CANCELLED_EXIT = os.EX_TEMPFAIL  # 75, as for a wait that ran out
 
@@ -107,7 +107,7 @@ def cancel(layout: Layout, pids: Sequence[int], caller_uid: Optional[int] = None
     from .view import cancel as cancel_served, service_waiters
 
     waiting.update((pid, Waiter(pid, uid, "")) for pid, uid in service_waiters(layout).items())
-    from .privacy import hidden_from
+    from ..policy.privacy import hidden_from
 
     private = hidden_from(str(layout.root), caller_uid) is not None
     chosen = [check(pid, waiting, held, caller_uid, private) for pid in pids]
