@@ -1,11 +1,13 @@
 """The service's client: ask `cudawrap serve` for devices and take the locks it hands over.
 
 Used by the launch (the shim, `cudawrap run`, the Python API) when the service's socket
-answers. The service decides, opens the lease files read-only (and a share's slot file)
-and passes the descriptors (SCM_RIGHTS); the lock is taken here, on the descriptor
-received, shared or exclusive as the grant says (wire.py), so that the kernel's
-lock table names this process and the lease lives exactly as long as this process and
-the children it hands the descriptors to (kill -9 frees the device at once).
+answers: from_service asks the general way (with the Slurm job's GPUs where the run is in
+one); the commands ask their questions (status, cancel) through question(). The service
+decides, opens the lease files read-only (and a share's slot file) and passes the
+descriptors (SCM_RIGHTS); the lock is taken here, on the descriptor received, shared or
+exclusive as the grant says (wire.py), so that the kernel's lock table names this process
+and the lease lives exactly as long as this process and the children it hands the
+descriptors to (kill -9 frees the device at once).
 
 On the launch path: the C module ``_socket`` only (``socket`` builds its enums at import,
 ~5 ms), no ``json``, no ``re``; waiting is one blocking read of the socket, no CPU.
@@ -20,9 +22,10 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import locations as loc
-from .. import lock_granted, received_fds, wire
+from .. import lock_granted, received_fds, say, wire
 from ..errors import CudawrapError
 from ..lease.files import Lease
+from .grant import Grant, whole_devices
 
 # The variables a run's settings are read from (policy.effective), passed on as asks.
 ASK_PREFIX = "CUDAWRAP_"
@@ -288,3 +291,52 @@ def question(root: str, verb: str, fields: Dict[str, str]) -> Optional[Dict[str,
     if reply_verb == wire.ERROR:
         raise _error(reply)
     return reply
+
+
+# ---- the general launch's way to the service ------------------------------------------------
+
+def from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, count: int, job: Any = None,
+                  must: bool = False, ticket: str = "") -> Optional[Grant]:
+    """Devices (or shares) granted by `cudawrap serve` (README "The cudawrap service"); None
+    when it does not answer, and the run decides for itself as without it. MUST: it cannot
+    (the service is the install's arbiter): the service is tried again for connect_retry_s
+    (a restart), then ServiceUnavailable."""
+
+    def on_wait(text: str) -> None:
+        say(prog, text)
+
+    fields = request_fields(value, environ, count)
+    if ticket:
+        fields["ticket"] = ticket
+    if job is not None:
+        devices = _job_devices(job)
+        if devices is not None:
+            fields["visible"] = devices
+    if not must:
+        granted = ask(root, fields, on_wait)
+    else:
+        granted = ask_retrying(root, fields, on_wait, float(value.get("connect_retry_s", 10.0)))
+    if granted is None:
+        return None
+    # The service writes the grant's audit line (and its ledger record) itself.
+    return whole_devices(root, granted.lease, environ, granted.extra, granted.defaults)
+
+
+def _job_devices(job: Any) -> Optional[str]:
+    """The UUIDs of a Slurm job's GPUs, as the service is asked to narrow to them; None
+    where Slurm's variables do not say (CUDA_VISIBLE_DEVICES narrows, as for any run).
+    Slurm numbers GPUs in NVML's (PCI) order: NVML is read to name them."""
+    from ..devices import nvml
+    from ..devices.slurm import uuids_of
+
+    inventory = nvml.inventory()
+    visible = job.visible({g.index for g in inventory.gpus})
+    if visible is None:
+        return None
+    wanted: List[int] = []
+    for token in visible.split(","):
+        if not token.strip().isdigit():
+            break  # outside the job: the list ends there, as CUDA ends it
+        wanted.append(int(token))
+    # A device of no GPU in the job matches nothing: the service then refuses, one line.
+    return ",".join(uuids_of(inventory.devices, wanted)) or "-"

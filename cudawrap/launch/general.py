@@ -1,7 +1,7 @@
 """The general launch: find the real program, lease devices, exec it unchanged but for CUDA_VISIBLE_DEVICES.
 
 Every case: a lease inherited from a wrapped parent, a Slurm job, the service asked with
-the settings read here (those two in launch/inherited.py), or no service and the run deciding for
+the settings read here (those two in inherited.py and client.py), or no service and the run deciding for
 itself; and every error, said in one line. The wrapped program itself is here too: the
 name it was reached by, the real program beside it, and becoming it (exec, same pid) with
 what it was granted (Grant). The shim comes here when its fast path (cudawrap/__init__.py) cannot serve
@@ -16,15 +16,16 @@ import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
+    from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
     from ..policy.effective import Settings
 
 from ..base import audit
 from .. import locations as loc
 from ..errors import CannotExecute, CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound, UsageError
-from ..lease.files import LEASE_ENV, PROGRAM_ENV, Lease, LeaseFiles
-from .. import MPS_VARIABLES, original_environ, say  # the shim's fast path (the package) has them loaded already
+from ..lease.files import LEASE_ENV, Lease, LeaseFiles
+from .. import original_environ, say  # the shim's fast path (the package) has them loaded already
+from .grant import CVD, Grant, whole_devices
 
 
 # ---- the wrapped program: the name it was reached by, the real one beside it, becoming it ----
@@ -155,54 +156,6 @@ def unwrapped_meanwhile(link: str, shim: str, root: str) -> Optional[str]:
     return None if is_shim(link, root) else link
 
 
-CVD = "CUDA_VISIBLE_DEVICES"
-CVD_B = CVD.encode()
-
-
-class Grant:
-    """What a run got: a lease (possibly inherited) or nothing, and what to tell it."""
-
-    def __init__(self, lease: Optional[Lease], visible: Optional[str],
-                 extra: Optional[Dict[bytes, bytes]] = None) -> None:
-        self.lease = lease
-        self.visible = visible  # value for CUDA_VISIBLE_DEVICES; None = leave it as it is
-        self.extra = extra or {}  # more variables: an MPS client's
-        self.defaults: Dict[bytes, bytes] = {}  # variables set only where the caller has none
-        self.drop: Tuple[bytes, ...] = ()  # variables to remove
-        self.program: Optional[str] = None  # the wrapped name, for a run a shim started
-
-    def apply(self, env: Dict[bytes, bytes]) -> Dict[bytes, bytes]:
-        for name in self.drop:
-            env.pop(name, None)
-        env.update(self.extra)
-        for name, value in self.defaults.items():
-            env.setdefault(name, value)
-        if self.visible is not None:
-            env[CVD_B] = self.visible.encode()
-        if self.lease is not None:
-            env[LEASE_ENV.encode()] = self.lease.marker().encode()
-            if self.program:
-                env[PROGRAM_ENV.encode()] = self.program.encode()
-            else:  # `cudawrap run` inside a wrapped program: its command is not that program
-                env.pop(PROGRAM_ENV.encode(), None)
-        return env
-
-
-def whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[bytes, bytes]] = None,
-                   defaults: Optional[Dict[bytes, bytes]] = None) -> Grant:
-    """The Grant of LEASE with a share's variables (EXTRA, and DEFAULTS where the caller has
-    none; sharing.run_env), and a shared run's MPS variables dropped for whole devices."""
-    grant = Grant(lease, ",".join(lease.uuids), extra)
-    if defaults is not None:
-        grant.defaults = defaults
-    mps_dir = loc.under(root, loc.MPS_DIR) + "/"
-    if not lease.shared and environ.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(mps_dir):
-        # A whole device bypasses MPS: a client of a device's daemon (a shared run's
-        # environment passed on) must not be sent to a daemon of a device it does not use.
-        grant.drop = MPS_VARIABLES
-    return grant
-
-
 # ---- its devices ---------------------------------------------------------------------------
 
 def obtain(root: str, prog: str, settings: Settings, environ: Any,
@@ -244,7 +197,7 @@ def obtain(root: str, prog: str, settings: Settings, environ: Any,
     arbiter = _service_arbitrates(root, lease_dir)
     must = arbiter and os.geteuid() != 0
     if must or ((arbiter or (job is None and not share)) and os.path.exists(loc.under(root, loc.SERVICE_SOCKET))):
-        from .inherited import from_service
+        from .client import from_service
 
         served = from_service(root, prog, value, environ, count, job, must, ticket)
         if served is not None:

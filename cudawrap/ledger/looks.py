@@ -382,7 +382,7 @@ def _waits(look: _Look, waiting: Dict[str, Dict[str, Any]], obs: Observation) ->
     """The runs waiting now (pid -> when it began, as sure as the looks are, and its claim),
     from the kernel's record of who holds each queue entry's lock; OBS counts them by user,
     and the waits of WAITING that ended without a grant."""
-    from ..ops.cancel import waiters
+    from ..sched.waiters import waiters
 
     mono, wall = time.monotonic(), time.time()
     now_waiting: Dict[str, Dict[str, Any]] = {}
