@@ -11,7 +11,7 @@ from typing import Dict, Optional, Tuple
 from .. import wire
 from ..errors import CudawrapError, SetupError
 from ..sched.schedule import Waiter
-from . import requests as asks, peer
+from . import peer, requests
 from .slurmjob import JobCgroup
 
 HELLO_S = 5.0  # a connection that asks nothing for this long is closed
@@ -27,7 +27,7 @@ class Client:
         self.peer = who
         self.reader = wire.Reader()
         self.hello_by = time.monotonic() + HELLO_S
-        self.ask: Optional[asks.Ask] = None
+        self.ask: Optional[requests.Ask] = None
         self.resolving: Optional[Tuple[JobCgroup, Dict[str, str]]] = None  # its Slurm job's GPUs being asked
         self.waiter: Optional[Waiter] = None
         self.wait_until = float("inf")

@@ -48,7 +48,7 @@ from ..lease.files import LeaseFiles, lock_kind, lock_table
 from ..lease.renew import replace
 from ..paths import Layout
 from ..base.proc import real_uid
-from . import bookkeeping as accounts
+from . import bookkeeping
 
 DEADLINE_S = 2.0
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -230,7 +230,7 @@ class Grants:
               asked: float, slots: Optional[Dict[str, int]] = None, fields: Optional[Dict[str, str]] = None,
               counts_as: Optional[float] = None, ticks: Optional[int] = None, exe: Optional[str] = None) -> bool:
         """Open DEVICES' lease files, record the grant and send their descriptors to the client
-        PID on SOCK (accounts.grant); False if that failed (a record then ends at once). SLOTS: uuid -> the slot file of each
+        PID on SOCK (bookkeeping.grant); False if that failed (a record then ends at once). SLOTS: uuid -> the slot file of each
         device taken as a share; FIELDS: more of the GRANT (the run's variables); COUNTS_AS:
         what a grant with shares counts as, in devices; TICKS, EXE: the client's start and
         executable, where they were read when it connected."""
@@ -276,7 +276,7 @@ class Grants:
                 return False
             return sent == len(data)
 
-        lease_id = accounts.grant(self.layout, pid, uid, devices, program, asked, counts_as if slots else None, send,
+        lease_id = bookkeeping.grant(self.layout, pid, uid, devices, program, asked, counts_as if slots else None, send,
                                   ticks, exe)
         if lease_id is None:
             for fd in fds:
@@ -293,7 +293,7 @@ class Grants:
         if pending is None:
             return []
         pending.close()
-        accounts.end(self.layout, pending.lease_id, "not taken")
+        bookkeeping.end(self.layout, pending.lease_id, "not taken")
         self._confine(pending.pid)  # narrowed first: before anything else happens
         self._renew_void(pending)
         return pending.devices
@@ -306,7 +306,7 @@ class Grants:
         ok = pending.taken()
         pending.close()
         if not ok:
-            accounts.end(self.layout, pending.lease_id, "not taken")
+            bookkeeping.end(self.layout, pending.lease_id, "not taken")
             self._confine(pending.pid)  # narrowed first: before anything else happens
             self._renew_void(pending)
         return pending if ok else None
@@ -337,7 +337,7 @@ class Grants:
         self.held.pop(held.pidfd, None)
         self._mps_access(held)
         os.close(held.pidfd)
-        accounts.end(self.layout, held.lease_id, held.how)
+        bookkeeping.end(self.layout, held.lease_id, held.how)
         self._confine(held.pid)
         return True
 
@@ -459,7 +459,7 @@ class Grants:
         from ..ledger import looks as ledger
 
         running: List[Held] = []
-        for record in accounts.still_open(self.layout):
+        for record in bookkeeping.still_open(self.layout):
             pid = record["pid"]
             try:
                 pidfd = os.pidfd_open(pid)

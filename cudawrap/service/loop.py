@@ -32,7 +32,7 @@ from ..sched.schedule import GRANTED, Verdict
 from ..sched.turns import STALL_S
 from ..base.proc import executable, start_time
 from ..base.users import user_name
-from . import bookkeeping as accounts, requests as asks, peer, slurmjob, tickets
+from . import bookkeeping, peer, requests, slurmjob, tickets
 from ..paths import Layout
 from .answers import UNREAD_HINT, Answers
 from .restart import Comeback
@@ -68,7 +68,7 @@ class Service:
         from pathlib import Path
 
         layout = Layout(Path(root))
-        accounts.background(layout)  # the ledger's state rewrites and fsyncs off this loop
+        bookkeeping.background(layout)  # the ledger's state rewrites and fsyncs off this loop
         self.grants = Grants(self.line.leases, layout, _say)  # say: MPS's ACLs
         self.line.books = self.grants.books  # who holds what, from the grants, never a pid alone
         self.clients: Dict[int, Client] = {}  # socket fd -> client
@@ -120,7 +120,7 @@ class Service:
         self.grants.restore_mps_access()
 
     def close(self) -> None:
-        accounts.finish()
+        bookkeeping.finish()
         # The runs waiting now are those a successor waits for (those that left the line in
         # the last second are not, though a fall is written at most once a second).
         self.comeback.census.note(self.roster.ticketed, time.monotonic(), exact=True)
@@ -178,13 +178,13 @@ class Service:
 
     def step(self, timeout: float) -> None:
         self.answers.idle.set()  # an answer being worked out on its thread goes on meanwhile
-        ready = self.selector.select(accounts.idle_within(timeout))
+        ready = self.selector.select(bookkeeping.idle_within(timeout))
         self.answers.idle.clear()
         if not ready:
-            accounts.idle()  # the ledger's state written, its fsync later (on the writer's thread)
+            bookkeeping.idle()  # the ledger's state written, its fsync later (on the writer's thread)
         # One ledger turn for all of it, carried on to the next while hand-overs follow each
-        # other: one state write, once the grants are sent (accounts.turn).
-        with accounts.turn(self.grants.layout, carry=True):
+        # other: one state write, once the grants are sent (bookkeeping.turn).
+        with bookkeeping.turn(self.grants.layout, carry=True):
             for key, mask in sorted(ready, key=_first):
                 if key.data == "signal":
                     self.wake.drain()  # a stop signal's byte: run() leaves after this step
@@ -234,7 +234,7 @@ class Service:
             # After the grants are sent: its file is rewritten once a second while runs leave
             # the line, and before the decision that rewrite delayed a second's first hand-over.
             self.comeback.census.note(self.roster.ticketed, now)
-        accounts.release(older_than=accounts.CARRY_MAX_S)  # a look waits for its lock meanwhile
+        bookkeeping.release(older_than=bookkeeping.CARRY_MAX_S)  # a look waits for its lock meanwhile
         self._answer()  # after the grants, and one a step: what is ready meanwhile comes first
 
     def _all_held(self) -> bool:
@@ -383,7 +383,7 @@ class Service:
     def _handle(self, client: Client, verb: str, fields: Dict[str, str]) -> None:
         if verb in (wire.REQUEST, wire.RUN) and client.fresh:
             if verb == wire.RUN:
-                fields.setdefault("asks", "")  # asks.read reads the run's settings from them
+                fields.setdefault("asks", "")  # requests.read reads the run's settings from them
             else:
                 fields.pop("asks", None)
             self._request(client, fields)
@@ -446,13 +446,13 @@ class Service:
         assert client.facts is not None
         link = client.facts[1]
         try:
-            ask = asks.read_kept(self.root, self.line.inventory, fields, link, client.peer.uid, self.line.present, job)
+            ask = requests.read_kept(self.root, self.line.inventory, fields, link, client.peer.uid, self.line.present, job)
         except CudawrapError as exc:
             self._fail(client, exc.exit_code, exc.message, exc.hint or "")
             return
         restored = self.comeback.resume(client.peer.uid, client.peer.pid, fields.get("ticket", ""))
         client.arrival_ns = restored or client.arrival_ns
-        key, arrival = asks.arrival_key(client.peer.pid, client.arrival_ns)
+        key, arrival = requests.arrival_key(client.peer.pid, client.arrival_ns)
         client.ask = ask
         client.waiter = ask.waiter(key, client.peer.uid, client.peer.pid, arrival)
         if client.facts[0] is None:  # [confine] runs: its own cgroup, made while it is decided on (not in Slurm's)

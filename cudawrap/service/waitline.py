@@ -180,7 +180,7 @@ class Line:
             try:
                 self.load(machine=False)  # the admin's edit holds for the next decision, as for the next launch
             except CudawrapError:
-                pass  # a broken config: each request is refused with its error (asks.read); the last policy decides
+                pass  # a broken config: each request is refused with its error (requests.read); the last policy decides
         self._look()
         known: Optional[Scan] = None
         if self._alone(mine):
