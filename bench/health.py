@@ -83,7 +83,7 @@ def drain_rounds(sim: Sim, rounds: int) -> Dict[str, List[float]]:
 
 def leftover_rounds(sim: Sim, rounds: int) -> List[float]:
     from cudawrap.devices.snapshot import PERIOD_S
-    from cudawrap.ops.health import leftover_list
+    from cudawrap.health.keeper import leftover_list
 
     root = str(sim.layout.root)
     periods: List[float] = []

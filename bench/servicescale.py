@@ -57,7 +57,7 @@ from watch import Clock  # noqa: E402
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
 GRANTED = re.compile(r"granted \S+ to uid \d+ pid (\d+)")
-# A grant decided at a release on the last decision's look carried on (serve.py _hand_over).
+# A grant decided at a release on the last decision's look carried on (service/loop.py _hand_over).
 HANDED = re.compile(r"granted \S+ to uid \d+ pid (\d+) \(.*\), handed over as pid \d+ let go")
 # Memory left to everything else on the machine when W is capped by what is free.
 RESERVE_MIB = 3072
@@ -92,7 +92,8 @@ class Service:
 
     def waiting(self, root: Path) -> Optional[Set[int]]:
         """The pids the service has in line now (its status answer), None if it does not answer."""
-        from cudawrap import client, wire
+        from cudawrap.launch import client
+        from cudawrap import wire
 
         try:
             reply = client.question(str(root), wire.STATUS, {})
@@ -220,7 +221,7 @@ def _handed_over(jobs: List[dict]) -> List[dict]:
 def ledger_records(sim: Sim, event: str, pids: Optional[Set[int]] = None, service: bool = True) -> List[dict]:
     """The ledger's records of EVENT ("grant" or "end"): the service's (or anyone's, unless
     SERVICE), of PIDS (None: every pid's)."""
-    from cudawrap.ops import ledgerfile
+    from cudawrap.ledger import files as ledgerfile
 
     return [r for r in ledgerfile.read([ledgerfile.ledger_path(sim.layout)], [])
             if r["event"] == event and (not service or r.get("seen_by") == "service")

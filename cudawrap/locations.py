@@ -51,7 +51,7 @@ SERVICE_LOG = RUNTIME_DIR + "/service.log"
 # Held by the live service: while it is, the ledger's grants of seen_by "service" are its own
 # to end (a look by the monitor or a root command leaves them open).
 SERVICE_LOCK = RUNTIME_DIR + "/service.lock"
-# Its key for reconnect tickets (root's, 0600) and how many runs waited in it (ops/tickets.py).
+# Its key for reconnect tickets (root's, 0600) and how many runs waited in it (service/tickets.py).
 SERVICE_KEY = STATE_DIR + "/service.key"
 SERVICE_WAITERS = RUNTIME_DIR + "/service.waiters"
 LIB_DIR = "opt/cudawrap"

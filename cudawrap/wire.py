@@ -20,7 +20,7 @@ A ``grant`` to a run that was told it waits carries ``text=``, the line its clie
 once the locks are taken (``got DEVICES after N s``), as a run deciding for itself says it.
 
 A ``wait`` message may carry ``ticket=`` (a waiter's place in line, signed by the service:
-ops/tickets.py); a client whose connection ends before its grant sends it back as
+service/tickets.py); a client whose connection ends before its grant sends it back as
 ``ticket=`` of its next ``request``. Both fields are optional: a peer without them is
 answered as before, so the version stays 1.
 """

@@ -1,4 +1,4 @@
-"""The service's ledger in one turn of its loop (ops/accounts.py): one lock, one read and one
+"""The service's ledger in one turn of its loop (service/bookkeeping.py): one lock, one read and one
 write of the state for however many grants and ends, each grant appended as it happens (before
 its send), each end at the turn's end (after the sends), and a look that comes meanwhile waits
 for the state to name them; a turn carried on to the next keeps all of that until released."""
@@ -15,8 +15,9 @@ from typing import Iterator, List, Tuple
 import pytest
 
 from cudawrap.install.installation import prepare
-from cudawrap.ops import accounts, ledgerfile
-from cudawrap.ops.ledgerwriter import Writer
+from cudawrap.service import bookkeeping as accounts
+from cudawrap.ledger import files as ledgerfile
+from cudawrap.ledger.writer import Writer
 from cudawrap.paths import Layout
 from support.procs import Spawned
 

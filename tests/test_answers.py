@@ -1,4 +1,4 @@
-"""ops/answers.py with a real account's connections: an answer goes out as its client reads
+"""service/answers.py with a real account's connections: an answer goes out as its client reads
 it, never waited on, and what one user may leave unread is bounded (root's is not)."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import socket
 import time
 from pathlib import Path
 
-from cudawrap.ops import peer
-from cudawrap.ops.answers import MAX_UNSENT, Answers
-from cudawrap.ops.connection import ANSWER_S, Client
+from cudawrap.service import peer
+from cudawrap.service.answers import MAX_UNSENT, Answers
+from cudawrap.service.connection import ANSWER_S, Client
 from support.procs import root_only
 
 pytestmark = [root_only]

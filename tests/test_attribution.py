@@ -82,7 +82,7 @@ def test_a_lease_kept_by_a_setuid_program_counts_for_its_user_not_root(mu) -> No
     """alice leases a device and execs a setuid-root program that keeps the descriptor
     (like su waiting for a password). Status and metrics name alice; root's own run is not
     refused by root's limit of 1, and alice's next run is refused by hers."""
-    from cudawrap.ops.metrics import device_rows
+    from cudawrap.monitor.metrics import device_rows
 
     inst = mu("four-gpus")
     alice: User = inst.world.alice

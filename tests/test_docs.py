@@ -258,7 +258,7 @@ def test_result_files_name_no_issue(name: str) -> None:
 
 def exported() -> set:
     """The series names the metrics file has: each family's, a histogram's _bucket/_sum/_count."""
-    from cudawrap.ops.metrics import Counters, render
+    from cudawrap.monitor.metrics import Counters, render
 
     text = render([], {}, Counters())
     names = set()

@@ -97,7 +97,7 @@ def test_without_the_service_a_users_run_exits_69_with_one_line_and_leaves_nothi
 
 def test_the_hint_to_start_the_service_fits_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     # systemd's unit only where install.sh enables one: a system install where systemd runs.
-    from cudawrap import client
+    from cudawrap.launch import client
 
     real = os.path.isdir
     for systemd in (True, False):

@@ -7,7 +7,7 @@ import pytest
 
 from support.admin import Admin
 from cudawrap.base import audit
-from cudawrap.text import printable
+from cudawrap.base.text import printable
 
 ESC = "\x1b]0;owned\x07\x1b[2J"  # set the terminal title, clear the screen
 

@@ -15,7 +15,7 @@ from typing import List, Set, Tuple
 from support.installed import ready_line
 from support.procs import wait_for
 
-from cudawrap.ops.ledgerwriter import Writer
+from cudawrap.ledger.writer import Writer
 from cudawrap.sched.request import Request
 from cudawrap.sched.waiting import NEAR
 from cudawrap.sched.farwait import FarWait

@@ -21,7 +21,7 @@ import pytest
 from support.installed import Installed, waiting_line
 from cudawrap.policy import registry
 from cudawrap.admin.divert import Dpkg
-from cudawrap.ops.monitor import refresh_once
+from cudawrap.monitor.loop import refresh_once
 from cudawrap.admin.unwrap import unwrap_programs
 from cudawrap.admin.wrap import wrap_programs
 from support.admin import Admin, snapshot

@@ -12,7 +12,7 @@ from cudawrap.errors import ConfigError, NoDeviceError, UsageError
 from cudawrap.policy.effective import narrowed
 from cudawrap.sched.filters import (FILTER_KEYS, Request, explain, model_matches, passes, product,
                                     split, static_reason, waiting_reason)
-from cudawrap.sched.placeholders import substitute
+from cudawrap.sched.substitute import substitute
 from cudawrap.ops.status import parse_watch
 
 H0, H1, A, W0, W1 = "GPU-h100-0", "GPU-h100-1", "GPU-a100", "GPU-a6000-0", "GPU-a6000-1"

@@ -20,7 +20,7 @@ from cudawrap.sched.decision import Decision
 from cudawrap.sched.foreignwake import ForeignWake
 from cudawrap.devices.model import Device
 from cudawrap.lease.files import Lease, LeaseFiles
-from cudawrap.ops.monitor import refresh_once
+from cudawrap.monitor.loop import refresh_once
 from cudawrap.sched.queue import WaitQueue
 from support.installed import ready_line
 from support.procs import wait_for

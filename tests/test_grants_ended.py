@@ -1,4 +1,4 @@
-"""When a grant of the service has ended (ops/grants.py: Grants.check).
+"""When a grant of the service has ended (service/grants.py: Grants.check).
 
 In a burst the next run is sent a freed device and locks it before the service reads the
 previous client's exit: the lease then reads held, by the next run. Read as the previous
@@ -17,7 +17,7 @@ import pytest
 
 from cudawrap.install.installation import prepare_runtime
 from cudawrap.lease.files import LeaseFiles
-from cudawrap.ops.grants import Grants, Held, Pending
+from cudawrap.service.grants import Grants, Held, Pending
 from cudawrap.ops.sync import sync_lease_files
 from cudawrap.paths import Layout
 

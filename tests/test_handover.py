@@ -31,7 +31,7 @@ from cudawrap.devices.model import Device
 from cudawrap.install.installation import prepare_runtime
 from cudawrap.lease.files import LeaseFiles
 from cudawrap.paths import Layout
-from cudawrap.proc import exiting
+from cudawrap.base.proc import exiting
 from cudawrap.ops.sync import sync_lease_files
 from cudawrap.sched.queue import WaitQueue
 from support.procs import Spawned, wait_for

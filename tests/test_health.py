@@ -13,8 +13,8 @@ from support.procs import cli_code, wait_for
 from test_metrics_file import textfile
 from cudawrap.policy.config import DEFAULTS
 from cudawrap.sched.drains import drain, drained, health_drained, resume
-from cudawrap.ops.health import DRAINED, HEALTHY, HISTORY, Event, GpuHealth, MonitorHealth, Policy, load, step
-from cudawrap.ops.monitor import refresh_once
+from cudawrap.health.keeper import DRAINED, HEALTHY, HISTORY, Event, GpuHealth, MonitorHealth, Policy, load, step
+from cudawrap.monitor.loop import refresh_once
 
 POLICY = Policy.from_config(DEFAULTS)
 
@@ -71,7 +71,7 @@ def health_config(inst: Any, text: str) -> None:
 
 def ledger_notes(inst: Any) -> list:
     """The ledger's health transitions, in order."""
-    from cudawrap.ops.ledgerfile import ledger_path, read
+    from cudawrap.ledger.files import ledger_path, read
 
     problems: list = []
     found = list(read([ledger_path(inst.layout)], problems, ("health-drain", "health-resume")))

@@ -37,7 +37,7 @@ MALLORY = r"""
 import fcntl, os, signal, socket, sys, time
 sys.path[:0] = @PATH@
 from cudawrap import wire
-from cudawrap.client import Connection
+from cudawrap.launch.client import Connection
 mode, visible, share = sys.argv[1], sys.argv[2], sys.argv[3:] == ["share"]
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
 if mode in ("hide", "lie"):

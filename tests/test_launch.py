@@ -177,7 +177,7 @@ def shim_modules(inst, *argv: str, **env: str) -> set:  # type: ignore[no-untype
 
 
 def test_the_shim_imports_only_what_it_needs(installed):
-    from cudawrap.ops.monitor import refresh_once
+    from cudawrap.monitor.loop import refresh_once
 
     inst = installed("four-gpus")
     link = inst.wrap("recon")
@@ -196,7 +196,9 @@ def test_the_shim_imports_only_what_it_needs(installed):
 
 # cudawrap's modules on a launch, exactly: a new import on the shim's path shows here first.
 LAUNCH_MODULES = {
-    "cudawrap", "cudawrap.errors", "cudawrap.launch", "cudawrap.locations", "cudawrap.users",
+    "cudawrap", "cudawrap.errors", "cudawrap.locations", "cudawrap.base.users",
+    # The general way: the package's door, its body, and what it grants.
+    "cudawrap.launch", "cudawrap.launch.general", "cudawrap.launch.grant",
     "cudawrap.base", "cudawrap.base.audit", "cudawrap.base.rootfile",
     "cudawrap.devices", "cudawrap.devices.model", "cudawrap.devices.snapshot",
     "cudawrap.lease", "cudawrap.lease.files", "cudawrap.lease.sharing",
@@ -217,7 +219,7 @@ LAUNCH_MODULES_NVML = LAUNCH_MODULES | {
 
 
 def test_a_launch_imports_exactly_these_cudawrap_modules(installed):
-    from cudawrap.ops.monitor import refresh_once
+    from cudawrap.monitor.loop import refresh_once
 
     inst = installed("four-gpus")
     link = inst.wrap("recon")
@@ -230,7 +232,7 @@ def test_a_launch_imports_exactly_these_cudawrap_modules(installed):
 
 
 def test_a_snapshot_naming_a_process_brings_in_proc(installed):
-    from cudawrap.ops.monitor import refresh_once
+    from cudawrap.monitor.loop import refresh_once
 
     inst = installed("four-gpus")
     link = inst.wrap("recon")
@@ -242,7 +244,7 @@ def test_a_snapshot_naming_a_process_brings_in_proc(installed):
     finally:
         foreign.kill()
         foreign.wait()
-    assert ours == LAUNCH_MODULES | {"cudawrap.proc"}
+    assert ours == LAUNCH_MODULES | {"cudawrap.base.proc"}
 
 
 # Runs the shim at SHIM (argv[1]) as its #! line would, writing a line on stderr for each
@@ -263,7 +265,7 @@ exec(compile(open(shim).read(), shim, "exec"), {"__name__": "__main__"})
 def test_a_launch_runs_no_garbage_collection(installed, monitor):
     # ~24 modules' objects are loaded by the general way: at the default threshold (700) the
     # collector ran ~10 times a launch, one of them over every object (generation 1, ~1 ms).
-    from cudawrap.ops.monitor import refresh_once
+    from cudawrap.monitor.loop import refresh_once
 
     inst = installed("four-gpus")
     link = inst.wrap("recon")
@@ -284,7 +286,8 @@ def test_own_modules_finds_what_the_path_finder_finds():
 
     from cudawrap import OwnModules
 
-    for name in sorted(LAUNCH_MODULES_NVML | {"cudawrap.proc", "cudawrap.launch.given", "cudawrap.sched.run"}):
+    others = {"cudawrap.base.proc", "cudawrap.launch.inherited", "cudawrap.launch.client", "cudawrap.sched.run"}
+    for name in sorted(LAUNCH_MODULES_NVML | others):
         if name == "cudawrap":
             continue
         parent = importlib.import_module(name.rpartition(".")[0])

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 from cudawrap.install.units import MONITOR_NICE
-from cudawrap.ops.ledger import Observation
-from cudawrap.ops.ledgerfile import append, read, rotated
-from cudawrap.ops.metrics import Counters, render
+from cudawrap.ledger.looks import Observation
+from cudawrap.ledger.files import append, read, rotated
+from cudawrap.monitor.metrics import Counters, render
 
 
 def record(n: int) -> dict:
@@ -102,7 +102,7 @@ def test_a_note_without_its_device_or_time_and_an_unknown_kind_are_unreadable(tm
 def test_notes_wait_for_a_writable_ledger_and_are_written_once(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from cudawrap.ops.ledgerfile import Notes
+    from cudawrap.ledger.files import Notes
 
     layout = SimpleNamespace(state_dir=tmp_path)
     (tmp_path / "ledger").mkdir()  # not a file: the append fails
@@ -131,7 +131,7 @@ def test_the_services_monitor_holds_the_ledgers_lock_at_the_services_nice(tmp_pa
 import os
 from pathlib import Path
 from cudawrap.install.units import MONITOR_NICE
-from cudawrap.ops.ledgerfile import Locked, hold_at_nice
+from cudawrap.ledger.files import Locked, hold_at_nice
 from cudawrap.paths import Layout
 layout = Layout(Path(os.environ["ROOT"]))
 layout.state_dir.mkdir(parents=True)

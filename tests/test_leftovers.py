@@ -9,9 +9,9 @@ import time
 
 from support.installed import ready_line
 from support.procs import wait_for
-from cudawrap.ops.health import MonitorHealth
-from cudawrap.ops.ledger import observe
-from cudawrap.ops.monitor import refresh_once
+from cudawrap.health.keeper import MonitorHealth
+from cudawrap.ledger.looks import observe
+from cudawrap.monitor.loop import refresh_once
 from support.machine import pid_alive
 
 
@@ -21,7 +21,7 @@ def cycle(hook: MonitorHealth, inst) -> None:  # type: ignore[no-untyped-def]
 
 
 def notes(inst, *kinds: str) -> list:  # type: ignore[no-untyped-def]
-    from cudawrap.ops.ledgerfile import ledger_path, read
+    from cudawrap.ledger.files import ledger_path, read
 
     problems: list = []
     found = list(read([ledger_path(inst.layout)], problems, kinds))
@@ -52,7 +52,7 @@ def test_a_leftover_is_reported_keeps_exclusive_runs_away_and_is_killed_when_ask
         # The foreign one is not (its own line names its command: this test's, "…test_leftovers.py").
         assert "leftover:" not in status.replace(f"{device}: {words}", "")
     assert words in inst.cli(world.bob, "health").stdout.decode()
-    from cudawrap.ops.metrics import leftover_counts
+    from cudawrap.monitor.metrics import leftover_counts
 
     assert leftover_counts(inst.layout) == {(device, world.alice.name): 1}
     (seen,) = notes(inst, "leftover")  # once, however many cycles see it
@@ -80,7 +80,7 @@ def test_a_leftover_is_reported_keeps_exclusive_runs_away_and_is_killed_when_ask
 
 
 def test_an_idle_lease_is_flagged_after_idle_after_min_and_activity_clears_it(mu) -> None:  # type: ignore[no-untyped-def]
-    from cudawrap.ops.metrics import device_rows
+    from cudawrap.monitor.metrics import device_rows
     from cudawrap.devices.nvml import inventory
 
     inst = mu("four-gpus")

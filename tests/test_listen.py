@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from cudawrap.errors import SetupError
-from cudawrap.ops.connection import UNIX_PATH_MAX, listen
+from cudawrap.service.connection import UNIX_PATH_MAX, listen
 
 
 def deep_dir(base, length: int) -> str:

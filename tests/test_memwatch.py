@@ -25,10 +25,10 @@ from support.installed import ready_line
 from support.procs import open_files, root_only, wait_for
 from support.machine import FAKECUDA
 
-from cudawrap.ops import memwatch
+from cudawrap.memory import watch as memwatch
 from cudawrap.policy.config import parse_config
 from cudawrap.errors import ConfigError
-from cudawrap.ops.memwatch import Limit, Track, account, decide, limit_for, owner
+from cudawrap.memory.watch import Limit, Track, account, decide, limit_for, owner
 
 CONTEXT = fakecuda.CONTEXT_MIB
 TERMINATE = Limit(20480, "terminate", 5.0, 10.0)
@@ -246,7 +246,7 @@ def test_a_child_that_escaped_its_parent_counts_while_it_holds_the_lease(mu: Any
 def test_a_share_over_its_limit_is_warned_then_ended_and_the_other_is_untouched(
         mu: Any, caplog: pytest.LogCaptureFixture) -> None:
     """Two shares of 20 GiB on a 40 GiB device; alice's grows to 25 GiB."""
-    from cudawrap.ops import ledger, ledgerfile
+    from cudawrap.ledger import looks as ledger, files as ledgerfile
 
     inst = one_device(mu, '[sharing]\nslots = 2\nmemory_action = "terminate"\ngrace_s = 0.3\nkill_after_s = 5\n')
     d0 = inst.machine.leaf_uuids()[0]
@@ -258,7 +258,7 @@ def test_a_share_over_its_limit_is_warned_then_ended_and_the_other_is_untouched(
     assert ready_line(grower)["devices"] == [d0]
     ledger.observe(inst.layout)  # the grants, as the monitor records them
     watch = memwatch.Watch(inst.layout)
-    caplog.set_level(logging.WARNING, logger="cudawrap.ops.memwatch")
+    caplog.set_level(logging.WARNING, logger="cudawrap.memory.watch")
     seen: List[int] = []
 
     def cycle() -> bool:
@@ -329,7 +329,7 @@ def test_the_device_and_program_limits_reach_the_share_and_mps(installed: Any, t
 
 
 def test_the_metrics_file_has_each_runs_memory() -> None:
-    from cudawrap.ops.metrics import Counters, render
+    from cudawrap.monitor.metrics import Counters, render
 
     text = render([], {}, Counters(), [{"pid": 4242, "uid": 0, "program": "recon", "device": "GPU-a",
                                           "used_mib": 1024, "limit_mib": None}])
@@ -382,7 +382,8 @@ def test_the_monitor_loop_ends_a_share_over_its_limit_and_reports_its_memory(mu:
     and its metrics file carries each run's memory."""
     import threading
 
-    from cudawrap.ops import ledger, ledgerfile, monitor
+    from cudawrap.ledger import looks as ledger, files as ledgerfile
+    from cudawrap.monitor import loop as monitor
 
     prom = Path(tempfile.mkdtemp(prefix="prom-", dir="/tmp")) / "cudawrap.prom"
     inst = one_device(mu, '[sharing]\nslots = 2\nmemory_action = "terminate"\ngrace_s = 0.2\n'
@@ -454,7 +455,7 @@ def test_a_share_that_ignores_sigterm_is_killed_after_kill_after_s(mu: Any, capl
                      CUDAWRAP_SHARE="1")
     (child,) = ready_line(run)["children"]
     watch = memwatch.Watch(inst.layout)
-    caplog.set_level(logging.WARNING, logger="cudawrap.ops.memwatch")
+    caplog.set_level(logging.WARNING, logger="cudawrap.memory.watch")
     wait_for(lambda: watch.cycle() is not None and run.poll() is not None, timeout=30)
     assert run.returncode == -signal.SIGKILL
     wait_for(lambda: not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z")

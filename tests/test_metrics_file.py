@@ -40,7 +40,7 @@ def test_files_a_user_made_in_a_sticky_directory_are_never_written_into(mu) -> N
     """alice makes the monitor's temporary file (its old name: the pid is known) and the
     metrics file itself in a sticky directory of root's. The monitor's cycle leaves her
     temporary file as it was and replaces the metrics file with one of root's."""
-    from cudawrap.ops.metrics import MonitorHook
+    from cudawrap.monitor.metrics import MonitorHook
 
     inst = mu("four-gpus")
     path = textfile(inst, 0o1777)
@@ -58,7 +58,7 @@ def test_a_directory_others_may_write_is_refused_and_doctor_says_so(mu) -> None:
     """In a directory anyone may write (not sticky), a user could have made the file root
     writes into: the monitor refuses to start (one line, exit 78), a running one writes
     nothing there, and doctor reports it."""
-    from cudawrap.ops.metrics import MonitorHook
+    from cudawrap.monitor.metrics import MonitorHook
 
     inst = mu("four-gpus")
     path = textfile(inst, 0o777)
@@ -92,7 +92,7 @@ def test_under_private_status_only_the_directorys_group_reads_the_metrics_file(m
     """The file names users, pids and programs: with [service] private_status it is root's
     and the group's of its directory (node_exporter's), mode 0640; alice stands in for the
     collector's group here, and bob, another user, reads nothing. Without it, everyone reads."""
-    from cudawrap.ops.metrics import MonitorHook
+    from cudawrap.monitor.metrics import MonitorHook
 
     inst = mu("four-gpus")
     path = textfile(inst, 0o755)

@@ -1,4 +1,4 @@
-"""The service's watch on the files (ops/news.py): what wakes a decision, and what does not.
+"""The service's watch on the files (service/filewatch.py): what wakes a decision, and what does not.
 
 A listing of a watched directory (the monitor's loop lists the lease and slot directories
 every pass) used to read as a close, so each one woke a decision over every waiter, during
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cudawrap import locations as loc
-from cudawrap.ops.news import FileWatch
+from cudawrap.service.filewatch import FileWatch
 
 
 @pytest.fixture()
@@ -64,7 +64,7 @@ def test_the_ledgers_writes_beside_the_drains_wake_nothing_and_a_drain_is_news(w
     more while the run it had just granted started."""
     import select
 
-    from cudawrap.ops import ledgerfile
+    from cudawrap.ledger import files as ledgerfile
     from cudawrap.paths import Layout
     from cudawrap.sched.drains import drain, resume
 

@@ -42,7 +42,8 @@ print(json.dumps(out))
 ASK = r"""
 import json, sys
 sys.path[:0] = json.loads(sys.argv[2])
-from cudawrap import client, wire
+from cudawrap import wire
+from cudawrap.launch import client
 print(json.dumps(client.question(sys.argv[1], wire.STATUS, {"whole": "1"})))
 """
 
@@ -219,8 +220,8 @@ def test_an_estimate_behind_another_users_hidden_run_names_no_program() -> None:
     start is unknown, and the basis says why without guessing a name (the ledger knows it)."""
     import time
 
-    from cudawrap.ops.eta import estimate
-    from cudawrap.ops.privacy import waiter
+    from cudawrap.ledger.eta import estimate
+    from cudawrap.policy.privacy import waiter
 
     now = time.time()
     device = {"uuid": "GPU-a", "holder": None, "drains": []}

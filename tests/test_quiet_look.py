@@ -18,7 +18,8 @@ import pytest
 from cudawrap import locations as loc
 from cudawrap.install.installation import prepare
 from cudawrap.lease.files import lock_table
-from cudawrap.ops import accounts, ledger, ledgerfile
+from cudawrap.service import bookkeeping as accounts
+from cudawrap.ledger import looks as ledger, files as ledgerfile
 from cudawrap.paths import Layout
 from support.procs import Spawned
 

@@ -1,4 +1,4 @@
-"""The service's roster (cudawrap/ops/roster.py): who waits, whose wait ends first, who has
+"""The service's roster (cudawrap/service/roster.py): who waits, whose wait ends first, who has
 not asked yet and how many hold tickets, kept as clients come and go. The loop asks these at
 every wake-up instead of walking every connection; wrong answers here would end waits late
 or early, keep idle connections open, or tell a restarted service to wait for the wrong
@@ -8,8 +8,8 @@ from typing import List
 
 import pytest
 
-from cudawrap.ops.connection import Client
-from cudawrap.ops.roster import NEVER, Roster
+from cudawrap.service.connection import Client
+from cudawrap.service.roster import NEVER, Roster
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The service's run cgroups (ops/runcgroups.py) against the real kernel: where a run's cgroup
+"""The service's run cgroups (confine/cgroups.py) against the real kernel: where a run's cgroup
 goes, how it narrows when a grant is void or ends, when it goes, and a restart's reconcile.
 
 Each test's cgroups live below a test parent removed at teardown (support/confine.py); the
@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from cudawrap.base import cgroup
-from cudawrap.ops.runcgroups import RUN_PREFIX, RunCgroups, install_tag
+from cudawrap.confine.cgroups import RUN_PREFIX, RunCgroups, install_tag
 from support.confine import Cgroups, Nodes, Probe, cgroups, gpu_nodes, run_cgroups  # noqa: F401
 from support.procs import wait_for
 
@@ -197,8 +197,8 @@ def test_a_pid_that_could_not_be_confined_gets_no_grant(cgroups: Cgroups, gpus, 
 def test_leftovers_are_ended_through_their_run_cgroup_daemons_and_all(cgroups: Cgroups, gpus, tmp_path):
     """[health] leftover_action = "kill" on a leftover in a run cgroup: the whole cgroup goes,
     a child that daemonized included (a SIGTERM to the leftover's pid would miss it)."""
-    from cudawrap.ops import leftovers
-    from cudawrap.proc import start_time
+    from cudawrap.health import leftovers
+    from cudawrap.base.proc import start_time
 
     rc = service(cgroups, tmp_path)
     run = placed(cgroups, "sh", "-c", "read go; setsid sleep 300 & exec sleep 300")
@@ -216,8 +216,8 @@ def test_leftovers_are_ended_through_their_run_cgroup_daemons_and_all(cgroups: C
 
 
 def test_a_leftover_outside_any_run_cgroup_is_not_ended_through_one(cgroups: Cgroups):
-    from cudawrap.ops.runcgroups import kill_run_of
-    from cudawrap.proc import start_time
+    from cudawrap.confine.cgroups import kill_run_of
+    from cudawrap.base.proc import start_time
 
     other = placed(cgroups)
     assert kill_run_of(other.pid, start_time(other.pid)) is False

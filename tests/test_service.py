@@ -702,7 +702,7 @@ SILENT = r"""
 import fcntl, os, signal, sys
 sys.path[:0] = @PATH@
 from cudawrap import wire
-from cudawrap.client import Connection
+from cudawrap.launch.client import Connection
 import socket
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -1002,7 +1002,8 @@ def test_the_loop_never_waits_on_a_client_that_does_not_read_its_answer(served: 
         seen = inst.cli(inst.world.bob, "status", "--json")  # ~100 KB, read as it comes
         assert seen.returncode == 0 and len(json.loads(seen.stdout)["waiting"]) == 400, seen.stderr.decode()
         code = ("import json, sys; sys.path[:0] = sys.argv[2:]\n"
-                "from cudawrap import client, wire\n"
+                "from cudawrap import wire\n"
+                "from cudawrap.launch import client\n"
                 "reply = client.question(sys.argv[1], wire.STATUS, {'whole': '1'})\n"
                 "print(len(json.loads(reply['status'])['waiting']))")
         whole = inst.py(inst.world.bob, code, str(inst.layout.root), *inst.world.path)  # finished off the loop
@@ -1038,7 +1039,7 @@ def test_a_whole_status_with_many_waiting_does_not_hold_a_hand_over_behind_it(se
     whole status. Each status's line (every waiter's place and why, and its words) was
     worked out in the service's one loop, ahead of the hand-over: those hand-overs took
     70-120 ms longer than the others on a loaded 2-core VM. Now the loop only looks (questions.Look), the rest
-    is worked out on the answering thread, which waits while the loop works (ops/answers.py),
+    is worked out on the answering thread, which waits while the loop works (service/answers.py),
     and they take no longer than a small bound more."""
     inst = served.inst
     holders, last = [], ""
@@ -1092,7 +1093,7 @@ import signal, socket, sys
 signal.alarm(25)  # however it goes
 sys.path[:0] = @PATH@
 from cudawrap import wire
-from cudawrap.client import Connection
+from cudawrap.launch.client import Connection
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect(@SOCK@)
 conn = Connection(sock)

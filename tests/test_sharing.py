@@ -289,8 +289,8 @@ def test_mps_settings_override_the_derived_shares(installed, tmp_path):
 
 
 def test_accounting_counts_each_share_as_its_part_of_the_device(installed):
-    from cudawrap.ops import ledger
-    from cudawrap.ops.metrics import device_rows, render, Counters
+    from cudawrap.ledger import looks as ledger
+    from cudawrap.monitor.metrics import device_rows, render, Counters
 
     inst = installed("four-gpus")
     inst.wrap("recon")

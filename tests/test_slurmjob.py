@@ -1,4 +1,4 @@
-"""cudawrap/ops/slurmjob.py: a client's Slurm job from its cgroups, that job's GPUs from scontrol.
+"""cudawrap/service/slurmjob.py: a client's Slurm job from its cgroups, that job's GPUs from scontrol.
 
 The /proc/PID/cgroup samples are what Slurm makes: cgroup v1 as the suite's real cluster
 (tests/support/slurm.py's slurm_cgroup) produces it, cgroup v2 as Slurm documents it
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cudawrap.errors import DataError
-from cudawrap.ops.slurmjob import JobCgroup, gpus_on_node, gres_gpus, job_of, parse_cgroup
+from cudawrap.service.slurmjob import JobCgroup, gpus_on_node, gres_gpus, job_of, parse_cgroup
 
 # A batch step as the Slurm fixture's cluster (task/cgroup, proctrack/cgroup, CgroupPlugin=cgroup/v1) puts it.
 V1 = """9:name=systemd:/

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from cudawrap import proc
+from cudawrap.base import proc
 from cudawrap.devices import snapshot
-from cudawrap.ops.monitor import refresh_once
+from cudawrap.monitor.loop import refresh_once
 from support.installed import ready_line
 from support.procs import root_only, wait_for
 from support.machine import FAKECUDA

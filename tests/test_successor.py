@@ -131,7 +131,7 @@ def _line_after_a_decision(waiting: int, foreign=None):  # type: ignore[no-untyp
     one's own rule for work cudawrap did not start (None: the service's)."""
     from types import SimpleNamespace
 
-    from cudawrap.ops.line import Line
+    from cudawrap.service.waitline import Line
 
     line = Line.__new__(Line)  # the decision's look alone: no machine read
     waiters = [SimpleNamespace(key=f"run-{i}", uid=1000 + i % 3, request=SimpleNamespace(foreign=None))
@@ -147,7 +147,7 @@ def _line_after_a_decision(waiting: int, foreign=None):  # type: ignore[no-untyp
 def test_a_line_longer_than_the_cap_is_not_carried_on_to_a_release() -> None:
     """With more than CARRY_MAX_WAITERS in line, a release waits for the full decision (the
     rule's order over a long line at each release cost the service its CPU target)."""
-    from cudawrap.ops.line import CARRY_MAX_WAITERS
+    from cudawrap.service.waitline import CARRY_MAX_WAITERS
 
     kept = _line_after_a_decision(CARRY_MAX_WAITERS)._carried({})  # type: ignore[arg-type]
     assert kept is not None and len(kept.waiters) == CARRY_MAX_WAITERS

@@ -1,6 +1,6 @@
 """Reconnect tickets: a waiting run keeps its place across a kill -9 of the service.
 
-The ticket itself (ops/tickets.py) is checked on its own first: what restores an arrival
+The ticket itself (service/tickets.py) is checked on its own first: what restores an arrival
 and what does not, the key file, the census a restarted service reads. Then with real
 accounts under [service] enforce: a burst of 100 runs with the service killed in the
 middle, a waiter stopped across the restart that still goes before a newcomer, and
@@ -19,8 +19,8 @@ import pytest
 
 from support.installed import ready_line
 from support.procs import cli_code, root_only, wait_for
-from cudawrap.ops import tickets
-from cudawrap.ops.tickets import Census, Refused, Tickets
+from cudawrap.service import tickets
+from cudawrap.service.tickets import Census, Refused, Tickets
 from test_enforce import _enforced
 from test_service import Served, _ledger
 from support.users import MuInstall
@@ -439,7 +439,7 @@ def _arrivals(inst: MuInstall) -> Dict[int, List[int]]:
 @pytest.mark.root
 @root_only
 def test_forged_lapsed_and_borrowed_tickets_jump_no_line(mu) -> None:
-    from cudawrap.proc import start_time
+    from cudawrap.base.proc import start_time
 
     inst = _enforced(mu, retry=30)
     served = Served(inst)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cudawrap.proc import busy_ns, state
+from cudawrap.base.proc import busy_ns, state
 from cudawrap.sched.turns import BUSY_S, GRACE_S, LONGEST_S, OWN_GRACE_S, RECHECK_S, Offers, ignores
 from support.procs import Spawned, wait_for
 

@@ -10,9 +10,9 @@ import pytest
 
 from support.installed import ready_line
 from support.procs import wait_for
-from cudawrap.ops.eta import estimate, medians, shown
-from cudawrap.ops.ledgerfile import ledger_path
-from cudawrap.ops.monitor import refresh_once
+from cudawrap.ledger.eta import estimate, medians, shown
+from cudawrap.ledger.files import ledger_path
+from cudawrap.monitor.loop import refresh_once
 
 
 def ends(program: str, lengths: List[float], t0: float) -> List[Dict[str, Any]]:
@@ -110,7 +110,7 @@ def test_status_and_why_give_place_reason_and_start(both) -> None:  # type: igno
     # Carol's starts when bob's recon has had its median run after alice's: 10 + 10 min.
     assert rows[1]["start"] == "about 20 min" and "1 run ahead" in rows[1]["start_basis"], rows[1]
     assert refresh_once(inst.layout) is None
-    from cudawrap.ops.health import MonitorHealth
+    from cudawrap.health.keeper import MonitorHealth
 
     MonitorHealth(inst.layout).cycle()  # the monitor keeps the run lengths for everyone
     done = inst.cli(world.bob, "why", str(first.pid))

@@ -12,7 +12,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 from ..base import cgroup
 from ..devices import drivernodes
-from ..ops.leasednodes import MODPROBE_LINE, driver_params, params_problem
+from ..confine.nodes import MODPROBE_LINE, driver_params, params_problem
 
 NOT_SERVED = "no `cudawrap serve` runs for this install: [confine] does nothing here (only the service confines)"
 NODE_PARAMS = ("DeviceFileUID", "DeviceFileGID", "DeviceFileMode", "ModifyDeviceFiles")

@@ -27,7 +27,7 @@ from .inspect_wraps import (
 from ..paths import REAL_PREFIX, Layout
 from ..policy.registry import Registry
 from ..base.safepath import unsafe_reason
-from ..text import printable
+from ..base.text import printable
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class _Doctor:
         self.add(LEVEL_OK, "config", f"{path}" if path.exists() else f"{path} absent: all defaults")
 
     def check_confine(self) -> None:
-        from ..ops.ledger import service_running
+        from ..ledger.looks import service_running
         from ..policy.config import load_config
         from .confinecheck import findings
 
@@ -311,7 +311,7 @@ class _Doctor:
         """Which way this install runs (its way file), whether the service answers, and what
         that means: where it is the only arbiter, a user's run without it fails after
         connect_retry_s. And the retired [service] enforce, in one line where it is set."""
-        from .. import client
+        from ..launch import client
         from ..paths import SERVICE, recorded_way
         from ..policy.config import load_config, retired_notes
 
@@ -355,7 +355,7 @@ class _Doctor:
     def check_metrics(self) -> None:
         """Whether the monitor will write the metrics file: never where a user could plant it."""
         from ..policy.config import load_config
-        from ..ops.metrics import textfile_problem
+        from ..monitor.metrics import textfile_problem
 
         try:
             path = load_config(self.layout.config_file)["textfile"]

@@ -108,11 +108,11 @@ def _to_daemonless(layout: Layout, say: Callable[[str], None]) -> None:
 
 def restore_confined_nodes(layout: Layout, say: Callable[[str], None]) -> None:
     """[confine]'s device nodes as they were before the service ran: what `nodes = "leased"`
-    closed (recorded at the service's start, ops/leasednodes.py) is put back exactly, since
+    closed (recorded at the service's start, confine/nodes.py) is put back exactly, since
     runs deciding for themselves need the nodes as the driver made them."""
     import os
 
-    from ..ops.leasednodes import put_back, state_file
+    from ..confine.nodes import put_back, state_file
 
     if os.path.exists(state_file(str(layout.state_dir))):
         put_back(str(layout.state_dir), say)
@@ -120,7 +120,8 @@ def restore_confined_nodes(layout: Layout, say: Callable[[str], None]) -> None:
 
 def _service_waiters(layout: Layout) -> List[int]:
     """The pids of the runs waiting in the service's line (its whole status, as root reads it)."""
-    from .. import client, wire
+    from ..launch import client
+    from .. import wire
 
     reply = client.question(str(layout.root), wire.STATUS, {"whole": "1"})
     if reply is None or "status" not in reply:
@@ -161,7 +162,7 @@ def _start_service(layout: Layout, say: Callable[[str], None]) -> None:
                 raise SetupError(f"the service did not start: {' '.join(done.stdout.split())[-300:]}",
                                  hint="the way is recorded: start it yourself (cudawrap serve --daemon)")
             say(done.stdout.strip())
-    from .. import client
+    from ..launch import client
 
     deadline = time.monotonic() + START_WITHIN_S
     while True:

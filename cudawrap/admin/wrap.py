@@ -296,14 +296,14 @@ def check_wrap(layout: Layout, path: str, reg: Registry, dpkg: Dpkg, force: bool
         raise NotPermitted(f"{link}: cannot create files in {head} (read-only file system or no "
                            "write permission)")
     package, diversion, rpm = _packaged(link, name, dpkg, force)
-    from ..users import user_name
+    from ..base.users import user_name
 
     owner = None if st.st_uid in trusted_uids() else user_name(st.st_uid)
     return Candidate(link, real, symlink, package, diversion, rpm, owner)
 
 
 def _trusted_names() -> str:
-    from ..users import user_name
+    from ..base.users import user_name
 
     return " or ".join(sorted(user_name(u) for u in trusted_uids()))
 

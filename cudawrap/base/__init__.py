@@ -1,1 +1,2 @@
-"""Process-level helpers every layer may use: safe paths, root-owned files, privilege, inotify, audit, daemons."""
+"""Process-level pieces every layer may use: /proc (proc, procinfo), users, text, safe paths, root-owned files,
+file stamps, privilege, inotify, audit, daemons, cgroups and device rules, a user's terminal."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from ..users import user_name
+from .users import user_name
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ def field(value: object) -> str:
     spaces or quotes is double-quoted."""
     text = str(value)
     if not text.isprintable():  # text.py only then: the launch logs a grant every time
-        from ..text import printable
+        from .text import printable
 
         text = printable(text)
     if text and not any(c in text for c in ' "\''):

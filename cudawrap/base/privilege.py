@@ -5,7 +5,7 @@ import os
 
 from ..errors import NotPermitted, StateError
 from ..paths import Layout
-from ..users import either, user_name
+from .users import either, user_name
 
 
 def is_admin(layout: Layout) -> bool:

@@ -22,7 +22,7 @@ import secrets
 import stat
 from typing import Collection, FrozenSet, List, Optional
 
-from ..users import user_name
+from .users import user_name
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_LINKS = 40  # the kernel's own limit on symlinks in one lookup

@@ -21,7 +21,7 @@ from ..policy.config import (
 )
 from ..errors import ConfigError, StateError, UsageError
 from ..paths import default_layout, version_text
-from ..text import printable
+from ..base.text import printable
 from .app import Command, report
 from .filterswitches import FilterSwitches
 

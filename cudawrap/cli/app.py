@@ -129,7 +129,7 @@ def require_install(layout: Any) -> None:
 
 def report(prog: str, exc: CudawrapError, debug: bool) -> int:
     """Print EXC as one line (and a hint line); return its exit code."""
-    from ..text import printable  # messages name paths, and file names are chosen by users
+    from ..base.text import printable  # messages name paths, and file names are chosen by users
 
     print(printable(f"{prog}: {exc.message}"), file=sys.stderr)
     if exc.hint:

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from plumbum import cli
 
 from ..admin.confinecheck import NOT_SERVED
-from ..ops.ledger import service_running
+from ..ledger.looks import service_running
 from ..policy import effective as policy
 from ..policy.config import DEFAULTS, NOTES, OPS_SECTIONS, RETIRED, format_wait
 from ..policy.defaults import toml_value

@@ -19,7 +19,7 @@ class HealthCommand(Command):
     as_json = cli.Flag(["--json"], help="machine-readable output")
 
     def main(self) -> int:
-        from ..ops.healthreport import render, report
+        from ..health.report import render, report
 
         data = report(str(default_layout().root), time.time())
         if self.as_json:
@@ -44,7 +44,7 @@ class WhyCommand(Command):
 
         from ..errors import NotPermitted, UsageError
         from ..ops.status import machine_status
-        from ..users import user_name
+        from ..base.users import user_name
 
         if pid and not (pid.isascii() and pid.isdigit() and 0 < int(pid) < 1 << 22):
             raise UsageError(f"PID {pid[:20]!r}: not a process id", hint="`cudawrap status` lists the waiting runs")

@@ -13,7 +13,7 @@ from ..base import audit
 from ..policy.config import FOREVER, load_config, parse_wait
 from ..errors import NoDeviceError, UsageError
 from ..paths import Layout, default_layout
-from ..users import user_name
+from ..base.users import user_name
 from .app import Command
 
 
@@ -172,7 +172,7 @@ class RevokeCommand(Command):
     def main(self, *devices: str) -> int:
         from ..sched.drains import drained, leases_covered, resolve
         from ..base.privilege import require_admin
-        from ..ops.revoke import revoke
+        from ..service.revoke import revoke
 
         layout = default_layout()
         require_admin(layout, "revoke a lease")

@@ -49,7 +49,7 @@ class MonitorCommand(Command):
                            "in the runtime directory; stop it with kill")
 
     def main(self) -> int:
-        from ..ops.monitor import refresh_once, run
+        from ..monitor.loop import refresh_once, run
         from ..base.privilege import require_admin
 
         layout = default_layout()
@@ -57,7 +57,7 @@ class MonitorCommand(Command):
         if not 0.05 <= self.period <= 60:
             raise UsageError(f"--period {self.period}: choose between 0.05 and 60 seconds")
         if not self.once:
-            from ..ops.metrics import refuse_unsafe_textfile
+            from ..monitor.metrics import refuse_unsafe_textfile
 
             refuse_unsafe_textfile(layout)
         if self.daemon:
@@ -180,7 +180,7 @@ def _watch(command: StatusCommand, period: float, count: Optional[int]) -> int:
 
 def _record(layout, seen_by: str) -> None:  # type: ignore[no-untyped-def]
     """As root, record in the ledger what changed since the last look (the monitor may not run)."""
-    from ..ops.ledger import look
+    from ..ledger.looks import look
 
     obs = look(layout, seen_by)
     if obs is not None and obs.error:
@@ -189,7 +189,7 @@ def _record(layout, seen_by: str) -> None:  # type: ignore[no-untyped-def]
 
 def _shown(value: str) -> str:
     """A switch's value for a one-line message: control characters replaced, cut short."""
-    from ..text import printable
+    from ..base.text import printable
 
     text = printable(value, 40)
     return text + ("..." if len(value) > 40 else "")
@@ -240,7 +240,7 @@ class RunCommand(FilterSwitches, Command):
 def _substituted(root: str, args: List[str], grant: Grant) -> List[str]:
     """ARGS with the placeholders filled in from GRANT (held already: no race)."""
     from ..errors import NvmlUnavailable
-    from ..sched.placeholders import substitute
+    from ..sched.substitute import substitute
 
     if grant.visible is None or grant.lease is None:
         if os.environ.get(CVD, None) is not None and not os.environ[CVD].strip():

@@ -21,7 +21,7 @@ class ServeCommand(Command):
         from ..base.daemon import AlreadyRunning, detach, release
         from ..errors import SetupError
         from ..lease.files import SYNC_HINT
-        from ..ops.servestart import serve
+        from ..service.start import serve
         from ..base.privilege import require_admin
 
         layout = default_layout()
@@ -32,7 +32,7 @@ class ServeCommand(Command):
             return stop_daemon(root, pid_file)
         if not layout.runtime_dir.is_dir():
             raise SetupError(f"the runtime directory {layout.runtime_dir} is missing", hint=SYNC_HINT)
-        from ..ops.servestart import refuse_stranded_waiters
+        from ..service.start import refuse_stranded_waiters
 
         refuse_stranded_waiters(layout)  # here too: a --daemon's refusal is said in this terminal
         if not self.daemon:

@@ -16,7 +16,7 @@ GPUs numbered from 0, the indices are used as they are.
 
 A user can set these variables by hand; that gives nothing a ``CUDA_VISIBLE_DEVICES`` of
 their choosing would not, and touches no one else's leases. The service does not believe
-them: it reads the job from the client's cgroup and its GPUs from Slurm (ops/slurmjob.py),
+them: it reads the job from the client's cgroup and its GPUs from Slurm (service/slurmjob.py),
 and what the client says only narrows those.
 """
 from __future__ import annotations

@@ -37,7 +37,7 @@ MAX_AGE_S = 3.0
 
 def write(root: str, inventory: Inventory) -> None:
     """INVENTORY as NVML gave it, with the start time of each listed process seen in /proc."""
-    from ..proc import namespace, start_time
+    from ..base.proc import namespace, start_time
 
     started: Dict[int, int] = {}
     for device in inventory.devices:
@@ -65,8 +65,8 @@ def _exited(started: Dict[int, int], listed: Iterable[int], recorded: object) ->
     this process's namespace are not the monitor's (RECORDED)."""
     seen = [p for p in listed if p in started]
     if not seen:
-        return set()  # no process on any device: proc.py stays off the launch's path
-    from ..proc import namespace, started_as
+        return set()  # no process on any device: base/proc.py stays off the launch's path
+    from ..base.proc import namespace, started_as
 
     if namespace() != recorded:
         return set()

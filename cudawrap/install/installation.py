@@ -446,7 +446,7 @@ def _open_nodes(layout: Layout, say: Callable[[str], None]) -> None:
     """GPU nodes the stopped service closed ([confine] nodes = "leased") put back as they were."""
     from ..base import nodemodes
 
-    state = os.path.join(layout.state_dir, "nodes.saved")  # ops/leasednodes.py's STATE_NAME
+    state = os.path.join(layout.state_dir, "nodes.saved")  # confine/nodes.py's STATE_NAME
     try:
         count = nodemodes.put_back(state)
     except (OSError, ValueError) as exc:

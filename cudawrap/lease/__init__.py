@@ -1,1 +1,1 @@
-"""Who holds what: lease files, their holders, sharing slots, machine-wide claims."""
+"""Who holds what: lease files, their holders (and the processes on a device that are not), sharing slots, machine-wide claims."""

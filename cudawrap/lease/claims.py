@@ -163,7 +163,7 @@ def _clear(dfd: int, uuid: str, found: Optional[Found], me: int) -> None:
 
 
 def _in_the_way(directory: str, uuid: str, found: Found) -> str:
-    from ..users import user_name
+    from ..base.users import user_name
 
     who = "someone" if found[0] < 0 else user_name(found[0])
     return f"{directory}/{uuid} is {found[2]} made by {who}, not a claim"

@@ -107,7 +107,7 @@ def slots_apart(lease_dir: str, share_dir: str, table: Optional[Table] = None) -
     process that took no lock on the lease file: a share nobody sees in the lease, which
     keeps sharers out all the same); None where the holder cannot be named. Processes
     closing their files (a share ending) are left out."""
-    from ..proc import closing
+    from ..base.proc import closing
 
     table = lock_table() if table is None else table
     lease_pids = takers(lease_dir, table)

@@ -20,38 +20,11 @@ if TYPE_CHECKING:
     from ..paths import Layout
 
 from ..errors import NotPermitted, StateError, UsageError
-from ..proc import real_uid
-from ..users import either, user_name
+from ..base.proc import real_uid
+from ..base.users import either, user_name
+from ..sched.waiters import Waiter, waiters
 
 CANCELLED_EXIT = os.EX_TEMPFAIL  # 75, as for a wait that ran out
-
-
-class Waiter:
-    __slots__ = ("pid", "uid", "key", "paths")
-
-    def __init__(self, pid: int, uid: int, key: str, paths: Sequence[str] = ()) -> None:
-        self.pid = pid  # the kernel's record of who holds the entry's lock
-        self.uid = uid  # the entry's owner, who also owns that pid
-        self.key = key  # its place in the queue (its first entry's)
-        self.paths = list(paths)  # its entries: one, unless made by hand
-
-
-def waiters(root: str) -> List[Waiter]:
-    """The runs waiting for a device now, as the scheduler sees them (waitqueue.WaitQueue.scan),
-    one per process, with every entry it holds (beyond the per-user bound too)."""
-    from .. import locations as loc
-    from ..errors import SetupError
-    from ..sched.queue import WaitQueue
-
-    try:
-        queue = WaitQueue(loc.under(root, loc.QUEUE_DIR))
-    except SetupError:  # no queue directory: nobody can be waiting
-        return []
-    scan = queue.scan(clean=False, bounded=False)
-    out: Dict[int, Waiter] = {}
-    for w in scan.waiters:
-        out.setdefault(w.pid, Waiter(w.pid, w.uid, w.key)).paths.append(scan.paths[w.key])
-    return list(out.values())
 
 
 def parse_pids(args: Sequence[str]) -> List[int]:
@@ -107,7 +80,7 @@ def cancel(layout: Layout, pids: Sequence[int], caller_uid: Optional[int] = None
     from .view import cancel as cancel_served, service_waiters
 
     waiting.update((pid, Waiter(pid, uid, "")) for pid, uid in service_waiters(layout).items())
-    from .privacy import hidden_from
+    from ..policy.privacy import hidden_from
 
     private = hidden_from(str(layout.root), caller_uid) is not None
     chosen = [check(pid, waiting, held, caller_uid, private) for pid in pids]

@@ -267,8 +267,8 @@ def _text(data: Any) -> str:
 
 def status(layout: Layout) -> Dict[str, Any]:
     """Mode, and per device its slots and daemon: pid, servers with their user and clients."""
-    from .privacy import HIDDEN, hidden_from
-    from .procinfo import process_info
+    from ..policy.privacy import HIDDEN, hidden_from
+    from ..base.procinfo import process_info
 
     share, where = sharing_of(layout)
     out: Dict[str, Any] = {"root": str(layout.root), "mode": share.mode, "mode_source": where,

@@ -14,10 +14,10 @@ from ..errors import NvmlUnavailable
 from ..lease.holders import Holding, holdings, slots_apart
 from ..lease.files import lock_table
 from ..paths import Layout
-from ..users import user_name
+from ..base.users import user_name
 from ..sched.queue import WaitQueue
-from .lessees import foreign_pids
-from .procinfo import printable, process_info, program_name  # noqa: F401 - re-exported
+from ..lease.lessees import foreign_pids
+from ..base.procinfo import printable, process_info, program_name  # noqa: F401 - re-exported
 from .statustable import Column, holder_text, memory_text, render, table  # noqa: F401 - re-exported
 
 
@@ -197,7 +197,7 @@ def machine_status(layout: Layout, ask_service: bool = True,
     which then stands for the queue's). As VIEWER (a uid; default this process's) may see it
     where PRIVATE ([service] private_status; default the config's): others' runs hidden."""
     from ..devices import nvml
-    from .privacy import hidden_from
+    from ..policy.privacy import hidden_from
 
     viewer = os.geteuid() if viewer is None else viewer
     me = hidden_from(str(layout.root), viewer) if private is None else (
@@ -225,7 +225,7 @@ def machine_status(layout: Layout, ask_service: bool = True,
         waiting = through_service(layout, devices, waiting)  # the service's line, where one runs
     if me is not None:  # [service] private_status: before the estimates, which name programs
         waiting = _hide(devices, waiting, me, viewer)
-    from .eta import annotate
+    from ..ledger.eta import annotate
 
     annotate(waiting, devices, layout)  # when each may start (README "Why am I waiting")
     for device in devices:
@@ -243,8 +243,8 @@ def machine_status(layout: Layout, ask_service: bool = True,
 def _hide(devices: List[Dict[str, Any]], waiting: List[Dict[str, Any]], me: str,
           viewer: int) -> List[Dict[str, Any]]:
     """DEVICES (in place) and WAITING as ME (uid VIEWER) may see them under private_status."""
-    from ..proc import real_uid
-    from .privacy import redact
+    from ..base.proc import real_uid
+    from ..policy.privacy import redact
 
     own = {p for d in devices for p in d.get("foreign_pids") or () if real_uid(p) == viewer}
     view = {"devices": devices, "waiting": waiting}
@@ -256,7 +256,8 @@ def _through_service_whole(layout: Layout) -> Dict[str, Any]:
     """The whole status as the service (root) reads it, for a caller who cannot."""
     import json
 
-    from .. import client, wire
+    from ..launch import client
+    from .. import wire
     from ..errors import ServiceUnavailable
 
     reply = client.question(str(layout.root), wire.STATUS, {"whole": "1"})
@@ -343,7 +344,7 @@ def _add_drains(root: str, devices: List[Dict[str, Any]]) -> Dict[str, Any]:
 def _add_health(root: str, devices: List[Dict[str, Any]], me: Optional[str] = None) -> None:
     """Each device's leftover processes of ended runs, and its lease if idle (the monitor's
     look); where ME is given (private_status), others' leftovers without who or what."""
-    from .healthstate import idle_leases, leftovers
+    from ..health.state import idle_leases, leftovers
 
     left = leftovers(root, me)  # processes of ended runs still on a device (the monitor's look)
     quiet, idle_after_s, sampled = idle_leases(root)
@@ -358,7 +359,7 @@ def _add_health(root: str, devices: List[Dict[str, Any]], me: Optional[str] = No
 def _run_memory(layout: Layout, devices: List[Dict[str, Any]]) -> None:
     """Each named holder's "memory" on its device (used and limit, MiB) from the monitor's last
     memory snapshot, where it is recent (memwatch)."""
-    from .memsnapshot import read_snapshot
+    from ..memory.snapshot import read_snapshot
 
     snapshot = read_snapshot(layout)
     if snapshot is None:

@@ -23,7 +23,7 @@ from ..install.installation import prepare_runtime
 from ..lease.holders import _proc_locks
 from ..lease.files import OPEN_FLAGS
 from ..paths import Layout
-from ..text import printable
+from ..base.text import printable
 from ..sched.queue import WaitQueue
 
 
@@ -179,8 +179,8 @@ def _open_nodes(layout: Layout, report: SyncReport) -> None:
     without the service (daemonless runs need the nodes as the driver made them). While a
     service runs, the nodes are its own."""
     from ..policy.config import load_config
-    from .leasednodes import put_back, state_file
-    from .ledger import service_running
+    from ..confine.nodes import put_back, state_file
+    from ..ledger.looks import service_running
 
     if not os.path.exists(state_file(str(layout.state_dir))) or service_running(layout):
         return
@@ -192,9 +192,9 @@ def _open_nodes(layout: Layout, report: SyncReport) -> None:
 
 
 def not_renewed(layout: Layout) -> Optional[str]:
-    """What the running service has not replaced yet of the files it took over (ops/grants.py:
+    """What the running service has not replaced yet of the files it took over (service/grants.py:
     held at its start, by no grant of its own), said once; None when nothing."""
-    from .ledger import service_running
+    from ..ledger.looks import service_running
 
     try:
         names = (layout.runtime_dir / "service.renewing").read_text().split()
@@ -221,7 +221,7 @@ def limit_warnings(layout: Layout, inventory: Inventory) -> List[str]:
     """memconf.limit_problems for the install at LAYOUT (sync and doctor report them)."""
     from ..policy.config import load_config
     from ..errors import CudawrapError
-    from .memconf import limit_problems
+    from ..memory.config import limit_problems
 
     try:
         return limit_problems(load_config(layout.config_file), inventory.devices)

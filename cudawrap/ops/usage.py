@@ -1,7 +1,7 @@
 """`cudawrap usage`: device time, runs and waits from the ledger, grouped and summed.
 
 Root reads the ledger itself (and counts leases still held up to now); an ordinary user
-reads the copy of their own finished leases that root keeps for them (ledger.py), so each
+reads the copy of their own finished leases that root keeps for them (ledger/looks.py), so each
 user sees their own rows only. Everything here but reading files is pure.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from . import ledger, ledgerfile
+from ..ledger import looks as ledger, files as ledgerfile
 from ..errors import NotPermitted, StateError, UsageError
 from ..paths import Layout
 
@@ -143,7 +143,7 @@ def idle_spells(records: Iterable[Dict[str, Any]]) -> List[Idle]:
 
 def idle_now(root: str, user: Optional[str]) -> List[Idle]:
     """The spells flagged idle now (the monitor's last sample), USER's only unless None."""
-    from .healthstate import idle_leases
+    from ..health.state import idle_leases
 
     quiet, after_s, sampled = idle_leases(root)
     return [Idle(x.user, "?", uuid, x.quiet_since, sampled) for uuid, x in quiet.items()
@@ -254,7 +254,7 @@ def load_all(layout: Layout, keep: int, problems: List[str], now: Optional[float
     """The leases and idle spells the caller may see: all for root (and the install's
     owner), else UID's own (the spells going on now included)."""
     from ..base.privilege import is_admin
-    from ..users import user_name
+    from ..base.users import user_name
 
     kinds = (*ledgerfile.LEASES, "idle")
 

@@ -15,7 +15,7 @@ from ..paths import Layout
 
 
 def _ask(layout: Layout) -> Optional[Dict[str, str]]:
-    from .. import client
+    from ..launch import client
 
     return client.question(str(layout.root), wire.STATUS, {})
 
@@ -49,6 +49,6 @@ def service_waiters(layout: Layout) -> Dict[int, int]:
 
 
 def cancel(layout: Layout, pids: List[int]) -> None:
-    from .. import client
+    from ..launch import client
 
     client.question(str(layout.root), wire.CANCEL, {"pids": ",".join(str(p) for p in pids)})

@@ -33,7 +33,7 @@ def amend(acq: Acquirer, scan: Scan, closed: Set[str], departed: Set[str], befor
     change (a newcomer, a lease file opened) makes the next one a full look. A wrong
     amendment costs a turn at most, never a device twice: should a closed lease still be
     held (someone only probed it), the flock says so and nothing is taken."""
-    from ..proc import exiting, state
+    from ..base.proc import exiting, state
 
     table = dict(scan.table)
     releasing = []

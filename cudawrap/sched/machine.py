@@ -29,14 +29,14 @@ FOREIGN_RECHECK_S = 1.0
 
 
 # In a lock table: a lease found held whose holder nobody needs named (pid -2): the service
-# deciding for one run alone, without limits or sharing (ops/line.py, _probed). Counted for no
+# deciding for one run alone, without limits or sharing (service/waitline.py, _probed). Counted for no
 # user, and never looked for among every process as a gone taker is (_owners: heirs).
 UNNAMED_HOLDER = (-2, True)
 
 
 def _uid_of(pid: int) -> int:
     """PID's real uid (whose lease it is, a setuid program exec'd on it included); -1 if gone."""
-    from ..proc import real_uid  # only once a lease is seen held
+    from ..base.proc import real_uid  # only once a lease is seen held
 
     uid = real_uid(pid)
     return -1 if uid is None else uid
@@ -55,7 +55,7 @@ def _mps_server(pid: int, daemon: Optional[int]) -> bool:
     run a program named nvidia-cuda-mps-server."""
     if daemon is None:
         return False
-    from ..proc import parent  # only once a process was seen on a device
+    from ..base.proc import parent  # only once a process was seen on a device
 
     return parent(pid) == daemon
 
@@ -77,7 +77,7 @@ def mps_strangers(pids: Sequence[int], uids: Set[int], daemon: Optional[int],
 
 
 def _exited(pid: int) -> bool:
-    from ..proc import exiting  # only once a lease holder was seen: not on a launch's path
+    from ..base.proc import exiting  # only once a lease holder was seen: not on a launch's path
 
     return exiting(pid)
 
@@ -151,7 +151,7 @@ class MachineView:
         # (lease file, pids that took its locks) -> the real uid of each lock's holder, read
         # once per lease (see _owners).
         self.owners: Dict[Tuple[Tuple[int, int], Tuple[int, ...]], List[int]] = {}
-        # The service's books (ops/grants.py): lease file -> {pid that took its lock: uid}
+        # The service's books (service/grants.py): lease file -> {pid that took its lock: uid}
         # of each grant it made and has not seen let go. A lock a booked pid took is that
         # uid's, whatever process has the pid now; an exclusive one whose holder cannot be
         # named (its descriptor sent on into a socket, or mapped) is its one booked uid's.
@@ -377,7 +377,7 @@ class MachineView:
                  for pid, _ex in table.get(ident, ()) if pid not in sharers]
         if not apart:
             return apart
-        from ..proc import closing
+        from ..base.proc import closing
 
         return [pid for pid in apart if not closing(pid)]
 
@@ -399,7 +399,7 @@ class MachineView:
     def unreachable(self, uuids: Iterable[str], count: int) -> Optional[NoDeviceError]:
         """Why a run waiting for COUNT of UUIDS can never be served now: fewer of them are left
         undrained and not lost (as the last decision found them). One rule for a run deciding
-        for itself (waiting.py, its candidates) and for the service's waiters (ops/line.py)."""
+        for itself (waiting.py, its candidates) and for the service's waiters (service/waitline.py)."""
         uuids = list(uuids)
         if len([u for u in uuids if u not in self.lost and u not in self.unavailable]) >= count:
             return None

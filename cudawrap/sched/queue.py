@@ -216,7 +216,7 @@ class WaitQueue:
         holding many entries is asked about once."""
         known = self._owner_ok.get((uid, pid))
         if known is None:
-            from ..proc import real_uid  # only for an entry not seen before
+            from ..base.proc import real_uid  # only for an entry not seen before
 
             known = real_uid(pid) == uid
             if len(self._owner_ok) > 4 * MAX_ENTRIES_PER_USER:

@@ -15,7 +15,7 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Dict, Optional, Tuple
 
-from ..proc import busy_ns, state
+from ..base.proc import busy_ns, state
 
 # A run given devices that has not taken them after this long asleep loses its turn.
 GRACE_S = 0.5

@@ -1,0 +1,62 @@
+"""What a run got (Grant): a lease, possibly inherited, or nothing, and the variables it is
+told its devices by. Every way to a grant makes one: the general launch's own decision, a
+wrapped parent's lease (inherited.py), the service's answer (client.py).
+"""
+from __future__ import annotations
+
+TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
+if TYPE_CHECKING:
+    from typing import Any, Dict, Optional, Tuple
+
+    from ..lease.files import Lease
+
+from .. import locations as loc
+from ..lease.files import LEASE_ENV, PROGRAM_ENV
+from .. import MPS_VARIABLES  # the shim's fast path (the package) has it loaded already
+
+CVD = "CUDA_VISIBLE_DEVICES"
+CVD_B = CVD.encode()
+
+
+class Grant:
+    """What a run got: a lease (possibly inherited) or nothing, and what to tell it."""
+
+    def __init__(self, lease: Optional[Lease], visible: Optional[str],
+                 extra: Optional[Dict[bytes, bytes]] = None) -> None:
+        self.lease = lease
+        self.visible = visible  # value for CUDA_VISIBLE_DEVICES; None = leave it as it is
+        self.extra = extra or {}  # more variables: an MPS client's
+        self.defaults: Dict[bytes, bytes] = {}  # variables set only where the caller has none
+        self.drop: Tuple[bytes, ...] = ()  # variables to remove
+        self.program: Optional[str] = None  # the wrapped name, for a run a shim started
+
+    def apply(self, env: Dict[bytes, bytes]) -> Dict[bytes, bytes]:
+        for name in self.drop:
+            env.pop(name, None)
+        env.update(self.extra)
+        for name, value in self.defaults.items():
+            env.setdefault(name, value)
+        if self.visible is not None:
+            env[CVD_B] = self.visible.encode()
+        if self.lease is not None:
+            env[LEASE_ENV.encode()] = self.lease.marker().encode()
+            if self.program:
+                env[PROGRAM_ENV.encode()] = self.program.encode()
+            else:  # `cudawrap run` inside a wrapped program: its command is not that program
+                env.pop(PROGRAM_ENV.encode(), None)
+        return env
+
+
+def whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[bytes, bytes]] = None,
+                   defaults: Optional[Dict[bytes, bytes]] = None) -> Grant:
+    """The Grant of LEASE with a share's variables (EXTRA, and DEFAULTS where the caller has
+    none; sharing.run_env), and a shared run's MPS variables dropped for whole devices."""
+    grant = Grant(lease, ",".join(lease.uuids), extra)
+    if defaults is not None:
+        grant.defaults = defaults
+    mps_dir = loc.under(root, loc.MPS_DIR) + "/"
+    if not lease.shared and environ.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(mps_dir):
+        # A whole device bypasses MPS: a client of a device's daemon (a shared run's
+        # environment passed on) must not be sent to a daemon of a device it does not use.
+        grant.drop = MPS_VARIABLES
+    return grant
