@@ -374,7 +374,7 @@ def lock_granted(fds: "List[int]", described: "List[Tuple[str, str, bool]]"
 
 
 def lease_marker(leases: "Dict[str, int]", slots: "Dict[str, int]") -> str:
-    """LEASE_ENV's value for a lease (lease.files.inherited_lease reads it): "fd:uuid" for a
+    """LEASE_ENV's value for a lease (lease.known.inherited_lease reads it): "fd:uuid" for a
     whole device, "fd:uuid:slotfd" for a share."""
     return ",".join(f"{fd}:{uuid}:{slots[uuid]}" if uuid in slots else f"{fd}:{uuid}" for uuid, fd in leases.items())
 

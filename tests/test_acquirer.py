@@ -11,6 +11,7 @@ from cudawrap.sched.request import Request
 from support.sched import make_waiter
 from cudawrap.sched.run import acquire
 from cudawrap.sched.acquirer import Acquirer
+from cudawrap.sched.machine import ViewOptions
 from cudawrap.devices.model import Device
 from cudawrap.errors import NoDeviceError
 from cudawrap.install.installation import prepare_runtime
@@ -46,7 +47,7 @@ def test_a_waiter_rereads_what_aged_while_it_slept(runtime: Layout) -> None:
         return now_free if left else seen_busy
 
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [seen_busy], [seen_busy], Request(1),
-                        refresh=refresh)
+                        ViewOptions(refresh=refresh))
     leave = threading.Timer(0.1, lambda: (left.append(1), queue.leave(ahead)))
     leave.start()
     # Well under FOREIGN_RECHECK_S: only an immediate re-read once the line moved grants it
@@ -113,7 +114,7 @@ def test_a_stale_snapshot_listing_the_job_that_held_the_lease_does_not_keep_it_b
     job.stdout.readline()
     snapshot = Device(UUID, "H100", UUID, 0, None, 80000, 4000, (job.pid,))
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [snapshot], [snapshot], Request(1),
-                        refresh=lambda device: snapshot)
+                        ViewOptions(refresh=lambda device: snapshot))
     ends = threading.Timer(0.3, job.stdin.close)
     ends.start()
     lease = acquire(acquirer, 5.0, b"pid=2\n")
@@ -123,7 +124,7 @@ def test_a_stale_snapshot_listing_the_job_that_held_the_lease_does_not_keep_it_b
     lease.release()
     # The same snapshot to a run that never saw that pid hold the lease: busy.
     other = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [snapshot], [snapshot], Request(1),
-                     refresh=lambda device: snapshot)
+                     ViewOptions(refresh=lambda device: snapshot))
     with pytest.raises(NoDeviceError):
         acquire(other, 0.3, b"pid=3\n")
 
@@ -145,7 +146,7 @@ def test_an_observer_sees_each_decision_and_a_waiter_decides_again_when_the_line
             queue.leave(ahead)  # the line moves only once the newcomer has decided to queue
 
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), queue, [device], [device], Request(1),
-                        refresh=lambda d: d, observe=observe)
+                        ViewOptions(refresh=lambda d: d), observe=observe)
     lease = acquire(acquirer, 60.0, b"pid=2\n")
     assert lease.uuids == [UUID]
     assert seen[0][0] == Decision.ARRIVAL and seen[0][1] != GRANTED
@@ -167,7 +168,7 @@ def test_the_wait_is_timed_by_the_injected_clock(runtime: Layout) -> None:
             offset[0] = 3600.0
 
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), [device], [device],
-                        Request(1), refresh=lambda d: d, clock=lambda: 1000.0 + offset[0], observe=observe)
+                        Request(1), ViewOptions(refresh=lambda d: d, clock=lambda: 1000.0 + offset[0]), observe=observe)
     with pytest.raises(NoDeviceError, match="no device within 60 s"):
         acquire(acquirer, 60.0, b"pid=2\n")
     assert os.listdir(runtime.queue_dir) == []  # it left the line
@@ -312,7 +313,7 @@ def test_a_lease_held_by_nobody_named_is_not_searched_for_among_every_process(
     (UNKNOWN_HOLDER, the daemonless hand-over's) is still searched for."""
     from cudawrap.lease import holders
     from cudawrap.sched.decision import UNKNOWN_HOLDER
-    from cudawrap.sched.machine import UNNAMED_HOLDER
+    from cudawrap.sched.tally import UNNAMED_HOLDER
 
     searched = []
     real = holders.heirs

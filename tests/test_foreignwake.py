@@ -16,6 +16,7 @@ from cudawrap.sched.request import Request
 from cudawrap.sched.run import acquire
 from cudawrap.devices import nvml, snapshot
 from cudawrap.sched.acquirer import Acquirer
+from cudawrap.sched.machine import ViewOptions
 from cudawrap.sched.decision import Decision
 from cudawrap.sched.foreignwake import ForeignWake
 from cudawrap.devices.model import Device
@@ -81,7 +82,7 @@ class Waiter:
 
         devices = device if isinstance(device, list) else [device]
         self.acquirer = Acquirer(LeaseFiles(str(inst.layout.lease_dir)), self.queue, devices, devices, Request(1),
-                                 refresh=counted, snapshot=watched or None,
+                                 ViewOptions(refresh=counted), snapshot=watched or None,
                                  observe=looked)
         self.thread = threading.Thread(target=self._run)
         self.thread.start()

@@ -26,6 +26,7 @@ from cudawrap.sched.decision import UNKNOWN_HOLDER, WATCHERS, Decision
 from cudawrap.sched import queue as waitqueue
 from cudawrap.base import inotify
 from cudawrap.sched.acquirer import Acquirer
+from cudawrap.sched.machine import ViewOptions
 from cudawrap.sched.handover import after_release, amend, amendments, hand_over
 from cudawrap.devices.model import Device
 from cudawrap.install.installation import prepare_runtime
@@ -99,7 +100,7 @@ class Waiting(threading.Thread):
         super().__init__()
         self.looks: List[Decision] = []
         self.acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), devices(),
-                                 devices(), Request(1), refresh=lambda d: d, observe=self._seen)
+                                 devices(), Request(1), ViewOptions(refresh=lambda d: d), observe=self._seen)
         self.out = out
 
     def _seen(self, decision: Decision) -> None:
@@ -179,7 +180,7 @@ def test_devices_taken_since_the_look_are_counted_for_the_runs_that_left_and_sti
     b1 = hold(f"{runtime.lease_dir}/{UUIDS[1]}")
     files = LeaseFiles(str(runtime.lease_dir))
     idents = [files.ident(u) for u in UUIDS]
-    acquirer = Acquirer(files, WaitQueue(str(runtime.queue_dir)), devices(), devices(), Request(1), refresh=lambda d: d)
+    acquirer = Acquirer(files, WaitQueue(str(runtime.queue_dir)), devices(), devices(), Request(1), ViewOptions(refresh=lambda d: d))
 
     def waiter(key: str, pid: int):  # type: ignore[no-untyped-def]
         return make_waiter(key, os.geteuid(), pid, 1, None, "spread", 300.0, time.time(), "?", 0, 100, False)
@@ -235,7 +236,7 @@ def test_probes_of_a_lease_do_not_meet_and_a_holder_is_seen(runtime: Layout) -> 
 def amend_case(runtime: Layout, slots: int = 1):  # type: ignore[no-untyped-def]
     """An acquirer, its lease files' idents, and a helper making Waiters."""
     files = LeaseFiles(str(runtime.lease_dir))
-    acquirer = Acquirer(files, WaitQueue(str(runtime.queue_dir)), devices(), devices(), Request(1), refresh=lambda d: d)
+    acquirer = Acquirer(files, WaitQueue(str(runtime.queue_dir)), devices(), devices(), Request(1), ViewOptions(refresh=lambda d: d))
     acquirer.slots = {u: slots for u in UUIDS}
 
     def waiter(key: str, pid: int):  # type: ignore[no-untyped-def]
@@ -439,7 +440,7 @@ def test_a_run_leaving_wakes_everyone_it_moves_into_the_watching_places(
     poked: list = []
     monkeypatch.setattr(module, "poke", poked.append)
     acquirer = Acquirer(LeaseFiles(str(runtime.lease_dir)), WaitQueue(str(runtime.queue_dir)), devices(),
-                        devices(), Request(1), refresh=lambda d: d)
+                        devices(), Request(1), ViewOptions(refresh=lambda d: d))
     hand_over(acquirer, verdicts, look, "w00")
     assert sorted(poked) == [f"/queue/w{i:02d}" for i in range(module.WATCHERS, module.WATCHERS + 7)]
     # Alone in its turn, it wakes the next in line only.

@@ -23,7 +23,7 @@ from cudawrap.policy import registry
 from cudawrap.policy.config import MAX_GPUS, Config, parse_config, parse_gpus, parse_wait
 from cudawrap.devices.model import Inventory
 from cudawrap.errors import ConfigError, DataError
-from cudawrap.lease.files import inherited_lease
+from cudawrap.lease.known import inherited_lease
 from cudawrap.sched.selection import parse_visible, read_allow_file
 from support.admin import Admin, snapshot
 

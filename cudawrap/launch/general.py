@@ -240,7 +240,7 @@ def _device_source(root: str, prog: str, value: Dict[str, Any], lease_dir: str, 
     except NvmlUnavailable as exc:
         if value["no_driver"] == "fail":
             raise
-        from ..lease.files import lease_file_inventory
+        from ..lease.known import lease_file_inventory
 
         # The lease files root made still name the devices (NVML may be broken only for
         # us, a driver upgraded under a loaded module): one lease each, by UUID, rather
@@ -354,6 +354,7 @@ class _Run:
                   checked_at: float, limits: Dict[str, Any]) -> Any:
         from ..policy.effective import queue_bounds
         from ..sched.acquirer import Acquirer
+        from ..sched.machine import ViewOptions
         from ..sched.request import Request
         from ..sched.candidates import drained_now
         from ..sched.queue import WaitQueue
@@ -366,11 +367,12 @@ class _Run:
             limit_of = lambda uid: limit_for(uid, limits)  # noqa: E731 - one call, bound here
         return Acquirer(
             leases, WaitQueue(loc.under(root, loc.QUEUE_DIR)), candidates, inventory.devices,
-            Request.of(value, self.count, self.share), foreign=value["foreign"],
-            busy_memory_mib=value["busy_memory_mib"], refresh=source.refresh, checked_at=checked_at,
-            limit_of=limit_of, drained=drained_now(root, inventory), sharing=self.sharing,
-            unread=[d.uuid for d in candidates] if unread else (), root=root,
-            snapshot=source.snapshot, admin=lambda: queue_bounds(root))
+            Request.of(value, self.count, self.share), ViewOptions(
+                foreign=value["foreign"], busy_memory_mib=value["busy_memory_mib"], refresh=source.refresh,
+                checked_at=checked_at, limit_of=limit_of, drained=drained_now(root, inventory),
+                sharing=self.sharing, unread=[d.uuid for d in candidates] if unread else (), root=root,
+                admin=lambda: queue_bounds(root)),
+            snapshot=source.snapshot)
 
     def on_wait(self, text: str) -> None:
         from ..sched.acquirer import describe_wait

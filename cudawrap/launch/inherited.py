@@ -10,7 +10,7 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import List, Optional
 
-from ..lease.files import Lease, inherited_lease
+from ..lease.files import Lease
 from .grant import Grant
 
 
@@ -24,7 +24,7 @@ def narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
     """
     if preset is None:
         return lease
-    from ..sched.selection import _by_prefix
+    from ..sched.selection import by_prefix
 
     uuids = lease.uuids
     kept: List[str] = []
@@ -33,7 +33,7 @@ def narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
         if token.isascii() and token.isdigit():
             uuid = uuids[int(token)] if len(token) <= 9 and int(token) < len(uuids) else None
         elif token.startswith("GPU-") and len(token) > len("GPU-"):
-            uuid = _by_prefix(token, uuids)
+            uuid = by_prefix(token, uuids)
         else:
             uuid = token if token in lease.fds else None
         if uuid is None or uuid in kept:
@@ -48,6 +48,8 @@ def inherited_grant(lease_dir: str, marker: Optional[str], preset: Optional[str]
     none, or the child names devices outside it (leased anew, like any run's)."""
     if not marker:
         return None
+    from ..lease.known import inherited_lease  # only a wrapped program's child has a marker: off a usual launch's path
+
     inherited = inherited_lease(lease_dir, marker)
     if inherited is None:
         return None

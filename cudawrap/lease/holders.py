@@ -21,9 +21,6 @@ def proc_locks() -> Dict[Tuple[int, int], int]:
     return first_pids(lock_table())
 
 
-_proc_locks = proc_locks  # the older private name
-
-
 def fd_holders(files: Iterable[Tuple[int, int]], pids: Iterable[int]) -> Dict[Tuple[int, int], List[int]]:
     """(device, inode) -> those of PIDS that hold a flock on that file now.
 
@@ -65,8 +62,9 @@ class Holding:
         return min(known) if known else None
 
 
-def _locked(directory: str, table: Table) -> Dict[Tuple[int, int], str]:
-    """(device, inode) -> name of each file in DIRECTORY that TABLE shows locked."""
+def locked_files(directory: str, table: Table) -> Dict[Tuple[int, int], str]:
+    """(device, inode) -> name of each file in DIRECTORY that TABLE (lock_table()) shows
+    locked: which lease or slot file each locked file of the table is."""
     files: Dict[Tuple[int, int], str] = {}
     try:
         names = os.listdir(directory)
@@ -92,14 +90,14 @@ def holdings(lease_dir: str, table: Optional[Table] = None) -> Dict[str, Holding
     cannot be read. TABLE: the lock table to read (default: read now).
     """
     table = lock_table() if table is None else table
-    return _holdings(_locked(lease_dir, table), table)
+    return _holdings(locked_files(lease_dir, table), table)
 
 
 def takers(lease_dir: str, table: Table) -> Dict[str, List[int]]:
     """uuid -> the pids that took the locks on its lease file, as TABLE (the lock table)
     names them: no descriptor is read, so a taker may have exited since (its child holding the
     lease) or its pid been reused. For a look that only asks whether anything changed."""
-    return {name: [pid for pid, _ex in table[key]] for key, name in _locked(lease_dir, table).items()}
+    return {name: [pid for pid, _ex in table[key]] for key, name in locked_files(lease_dir, table).items()}
 
 
 def slots_apart(lease_dir: str, share_dir: str, table: Optional[Table] = None) -> Dict[str, List[Optional[int]]]:
@@ -111,7 +109,7 @@ def slots_apart(lease_dir: str, share_dir: str, table: Optional[Table] = None) -
 
     table = lock_table() if table is None else table
     lease_pids = takers(lease_dir, table)
-    apart = {key: name for key, name in _locked(share_dir, table).items()
+    apart = {key: name for key, name in locked_files(share_dir, table).items()
              if any(pid not in lease_pids.get(name.rpartition(".")[0], ()) and not closing(pid)
                     for pid, _ex in table[key])}
     out: Dict[str, List[Optional[int]]] = {}

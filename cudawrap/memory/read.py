@@ -52,7 +52,7 @@ class _Parents(Mapping[int, int]):
 
 def runs(layout: Layout) -> List[Run]:
     """Every lease and share held now, from the kernel's lock table."""
-    from ..lease.holders import _locked, holdings
+    from ..lease.holders import holdings, locked_files
     from ..lease.files import lock_table
     from ..ledger.looks import proc
 
@@ -67,11 +67,11 @@ def runs(layout: Layout) -> List[Run]:
             if shared:
                 entry["shared"].add(uuid)
 
-    leases = {name: key for key, name in _locked(str(layout.lease_dir), table).items()}
+    leases = {name: key for key, name in locked_files(str(layout.lease_dir), table).items()}
     for uuid, holding in holdings(str(layout.lease_dir), table).items():
         if holding.exclusive:
             add(holding.pid, uuid, False, leases[uuid])
-    slots = {name: key for key, name in _locked(str(layout.share_dir), table).items()}
+    slots = {name: key for key, name in locked_files(str(layout.share_dir), table).items()}
     for name, holding in holdings(str(layout.share_dir), table).items():
         add(holding.pid, name.rpartition(".")[0], True, slots[name])
     out = []

@@ -54,7 +54,7 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
     kernel's record of who holds its lock: entries are written by users, so nothing else
     in them is trusted.
     """
-    from ..sched.machine import MachineView
+    from ..sched.machine import MachineView, ViewOptions
     from ..errors import CudawrapError
     from ..lease.files import LeaseFiles
     from ..policy.limits import limit_for
@@ -73,10 +73,10 @@ def _waiting(layout: Layout, inventory: Any) -> List[Dict[str, Any]]:
             settings = effective(str(layout.root), None)
             limits = settings.limits
             view = MachineView(LeaseFiles(str(layout.lease_dir), str(layout.share_dir)), inventory.devices,
-                               inventory.devices,
-                               limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
-                               sharing=Sharing(settings.sharing), root=str(layout.root),
-                               admin=lambda: queue_bounds(str(layout.root)))
+                               inventory.devices, ViewOptions(
+                                   limit_of=(lambda uid: limit_for(uid, limits)) if limits else None,
+                                   sharing=Sharing(settings.sharing), root=str(layout.root),
+                                   admin=lambda: queue_bounds(str(layout.root))))
             verdicts = view.decide(scan, None, queued=True)[0]
         except CudawrapError:
             verdicts = {}
@@ -130,7 +130,8 @@ def _mps_without_share(root: str, lease_dir: str, uuid: str, pids: Optional[Sequ
     """Under MPS, the processes on UUID of users who hold no share there, besides the server of
     cudawrap's daemon for it (an MPS client connected without a lease): they keep the
     device's other users waiting. Shares are the lease file's locks, by the owner of each taker."""
-    from ..sched.machine import _uid_of, mps_strangers
+    from ..sched.machine import mps_strangers
+    from ..sched.tally import uid_of
     from ..lease.sharing import mps_daemon
 
     if not pids:
@@ -143,7 +144,7 @@ def _mps_without_share(root: str, lease_dir: str, uuid: str, pids: Optional[Sequ
     daemon = mps_daemon(root, uuid, owner)
     if daemon is None:
         return []  # no daemon of cudawrap's: nobody is an MPS client of it
-    uids = {_uid_of(pid) for pid, _ex in table.get((st.st_dev, st.st_ino), [])}
+    uids = {uid_of(pid) for pid, _ex in table.get((st.st_dev, st.st_ino), [])}
     return [process_info(pid) for pid in mps_strangers(pids, uids, daemon)]
 
 

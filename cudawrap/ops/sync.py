@@ -20,7 +20,7 @@ from ..lease.claims import Claims, claim, claims_dir
 from ..devices.model import Inventory
 from ..errors import CannotWrite, ConfigError, NvmlUnavailable
 from ..install.installation import prepare_runtime
-from ..lease.holders import _proc_locks
+from ..lease.holders import proc_locks
 from ..lease.files import OPEN_FLAGS
 from ..paths import Layout
 from ..base.text import printable
@@ -84,7 +84,7 @@ def sweep_queue(layout: Layout) -> List[str]:
     and links, FIFOs and the like, are not any waiter's: left there they would fill the
     runtime filesystem. unlink never follows a link; directories are left alone.
     """
-    locked = _proc_locks()
+    locked = proc_locks()
     removed: List[str] = []
     queue_dir = str(layout.queue_dir)
     now = time.time()

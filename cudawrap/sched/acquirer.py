@@ -20,21 +20,21 @@ import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+    from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Union
 
     from .decision import Decision
     from .queue import Entry
 
-    from .schedule import Verdict, Waiter
+    from .terms import Verdict, Waiter
     from .turns import Offers
 
 from ..devices.model import Device
 from ..errors import NoDeviceError
-from ..lease.sharing import MPS, Sharing
+from ..lease.sharing import MPS
 from ..lease.files import Lease, LeaseFiles, lock_table
 # The scheduler (schedule.py) is imported where a decision is made: a launch nobody waits
 # before takes its devices without one (_uncontended), and the shim pays for every module.
-from .machine import MachineView, _free_mib, _uid_of
+from .machine import DEFAULTS, MachineView, ViewOptions, free_mib_of
 from .queue import Scan, WaitQueue, poke
 # decision.py (observers, the line's constants) is imported where a decision is made, as
 # schedule.py is: a launch nobody waits before needs neither.
@@ -48,34 +48,14 @@ PROBE_GAP_S = 0.0003
 
 
 class Acquirer(MachineView):
-    """One run's request for COUNT devices among CANDIDATES: decided on its view of the
-    machine (MachineView), taken by flock.
+    """One run's REQUEST for devices among CANDIDATES: decided on its view of the machine
+    (MachineView, read and judged as OPTIONS say), taken by flock. SNAPSHOT: the monitor's
+    (its rewrite may free devices foreign work kept); OBSERVE is given each Decision."""
 
-    CLOCK (monotonic seconds) times the wait; OBSERVE is given each Decision."""
-
-    def __init__(
-        self,
-        leases: LeaseFiles,
-        queue: WaitQueue,
-        candidates: Sequence[Device],
-        all_devices: Sequence[Device],
-        request: Request,
-        foreign: str = "avoid",
-        busy_memory_mib: int = 1024,
-        refresh: Optional[Callable[[Device], Optional[Device]]] = None,
-        checked_at: Optional[float] = None,
-        limit_of: Optional[Callable[[int], int]] = None,
-        drained: Optional[Callable[[], Set[str]]] = None,
-        sharing: Optional[Sharing] = None,
-        unread: Sequence[str] = (),
-        root: Optional[str] = None,
-        snapshot: Optional[str] = None,
-        admin: Optional[Callable[[], Tuple[float, int]]] = None,
-        clock: Callable[[], float] = time.monotonic,
-        observe: Optional[Callable[[Decision], None]] = None,
-    ) -> None:
-        super().__init__(leases, candidates, all_devices, foreign, busy_memory_mib, refresh, checked_at,
-                         limit_of, drained, sharing, unread, root, admin, clock)
+    def __init__(self, leases: LeaseFiles, queue: WaitQueue, candidates: Sequence[Device],
+                 all_devices: Sequence[Device], request: Request, options: ViewOptions = DEFAULTS,
+                 snapshot: Optional[str] = None, observe: Optional[Callable[[Decision], None]] = None) -> None:
+        super().__init__(leases, candidates, all_devices, options)
         # Who sees each decision (see Decision): OBSERVE, and with CUDAWRAP_DEBUG set the trace
         # on stderr for an admin asking "why".
         self.observers = [o for o in (observe, _trace() if os.environ.get("CUDAWRAP_DEBUG") else None) if o is not None]
@@ -194,24 +174,26 @@ class Acquirer(MachineView):
         lowered them under running sharers) and, under MPS, no other user's sharers there
         (two users' runs decided at once from different looks: both back off and decide
         again, rather than one being stalled by MPS behind the other's clients)."""
+        from .tally import uid_of
+
         table = lock_table()
         for uuid in uuids:
             ident = self.leases.ident(uuid)
             locks = table.get(ident, []) if ident is not None else []
             if len(locks) > self.slots[uuid]:
                 return False
-            if self.sharing.mode == MPS and any(_uid_of(pid) != self.uid for pid, _ex in locks):
+            if self.sharing.mode == MPS and any(uid_of(pid) != self.uid for pid, _ex in locks):
                 return False
         return True
 
     def _fits(self, uuid: str) -> bool:
         d = self.current[uuid]
-        free_mib = _free_mib(d)
+        free_mib = free_mib_of(d)
         return ((self.request.min_free_mib <= 0 or (free_mib is not None and free_mib >= self.request.min_free_mib))
                 and (d.utilization is None or d.utilization <= self.request.max_util))
 
     def _me(self, key: str) -> Waiter:
-        from .schedule import Waiter
+        from .terms import Waiter
 
         return Waiter(key, self.uid, os.getpid(), self.request, time.time())
 

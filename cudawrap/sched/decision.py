@@ -10,7 +10,7 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Dict, Iterable, List
 
-    from .schedule import Verdict
+    from .terms import Verdict
 
 from ..errors import NoDeviceError
 

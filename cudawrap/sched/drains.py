@@ -180,7 +180,7 @@ def resolve(args: Sequence[str], inventory, known: Iterable[str] = ()) -> List[s
     INVENTORY may be None (no NVML): then only UUIDs in KNOWN (lease files, drains) match.
     """
     from ..errors import UsageError
-    from .selection import _by_prefix
+    from .selection import by_prefix
 
     gpus = list(inventory.gpus) if inventory is not None else []
     pool = sorted({g.uuid for g in gpus} | {d.uuid for d in (inventory.devices if inventory else ())}
@@ -201,7 +201,7 @@ def resolve(args: Sequence[str], inventory, known: Iterable[str] = ()) -> List[s
                 raise UsageError(f"device {shown}: no GPU with that index (this machine has {have})", hint=hint)
             uuid = found[0]
         elif token.startswith(("GPU-", "MIG-")) and len(token) > 4:
-            match = _by_prefix(token, pool)
+            match = by_prefix(token, pool)
             if match is None:
                 n = sum(u.startswith(token) for u in pool)
                 raise UsageError(f"device {shown}: " + (f"matches {n} devices; give more of the UUID" if n

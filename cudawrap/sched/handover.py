@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from typing import Dict, FrozenSet, List, Optional, Set, Tuple
 
     from ..lease.files import Lease
-    from .schedule import Verdict, Waiter
+    from .terms import Verdict, Waiter
 
 from .acquirer import Acquirer
 from .decision import UNKNOWN_HOLDER, WATCHERS, Decision

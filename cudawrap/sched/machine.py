@@ -14,7 +14,8 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-    from .schedule import Bounds, Decision, Shares, Waiter
+    from .schedule import Decision
+    from .terms import Bounds, Shares, Waiter
 
 from ..devices.model import Device
 from ..errors import NoDeviceError
@@ -28,21 +29,7 @@ from .queue import Scan
 FOREIGN_RECHECK_S = 1.0
 
 
-# In a lock table: a lease found held whose holder nobody needs named (pid -2): the service
-# deciding for one run alone, without limits or sharing (service/waitline.py, _probed). Counted for no
-# user, and never looked for among every process as a gone taker is (_owners: heirs).
-UNNAMED_HOLDER = (-2, True)
-
-
-def _uid_of(pid: int) -> int:
-    """PID's real uid (whose lease it is, a setuid program exec'd on it included); -1 if gone."""
-    from ..base.proc import real_uid  # only once a lease is seen held
-
-    uid = real_uid(pid)
-    return -1 if uid is None else uid
-
-
-def _free_mib(device: Device) -> Optional[int]:
+def free_mib_of(device: Device) -> Optional[int]:
     """Memory free on DEVICE, None where it was not read (the lean launch path skips it)."""
     if device.memory_used_mib is None:
         return None
@@ -68,9 +55,11 @@ def mps_strangers(pids: Sequence[int], uids: Set[int], daemon: Optional[int],
     so a sharer's next client would wait behind them. GONE: pids known to be no work. A pid
     without a process here (ended since NVML was read, or of another pid namespace) is not
     counted: whose it is cannot be told, and a sharer's own must not close its device."""
+    from .tally import uid_of  # only once a process was seen on a shared device
+
     out = []
     for pid in pids:
-        uid = _uid_of(pid)
+        uid = uid_of(pid)
         if uid not in uids and uid != -1 and not gone(pid) and not _mps_server(pid, daemon):
             out.append(pid)
     return out
@@ -82,15 +71,23 @@ def _exited(pid: int) -> bool:
     return exiting(pid)
 
 
-class MachineView:
-    """What decisions are made on: the leases, the devices (CANDIDATES this run may use,
-    of ALL_DEVICES), what NVML said of them and when, and the runs passed over."""
+class ViewOptions:
+    """How a MachineView reads and judges the machine, one value from the caller (the launch,
+    the service's line, status) through the Acquirer to the view, never taken apart into
+    arguments on the way. Immutable, keyword-only; not a dataclass (the shim's path).
+
+    FOREIGN and BUSY_MEMORY_MIB: the rule for work cudawrap did not start. REFRESH reads a
+    device again (None: never), CHECKED_AT is when the devices were read (None: now), UNREAD
+    those never read yet. LIMIT_OF: uid -> most devices; DRAINED: the devices drained now;
+    SHARING: the config's; ADMIN: (shortest reserve_after, largest max_gpus) of the config.
+    ROOT: the install's (where its MPS daemons' pid files are). CLOCK times everything."""
+
+    __slots__ = ("foreign", "busy_memory_mib", "refresh", "checked_at", "limit_of", "drained", "sharing",
+                 "unread", "root", "admin", "clock")
 
     def __init__(
         self,
-        leases: LeaseFiles,
-        candidates: Sequence[Device],
-        all_devices: Sequence[Device],
+        *,
         foreign: str = "avoid",
         busy_memory_mib: int = 1024,
         refresh: Optional[Callable[[Device], Optional[Device]]] = None,
@@ -103,43 +100,67 @@ class MachineView:
         admin: Optional[Callable[[], Tuple[float, int]]] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.clock = clock  # every timing: grace, stalls, reservations, re-reads
+        put = object.__setattr__
+        for name, value in (("foreign", foreign), ("busy_memory_mib", busy_memory_mib), ("refresh", refresh),
+                            ("checked_at", checked_at), ("limit_of", limit_of), ("drained", drained),
+                            ("sharing", sharing), ("unread", tuple(unread)), ("root", root), ("admin", admin),
+                            ("clock", clock)):
+            put(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("ViewOptions cannot be changed; make new ones")
+
+
+DEFAULTS = ViewOptions()
+
+
+class MachineView:
+    """What decisions are made on: the leases, the devices (CANDIDATES this run may use,
+    of ALL_DEVICES), what NVML said of them and when, and the runs passed over; OPTIONS
+    say how they are read and judged."""
+
+    def __init__(self, leases: LeaseFiles, candidates: Sequence[Device], all_devices: Sequence[Device],
+                 options: ViewOptions = DEFAULTS) -> None:
+        self.clock = options.clock  # every timing: grace, stalls, reservations, re-reads
         self.leases = leases
-        self.root = root  # the install's: where its MPS daemons' pid files are
+        self.root = options.root
         self.candidates = list(candidates)
-        self.foreign = foreign
-        self.busy_memory_mib = busy_memory_mib
-        self.refresh = refresh
+        self.foreign = options.foreign
+        self.busy_memory_mib = options.busy_memory_mib
+        self.refresh = options.refresh
         # What _joinable reads: NVML itself, where REFRESH reads a snapshot first (its fresh()):
         # an MPS client that connected since the snapshot would keep a new share waiting.
-        self.reread = getattr(refresh, "fresh", refresh)
+        self.reread = getattr(self.refresh, "fresh", self.refresh)
         self.warmed = False  # the source made ready for a hand-over (warm())
-        self.limit_of = limit_of or (lambda uid: 0)
-        # (shortest reserve_after, largest max_gpus) of the admin's config: what every
-        # waiter's claims are held to (schedule.Bounds); read at the first decision.
-        self.admin = admin
+        self.limit_of = options.limit_of or (lambda uid: 0)
+        # What every waiter's claims are held to (schedule.Bounds), read at the first decision.
+        self.admin = options.admin
         self.admin_bounds: Optional[Tuple[float, int]] = None
         self.unavailable: Set[str] = set()  # drained: never granted (from DRAINED, each decision)
-        self.drained = drained  # re-read at every decision (an admin may drain meanwhile)
+        self.drained = options.drained  # re-read at every decision (an admin may drain meanwhile)
         self.uid = os.geteuid()
         self.current: Dict[str, Device] = {d.uuid: d for d in all_devices}
         self.parents = {d.uuid: d.parent_uuid for d in all_devices}
-        self.sharing = sharing if sharing is not None else Sharing()
+        self.sharing = options.sharing if options.sharing is not None else Sharing()
         self.slots = {u: self.sharing.slots_for(u, p) for u, p in self.parents.items()}
-        self.joined: Set[str] = set()  # devices that had sharers at the last decision
-        self.used: Dict[str, List[int]] = {}  # and the uid of each of their shares
-        now = self.clock() if checked_at is None else checked_at
+        now = self.clock() if options.checked_at is None else options.checked_at
         self.checked_at: Dict[str, float] = {d.uuid: now for d in all_devices}
         # Devices whose data may be stale: their lease was held at some look since they were
         # last read (the processes seen were probably that job's), or never read (UNREAD:
         # the launch had only the layout, and reads a device as it is about to take it).
-        self.stale: Set[str] = set(unread)
+        self.stale: Set[str] = set(options.unread)
         self.lost: Set[str] = set()
         # Those lost before this run queued: on a launch from sync's layout, a sign that the
         # layout is out of date (a MIG instance destroyed since), not of a GPU lost now.
         self.lost_on_arrival: Set[str] = set()
         self.queued = False
         self.mine = {d.uuid for d in self.candidates}
+        self._remember_nothing()
+
+    def _remember_nothing(self) -> None:
+        """What the view keeps from one decision to the next, empty at its start."""
+        self.joined: Set[str] = set()  # devices that had sharers at the last decision
+        self.used: Dict[str, List[int]] = {}  # and the uid of each of their shares
         # Runs passed over for not taking what they were given (until when).
         self.skip_keys: Dict[str, float] = {}
         self.skip_users: Dict[int, float] = {}
@@ -149,7 +170,7 @@ class MachineView:
         # Other pids count even if not found here: in a container, NVML names host pids.
         self.holders: Set[int] = set()
         # (lease file, pids that took its locks) -> the real uid of each lock's holder, read
-        # once per lease (see _owners).
+        # once per lease (see tally.owners).
         self.owners: Dict[Tuple[Tuple[int, int], Tuple[int, ...]], List[int]] = {}
         # The service's books (service/grants.py): lease file -> {pid that took its lock: uid}
         # of each grant it made and has not seen let go. A lock a booked pid took is that
@@ -238,111 +259,13 @@ class MachineView:
     def machine(self, table: Dict[Tuple[int, int], List[Tuple[int, bool]]],
                 idents: Dict[str, Optional[Tuple[int, int]]],
                 work: Optional[Dict[str, int]] = None) -> Tuple[List[str], Dict[int, float], Set[str], Shares]:
-        """(free devices in the machine's order, devices held per uid, busy devices, shares);
-        IDENTS: each device's lease file (LeaseFiles.idents). WORK (where given) gets the work
-        cudawrap did not start on each device whose lease is free (self.work), and self.aside
-        those of them this view's rule keeps off: for waiters judged by a rule of their own."""
-        now = self.clock()
-        free: List[str] = []
-        held: Dict[int, float] = {}
-        busy: Set[str] = set()
-        used: Dict[str, List[int]] = {}
-        closed: Set[str] = set()  # shared, but to take no new shares
-        self.foreign_busy = set()
-        self.aside = []
-        self.whole = {}
-        owners = self._owners({ident: table[ident] for ident in idents.values() if ident in table})
-        for uuid, ident in idents.items():
-            if ident is None:
-                continue  # no lease file: cannot be leased (not synced yet)
-            locks = table.get(ident)
-            if locks is not None and self.slots[uuid] < 2 and not any(exclusive for _pid, exclusive in locks):
-                # A device of one slot is only ever held exclusively: shared locks on its
-                # lease are probes (Acquirer._vacant, microseconds each). Read as shares,
-                # a watcher's probe caught by /proc/locks counted a device for its user,
-                # and the next turn went to another (test_fairness, on a loaded machine).
-                locks = None
-            apart = self._slots_apart(uuid, locks, table)
-            if locks is not None or apart:
-                busy.add(uuid)
-                self.stale.add(uuid)
-                if len(self.holders) > 4096:
-                    self.holders.clear()  # a long wait through many jobs: only recent ones matter
-                self.holders.update(pid for pid, _ex in locks or ())
-                if locks is not None and any(exclusive for _pid, exclusive in locks):
-                    uid = owners[ident][0]
-                    held[uid] = held.get(uid, 0) + 1
-                    self.whole[uuid] = uid
-                    for uid in map(_uid_of, apart):
-                        held[uid] = held.get(uid, 0) + self.sharing.cost(self.slots[uuid])
-                    continue
-                # Shared: each shared lock on the lease file is one share (see sharing.py),
-                # and so is each slot locked apart from the lease.
-                used[uuid] = list(owners.get(ident, ())) + [_uid_of(pid) for pid in apart]
-                if self._strangers(uuid, set(used[uuid])):
-                    closed.add(uuid)  # its sharers' next clients would wait behind another user's
-                for uid in used[uuid]:
-                    held[uid] = held.get(uid, 0) + self.sharing.cost(self.slots[uuid])
-                if uuid in self.lost or uuid in self.unavailable:
-                    closed.add(uuid)
-            elif uuid in self.lost or uuid in self.unavailable:
-                continue
-            elif uuid in self.mine and self._eligible(uuid, now):
-                free.append(uuid)
-            elif uuid not in self.mine and not self.occupied(self.current[uuid]):
-                # Another run's device: judged by what we know, never re-read from NVML
-                # (the launch reads only its own candidates). A wrong guess here costs
-                # fairness at most; whoever takes it checks it for itself.
-                free.append(uuid)
-            else:
-                busy.add(uuid)
-                if uuid in self.mine:
-                    self.foreign_busy.add(uuid)
-                    if work is not None and uuid not in self.stale:
-                        self.aside.append(uuid)
-        for uuid in free + self.aside if work is not None else ():
-            seen = self.work(self.current[uuid]) if uuid in self.mine else None
-            if seen is not None:
-                work[uuid] = seen
-        slots = {u: 0 if u in closed else n for u, n in self.slots.items()}
-        from .schedule import Shares
+        """(free devices in the machine's order, devices held per uid, busy devices, shares)
+        by TABLE (the lock table); see tally.tally, which a launch nobody waits before never loads."""
+        from .tally import tally
 
-        return free, held, busy, Shares(slots, used, self.sharing.mode == MPS, self.sharing.counts_as)
+        return tally(self, table, idents, work)
 
-    def _owners(self, held: Dict[Tuple[int, int], List[Tuple[int, bool]]]) -> Dict[Tuple[int, int], List[int]]:
-        """Lease file -> the real uid of each lock's holder on it (-1 where none is known).
-
-        The kernel records the pid that took a lock. Where that process has exited, the lock
-        lives on in a descriptor it passed on (acquire(), fork, exit): the holder is then
-        looked for among the processes this run may inspect (its own user's, every one for
-        root), so that a user's own runs count such a lease against their limit. What was
-        found, as every holder's uid, is remembered while the kernel shows the same takers
-        on that lease: a decision reads /proc only for leases taken since the last one.
-        """
-        keys = {ident: (ident, tuple(pid for pid, _ex in locks)) for ident, locks in held.items()}
-        unnamed = UNNAMED_HOLDER[0]
-        new = {ident: [-1 if pid == unnamed else _uid_of(pid) for pid, _ex in held[ident]]
-               for ident, key in keys.items() if key not in self.owners}
-        gone = {ident: [None if uid < 0 and pid != unnamed else pid for (pid, _ex), uid in zip(held[ident], uids)]
-                for ident, uids in new.items()}
-        gone = {ident: pids for ident, pids in gone.items() if None in pids}
-        if gone:
-            from ..lease.holders import heirs  # only with a taker gone: not on a launch's usual path
-
-            for ident, pids in heirs(gone).items():
-                new[ident] = [-1 if p is None or p == unnamed else _uid_of(p) for p in pids]
-        if len(self.owners) + len(new) > 4096:
-            self.owners.clear()  # a long wait through many jobs: only the current leases matter
-        self.owners.update((keys[ident], uids) for ident, uids in new.items())
-        out = {ident: self.owners[key] for ident, key in keys.items()}
-        for ident, taken in self.books.items():
-            if ident in out:
-                booked = set(taken.values())
-                out[ident] = [taken.get(pid, next(iter(booked)) if uid < 0 and ex and len(booked) == 1 else uid)
-                              for (pid, ex), uid in zip(held[ident], out[ident])]
-        return out
-
-    def _strangers(self, uuid: str, uids: Set[int]) -> bool:
+    def strangers(self, uuid: str, uids: Set[int]) -> bool:
         """Whether UUID is shared through MPS and NVML shows a process there of a user who
         holds no share on it (see mps_strangers): it takes no new shares until they are gone."""
         pids = self.current[uuid].pids
@@ -352,34 +275,13 @@ class MachineView:
 
     def _joinable(self, uuid: str, uid: Optional[int] = None) -> bool:
         """Whether a share of UUID, which has sharers, may be taken (by UID; None: us): under
-        MPS, NVML read again shows no user there but its sharers and the taker (see _strangers)."""
+        MPS, NVML read again shows no user there but its sharers and the taker (see strangers)."""
         if self.sharing.mode != MPS:
             return True
         fresh = self.reread(self.current[uuid]) if self.reread else None
         if fresh is not None:
             self.current[uuid] = fresh
-        return not self._strangers(uuid, set(self.used.get(uuid, ())) | {self.uid if uid is None else uid})
-
-    def _slots_apart(self, uuid: str, locks: Optional[List[Tuple[int, bool]]],
-                     table: Dict[Tuple[int, int], List[Tuple[int, bool]]]) -> List[int]:
-        """The takers of UUID's slot files locked by no process that locked its lease file too.
-
-        A share takes both locks in one process (LeaseFiles.try_share), so its two lines in
-        the lock table name the same pid. A slot locked alone keeps a sharer out as surely as
-        a share does, but the lease file does not show it: without this, every shared run
-        would be given the device, fail to lock a slot and, after its wait, give up, while
-        the device looked free to all. A process that is closing its files is left out: at
-        its exit the kernel may drop its lease lock a moment before its slot's."""
-        if self.slots[uuid] < 2:
-            return []
-        sharers = {pid for pid, _ex in locks or ()}
-        apart = [pid for ident in self.leases.slot_idents(uuid, self.slots[uuid])
-                 for pid, _ex in table.get(ident, ()) if pid not in sharers]
-        if not apart:
-            return apart
-        from ..base.proc import closing
-
-        return [pid for pid in apart if not closing(pid)]
+        return not self.strangers(uuid, set(self.used.get(uuid, ())) | {self.uid if uid is None else uid})
 
     def foreign_pids(self) -> Set[int]:
         """The processes on the devices that only processes cudawrap did not start keep from us."""
@@ -443,7 +345,7 @@ class MachineView:
         self.used = shares.used
         limits = {uid: self._limit(uid) for uid in {w.uid for w in waiters}}
         aside = self.aside if work else []
-        fit = {u: (_free_mib(d), d.utilization) for u, d in self.current.items()
+        fit = {u: (free_mib_of(d), d.utilization) for u, d in self.current.items()
                if u in free or u in shares.used or u in aside}
         from .schedule import decide
 
@@ -456,7 +358,7 @@ class MachineView:
     def _bounds(self, idents: Dict[str, Optional[Tuple[int, int]]]) -> Bounds:
         """What the admin allows any run, and the devices that can be leased at all (those
         with a lease file: IDENTS)."""
-        from .schedule import Bounds
+        from .terms import Bounds
 
         if self.admin_bounds is None:
             self.admin_bounds = self.admin() if self.admin is not None else (0.0, 0)

@@ -31,7 +31,7 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Dict, FrozenSet, List, Optional, Tuple
 
-    from .schedule import Waiter
+    from .terms import Waiter
 
 from ..errors import NoDeviceError, SetupError
 from ..lease.files import SYNC_HINT, first_pids, lock_table
@@ -154,7 +154,7 @@ class WaitQueue:
         """Every live and valid waiter; dead entries we may remove are removed (CLEAN).
         MINE: the caller's own entry, alive whatever the lock table says (we hold its lock).
         BOUNDED: only each user's oldest MAX_ENTRIES_PER_USER (as every decision counts them)."""
-        from .schedule import Waiter  # here, not at the top: a launch nobody waits before never scans
+        from .terms import Waiter  # here, not at the top: a launch nobody waits before never scans
 
         waiters: List[Waiter] = []
         paths: Dict[str, str] = {}

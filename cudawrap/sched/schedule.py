@@ -37,9 +37,10 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import AbstractSet, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+    from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .request import Request, place
+from .request import place
+from .terms import UNBOUNDED, Bounds, Shares, Verdict, Waiter
 
 # Why a run is not granted (the kinds; `Verdict.text` is the sentence shown to people).
 GRANTED = "granted"
@@ -63,152 +64,8 @@ def kept(rule: Tuple[str, int], work: Optional[int]) -> bool:
     return work == LISTED or work > rule[1]
 
 
-class Waiter:
-    """One waiting run as the queue shows it: who (KEY, sorting in arrival order; UID, PID),
-    since when (ARRIVAL, the clock of `now`), under which wrapped name (PROGRAM), and its
-    REQUEST (sched/request.py), whose fields read as the waiter's own (w.count, ...)."""
-
-    __slots__ = ("key", "uid", "pid", "request", "arrival", "program")
-
-    def __init__(self, key: str, uid: int, pid: int, request: Request, arrival: float = 0.0,
-                 program: str = "?") -> None:
-        self.key = key  # sorts in arrival order; unique
-        self.uid = uid
-        self.pid = pid
-        self.request = request
-        self.arrival = arrival  # seconds, the clock of `now`
-        self.program = program
-
-    @property
-    def count(self) -> int:
-        return self.request.count
-
-    @property
-    def candidates(self) -> Optional[FrozenSet[str]]:
-        return self.request.candidates  # None: any device
-
-    @property
-    def placement(self) -> str:
-        return self.request.placement
-
-    @property
-    def reserve_after(self) -> float:
-        return self.request.reserve_after
-
-    # Filters on what changes as jobs come and go (README "Choosing devices").
-    @property
-    def min_free_mib(self) -> int:
-        return self.request.min_free_mib
-
-    @property
-    def max_util(self) -> int:
-        return self.request.max_util
-
-    @property
-    def share(self) -> bool:
-        return self.request.share  # a slot on each of COUNT devices, not the devices whole
-
-    def can_use(self, uuid: str, fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]] = None) -> bool:
-        """Whether this run may be given UUID; FIT: uuid -> (free MiB, utilisation %), each
-        None where unknown (an unknown free memory does not pass a floor; an unknown
-        utilisation, as on MIG, passes any ceiling)."""
-        if self.candidates is not None and uuid not in self.candidates:
-            return False
-        if fit is None or (self.min_free_mib <= 0 and self.max_util >= 100):
-            return True
-        free_mib, util = fit.get(uuid, (None, None))
-        if self.min_free_mib > 0 and (free_mib is None or free_mib < self.min_free_mib):
-            return False
-        return util is None or util <= self.max_util
-
-    def usable(self, uuids: Sequence[str], fit: Optional[Mapping[str, Tuple[Optional[int], Optional[int]]]] = None
-               ) -> List[str]:
-        """Those of UUIDS this run may be given (can_use), in their order. Without filters,
-        all of them, without a call per device: a decision on 56 MIG instances made one each."""
-        if self.candidates is None and (fit is None or (self.min_free_mib <= 0 and self.max_util >= 100)):
-            return list(uuids)
-        return [u for u in uuids if self.can_use(u, fit)]
-
-    def __repr__(self) -> str:
-        return f"Waiter({self.key!r}, uid={self.uid}, count={self.count}{', shared' if self.share else ''})"
-
-
-class Shares:
-    """The machine's sharing at one decision: slots per device, who holds the shares.
-
-    SLOTS: uuid -> slots (absent: 1, not shared). USED: uuid -> the uid of each share held
-    now, for the devices that have sharers (in the machine's order); those are never free.
-    MPS: one user's shares per device. COUNTS_AS: a share's weight (None: 1/slots).
-    """
-
-    def __init__(self, slots: Optional[Mapping[str, int]] = None,
-                 used: Optional[Mapping[str, Sequence[int]]] = None, mps: bool = False,
-                 counts_as: Optional[float] = None) -> None:
-        self.slots = dict(slots or {})
-        self.used = {u: list(uids) for u, uids in (used or {}).items()}
-        self.mps = mps
-        self.counts_as = counts_as
-
-    def slots_of(self, uuid: str) -> int:
-        return self.slots.get(uuid, 1)
-
-    def cost(self, uuid: str) -> float:
-        """What a shared run's hold on UUID counts as (a device of 1 slot is taken whole)."""
-        slots = self.slots_of(uuid)
-        if slots <= 1:
-            return 1.0
-        return self.counts_as if self.counts_as is not None else 1.0 / slots
-
-
-class Verdict:
-    """The decision for one waiter: devices to take now, or why not."""
-
-    __slots__ = ("kind", "devices", "position", "text")
-
-    def __init__(self, kind: str, position: int, text: str, devices: Tuple[str, ...] = ()) -> None:
-        self.kind = kind
-        self.devices = devices
-        self.position = position  # 0 = served first
-        self.text = text
-
-    def __repr__(self) -> str:
-        return f"Verdict({self.kind!r}, {self.devices!r}, pos={self.position})"
-
-
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-class Bounds:
-    """What the admin's config and the machine allow any run, whatever its entry claims.
-
-    FLOOR: the shortest reserve_after the config gives any run (an entry may claim longer,
-    never shorter); MOST: the largest count any run may ask for (max_gpus; 0: no bound);
-    DEVICES: the devices that can be leased at all (None: unknown, no bound). A run asking
-    for more than MOST, or than DEVICES holds among those it may use, can never be served,
-    so nothing is ever reserved for it (a user's limit is checked before any reservation).
-    """
-
-    __slots__ = ("floor", "most", "devices")
-
-    def __init__(self, floor: float = 0.0, most: int = 0, devices: Optional[AbstractSet[str]] = None) -> None:
-        self.floor = floor
-        self.most = most
-        self.devices = devices
-
-    def reserve_after(self, waiter: Waiter) -> float:
-        return max(waiter.reserve_after, self.floor)
-
-    def attainable(self, waiter: Waiter) -> bool:
-        if self.most and waiter.count > self.most:
-            return False
-        if self.devices is None:
-            return True
-        usable = self.devices if waiter.candidates is None else self.devices & waiter.candidates
-        return waiter.count <= len(usable)
-
-
-UNBOUNDED = Bounds()
 
 
 def starving(waiter: Waiter, now: float, bounds: Bounds = UNBOUNDED) -> bool:
@@ -336,8 +193,8 @@ def _steps(out: Dict[str, Verdict], waiters: Sequence[Waiter], free: Sequence[st
         pool, seen_busy = avail, busy
         own = w.request.foreign
         if ruled and own is not None and own != rule:
-            pool = sorted([u for u in avail if not kept(own, work.get(u))] +
-                          [u for u in aside if not kept(own, work.get(u))], key=lambda u: machine.get(u, len(machine)))
+            pool = sorted([u for u in avail + aside if not kept(own, work.get(u))],
+                          key=lambda u: machine.get(u, len(machine)))
             seen_busy = busy | set(avail).difference(pool)  # work on a device makes it busy for placement, by any rule
         if not pool and not reserving and not share and count > 0:
             # Nothing is left to give: what the general way below concludes, without its
@@ -347,50 +204,60 @@ def _steps(out: Dict[str, Verdict], waiters: Sequence[Waiter], free: Sequence[st
             continue
         usable = w.usable(pool, fit)
         open_ = [u for u in usable if u not in reserved]
-        if w.share:
+        if share:
             verdict = _share(w, position, open_, usable, used, reserved, shares, parents, seen_busy, fit, rank,
                              mine, limit, bounds.reserve_after(w) if reserving else None)
-            if verdict.kind == GRANTED:
-                for u in verdict.devices:
-                    if u in avail or u in aside:
-                        (avail if u in avail else aside).remove(u)
-                        if shares.slots_of(u) > 1:
-                            used[u] = []
-                    if u in used:
-                        used[u].append(w.uid)
-                    busy.add(u)
-                holding[w.uid] = mine + sum(shares.cost(u) for u in verdict.devices)
-            elif verdict.kind == RESERVING:
-                for u in open_:
-                    reserved[u] = w.key
-            out[w.key] = verdict
-            continue
-        if len(open_) >= w.count:
-            chosen = place(open_, w.count, w.placement, parents, seen_busy, seed=w.key)
-            for u in chosen:
-                (avail if u in avail else aside).remove(u)
-                busy.add(u)
-            holding[w.uid] = mine + w.count
-            out[w.key] = Verdict(GRANTED, position, "granted", tuple(chosen))
-        elif reserving:
-            for u in open_:
-                reserved[u] = w.key
-            # Shared devices it could use take no new shares, so they drain for it.
-            draining = sorted((u for u in used if u not in reserved and w.can_use(u)),
-                              key=lambda u: (len(used[u]), rank[u]))[:w.count - len(open_)]
-            for u in draining:
-                reserved[u] = w.key
-            out[w.key] = Verdict(RESERVING, position, (
-                f"waited over {bounds.reserve_after(w):g} s: {_plural(len(open_), 'free device')} "
-                f"kept for this run, waiting for {w.count - len(open_)} more"
-                + (f" ({_plural(len(draining), 'shared device')} taking no new shares)" if draining else "")))
-        elif len(usable) > len(open_):
-            out[w.key] = Verdict(RESERVED, position, _reserved_text(len(usable) - len(open_), position))
         else:
-            need = w.count - len(usable)
-            what = ALL_BUSY if not usable else (
-                f"{_plural(len(usable), 'usable device')} free, {need} more needed")
-            out[w.key] = Verdict(BUSY, position, f"{what}; position {position + 1} in line")
+            verdict = _whole(w, position, open_, usable, used, reserved, parents, seen_busy, rank,
+                             bounds.reserve_after(w) if reserving else None)
+        if verdict.kind == GRANTED:
+            holding[w.uid] = mine + _taken(w, verdict.devices, avail, aside, used, busy, shares)
+        elif verdict.kind == RESERVING and share:
+            reserved.update(dict.fromkeys(open_, w.key))  # (_whole keeps a whole run's itself)
+        out[w.key] = verdict
+
+
+def _taken(w: Waiter, devices: Sequence[str], avail: List[str], aside: List[str], used: Dict[str, List[int]],
+           busy: Set[str], shares: Shares) -> float:
+    """DEVICES granted to W, taken off what is left to give (AVAIL, ASIDE), counted in USED
+    (a share) and BUSY; what they count as towards W's user's turn and limit."""
+    for u in devices:
+        if u in avail or u in aside:
+            (avail if u in avail else aside).remove(u)
+            if w.share and shares.slots_of(u) > 1:
+                used[u] = []
+        if w.share and u in used:
+            used[u].append(w.uid)
+        busy.add(u)
+    return sum(shares.cost(u) for u in devices) if w.share else w.count
+
+
+def _whole(w: Waiter, position: int, open_: List[str], usable: List[str], used: Dict[str, List[int]],
+           reserved: Dict[str, str], parents: Mapping[str, str], busy: Set[str], rank: Mapping[str, int],
+           reserve_after: Optional[float]) -> Verdict:
+    """The verdict for W, who takes its devices whole, of USABLE (OPEN_ of them not reserved
+    for another run); RESERVE_AFTER: its reserve_after in force if devices are reserved for it
+    (rule 1; RESERVED then keeps OPEN_ for it), else None."""
+    if len(open_) >= w.count:
+        chosen = place(open_, w.count, w.placement, parents, busy, seed=w.key)
+        return Verdict(GRANTED, position, "granted", tuple(chosen))
+    if reserve_after is not None:
+        for u in open_:
+            reserved[u] = w.key
+        # Shared devices it could use take no new shares, so they drain for it.
+        draining = sorted((u for u in used if u not in reserved and w.can_use(u)),
+                          key=lambda u: (len(used[u]), rank[u]))[:w.count - len(open_)]
+        for u in draining:
+            reserved[u] = w.key
+        return Verdict(RESERVING, position, (
+            f"waited over {reserve_after:g} s: {_plural(len(open_), 'free device')} "
+            f"kept for this run, waiting for {w.count - len(open_)} more"
+            + (f" ({_plural(len(draining), 'shared device')} taking no new shares)" if draining else "")))
+    if len(usable) > len(open_):
+        return Verdict(RESERVED, position, _reserved_text(len(usable) - len(open_), position))
+    need = w.count - len(usable)
+    what = ALL_BUSY if not usable else f"{_plural(len(usable), 'usable device')} free, {need} more needed"
+    return Verdict(BUSY, position, f"{what}; position {position + 1} in line")
 
 
 def _limit_text(mine: float, limit: int) -> str:

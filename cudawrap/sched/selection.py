@@ -15,7 +15,7 @@ from ..errors import ConfigError, UsageError
 PCI_ORDER = "PCI_BUS_ID"  # CUDA_DEVICE_ORDER value under which CUDA's indices are NVML's
 
 
-def _by_prefix(prefix: str, uuids: Iterable[str]) -> Optional[str]:
+def by_prefix(prefix: str, uuids: Iterable[str]) -> Optional[str]:
     """The one UUID starting with PREFIX, or None if none or several do (as CUDA does)."""
     matches = [u for u in uuids if u.startswith(prefix)]
     if prefix in matches:
@@ -80,7 +80,7 @@ def parse_visible(value: str, inventory: Inventory, device_order: Optional[str] 
             gpu = found[0] if found else None
             chosen = _leaves_of(gpu, inventory) if gpu else []
         elif token.startswith("GPU-") and len(token) > len("GPU-"):  # a bare "GPU-" names nothing
-            gpu = _by_prefix(token, gpu_uuids)
+            gpu = by_prefix(token, gpu_uuids)
             chosen = _leaves_of(gpu, inventory) if gpu else []
         elif token.startswith("MIG-"):
             # Full UUIDs only: CUDA takes no abbreviations of MIG UUIDs, and guessing

@@ -18,7 +18,7 @@ TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Dict, Mapping, Optional, Sequence, Set, Tuple
 
-    from .schedule import Bounds, Shares, Waiter
+    from .terms import Bounds, Shares, Waiter
 
 
 class State:

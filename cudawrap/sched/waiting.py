@@ -4,7 +4,8 @@ No daemon: each waiter decides for itself. So that hundreds of waiters cost noth
 nothing changes, only the first few in line (WATCHERS) watch the lease and queue
 directories through inotify; the others sleep until one of those pokes them (opens their
 entry, which they watch) because they moved up or were given devices. Between full looks a
-watcher decides on its last look amended by the events since (handover.py).
+watcher decides on its last look amended by the events since (handover.py), as it
+listens for them (listening.py).
 """
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import Callable, Dict, List, Optional, Set, Tuple, Union
+    from typing import Callable, Dict, List, Optional, Set
 
-    from .schedule import Verdict, Waiter
+    from .terms import Verdict, Waiter
 
 from ..base import inotify
 from ..errors import Interrupted, NoDeviceError
@@ -27,7 +28,8 @@ from .decision import WATCHERS, Cancelled, Decision, jitter
 from .budget import Budget
 from .farwait import FarWait
 from .foreignwake import ForeignWake
-from .handover import after_release, amend, amendments, hand_over, signature
+from .handover import hand_over
+from .listening import Listen
 from .queue import Entry, Scan
 from .schedule import GRANTED
 
@@ -46,8 +48,6 @@ NEAR = 48
 FAR_POLL_S = 1.0
 # A watcher re-looks this often even without events (NVML state has no event to watch).
 WATCH_S = 1.0
-# A look amended by events (a lease released, a run that left) serves at most this long.
-AMEND_S = 10.0
 # Batches of events that changed nothing, at most this many a second after a burst of
 # (rate, burst): anyone can open a lease file or a queue entry in a loop (1000 a second made
 # the waiters of others use a core), and each batch costs a waiter the same as one event.
@@ -58,18 +58,14 @@ IDLE_POKES = (10.0, 3)
 # A run behind the watchers, poked: it looks at once if fewer than WATCHERS of the runs
 # ahead of it at its last look are left (they cannot be faked: nobody can remove another's
 # entry); if a device it may use is free (maybe given to it), (rate, burst) at most; any
-# poke once this long has passed since its last look.
+# poke once listening.POKE_IDLE_S has passed since its last look.
 POKED_LOOKS = (2.0, 3)
-POKE_IDLE_S = 2.0
 # A watcher whose look a newcomer or a lease file opened may have outdated looks again at
 # once (rate, burst) at most, so that the release that follows is amended on a fresh look
 # (a burst of launches); past that, the release is decided on a full look.
 REFRESH_LOOKS = (2.0, 3)
-MOVED_UP, FREE = "moved up", "free"
 # Without inotify (out of watches) the watchers poll this often.
 POLL_S = 0.02
-# What one batch of events tells the waiting loop: a full look now, or wait on.
-LOOK, WAIT = "look", "wait"
 
 
 def _raise_signal(signum: int, frame: object) -> None:
@@ -340,132 +336,7 @@ class Waiting:
         assert self.own is not None
         if not again:  # (AGAIN: listening on after a check that was no look)
             self.looked_at = self.clock()
-        self.until = self.clock() + timeout
-        self.released: Set[str] = set()  # lease files closed since this look
-        self.departed: Set[str] = set()  # queue entries removed since
-        self.decided_on = signature(self.scan)  # what the verdicts were last decided on
-        self.pending = False  # another run's turn on what was amended: it should leave soon
-        self.outdated = False  # a newcomer or a lock maybe taken since the look
-        self.poke_due = False  # a poke worth a look once POKED_LOOKS allows
-        while True:
-            left = (min(self.until, self.clock() + 0.1) if self.pending else self.until) - self.clock()
-            ready = self.poller.poll(left * 1000) if left > 0 else []
-            if not ready:
-                if self.poke_due:
-                    self.looks.spend()
-                    self.poked = True
-                return  # time for a full look
-            if self.wake.woken(ready) and self.acq.foreign_left():
-                return  # a device is free of what kept it from us: a full look
-            # A job ended (its lease file closed) or a run left the queue: decide on this
-            # look, amended by what the events say, and take our turn at once (a full
-            # look instead if a newcomer came or a lease file was opened since: the look
-            # may be out of date). A cancel or an old look: a full look at once. A
-            # newcomer or a lease file opened alone cannot make it our turn: a full
-            # look only within REFRESH_LOOKS, for a fresh look at the next release.
-            budget = self.batches if self.watcher else self.pokes
-            budget.pause()  # a storm of events that change nothing: read them in one batch
-            events = [e for e in self.own.events() if e[0] not in self.removed]
-            if not events:
-                continue  # only what watches we removed saw (and IN_IGNORED for them)
-            outcome = self._poked(events) if not self.watcher else self._amended(events)
-            if outcome == LOOK:
-                return
-            if isinstance(outcome, Lease):
-                self.lease = outcome
-                return
-            if outcome == WAIT:
-                budget.spend()
-
-    def _poked(self, events: List[Tuple[int, int, str]]) -> str:
-        """Behind the watchers, EVENTS on our entry: a full look now, or wait on."""
-        if any(mask != inotify.IN_OPEN for _wd, mask, _name in events):
-            return LOOK  # our entry written (a cancel), or events lost
-        # Poked: someone's look says we moved up or were given devices, if
-        # the poke is true (anyone may open our entry).
-        worth = self._poke_worth(self.looked_at, self.verdicts, self.entry.name, self.free)
-        if worth == MOVED_UP:
-            self.poked = True
-            return LOOK
-        if worth is not None:
-            due = self.looks.ready_at()
-            if due <= self.clock():
-                self.looks.spend()
-                self.poked = True
-                return LOOK
-            self.until, self.poke_due = min(self.until, due), True
-        return WAIT
-
-    def _amended(self, events: List[Tuple[int, int, str]]) -> Union[str, Lease]:
-        """A watcher's EVENTS: a full look now, wait on (WAIT: they changed nothing; "": they
-        did), or our lease, taken on our look amended by them."""
-        seen = amendments(events, self.world)
-        if seen is None or self.clock() - self.looked_at > AMEND_S:
-            return LOOK
-        if seen[3] and not self.outdated:
-            self.outdated = True
-            due = self.refresh.ready_at()
-            if due <= self.clock():
-                self.refresh.spend()
-                return LOOK
-            self.until = min(self.until, due)  # (and a full look then, as any look past UNTIL)
-        poke = seen[2] and self._poke_worth(self.looked_at, self.verdicts, self.entry.name, self.free) is not None
-        if not (seen[0] or seen[1] or poke):
-            return WAIT  # nothing freed, left or said: nothing to decide on
-        self.released |= seen[0]
-        self.departed |= seen[1]
-        amended = amend(self.acq, self.scan, self.released, self.departed, self.verdicts)
-        signed = signature(amended)
-        if signed == self.decided_on:
-            # Nothing freed, taken or left since the verdicts (a run that took its
-            # device closing the other lease files, a holder's probe): they stand.
-            # Eight watchers deciding again on each such event kept the one whose
-            # turn it was off the CPU for milliseconds.
-            self.pending = self.pending or poke
-            return WAIT
-        if self.outdated:
-            return LOOK  # something freed or left, on a look that may be out of date
-        self.decided_on = signed
-        assert self.me is not None
-        self.verdicts, outcome = after_release(self.acq, amended, self.me, self.entry.name, self.released)
-        if outcome is not None:
-            hand_over(self.acq, self.verdicts, self.scan, self.entry.name)
-            return outcome
-        if self.verdicts[self.entry.name].kind == GRANTED:
-            return LOOK  # our turn, and the race for the locks lost: a full look
-        # Another run's turn: it takes its devices and leaves the queue (an event);
-        # should it not within 0.1 s, a full look (which passes it over once
-        # it ignores its turn: turns.py). Poked, though not our turn here: a full look as soon, as the
-        # poker's look may be newer. Nobody's turn: the look stands, keep waiting.
-        self.pending = poke or any(v.kind == GRANTED for k, v in self.verdicts.items() if k != self.entry.name)
-        return ""
-
-    def _poke_worth(self, looked_at: float, verdicts: Dict[str, Verdict], me: str,
-                    free: List[str]) -> Optional[str]:
-        """Whether a poke (our entry opened) may be true, and why: pokes are sent when we moved
-        into the watching places or were given devices, and anyone can open our entry in a
-        loop. MOVED_UP (look now): fewer than WATCHERS of the runs ahead of us at the look
-        are left, or a device we may use was freed since the look (FREE at the look, a list
-        of devices); neither can be faked, as nobody can remove another's entry or free
-        another's lease. FREE (look within POKED_LOOKS): a device we may use is free, as it
-        was at the look, or the look LOOKED_AT is POKE_IDLE_S old (a turn moved by a lease
-        taken or let go elsewhere). None: a poke that cannot be true."""
-        acq = self.acq
-        mine = verdicts.get(me)
-        if mine is not None and mine.position >= WATCHERS:
-            ahead = {k for k, v in verdicts.items() if v.position < mine.position}
-            try:
-                left = len(ahead.intersection(os.listdir(acq.queue.dir)))
-            except OSError:
-                left = 0
-            if left < WATCHERS:
-                return MOVED_UP
-        vacant = [d.uuid for d in acq.candidates if d.uuid not in acq.lost and acq._vacant(d.uuid)]
-        if any(u not in free for u in vacant):
-            return MOVED_UP
-        if vacant or acq.request.share or self.clock() - looked_at >= POKE_IDLE_S:
-            return FREE
-        return None
+        Listen(self, timeout).run()
 
     def _watch_entry(self) -> Optional[inotify.Watch]:
         """An inotify instance watching our entry (pokes, a cancel); None if none is left."""

@@ -18,10 +18,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import locations as loc
 from ..sched.acquirer import Acquirer
-from ..sched.machine import UNNAMED_HOLDER, _free_mib
+from ..sched.machine import ViewOptions, free_mib_of
+from ..sched.tally import UNNAMED_HOLDER
 from ..devices.model import Inventory
 from ..errors import CudawrapError, NoDeviceError, NvmlUnavailable
-from ..lease.files import LeaseFiles, lease_file_inventory
+from ..lease.files import LeaseFiles
+from ..lease.known import lease_file_inventory
 from ..sched.request import Request
 from ..sched.schedule import GRANTED, Decision, Verdict, Waiter
 from ..sched.queue import Scan, WaitQueue
@@ -102,8 +104,8 @@ class Line:
         previous: Optional[Acquirer] = getattr(self, "acquirer", None)
         self.acquirer = Acquirer(
             self.leases, self.queue, devices, self.inventory.devices, Request(1, reserve_after=self.reserve_after),
-            foreign=value["foreign"], busy_memory_mib=value["busy_memory_mib"], refresh=self.refresh,
-            limit_of=self.limit_of, drained=self._drained, sharing=Sharing(value.get("sharing")))
+            ViewOptions(foreign=value["foreign"], busy_memory_mib=value["busy_memory_mib"], refresh=self.refresh,
+                        limit_of=self.limit_of, drained=self._drained, sharing=Sharing(value.get("sharing"))))
         if previous is not None:
             self.acquirer.holders = previous.holders  # who held leases (held_by) outlives a new look at the machine
             self.acquirer.skip_keys, self.acquirer.skip_users = previous.skip_keys, previous.skip_users  # and who is passed over
@@ -298,7 +300,7 @@ class Line:
             if uuid not in a.mine or uuid in a.lost or uuid in a.unavailable or not a._eligible(uuid, now):
                 return None
             device = a.current[uuid]
-            fit[uuid] = (_free_mib(device), device.utilization)
+            fit[uuid] = (free_mib_of(device), device.utilization)
         state = released(state, devices, fit)
         if state is None:
             return None
