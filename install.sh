@@ -401,7 +401,7 @@ wheel=$(ls "$tmp"/wheel/cudawrap-*.whl 2>/dev/null | head -n 1)
 (cd "$tmp" && "$vpy" -I -m pip install --upgrade --no-warn-script-location ${index_args[@]+"${index_args[@]}"} \
     "$wheel$extras" && "$vpy" -I -m pip install --force-reinstall --no-deps --no-warn-script-location "$wheel") \
     >>"$tmp/pip.log" 2>&1 || pip_failed "$tmp/pip.log"
-if ! (cd "$tmp" && "$vpy" -I -c 'import cudawrap.cli.installer, cudawrap.launch, cudawrap.install.installation as i; i._template()') 2>"$tmp/check.log"; then
+if ! (cd "$tmp" && "$vpy" -I -c 'import cudawrap.cli.installer, cudawrap.launch, cudawrap.install.shimfile as s; s.shim_template()') 2>"$tmp/check.log"; then
     rollback
     die $EX_SOFTWARE "the package pip installed is incomplete ($(tail -n 1 "$tmp/check.log")): the source's packaging is broken"
 fi

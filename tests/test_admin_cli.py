@@ -207,6 +207,22 @@ def test_bad_switches_change_nothing(admin: Admin, switches: List[str], words: s
     assert admin.snapshot() == before
 
 
+
+def test_policy_switches_are_the_policy_keys_and_each_is_read() -> None:
+    """create-cudawrap's switches are generated from the policy keys (all but reserve_after, which
+    only the config sets), each with its key's description as help, and policy() reads every
+    one of them: a key given a switch but left out of the reading would be dropped silently."""
+    from cudawrap.cli.admin import POLICY, READ_ORDER, CreateCudawrap
+    from cudawrap.cli.filterswitches import FILTERS
+    from cudawrap.policy.config import DESCRIPTIONS, POLICY_KEYS
+
+    app = CreateCudawrap("create-cudawrap")
+    keys = set(POLICY_KEYS) - {"reserve_after"}
+    assert set(POLICY) | set(FILTERS) == keys
+    for key in keys:
+        assert app._switches_by_name[key.replace("_", "-")].help == DESCRIPTIONS[key], key
+    assert sorted(READ_ORDER) == sorted(keys)
+
 def test_no_program_given(admin: Admin) -> None:
     before = admin.snapshot()
     result = admin.create("--gpus", "2")

@@ -163,7 +163,7 @@ def test_an_install_that_starts_the_service_sets_runs_where_the_host_can_confine
     layout = Layout(tmp_path / "root")
     layout.venv_dir.mkdir(parents=True)
     monkeypatch.setattr(installation, "systemd_running", lambda _layout: True)
-    monkeypatch.setattr(installation, "_systemctl", lambda *args: None)
+    monkeypatch.setattr(installation, "systemctl", lambda *args: None)
     if not can:
         monkeypatch.setattr(cgroup, "confinable", lambda setting="auto": False)
     said: list = []

@@ -27,7 +27,8 @@ from cudawrap.admin.doctor import check, healthy
 from cudawrap.admin.inspect_wraps import OK, inspect_entry
 from cudawrap.policy.registry import WRAPPED
 from cudawrap.admin.unwrap import unwrap_programs
-from cudawrap.admin.wrap import TMP_PREFIX, wrap_programs
+from cudawrap.admin.shimlinks import TMP_PREFIX
+from cudawrap.admin.wrap import wrap_programs
 from support.admin import Admin, snapshot
 from support.strace import Call, inject, needs_strace, traced
 

@@ -280,7 +280,7 @@ def test_install_enables_the_mps_unit_only_in_mps_mode(tmp_path: Path, monkeypat
     layout.venv_dir.mkdir(parents=True)
     calls: List[List[str]] = []
     monkeypatch.setattr(installation, "systemd_running", lambda _layout: True)
-    monkeypatch.setattr(installation, "_systemctl", lambda *args: calls.append(list(args)))
+    monkeypatch.setattr(installation, "systemctl", lambda *args: calls.append(list(args)))
 
     def install() -> List[str]:
         said: List[str] = []

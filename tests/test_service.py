@@ -419,7 +419,7 @@ def test_under_systemd_install_enables_the_service_and_records_the_way(tmp_path:
     calls: list = []
     said: list = []
     monkeypatch.setattr(installation, "systemd_running", lambda _layout: True)
-    monkeypatch.setattr(installation, "_systemctl", lambda *args: calls.append(list(args)))
+    monkeypatch.setattr(installation, "systemctl", lambda *args: calls.append(list(args)))
     # An earlier install's monitor unit, enabled: the service runs its loop now.
     wants = installation.unit_wants_link(layout, installation.MONITOR_UNIT)
     wants.parent.mkdir(parents=True)

@@ -16,7 +16,8 @@ from cudawrap.admin.divert import Dpkg
 from cudawrap.errors import StateError, UsageError
 from cudawrap.admin.inspect_wraps import BINARY_CHANGED, INTERRUPTED, OK, inspect_entry
 from cudawrap.admin.unwrap import unwrap_programs
-from cudawrap.admin.wrap import check_wrap, wrap_programs
+from cudawrap.admin.wrap import wrap_programs
+from cudawrap.admin.wrapcheck import check_wrap
 
 NO_DPKG = Dpkg(available=False)
 

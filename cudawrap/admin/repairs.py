@@ -17,8 +17,9 @@ from .inspect_wraps import (
     LINK_FILE, LINK_MISSING, LINK_SAME, LINK_SHIM, LINK_SYMLINK, facts_of, inspect_entry, is_original, link_kind,
     own_shim_state,
 )
-from .unwrap import _drop_diversion, saved_name, unwrap_one
-from .wrap import _clear_tmp, _remove_own_shim, _replace, _replace_with_link, _replace_with_shim_link, utc_now
+from .shimlinks import clear_tmp, remove_own_shim, replace, replace_with_link, replace_with_shim_link
+from .unwrap import drop_diversion, saved_name, unwrap_one
+from .wrap import utc_now
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def finish(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
                          f"'cudawrap unwrap --force {link}' gives up the wrap")
     entry, _ = _ensure_diversion(entry, dpkg)
     if kind != LINK_SHIM or own_shim_state(layout, link) != "own":
-        _replace_with_shim_link(layout, link)
+        replace_with_shim_link(layout, link)
     _record(layout, entry, phase=WRAPPED)
     log.info("finished the interrupted wrap of %s", link)
     return f"finished the interrupted wrap of {link}"
@@ -78,9 +79,9 @@ def rewrap(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
     link, real = entry.link, entry.real
     old = entry.sha256
     saved = _keep_old_real(entry) if os.path.lexists(real) else None
-    _replace_with_link(link, real)  # the new binary is now also CUDAWRAP_x
+    replace_with_link(link, real)  # the new binary is now also CUDAWRAP_x
     entry, _ = _ensure_diversion(entry, dpkg)
-    _replace_with_shim_link(layout, link)
+    replace_with_shim_link(layout, link)
     entry = _record(layout, entry)
     log.info("re-wrapped %s: new binary %s replaced %s (kept as %s)", link, entry.sha256, old, saved)
     audit.log("rewrap", program=link, sha256=entry.sha256, previous=old, kept=saved or "none")
@@ -104,7 +105,7 @@ def adopt_build(layout: Layout, entry: Entry) -> str:
         shutil.copyfile(shim, tmp, follow_symlinks=False)
         shutil.copymode(shim, tmp)
 
-    _replace(real, copy)
+    replace(real, copy)
     from ..install.installation import install_program_shim
 
     install_program_shim(layout, link)
@@ -117,7 +118,7 @@ def adopt_build(layout: Layout, entry: Entry) -> str:
 
 def relink(layout: Layout, entry: Entry) -> str:
     """Recreate a missing shim link (or the missing shim it leads to)."""
-    _replace_with_shim_link(layout, entry.link)
+    replace_with_shim_link(layout, entry.link)
     log.info("recreated the shim link %s", entry.link)
     return f"recreated the shim link {entry.link}"
 
@@ -129,8 +130,8 @@ def forget(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
     if link_kind(layout, entry) == LINK_SHIM:
         os.unlink(entry.link)
         removed = " and the shim link"
-    _remove_own_shim(layout, entry.link)
-    _drop_diversion(entry, dpkg, rename=False)
+    remove_own_shim(layout, entry.link)
+    drop_diversion(entry, dpkg, rename=False)
     registry.update(layout, lambda reg: reg.drop(entry.link))
     log.info("forgot %s: real program %s is gone", entry.link, entry.real)
     return f"removed the registry entry{removed} of {entry.link}: its real program {entry.real} is gone"
@@ -155,7 +156,7 @@ def ensure_diversion(layout: Layout, entry: Entry, dpkg: Dpkg) -> str:
 
 def remove_tmp(path: str) -> str:
     """Remove a temporary name an interrupted command left (never an only copy)."""
-    _clear_tmp(path)
+    clear_tmp(path)
     return "removed it"
 
 

@@ -17,10 +17,8 @@ from .inspect_wraps import (
     INTERRUPTED, LINK_FILE, LINK_MISSING, LINK_SAME, LINK_SHIM, LINK_SYMLINK, OK, WrapStatus, inspect_entry,
     is_original, link_kind, same_file,
 )
-from .wrap import (
-    SAVED_SUFFIX, Failure, _fsync_dir, _remove_own_shim, _replace_with_link, _why, invoking_user,
-    refresh_launch_cache, unsafe_dir,
-)
+from .shimlinks import fsync_dir, remove_own_shim, replace_with_link
+from .wrap import SAVED_SUFFIX, Failure, failure_reason, invoking_user, refresh_launch_cache, unsafe_dir
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +81,18 @@ def check_unwrap(layout: Layout, entry: Entry, force: bool) -> WrapStatus:
                      f"nothing was changed; 'cudawrap unwrap --force' {_force_effect(status)}")
 
 
-def _drop_diversion(entry: Entry, dpkg: Dpkg, rename: bool) -> None:
+def drop_diversion(entry: Entry, dpkg: Dpkg, rename: bool) -> None:
+    """Remove ENTRY's dpkg diversion, if cudawrap's is in place; RENAME moves the diverted
+    file back to the name (dpkg-divert --rename)."""
     if entry.diversion is not None and dpkg.diverter(entry.diversion) == PACKAGE:
         dpkg.remove(entry.diversion, rename=rename)
+
+
+@dataclass
+class _Progress:
+    """How far an unwrap got: before any file changed, a failure is undone."""
+
+    started: bool = False
 
 
 def unwrap_one(layout: Layout, entry: Entry, dpkg: Dpkg) -> Unwrapped:
@@ -100,51 +107,14 @@ def unwrap_one(layout: Layout, entry: Entry, dpkg: Dpkg) -> Unwrapped:
         registry.update(layout, lambda reg: reg.put(entry))
     except CudawrapError as exc:
         raise StateError(f"{entry.link}: could not unwrap it: {exc.message}; nothing was changed") from None
-    link, real = entry.link, entry.real
+    link = entry.link
     kind = link_kind(layout, entry)
-    real_present = os.path.lexists(real)
-    saved = None
-    started = False  # whether any file changed yet: before that, a failure is undone
+    real_present = os.path.lexists(entry.real)
+    progress = _Progress()
     try:
-        if real_present and kind in (LINK_SHIM, LINK_MISSING):
-            _replace_with_link(real, link)
-            started, kind = True, LINK_SAME
-        if kind == LINK_SAME:
-            _drop_diversion(entry, dpkg, rename=True)  # unlinks CUDAWRAP_x: one inode with x
-            started = True
-            if same_file(link, real):
-                os.unlink(real)
-            message = f"unwrapped {link}"
-        elif real_present:
-            saved = saved_name(link)
-            os.link(real, saved, follow_symlinks=False)  # link+unlink: never overwrites
-            started = True
-            os.unlink(real)
-            _drop_diversion(entry, dpkg, rename=False)
-            message = f"unwrapped {link}: left what is there now; the wrapped program was kept as {saved}"
-        else:
-            if kind == LINK_SHIM:
-                os.unlink(link)
-                started = True
-                message = f"unwrapped {link}: removed the shim link; there was no real program to restore"
-            elif kind in (LINK_FILE, LINK_SYMLINK) and is_original(entry, link):
-                message = f"unwrapped {link}"  # an interrupted unwrap had already put it back
-            else:
-                message = f"unwrapped {link}: dropped the entry; there was no real program to restore"
-            _drop_diversion(entry, dpkg, rename=False)
-        _fsync_dir(os.path.dirname(link))
-        if link_kind(layout, entry) != LINK_SHIM:
-            _remove_own_shim(layout, link)
+        message, saved = _put_back(layout, entry, dpkg, (kind, real_present), progress)
     except (OSError, CudawrapError) as exc:
-        if not started and original.phase == WRAPPED:
-            try:
-                registry.update(layout, lambda reg: reg.put(original))
-            except CudawrapError:
-                pass
-            else:
-                raise StateError(f"{link}: could not unwrap it: {_why(exc)}; nothing was changed") from exc
-        raise StateError(f"{link}: unwrap stopped half-way ({_why(exc)}); the program still runs; "
-                         "run 'cudawrap doctor --repair' to finish") from exc
+        raise _failed(layout, original, progress, exc) from exc
     try:
         registry.update(layout, lambda reg: reg.drop(link))
     except CudawrapError as exc:
@@ -155,10 +125,64 @@ def unwrap_one(layout: Layout, entry: Entry, dpkg: Dpkg) -> Unwrapped:
     return Unwrapped(link, message, saved)
 
 
+def _put_back(layout: Layout, entry: Entry, dpkg: Dpkg, found: Tuple[str, bool],
+              progress: _Progress) -> Tuple[str, Optional[str]]:
+    """The file steps of unwrap_one from what was FOUND (what stands at the link, whether the
+    real program exists): (what was done, where a real program was kept)."""
+    link, real = entry.link, entry.real
+    kind, real_present = found
+    saved = None
+    if real_present and kind in (LINK_SHIM, LINK_MISSING):
+        replace_with_link(real, link)
+        progress.started, kind = True, LINK_SAME
+    if kind == LINK_SAME:
+        drop_diversion(entry, dpkg, rename=True)  # unlinks CUDAWRAP_x: one inode with x
+        progress.started = True
+        if same_file(link, real):
+            os.unlink(real)
+        message = f"unwrapped {link}"
+    elif real_present:
+        saved = saved_name(link)
+        os.link(real, saved, follow_symlinks=False)  # link+unlink: never overwrites
+        progress.started = True
+        os.unlink(real)
+        drop_diversion(entry, dpkg, rename=False)
+        message = f"unwrapped {link}: left what is there now; the wrapped program was kept as {saved}"
+    else:
+        if kind == LINK_SHIM:
+            os.unlink(link)
+            progress.started = True
+            message = f"unwrapped {link}: removed the shim link; there was no real program to restore"
+        elif kind in (LINK_FILE, LINK_SYMLINK) and is_original(entry, link):
+            message = f"unwrapped {link}"  # an interrupted unwrap had already put it back
+        else:
+            message = f"unwrapped {link}: dropped the entry; there was no real program to restore"
+        drop_diversion(entry, dpkg, rename=False)
+    fsync_dir(os.path.dirname(link))
+    if link_kind(layout, entry) != LINK_SHIM:
+        remove_own_shim(layout, link)
+    return message, saved
+
+
+def _failed(layout: Layout, original: Entry, progress: _Progress, exc: BaseException) -> StateError:
+    """The error for an unwrap of ORIGINAL that failed with EXC: nothing was changed (the entry
+    put back as it was) when no file had changed yet, else it stopped half-way."""
+    link = original.link
+    if not progress.started and original.phase == WRAPPED:
+        try:
+            registry.update(layout, lambda reg: reg.put(original))
+        except CudawrapError:
+            pass
+        else:
+            return StateError(f"{link}: could not unwrap it: {failure_reason(exc)}; nothing was changed")
+    return StateError(f"{link}: unwrap stopped half-way ({failure_reason(exc)}); the program still runs; "
+                      "run 'cudawrap doctor --repair' to finish")
+
+
 def _let_go(layout: Layout, entry: Entry, dpkg: Dpkg) -> Unwrapped:
     """Forget ENTRY without touching its directory, which another user controls (unwrap --force)."""
-    _remove_own_shim(layout, entry.link)
-    _drop_diversion(entry, dpkg, rename=False)
+    remove_own_shim(layout, entry.link)
+    drop_diversion(entry, dpkg, rename=False)
     registry.update(layout, lambda reg: reg.drop(entry.link))
     message = (f"unwrapped {entry.link}: dropped its entry and shim; {os.path.dirname(entry.link)} is not "
                f"root's, so its files were left as they are ({entry.real} is the real program)")

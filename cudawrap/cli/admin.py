@@ -16,14 +16,30 @@ from typing import Any, Dict, Sequence
 from plumbum import cli
 
 from ..policy.config import (
-    DESCRIPTIONS, FOREIGN_RULES, FOREVER, MULTI_MIG_RULES, NO_DRIVER_RULES, PLACEMENTS, format_wait, parse_wait,
-    validate_policy,
+    FOREIGN_RULES, FOREVER, MULTI_MIG_RULES, NO_DRIVER_RULES, PLACEMENTS, format_wait, parse_wait, validate_policy,
 )
 from ..errors import ConfigError, StateError, UsageError
 from ..paths import default_layout, version_text
 from ..base.text import printable
 from .app import Command, report
-from .filterswitches import FilterSwitches
+from .filterswitches import FilterSwitches, key_switches, switch_name
+
+# A program's policy beyond the device filters: key -> its value's name in the help.
+POLICY: Dict[str, str] = {
+    "gpus": "N",
+    "wait": "SECONDS|forever",
+    "placement": "|".join(PLACEMENTS),
+    "foreign": "|".join(FOREIGN_RULES),
+    "busy_memory_mib": "MIB",
+    "no_driver": "|".join(NO_DRIVER_RULES),
+    "multi_mig": "|".join(MULTI_MIG_RULES),
+    "max_gpus": "N",
+    "devices": "UUID|INDEX,...",
+}
+# The order the switches are read in (the first bad one is reported), the registry's order.
+READ_ORDER = ("gpus", "wait", "busy_memory_mib", "model", "min_memory_mib", "min_free_memory_mib",
+              "max_utilization", "max_gpus", "devices", "share", "placement", "foreign", "no_driver", "multi_mig")
+WHOLE_NUMBERS = {"gpus", "busy_memory_mib", "min_memory_mib", "min_free_memory_mib", "max_utilization", "max_gpus"}
 
 
 def _prog(command: Command) -> str:
@@ -60,6 +76,20 @@ def _raw_int(switch: str, text: str) -> Any:
         raise UsageError(f"{switch}: {text!r} is not a whole number") from None
 
 
+def _raw(key: str, text: str) -> Any:
+    """The text of KEY's switch in the registry's JSON-able form (validate_policy checks it)."""
+    if key == "wait":
+        return _raw_wait(text)
+    if key in WHOLE_NUMBERS:
+        return _raw_int(switch_name(key), text)
+    if key == "devices":
+        # The registry keeps JSON: indices as numbers, UUIDs as strings.
+        return [int(d) if d.isascii() and d.isdigit() else d
+                for d in (part.strip() for part in text.split(",")) if d]
+    return text
+
+
+@key_switches(POLICY)
 class CreateCudawrap(FilterSwitches, Command):
     """Wrap CUDA programs: each run then gets its own free GPU or MIG instance.
 
@@ -72,21 +102,6 @@ class CreateCudawrap(FilterSwitches, Command):
     VERSION = version_text()
     USAGE = "    {progname} [SWITCHES] PROGRAM...\n"
 
-    gpus = cli.SwitchAttr(["--gpus"], str, argname="N", help=DESCRIPTIONS["gpus"])
-    wait = cli.SwitchAttr(["--wait"], str, argname="SECONDS|forever",
-                          help=DESCRIPTIONS["wait"])
-    placement = cli.SwitchAttr(["--placement"], str, argname="|".join(PLACEMENTS),
-                               help=DESCRIPTIONS["placement"])
-    foreign = cli.SwitchAttr(["--foreign"], str, argname="|".join(FOREIGN_RULES),
-                             help=DESCRIPTIONS["foreign"])
-    busy_memory = cli.SwitchAttr(["--busy-memory-mib"], str, argname="MIB",
-                                 help=DESCRIPTIONS["busy_memory_mib"])
-    no_driver = cli.SwitchAttr(["--no-driver"], str, argname="|".join(NO_DRIVER_RULES),
-                               help=DESCRIPTIONS["no_driver"])
-    multi_mig = cli.SwitchAttr(["--multi-mig"], str, argname="|".join(MULTI_MIG_RULES),
-                               help=DESCRIPTIONS["multi_mig"])
-    max_gpus = cli.SwitchAttr(["--max-gpus"], str, argname="N", help=DESCRIPTIONS["max_gpus"])
-    devices = cli.SwitchAttr(["--devices"], str, argname="UUID|INDEX,...", help=DESCRIPTIONS["devices"])
     force = cli.Flag(["--force"], help="wrap a program of the base system (a Debian package marked Essential "
                                        "or of Priority required/important), or one an RPM package owns although "
                                        "an update of that package silently unwraps it (both refused otherwise); "
@@ -95,28 +110,15 @@ class CreateCudawrap(FilterSwitches, Command):
     def policy(self) -> Dict[str, Any]:
         """The per-program policy from the switches, raw (as the registry stores it), checked."""
         raw: Dict[str, Any] = {}
-        if self.gpus is not None:
-            raw["gpus"] = _raw_int("--gpus", self.gpus)
-        if self.wait is not None:
-            raw["wait"] = _raw_wait(self.wait)
-        if self.busy_memory is not None:
-            raw["busy_memory_mib"] = _raw_int("--busy-memory-mib", self.busy_memory)
-        for key, text in dict(self.filter_asks(), max_gpus=self.max_gpus).items():
-            if text is not None:
-                raw[key] = text if key == "model" else _raw_int("--" + key.replace("_", "-"), text)
-        if self.devices is not None:
-            # The registry keeps JSON: indices as numbers, UUIDs as strings.
-            raw["devices"] = [int(d) if d.isascii() and d.isdigit() else d
-                              for d in (part.strip() for part in self.devices.split(",")) if d]
-        if self.share:
-            raw["share"] = True
-        for key in ("placement", "foreign", "no_driver", "multi_mig"):
+        for key in READ_ORDER:
             value = getattr(self, key)
-            if value is not None:
-                raw[key] = value
+            if isinstance(value, str):
+                raw[key] = _raw(key, value)
+            elif value:  # a flag given
+                raw[key] = True
         for key, value in raw.items():
             try:
-                validate_policy({key: value}, "--" + key.replace("_", "-"))
+                validate_policy({key: value}, switch_name(key))
             except ConfigError as exc:
                 raise UsageError(exc.message) from None
         if raw.get("gpus", 1) > raw.get("max_gpus", raw.get("gpus", 1)):

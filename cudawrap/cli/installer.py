@@ -6,15 +6,17 @@ both instead of importing the CLI or the wraps.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from ..admin.wrap import refresh_shims
+from ..admin.shimlinks import refresh_shims
 from ..install.installation import (
     MONITOR_UNIT, MPS_UNIT, PROG, UNIT_NAME, InstallError, Layout, install, prepare_package, render_monitor_unit,
-    render_mps_unit, render_service_unit, SERVICE_UNIT, render_tmpfiles, render_unit, stop_monitor, uninstall, _package_say,
+    render_mps_unit, render_service_unit, SERVICE_UNIT, render_tmpfiles, render_unit, stop_monitor, uninstall,
 )
+from ..install.voice import package_say
 from .manpages import PAGES, man_path, render as render_man
 
 
@@ -50,10 +52,8 @@ def _render(action: str, layout: Layout) -> str:
     return render_tmpfiles(layout)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m cudawrap.cli.installer install|uninstall …``: install.sh's Python half."""
-    import argparse
-
+def _parser() -> Tuple[argparse.ArgumentParser, Dict[str, str]]:
+    """The installer's argument parser, and its render-* actions (name -> what each prints)."""
     parser = argparse.ArgumentParser(prog="python -m cudawrap.cli.installer",
                                      description="install.sh's second half; run install.sh instead")
     sub = parser.add_subparsers(dest="action", required=True)
@@ -95,6 +95,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     renderers.update({f"render-man-{page}": f"the man page packaging/man/{page}" for page in PAGES})
     for name, what in renderers.items():
         sub.add_parser(name, help=f"print {what}").add_argument("--root", type=Path, default=Path("/"))
+    return parser, renderers
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m cudawrap.cli.installer install|uninstall …``: install.sh's Python half."""
+    parser, renderers = _parser()
     args = parser.parse_args(argv)
     if args.action in renderers:
         sys.stdout.write(_render(args.action, Layout(args.root.absolute())))
@@ -111,7 +117,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             install(layout, args.python, args.source, args.created, wheel=args.wheel, build=args.build,
                     man_pages=man_pages(layout), refresh=refresh_shims, way=args.way)
         elif args.action == "stop-monitor":
-            stop_monitor(layout, _package_say)
+            stop_monitor(layout, package_say)
         else:
             uninstall(layout, args.unwrap_all, keep_wraps=args.keep_wraps, purge=args.purge)
     except InstallError as exc:

@@ -11,7 +11,9 @@ from ..paths import Layout
 from .shimfile import install_shim
 
 
-def _dir(path: Path, mode: int) -> None:
+def ensure_dir(path: Path, mode: int) -> None:
+    """PATH as a directory of MODE: made (with its parents) where missing, its mode set where it
+    differs; NotADirectoryError where a symlink or a file stands there."""
     path.mkdir(parents=True, exist_ok=True)
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
@@ -42,11 +44,11 @@ def prepare_runtime(layout: Layout, seal: Optional[bool] = None) -> None:
     likewise: reachable by the service's sharers alone (lease/mpsaccess.py), or by everyone."""
     if seal is None:
         seal = sealed(layout)
-    _dir(layout.runtime_dir, 0o755)
-    _dir(layout.lease_dir, 0o700 if seal else 0o755)
-    _dir(layout.share_dir, 0o700 if seal else 0o755)
+    ensure_dir(layout.runtime_dir, 0o755)
+    ensure_dir(layout.lease_dir, 0o700 if seal else 0o755)
+    ensure_dir(layout.share_dir, 0o700 if seal else 0o755)
     # Sticky and world-writable like /tmp: everyone may queue, nobody may unqueue others.
-    _dir(layout.queue_dir, 0o1700 if seal else 0o1777)
+    ensure_dir(layout.queue_dir, 0o1700 if seal else 0o1777)
     fd = os.open(layout.queue_lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     os.fchmod(fd, 0o644)
     os.close(fd)
@@ -57,8 +59,8 @@ def prepare_runtime(layout: Layout, seal: Optional[bool] = None) -> None:
 
 def prepare(layout: Layout, python: str = sys.executable) -> None:
     """Every directory of an install root, the runtime area and the shim."""
-    _dir(layout.etc_dir, 0o755)
-    _dir(layout.state_dir, 0o755)
+    ensure_dir(layout.etc_dir, 0o755)
+    ensure_dir(layout.state_dir, 0o755)
     prepare_runtime(layout)
     install_shim(layout, python)
-    _dir(layout.shim_dir, 0o755)
+    ensure_dir(layout.shim_dir, 0o755)

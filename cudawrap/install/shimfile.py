@@ -14,7 +14,8 @@ SHIM_TEMPLATE = "cudawrap-shim.in"
 SHIM_STAMP = "# cudawrap shim, version "
 
 
-def _template() -> str:
+def shim_template() -> str:
+    """The shim's prototype, unrendered (shims/cudawrap-shim.in)."""
     # shims/ ships as the package cudawrap.shims (see pyproject.toml), installed or editable;
     # run straight from a source checkout (PYTHONPATH), it is shims/ beside the package.
     try:
@@ -40,7 +41,7 @@ def _import_dirs() -> List[str]:
 
 def render_shim(layout: Layout, python: str = sys.executable, link: Optional[str] = None) -> str:
     """The shim prototype, or with LINK the own shim of the program wrapped there."""
-    text = _template()
+    text = shim_template()
     for key, value in (("@PYTHON@", python), ("@VERSION@", __version__),
                        ("@SYSPATH@", repr(_import_dirs())), ("@ROOT@", repr(str(layout.root))),
                        ("@LINK@", repr(link))):

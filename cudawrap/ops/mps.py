@@ -163,7 +163,7 @@ def start(layout: Layout) -> List[Outcome]:
 
 
 def _start_one(layout: Layout, control: str, device: Managed) -> Outcome:
-    from ..install.installation import _dir
+    from ..install.runtime import ensure_dir as _dir
 
     root = str(layout.root)
     pipe, logs = mps_pipe_dir(root, device.uuid), mps_log_dir(root, device.uuid)
