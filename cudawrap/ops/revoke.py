@@ -16,7 +16,7 @@ import signal
 from typing import Dict, List, Tuple
 
 from .. import client, wire
-from ..lease.files import lock_kind
+from ..lease.holders import every_pid, fd_holders
 from ..lease.renew import replace
 from ..paths import Layout
 from ..users import user_name
@@ -83,23 +83,12 @@ def _holding(old: Dict[Tuple[int, int], str]) -> List[Tuple[int, str]]:
     """(pid, path) of each process holding a lock, through a descriptor of its own, on one of
     the replaced files OLD ((device, inode) -> the path it had): named by the kernel as that
     path "(deleted)", so that a new file given a freed inode's number is no match."""
-    found: List[Tuple[int, str]] = []
-    for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            path = old.get((st.st_dev, st.st_ino))
-            if path is not None and target == path + " (deleted)" and lock_kind(int(fd), str(pid)) is not None:
-                found.append((pid, path))
-                break
-    return found
+    found = fd_holders(old, every_pid(), named={key: path + " (deleted)" for key, path in old.items()})
+    first: Dict[int, str] = {}
+    for key, pids in found.items():
+        for pid in pids:
+            first.setdefault(pid, old[key])
+    return sorted(first.items())
 
 
 def _end_records(layout: Layout, uuids: List[str], by: str) -> None:
