@@ -235,7 +235,8 @@ class RunCgroups:
         no process is in it, else once the last one has exited (its pidfd, ``emptied``)."""
         keep = {self.runs[pid] for pid in self.wanted if pid in self.runs}
         keep.update(list(self.spares.values()))
-        for path in set(paths) - keep:
+        unwatched = {path for path, watching in self.leaving.items() if not watching}  # see _remove
+        for path in (set(paths) | unwatched) - keep:
             self._remove(path)
 
     def _remove(self, path: str) -> None:
@@ -254,14 +255,17 @@ class RunCgroups:
                     continue
                 try:
                     fd = os.pidfd_open(pid)
-                except OSError:
+                except ProcessLookupError:
                     continue  # exited meanwhile
+                except OSError as exc:  # out of descriptors: tried again at the next tidy, or the stop
+                    self.say(f"the cgroup {path} cannot be watched until empty: {exc.strerror or exc}")
+                    return
                 watching[pid] = fd
                 self.watched[fd] = path
                 self.exits.register(fd, select.EPOLLIN)
             if watching:
                 return
-        self.say(f"the cgroup {path} could not be removed: processes keep entering it")
+        self.say(f"the cgroup {path} cannot be watched until empty: its processes keep exiting and forking")
 
     def _gone(self, path: str) -> None:
         self._unwatch(path)
