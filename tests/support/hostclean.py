@@ -56,6 +56,7 @@ class HostCheck:
             if hier not in found or hier not in here or found[hier] in mounts:
                 continue
             mounts.add(found[hier])  # co-mounted controllers: one hierarchy
+            _stale(os.path.join(found[hier], here[hier].lstrip("/")))
             session = os.path.join(found[hier], here[hier].lstrip("/"), self.name)
             try:
                 os.mkdir(session, 0o755)
@@ -96,6 +97,15 @@ class HostCheck:
         if not driver:
             left += [f"{path} made by a test and left" for path in sorted(set(now) - set(self.nodes))]
         self.left = left
+
+
+def _stale(where: str) -> None:
+    """The empty cgroups of earlier sessions in WHERE that were killed before their end."""
+    for name in os.listdir(where):
+        pid = name[len("cudawrap-tests-"):]
+        if name.startswith("cudawrap-tests-") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            for path in _below(os.path.join(where, name)) + [os.path.join(where, name)]:
+                _rmdir(path)  # not if a process is in it: then it is not stale
 
 
 def _nodes() -> Dict[str, Optional[dict]]:
