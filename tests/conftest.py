@@ -1,6 +1,7 @@
 import pytest
 
 from support.admin import admin, shared_tmp  # noqa: F401
+from support.hostclean import HostCheck
 from support.installed import installed  # noqa: F401
 from support.installsh import wheelhouse  # noqa: F401
 from support.machine import fakenvml_lib, machine  # noqa: F401
@@ -34,3 +35,39 @@ def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
             return "chained" if nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in CHAINED else "rest"
 
     return TwoHalves(config, log)
+
+
+
+# The suite leaves the host clean (support/hostclean.py): checked once, at the very end, by
+# the process that started the tests (xdist's controller, once every worker is done; its
+# workers run nothing of this), never by a worker, whose end is not the others'.
+HOST_CHECK = pytest.StashKey["HostCheck"]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist starts its workers: they are then in its cgroup
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        check = HostCheck()
+        check.start()
+        session.config.stash[HOST_CHECK] = check
+
+
+@pytest.hookimpl(trylast=True)  # after xdist has stopped its workers
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    check = session.config.stash.get(HOST_CHECK, None)
+    if check is not None:
+        check.finish()
+        if check.left and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    check = config.stash.get(HOST_CHECK, None)
+    if check is None:
+        return
+    for line in check.notes:
+        terminalreporter.write_line(f"host check: {line}", yellow=True)
+    if check.left:
+        terminalreporter.section("left on the host by the tests (the run fails)", sep="!", red=True)
+        for line in check.left:
+            terminalreporter.write_line(line, red=True)

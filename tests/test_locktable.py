@@ -92,3 +92,24 @@ def test_a_waiter_missing_from_the_lock_table_still_sees_itself_at_its_place(
         monkeypatch.undo()
         queue.leave(first)
         queue.leave(second)
+
+
+def test_a_holder_of_a_replaced_file_is_found_by_the_name_the_kernel_gives_it(tmp_path: Path) -> None:
+    """revoke's search (lease/holders.fd_holders with NAMED): a descriptor counts only when the
+    kernel names its file so ("PATH (deleted)" once replaced), not a file that merely has the
+    same (device, inode) now."""
+    from cudawrap.lease.holders import fd_holders
+
+    path = tmp_path / "lease"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        named = {key: f"{path} (deleted)"}
+        assert fd_holders([key], [os.getpid()]) == {key: [os.getpid()]}
+        assert fd_holders([key], [os.getpid()], named=named) == {}  # not replaced yet
+        path.unlink()
+        assert fd_holders([key], [os.getpid()], named=named) == {key: [os.getpid()]}
+    finally:
+        os.close(fd)

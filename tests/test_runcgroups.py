@@ -7,6 +7,7 @@ devices' node minors come from the stand-in NVML, as the service reads them.
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 
 import pytest
@@ -79,12 +80,37 @@ def test_an_ended_run_s_cgroup_goes_once_empty_and_not_before(cgroups: Cgroups, 
     run.wait()
     assert rc.allow(run.pid, [])  # its grant ended
     assert os.path.isdir(os.path.join(cgroups.mech.roots[0], path.lstrip("/")))  # the leftover is there
+    assert not select.select([rc.fileno()], [], [], 0.2)[0]  # nothing to do while it runs
     child.kill()
     child.wait()
-    wait_for(lambda: not cgroups.mech.pids(path), what="the leftover gone")
-    rc.sweep()  # the next end's sweep
+    # Its exit is what the service's loop wakes for (no poll, no other run's end): then it goes.
+    assert select.select([rc.fileno()], [], [], 10)[0]
+    rc.emptied()
     assert not any(os.path.exists(os.path.join(r, path.lstrip("/"))) for r in cgroups.mech.roots)
     assert run.pid not in rc.runs
+    assert not select.select([rc.fileno()], [], [], 0)[0]
+
+
+def test_a_stop_removes_every_empty_cgroup_of_its_install_before_it_returns(cgroups: Cgroups, gpus, tmp_path):
+    """Spares, an ended run's whose leftover has just exited (its exit not yet read), and one a
+    killed service left behind go at the stop; a held run's, with its process, stays."""
+    mech = cgroups.mech
+    stale = mech.make(cgroups.top, f"{RUN_PREFIX}{install_tag(str(tmp_path))}-999999-7")  # a crashed service's
+    rc = service(cgroups, tmp_path)
+    ended, held = placed(cgroups), placed(cgroups)
+    for proc, uuid in ((ended, gpus[0]), (held, gpus[1])):
+        rc.enter(proc.pid, 0)
+        assert rc.allow(proc.pid, [uuid])
+    rc.worker.submit(lambda: None).result()
+    spare = rc.spares[cgroups.top]
+    ended_path, held_path = rc.runs[ended.pid], rc.runs[held.pid]
+    ended.kill()
+    ended.wait()
+    rc.close()
+    exists = lambda path: any(os.path.exists(os.path.join(r, path.lstrip("/"))) for r in mech.roots)  # noqa: E731
+    assert [exists(p) for p in (stale, spare, ended_path, held_path)] == [False, False, False, True]
+    held.kill()
+    held.wait()
 
 
 def test_a_nested_run_goes_beside_its_parent_run(cgroups: Cgroups, gpus, tmp_path):
@@ -192,6 +218,21 @@ def test_a_pid_that_could_not_be_confined_gets_no_grant(cgroups: Cgroups, gpus, 
     assert rc.allow(proc.pid, [gpus[0]]) is False  # nor at a later grant
     assert any("could not be confined" in line for line in rc.said)  # type: ignore[attr-defined]
     assert set(run_cgroups(cgroups.mech, by=[os.getpid()])) == before  # the cgroup made for it is gone
+
+
+def test_a_process_exiting_is_not_confined_and_leaves_no_cgroup_anywhere(cgroups: Cgroups, gpus, tmp_path):
+    """A client killed as it asked: the kernel skips an exiting process when it is written
+    into cgroup.procs (the write succeeds), and v1 says it is in "/" meanwhile. It gets no
+    grant, and no cgroup is made for it or for the next run at the hierarchy's top."""
+    rc = service(cgroups, tmp_path)
+    proc = subprocess.Popen(["true"])
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
+    before = set(run_cgroups(cgroups.mech, by=[os.getpid()]))
+    rc.enter(proc.pid, 0)
+    assert rc.allow(proc.pid, [gpus[0]]) is False
+    rc.worker.submit(lambda: None).result()
+    assert set(run_cgroups(cgroups.mech, by=[os.getpid()])) == before
+    proc.wait()
 
 
 def test_leftovers_are_ended_through_their_run_cgroup_daemons_and_all(cgroups: Cgroups, gpus, tmp_path):

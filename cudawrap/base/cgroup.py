@@ -91,7 +91,7 @@ def _pids(directory: str) -> List[int]:
         return []
     except OSError as exc:
         # A cgroup removed between the open and the read (its last process gone, the
-        # service's emptier at work) reads ENODEV: it holds nobody, as one never made.
+        # service removing it once empty) reads ENODEV: it holds nobody, as one never made.
         if exc.errno == errno.ENODEV:
             return []
         raise
@@ -257,6 +257,11 @@ def usable(setting: str) -> "V1 | V2":
     """The mechanism SETTING names here, checked to work before any run relies on it; else a
     CgroupError saying what is missing (a mount, the kernel's version, the BPF program)."""
     mech = choose(setting)
+    try:  # the service removes a run's cgroup when its last process exits: it waits on their pidfds
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        raise CgroupError(errno.ENOSYS, f"kernel {os.uname().release} has no pidfd_open (from 5.3), with which the "
+                                        f"service sees a run's last process exit") from None
     if isinstance(mech, V2):
         if kernel() < BPF_KERNEL:
             raise CgroupError(errno.ENOSYS, f"kernel {os.uname().release} has no cgroup v2 device programs "

@@ -11,8 +11,17 @@ A run's cgroup, from its request to its end (the service's loop calls; base/cgro
   mount with favordynmods (6.0+) spares it, and doctor says so;
 - before its grant is sent (``allow``): the rule widened to the devices it will then hold;
 - a grant voided or not taken, or ended (``allow`` again, with what is left): narrowed before
-  anything else happens; once the process holds nothing, its cgroup is removed as soon as no
-  process is left in it (retried at each later end: what is left are the run's leftovers).
+  anything else happens.
+
+Which cgroups of this install exist is decided in one place (``_tidy``): those of the runs
+that hold devices or wait for their decision, and the spares; any other goes now if no
+process is in it, else as soon as the last one is gone. "Gone" is the kernel's word, not a
+poll: a cgroup cannot be removed while a process is in it (EBUSY), so a pidfd of each process
+in it is watched (``fileno``, in the service's loop), and when one exits the removal is tried
+again (``emptied``). It is applied at the service's start (``reconcile``: every run cgroup of
+this install on the host, after a restart), at each run's end, and at its stop (``close``:
+every one with no process in it is removed before it returns; one with a process stays with
+its run, and the next start's reconcile sees to it).
 
 Where the cgroup is made: below the client's own cgroup, so that every refusal above it
 still holds (v1 copies its parent's list, v2 runs its ancestors' programs) and the run stays
@@ -27,14 +36,13 @@ Slurm's (ConstrainDevices), and doctor says whether it confines.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
-import queue
-import threading
-import time
+import select
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Dict, Iterable, Mapping, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from ..base import cgroup
 from ..base.devrule import Rule
@@ -46,7 +54,7 @@ from ..base.proc import start_time
 log = logging.getLogger(__name__)
 
 RUN_PREFIX = "cudawrap-run-"
-ORPHAN_POLL_S = 0.5
+WATCHED_MAX = 64  # pidfds watched at once per cgroup: any one's exit tries the removal again
 
 
 def install_tag(root: str) -> str:
@@ -64,41 +72,49 @@ class RunCgroups:
         self.prefix = f"{RUN_PREFIX}{tag}-"  # this install's run cgroups (install_tag)
         self.say = say
         self.ids: Dict[str, drivernodes.NodeIds] = {}  # uuid -> its node numbers (fixed while it exists)
-        self.runs: Dict[int, str] = {}  # client pid -> its cgroup
-        self.rules: Dict[int, Rule] = {}  # client pid -> the rule applied there last
-        self.entering: Dict[int, "Future[str]"] = {}
-        self.spares: Dict[str, str] = {}  # where runs go -> a cgroup made and confined ahead (the worker's alone)
+        self.runs: Dict[int, str] = {}  # client pid -> its cgroup, until that goes
+        self.wanted: Set[int] = set()  # pids of RUNS (or entering) that hold devices or wait for their decision
+        self.rules: Dict[str, Rule] = {}  # cgroup -> the rule applied there last
+        self.entering: Dict[int, "Future[Tuple[str, str]]"] = {}
+        self.failed: Set[int] = set()  # entered, not confined: refused its grants
+        # The worker's alone (the loop reads them once it has the worker's result):
+        self.spares: Dict[str, str] = {}  # where runs go -> a cgroup made and confined ahead
         self.bases: Dict[int, str] = {}  # client pid -> where its run cgroup went
         self.made = 0
-        self.failed: Set[int] = set()  # entered, not confined: refused its grants
-        self.ended: Set[int] = set()  # holding nothing, cgroup not yet empty
-        self.orphans_gone: "queue.SimpleQueue[Tuple[int, str]]" = queue.SimpleQueue()  # (pid, cgroup) the emptier removed
-        self.emptying: Dict[str, int] = {}  # a cgroup the emptier removes once empty -> its pid (its lock's)
-        self.emptying_lock = threading.Lock()
-        self.emptier: Optional[threading.Thread] = None
+        # A cgroup no longer wanted with processes in it -> {pid: pidfd} of those watched.
+        self.leaving: Dict[str, Dict[int, int]] = {}
+        self.watched: Dict[int, str] = {}  # pidfd -> its cgroup in LEAVING
+        self.exits = select.epoll()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="cudawrap-confine")
 
     # -- the run's cgroup -------------------------------------------------------------------
     def enter(self, pid: int, uid: int) -> None:
         """Move PID into a cgroup of its own refusing every GPU, on the worker (see the module)."""
-        self.sweep()  # a pid that was an orphan's is a new process's now
-        if pid in self.ended:  # so is one whose run ended, its cgroup waiting for its leftovers
-            self._await_empty({pid: self.runs.pop(pid)})
-            self.ended.discard(pid)
-            self.rules.pop(pid, None)
+        if pid in self.runs and pid not in self.wanted:
+            # Its run ended, its cgroup waiting for its leftovers: a new process of that
+            # number, or the same one asking again. Either way a cgroup of its own.
+            del self.runs[pid]
         if pid not in self.runs and pid not in self.entering:
+            self.wanted.add(pid)
             self.entering[pid] = self.worker.submit(self._enter, pid, uid)
 
-    def _enter(self, pid: int, uid: int) -> str:
-        base = self._base(pid, uid)
+    def _enter(self, pid: int, uid: int) -> Tuple[str, str]:
+        """(its cgroup, the one it was in)."""
+        here = self.mech.parent_of(pid)
+        base = self._base(here, uid)
         path = self.spares.pop(base, None) or self._make(base)
         try:
             self.mech.move(path, pid)
+            # A process exiting is not moved, yet its write succeeds (the kernel skips it), and
+            # v1 names its cgroup "/" meanwhile: had it not been found here, its run cgroup and
+            # the next one's spare would have gone to the top of the hierarchy.
+            if self.mech.parent_of(pid) != path:
+                raise cgroup.CgroupError(errno.ESRCH, f"process {pid} is exiting: it was not moved into {path}")
         except OSError:
             self.mech.remove(path)  # nobody in it
             raise
         self.bases[pid] = base
-        return path
+        return path, here
 
     def _make(self, base: str) -> str:
         """A new run cgroup below BASE refusing every GPU. Named by the install, the service's
@@ -123,10 +139,9 @@ class RunCgroups:
             except OSError as exc:
                 self.say(f"no cgroup could be made ahead below {base}: {exc.strerror or exc}")
 
-    def _base(self, pid: int, uid: int) -> str:
-        """Where PID's run cgroup goes: its own cgroup, or the nearest ancestor neither a run's
-        nor writable by UID."""
-        here = self.mech.parent_of(pid)
+    def _base(self, here: str, uid: int) -> str:
+        """Where a run cgroup goes for a process of UID in HERE: there, or the nearest ancestor
+        neither a run's nor writable by UID."""
         while here != "/" and (os.path.basename(here).startswith(RUN_PREFIX) or self._writable(here, uid)):
             here = os.path.dirname(here)
         return here
@@ -148,12 +163,17 @@ class RunCgroups:
         entering = self.entering.pop(pid, None)
         if entering is not None:
             try:
-                self.runs[pid] = entering.result()
-                self.rules[pid] = self.rule(())
-                self.failed.discard(pid)
+                path, was = entering.result()
             except OSError as exc:
                 self.failed.add(pid)
+                self.wanted.discard(pid)
                 self.say(f"pid {pid} could not be confined: {exc.strerror or exc}")
+            else:
+                self.runs[pid] = path
+                self.rules[path] = self.rule(())
+                self.failed.discard(pid)
+                if was in self.leaving:
+                    self._tidy([was])  # it left its last run's cgroup: maybe empty now
         return self.runs.get(pid)
 
     # -- its rule ---------------------------------------------------------------------------
@@ -169,6 +189,20 @@ class RunCgroups:
             owned.append(ids)
         return drivernodes.rule(owned, self.proc)
 
+    def _set(self, path: str, devices: List[str]) -> bool:
+        """PATH's rule opens exactly DEVICES' nodes; False where that could not be done."""
+        rule = self.rule(devices)
+        if rule != self.rules.get(path):
+            try:
+                self.mech.confine(path, rule, self.rules.get(path))
+            except OSError as exc:
+                self.say(f"the cgroup {path} could not be set to {','.join(devices) or 'no GPU'}: "
+                         f"{exc.strerror or exc}")
+                self.rules.pop(path, None)  # written in part: written whole next time
+                return False
+            self.rules[path] = rule
+        return True
+
     def allow(self, pid: int, devices: Iterable[str]) -> bool:
         """PID's cgroup opens exactly DEVICES' nodes (all it holds, or is about to be sent).
         False where it could not be done (its grant must not be sent); with nothing left to
@@ -179,125 +213,135 @@ class RunCgroups:
         path = self._settled(pid)
         if path is None:
             return not devices
-        rule = self.rule(devices)
-        if rule != self.rules.get(pid):
-            try:
-                self.mech.confine(path, rule, self.rules.get(pid))
-            except OSError as exc:
-                self.say(f"the cgroup of pid {pid} could not be set to {','.join(devices) or 'no GPU'}: "
-                         f"{exc.strerror or exc}")
-                self.rules.pop(pid, None)  # written in part: written whole next time
-                return False
-            self.rules[pid] = rule
-        if devices and pid in self.bases:
-            # The next run there gets a cgroup made ahead: made now, as this one's grant goes
-            # out, not at its entry, where the worker's writes competed with its decision.
-            self.worker.submit(self._spare, self.bases.pop(pid))
+        if not self._set(path, devices):
+            return False
         if devices:
-            self.ended.discard(pid)
+            self.wanted.add(pid)
+            self._unwatch(path)  # wanted again (a client granted after a void grant)
+            base = self.bases.pop(pid, None)
+            if base is not None:
+                # The next run there gets a cgroup made ahead: made now, as this one's grant
+                # goes out, not at its entry, where the worker's writes competed with its decision.
+                self.worker.submit(self._spare, base)
         else:
-            self.ended.add(pid)
-        self.sweep()
+            self.wanted.discard(pid)
+            self._tidy([path])
         return True
 
-    def sweep(self) -> None:
-        """Remove the cgroups of runs that hold nothing and have no process left."""
-        while not self.orphans_gone.empty():
-            pid, path = self.orphans_gone.get()
-            if self.runs.get(pid) == path:  # not a new process's of that number since
-                del self.runs[pid]
-                self.rules.pop(pid, None)
-                self.ended.discard(pid)
-        for pid in list(self.ended):
-            path = self.runs.get(pid)
+    # -- which cgroups exist ----------------------------------------------------------------
+    def _tidy(self, paths: Iterable[str]) -> None:
+        """The one place where this install's run cgroups go: each of PATHS that is neither
+        a run's that holds devices or waits for its decision, nor a spare, is removed now if
+        no process is in it, else once the last one has exited (its pidfd, ``emptied``)."""
+        keep = {self.runs[pid] for pid in self.wanted if pid in self.runs}
+        keep.update(list(self.spares.values()))
+        unwatched = {path for path, watching in self.leaving.items() if not watching}  # see _remove
+        for path in (set(paths) | unwatched) - keep:
+            self._remove(path)
+
+    def _remove(self, path: str) -> None:
+        watching = self.leaving.setdefault(path, {})
+        for _ in range(100):  # each turn, a process seen in it exited before its pidfd was open
             try:
-                gone = path is None or self.mech.remove(path)
+                if self.mech.remove(path):
+                    self._gone(path)
+                    return
             except OSError as exc:
                 self.say(f"the cgroup {path} could not be removed: {exc.strerror or exc}")
-                gone = True  # not tried again and again
-            if gone:
-                self.ended.discard(pid)
-                self.runs.pop(pid, None)
-                self.rules.pop(pid, None)
-        # Still a process in them (most often the run itself, exiting: its lease's close comes
-        # before its exit): removed once empty off the loop, or an idle service keeps them.
-        left = {pid: self.runs[pid] for pid in self.ended if pid in self.runs}
-        if left:
-            self._await_empty(left)
+                self._gone(path)  # not tried again and again
+                return
+            for pid in self.mech.pids(path):
+                if pid in watching or len(watching) >= WATCHED_MAX:
+                    continue
+                try:
+                    fd = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    continue  # exited meanwhile
+                except OSError as exc:  # out of descriptors: tried again at the next tidy, or the stop
+                    self.say(f"the cgroup {path} cannot be watched until empty: {exc.strerror or exc}")
+                    return
+                watching[pid] = fd
+                self.watched[fd] = path
+                self.exits.register(fd, select.EPOLLIN)
+            if watching:
+                return
+        self.say(f"the cgroup {path} cannot be watched until empty: its processes keep exiting and forking")
+
+    def _gone(self, path: str) -> None:
+        self._unwatch(path)
+        self.rules.pop(path, None)
+        for pid in [p for p, where in self.runs.items() if where == path]:
+            del self.runs[pid]
+
+    def _unwatch(self, path: str) -> None:
+        for fd in self.leaving.pop(path, {}).values():
+            self._forget(fd)
+
+    def _forget(self, fd: int) -> None:
+        del self.watched[fd]
+        self.exits.unregister(fd)
+        os.close(fd)
+
+    def fileno(self) -> int:
+        """Readable when a process in a cgroup waiting to go has exited: then ``emptied``."""
+        return self.exits.fileno()
+
+    def emptied(self) -> None:
+        """Each cgroup one of whose processes exited is removed, if empty now, else waits on."""
+        paths = set()
+        for fd, _mask in self.exits.poll(0):
+            path = self.watched[fd]
+            watching = self.leaving[path]
+            del watching[next(pid for pid, f in watching.items() if f == fd)]
+            self._forget(fd)
+            paths.add(path)
+        self._tidy(paths)
+
+    def _found(self) -> List[str]:
+        """Every run cgroup of this install on the host (not another install's)."""
+        root = self.mech.roots[0]
+        return ["/" + os.path.relpath(os.path.join(where, name), root) for where, dirs, _files in os.walk(root)
+                for name in dirs if name.startswith(self.prefix)]
 
     def close(self) -> None:
-        """The service stops: its spares go, and so does each cgroup the emptier waited on that
-        is empty by now (its next poll would have come too late: the emptier dies with the
-        service); a run's cgroup with a process in it stays with its run."""
-        self.worker.shutdown(wait=True)
-        with self.emptying_lock:
-            waited = list(self.emptying)
-        for path in list(self.spares.values()) + waited:
+        """The service stops: every run cgroup of this install with no process in it is
+        removed, now (spares, a run's whose last process just exited); one with a process
+        stays with its run (it goes on confined), for the next start's reconcile."""
+        self.worker.shutdown(wait=True, cancel_futures=True)  # no spare made once stopping
+        for path in self._found():
             try:
                 self.mech.remove(path)
-            except OSError:
-                pass  # the next start's reconcile removes it
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    self.say(f"the cgroup {path} could not be removed: {exc.strerror or exc}")
+        for fd in list(self.watched):
+            self._forget(fd)
+        self.leaving.clear()
         self.spares.clear()
+        self.exits.close()
 
     # -- a restart --------------------------------------------------------------------------
     def reconcile(self, held: Mapping[int, Iterable[str]], followed: Iterable[int] = ()) -> None:
-        """After a restart: each run cgroup is set to what the processes in it hold (HELD: pid
-        -> devices, from the lock table and the grants adopted); one whose processes hold
-        nothing (a run that ended while no service watched, a spare) is narrowed to nothing
-        and removed once empty. A holder no adopted grant follows (FOLLOWED: their clients'
-        pids; one granted just before a crash, before the ledger's state had it) keeps its
-        devices, and its cgroup goes once empty, at a later sweep. Another install's run
-        cgroups (another service's, on the same host) are not this one's to touch."""
+        """At the start: each run cgroup of this install is set to what the processes in it
+        hold (HELD: pid -> devices, from the lock table and the grants adopted), and kept
+        while they do if a grant followed from now on holds it (FOLLOWED: their clients'
+        pids). Any other goes now if empty, else once its last process exits: one in which
+        nobody holds a device (a spare the last service made ahead, a run that ended while no
+        service watched) narrowed to nothing first; one whose holders no grant follows (one
+        granted just before a crash, before the ledger's state had it) keeping its devices,
+        as no exit or close of theirs reaches the loop. Another install's run cgroups
+        (another service's, on the same host) are not this one's to touch."""
         followed = set(followed)
-        unfollowed: Dict[int, str] = {}  # found holding, followed by no grant: goes once empty
-        root = self.mech.roots[0]
-        found = ["/" + os.path.relpath(os.path.join(where, name), root) for where, dirs, _files in os.walk(root)
-                 for name in dirs if name.startswith(self.prefix)]
+        found = self._found()
         for n, path in enumerate(found):
             inside = set(self.mech.pids(path))
             holders = [pid for pid in held if pid in inside]
             owner = holders[0] if holders else -1 - n  # negative: nobody in it holds a device
             self.runs[owner] = path
-            self.allow(owner, sorted({u for pid in holders for u in held[pid]}))
-            # Nobody in it holds a device (a spare the last service made ahead, a run that
-            # ended meanwhile), or its holders no grant follows: it goes once empty. No exit
-            # or close of theirs reaches the loop, so nothing else would remove it.
-            if not holders or owner not in followed:
-                unfollowed[owner] = path
-        if unfollowed:
-            self._await_empty(unfollowed)
-
-    def _await_empty(self, left: Mapping[int, str]) -> None:
-        """Remove each cgroup of LEFT (pid -> path) once no process is in it: a restart's whose
-        holders no grant follows (no exit or close of theirs reaches the loop), and runs ended
-        with a process still in their cgroup (nothing may come to the loop after it). A cgroup
-        with a process cannot be removed, so its pid, gone, can get no grant meanwhile."""
-        with self.emptying_lock:
-            self.emptying.update({path: pid for pid, path in left.items()})
-            if self.emptier is None:
-                self.emptier = threading.Thread(target=self._empty, daemon=True, name="cudawrap-confine-orphans")
-                self.emptier.start()
-
-    def _empty(self) -> None:
-        """The emptier: a poll each ORPHAN_POLL_S while it has cgroups to remove, touching nothing
-        of the loop's but the queue it reports to (sweep reads it)."""
-        while True:
-            time.sleep(ORPHAN_POLL_S)
-            with self.emptying_lock:
-                left = dict(self.emptying)
-            for path, pid in left.items():
-                try:
-                    gone = self.mech.remove(path)
-                except OSError:
-                    gone = True
-                if gone:
-                    with self.emptying_lock:
-                        del self.emptying[path]
-                    self.orphans_gone.put((pid, path))
-            with self.emptying_lock:
-                if not self.emptying:
-                    self.emptier = None
-                    return
+            if owner in followed:
+                self.wanted.add(owner)
+            self._set(path, sorted({u for pid in holders for u in held[pid]}))
+        self._tidy(found)
 
 
 def kill_run_of(pid: int, ticks: int) -> bool:

@@ -21,12 +21,20 @@ def proc_locks() -> Dict[Tuple[int, int], int]:
     return first_pids(lock_table())
 
 
-def fd_holders(files: Iterable[Tuple[int, int]], pids: Iterable[int]) -> Dict[Tuple[int, int], List[int]]:
+def every_pid() -> List[int]:
+    """The pid of every process now, in order (/proc)."""
+    return sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+
+
+def fd_holders(files: Iterable[Tuple[int, int]], pids: Iterable[int],
+               named: Optional[Dict[Tuple[int, int], str]] = None) -> Dict[Tuple[int, int], List[int]]:
     """(device, inode) -> those of PIDS that hold a flock on that file now.
 
     A process counts when one of its descriptors is open on the file and that descriptor's
     open file description owns the lock: what holding a lease means. Processes whose
-    descriptors we may not read (another user's, for a user) are not counted.
+    descriptors we may not read (another user's, for a user) are not counted. With NAMED
+    ((device, inode) -> a name), only a descriptor the kernel names so counts (a replaced
+    file is "PATH (deleted)"; a new file given its freed inode's number is named otherwise).
     """
     wanted = set(files)
     found: Dict[Tuple[int, int], List[int]] = {}
@@ -42,9 +50,20 @@ def fd_holders(files: Iterable[Tuple[int, int]], pids: Iterable[int]) -> Dict[Tu
             except OSError:
                 continue
             key = (st.st_dev, st.st_ino)
-            if key in wanted and pid not in found.get(key, ()) and lock_kind(int(fd), str(pid)) is not None:
+            if key not in wanted or pid in found.get(key, ()):
+                continue
+            if named is not None and _target(f"{base}/{fd}") != named[key]:
+                continue
+            if lock_kind(int(fd), str(pid)) is not None:
                 found.setdefault(key, []).append(pid)
     return found
+
+
+def _target(link: str) -> str:
+    try:
+        return os.readlink(link)
+    except OSError:
+        return ""
 
 
 class Holding:
@@ -138,8 +157,7 @@ def heirs(takers: Dict[Tuple[int, int], List[Optional[int]]]) -> Dict[Tuple[int,
     wanted = [key for key, pids in takers.items() if None in pids]
     if not wanted:
         return takers
-    everyone = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-    found = fd_holders(wanted, everyone)
+    found = fd_holders(wanted, every_pid())
     out = dict(takers)
     for key in wanted:
         others = [p for p in found.get(key, []) if p not in takers[key]]

@@ -78,6 +78,8 @@ class Service:
         self.stalls = Stalls()  # grants sent and not taken yet; clients passed over for ignoring theirs
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.answers.fileno(), selectors.EVENT_READ, "answers")
+        if self.grants.confine is not None:  # [confine] runs: the exits that empty an ended run's cgroup
+            self.selector.register(self.grants.confine.fileno(), selectors.EVENT_READ, "confine")
         self._catch_stops()  # before the socket exists: a stop from here on removes it
         self.dirty = False
         self.freed = False  # a grant ended: decided on at once, MIN_GAP_S or not
@@ -126,7 +128,9 @@ class Service:
         self.comeback.census.note(self.roster.ticketed, time.monotonic(), exact=True)
         for client in list(self.clients.values()):
             self._drop(client)
-        self.grants.close()  # [confine] runs: the cgroups made ahead go
+        if self.grants.confine is not None:
+            self.selector.unregister(self.grants.confine.fileno())
+        self.grants.close()  # [confine] runs: every run cgroup with no process left goes
         try:
             os.unlink(self.path)
         except OSError:
@@ -194,6 +198,8 @@ class Service:
                     self._events()
                 elif key.data == "slurm":
                     self._resolved()
+                elif key.data == "confine":
+                    self.grants.confine.emptied()
                 elif key.data == "answers":
                     for client, done in self.answers.finished():
                         self._send_answer(client, done)

@@ -17,12 +17,12 @@ from typing import Dict, List, Tuple
 
 from ..launch import client
 from .. import wire
-from ..lease.files import lock_kind
+from ..lease.holders import every_pid, fd_holders
 from ..lease.renew import replace
 from ..paths import Layout
 from ..base.users import user_name
-from . import bookkeeping as accounts
-from ..ledger import looks as ledger, files as ledgerfile
+from . import bookkeeping
+from ..ledger import files as ledgerfile, looks
 from ..base.procinfo import process_info
 
 
@@ -55,7 +55,7 @@ def revoke(layout: Layout, uuids: List[str], by: str) -> List[str]:
     spare = {os.getpid()}
     done = list(uuids)
     if reply is None:
-        ledger.look(layout, "revoke")  # the leases held now recorded, to be ended as revoked
+        looks.look(layout, "revoke")  # the leases held now recorded, to be ended as revoked
         for paths in files.values():
             for path in paths:
                 replace(path, held_too=True)
@@ -85,23 +85,12 @@ def _holding(old: Dict[Tuple[int, int], str]) -> List[Tuple[int, str]]:
     """(pid, path) of each process holding a lock, through a descriptor of its own, on one of
     the replaced files OLD ((device, inode) -> the path it had): named by the kernel as that
     path "(deleted)", so that a new file given a freed inode's number is no match."""
-    found: List[Tuple[int, str]] = []
-    for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            path = old.get((st.st_dev, st.st_ino))
-            if path is not None and target == path + " (deleted)" and lock_kind(int(fd), str(pid)) is not None:
-                found.append((pid, path))
-                break
-    return found
+    found = fd_holders(old, every_pid(), named={key: path + " (deleted)" for key, path in old.items()})
+    first: Dict[int, str] = {}
+    for key, pids in found.items():
+        for pid in pids:
+            first.setdefault(pid, old[key])
+    return sorted(first.items())
 
 
 def _end_records(layout: Layout, uuids: List[str], by: str) -> None:
@@ -110,7 +99,7 @@ def _end_records(layout: Layout, uuids: List[str], by: str) -> None:
     if not path.exists():
         return
     with ledgerfile.Locked(layout):
-        state = ledger._load_state(path)
+        state = looks._load_state(path)
     for lid, record in state["open"].items():
         if set(record.get("devices", ())) & set(uuids):
-            accounts.end(layout, lid, f"revoked by {by}")
+            bookkeeping.end(layout, lid, f"revoked by {by}")
