@@ -1,21 +1,19 @@
 """cudawrap: every run of a CUDA program gets its own free GPU or MIG instance.
 
 This file is the shim's entry point (main) as well as the package's: importing any part of
-cudawrap runs it first, so the shim's fast path lives here and costs a launch no module of
-its own (each costs ~0.1 ms). Where `cudawrap serve` answers, a launch is a handful of system
-calls: connect, say which program runs (the kernel says it: the service reads it from /proc,
-never from us) and the variables that may narrow its settings, receive the lease files'
-descriptors, lock them, exec. The service reads the policy, decides and records; nothing
-here reads a file of cudawrap's. Every other case goes the general way (cudawrap.launch),
-which decides the same things with the whole of cudawrap: no service (or one that went away
-while we waited, with the ticket that keeps our place), a lease inherited from a wrapped
-parent, a Slurm job, a real program that is a symbolic link (it might lead back to a shim),
-CUDAWRAP_DEBUG, and every error there is to explain.
+cudawrap runs it first, so the shim's fast path lives here and costs a launch no module of its
+own (~0.1 ms each). Where `cudawrap serve` answers, a launch is a handful of system calls:
+connect, say the variables that may narrow the run's settings (which program runs, the service
+reads from /proc: the kernel's word, not ours), receive the lease files' descriptors, lock
+them, exec. The service reads the policy, decides and records; nothing here reads a file of
+cudawrap's. Every other case goes the general way (cudawrap.launch), which decides the same
+with the whole of cudawrap: no service (or one gone while we waited: the ticket keeps our
+place), a lease inherited from a wrapped parent, a Slurm job, a real program that is a symbolic
+link (it might lead back to a shim), CUDAWRAP_DEBUG, and every error there is to explain.
 
-So it imports the C modules posix, _socket and fcntl and cudawrap's leaves (wire,
-locations) only: not even os, whose import (posixpath, stat, _collections_abc) costs ~0.8 ms,
-an eighth of the interpreter's own start. Where no service runs (no socket), it costs a
-launch three stat calls and nothing else is imported.
+It imports the C modules posix, _socket and fcntl and cudawrap's leaves (wire, locations)
+only: not os (posixpath, stat, _collections_abc: ~0.8 ms). Without a service (no socket), it
+costs a launch three stat calls and imports nothing more.
 """
 # No `from __future__ import annotations` here (nor in locations.py): at run time it imports
 # the module __future__, ~0.1 ms of every launch. Annotations naming typing's names are strings.
@@ -25,8 +23,6 @@ import sys
 TYPE_CHECKING = False  # the shim imports this package; `import typing` costs ~10 ms
 if TYPE_CHECKING:
     from typing import Any, Dict, List, NoReturn, Optional, Tuple
-
-from . import locations as loc
 
 __version__ = "0.1.0"
 
@@ -47,8 +43,7 @@ def acquire(count: int = 1, wait: "Any" = None, **kwargs: "Any") -> "List[str]":
 # ---- the shim's entry point, and its fast path through the service --------------------------
 
 _ASK_PREFIX = b"CUDAWRAP_"
-# Set: the general way (an inherited lease, a Slurm job, a trace).
-_GENERAL = (loc.LEASE_ENV.encode(), b"SLURM_JOB_ID", b"CUDAWRAP_DEBUG")
+_GENERAL = (b"SLURM_JOB_ID", b"CUDAWRAP_DEBUG")  # set (or LEASE_ENV, inherited): the general way
 _CVD = b"CUDA_VISIBLE_DEVICES"
 # A shared run's MPS variables: a whole device bypasses MPS (here and in launch.whole_devices).
 MPS_VARIABLES = (b"CUDA_MPS_PIPE_DIRECTORY", b"CUDA_MPS_LOG_DIRECTORY",
@@ -59,15 +54,14 @@ _S_IFMT, _S_IFREG = 0o170000, 0o100000
 # Whatever a user sets here affects that user's own run only, as CUDAWRAP_DEBUG does: a ticket
 # is the service's to honour (signed, bound to its uid, used once).
 _RESUME = b"CUDAWRAP_RESUME"
-# The waiter's argument list, as its first word (it refuses any other).
-_WAITER_LAYOUT = "cudawrap-wait/1"
-# os.EX_PROTOCOL and os.EX_SOFTWARE, without os.
-_EX_PROTOCOL, _EX_SOFTWARE = "76", 70
+_WAITER_LAYOUT = "cudawrap-wait/1"  # the waiter's argument list, as its first word (it refuses any other)
+_EX_PROTOCOL, _EX_SOFTWARE = "76", 70  # os.EX_PROTOCOL and os.EX_SOFTWARE, without os
 
 
 def main(root: str, link: "Optional[str]" = None) -> "NoReturn":
     """Run the program wrapped at LINK (baked into its own shim; None: the shared shim of
     older installs, which finds it from how it was invoked)."""
+    sys.meta_path.insert(0, OwnModules)  # cudawrap's own modules found and loaded directly, either way
     ticket = ""
     if link is not None:
         try:
@@ -78,38 +72,31 @@ def main(root: str, link: "Optional[str]" = None) -> "NoReturn":
                 ticket = _served(root, link, sys.argv)  # returns only to go the general way
         except KeyboardInterrupt:
             posix._exit(130)
-    _general_imports()
+    # The general way loads ~24 of cudawrap's modules: collections of the cyclic garbage collector
+    # while they load (~10 at the default threshold of 700 new objects) are put off. A launch execs
+    # long before its garbage matters; a run that waits collects, 100 times less often.
+    import gc
+
+    gc.set_threshold(70000, 10, 10)
     from .launch import main as general
 
     general(root, link, ticket)
 
 
-def _general_imports() -> None:
-    """Make the general way's imports cheaper: it loads ~24 of cudawrap's modules, and the
-    path finder's search costs each ~20 us (a directory listing per package, five suffixes
-    joined and tried per name); OwnModules finds them directly. Collections of the cyclic
-    garbage collector while they load (~10 at the default threshold of 700 new objects) are
-    put off: a launch execs long before its garbage matters, and a run that waits still
-    collects, 100 times less often."""
-    import gc
-
-    gc.set_threshold(70000, 10, 10)
-    sys.meta_path.insert(0, OwnModules)
-
-
-class OwnModules:
-    """A meta path finder for cudawrap's own submodules, put first by the shim's general way.
-
-    The spec is the one the path finder would make (spec_from_file_location with a
-    SourceFileLoader, so the bytecode cache is checked and written as ever): a package
-    directory's __init__.py first, then NAME.py. Anything else (not cudawrap's, or not there
-    as plain source) is left to the finders after it."""
+class OwnModules(sys.modules["_frozen_importlib_external"].SourceFileLoader):  # importlib's own, loaded at start
+    """A meta path finder for cudawrap's own submodules, put first by the shim (the path finder's
+    search costs each ~20 us: a directory listing per package, five suffixes joined and tried per
+    name), and their loader. The spec is the path finder's (spec_from_file_location): a package
+    directory's __init__.py first, then NAME.py; anything else (not cudawrap's, or not plain
+    source) is left to the finders after it. It loads as SourceFileLoader does, but that a current
+    pyc (as pip wrote it at install) is one open and read, checked by the same header fields with
+    the stat that found its source (~20 us a module less); any other pyc is the loader's to read."""
+    st = pyc = None  # that stat, once (a reload, or a loader made elsewhere, goes the loader's way)
 
     @staticmethod
     def find_spec(name: str, path: "Any" = None, target: "Any" = None) -> "Any":
         if not path or not name.startswith("cudawrap."):
             return None
-        external = sys.modules["_frozen_importlib_external"]  # importlib's own, loaded at start-up
         base = f"{path[0]}/{name[name.rfind('.') + 1:]}"
         for file, search in ((base + "/__init__.py", [base]), (base + ".py", None)):
             try:
@@ -118,14 +105,40 @@ class OwnModules:
                 continue
             if st.st_mode & _S_IFMT != _S_IFREG:
                 return None
-            return external.spec_from_file_location(name, file, loader=external.SourceFileLoader(name, file),
-                                                    submodule_search_locations=search)
+            loader = OwnModules(name, file)
+            spec = sys.modules["_frozen_importlib_external"].spec_from_file_location(
+                name, file, loader=loader, submodule_search_locations=search)
+            loader.st, loader.pyc = st, spec.cached  # its pyc's path, worked out once (also __cached__)
+            return spec
         return None
+
+    def get_code(self, fullname: str) -> "Any":
+        import _imp
+        import marshal
+
+        st, self.st, external = self.st, None, sys.modules["_frozen_importlib_external"]
+        try:
+            fd = posix.open(self.pyc or "", posix.O_RDONLY | posix.O_CLOEXEC)
+            try:
+                data = posix.read(fd, posix.fstat(fd).st_size)
+            finally:
+                posix.close(fd)
+        except OSError:  # no pyc (or no bytecode cache at all: no path)
+            data = b""
+        if st is None or data[:16] != external.MAGIC_NUMBER + bytes(4) + (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(
+                4, "little") + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little"):  # 0: a timestamp pyc
+            return super().get_code(fullname)
+        code = marshal.loads(memoryview(data)[16:])
+        _imp._fix_co_filename(code, self.path)  # as the loader does: the source's path, wherever compiled
+        return code
 
 
 def say(prog: str, message: str) -> None:
     """One line on stderr; written in one call so parallel launches never interleave."""
     posix.write(2, f"{prog}: {message}\n".encode("utf-8", "replace"))
+
+
+_ORIGINAL: "List[Dict[bytes, bytes]]" = []
 
 
 def original_environ() -> "Dict[bytes, bytes]":
@@ -135,42 +148,34 @@ def original_environ() -> "Dict[bytes, bytes]":
     it changed; the kernel's copy in /proc/self/environ is the untouched original, and it
     never changes: read once, while the service decides (_converse).
     """
-    if not _ORIGINAL:
-        _ORIGINAL.append(_read_environ())
-    return dict(_ORIGINAL[0])
-
-
-_ORIGINAL: "List[Dict[bytes, bytes]]" = []
-
-
-def _read_environ() -> "Dict[bytes, bytes]":
+    if _ORIGINAL:
+        return dict(_ORIGINAL[0])
     try:
         fd = posix.open("/proc/self/environ", posix.O_RDONLY | posix.O_CLOEXEC)
     except OSError:
-        return dict(posix.environ)
+        _ORIGINAL.append(dict(posix.environ))
+        return dict(_ORIGINAL[0])
     try:
-        chunks = []
-        while True:
-            chunk = posix.read(fd, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
+        data = b"".join(iter(lambda: posix.read(fd, 1 << 16), b""))
     finally:
         posix.close(fd)
     env: Dict[bytes, bytes] = {}
-    for item in b"".join(chunks).split(b"\0"):
+    for item in data.split(b"\0"):
         key, sep, value = item.partition(b"=")
         if sep and key not in env:  # the first of duplicates wins, as with getenv()
             env[key] = value
     env.pop(_RESUME, None)  # for this shim only, never the program's
-    return env
+    _ORIGINAL.append(env)
+    return dict(env)
 
 
 def _served(root: str, link: str, argv: "List[str]") -> str:
     """Exec the real program with the devices the service grants; the ticket of a place in
     line ("" for none) when the general way must go on instead."""
+    from . import locations as loc
+
     environ = posix.environ
-    if not argv or not argv[0] or any(name in environ for name in _GENERAL):
+    if not argv or not argv[0] or any(name in environ for name in (loc.LEASE_ENV.encode(),) + _GENERAL):
         return ""
     preset = environ.get(_CVD)
     if preset is not None and not preset.strip():
@@ -235,6 +240,8 @@ def _wait_elsewhere(sock: "Any", prog: str, ticket: str, run: "Tuple[str, str, L
     hand-over is then an exec from a small C process, not from this interpreter (whose
     teardown in exec is ~1 ms, paid here instead, where nobody waits on it). Returns only
     where there is no waiter of this install's owner's (not built: no C compiler at install)."""
+    from . import locations as loc
+
     root, real, argv, owner = run
     if not sys.executable:
         return  # it could not hand the run back to a shim (_RESUME)
@@ -267,13 +274,13 @@ def _converse(sock: "Any", request: bytes, prog: str, run: "Tuple[str, str, List
     try:
         sock.sendall(request)
         # Loaded while the service decides, not once the grant is here (a C extension: ~0.2 ms
-        # of a hand-over when lock_granted imported it first); the environment to exec with too.
+        # of a hand-over when wire.lock_granted imported it first); the environment to exec with too.
         import fcntl  # noqa: F401
         original_environ()
         while True:
             data, ancillary, _flags, _addr = sock.recvmsg(
                 wire.MAX_MESSAGE, _socket.CMSG_SPACE(wire.MAX_FDS * wire.FD_BYTES))
-            fds += received_fds(ancillary)
+            fds += wire.received_fds(ancillary)
             if not data:
                 if granted is not None:
                     return granted  # the locks are ours: the kernel's word stands without the service
@@ -283,8 +290,7 @@ def _converse(sock: "Any", request: bytes, prog: str, run: "Tuple[str, str, List
                 if granted is not None:
                     if verb == wire.DONE:
                         return granted
-                    continue
-                if verb == wire.WAIT:
+                elif verb == wire.WAIT:
                     ticket = reply.get("ticket", ticket)
                     if reply.get("text"):
                         say(prog, reply["text"])
@@ -293,27 +299,11 @@ def _converse(sock: "Any", request: bytes, prog: str, run: "Tuple[str, str, List
                         return ""  # a service that does not know wire.RUN: the general way asks it
                     _refused(prog, reply)
                 elif verb == wire.GRANT:
-                    described = wire.described(reply)
-                    locked = (lock_granted(fds, described)
-                              if described is not None and len(described) == len(fds) else None)
-                    if locked is None:
-                        for fd in fds:
-                            posix.close(fd)
-                        fds = []
-                        sock.sendall(wire.encode(wire.LOST, {"devices": reply.get("devices", "")}))
-                        continue
-                    fds = []
-                    if reply.get("text"):
-                        say(prog, reply["text"])  # what it got after waiting
-                    if not locked[1]:
+                    granted = _take(sock, prog, fds, reply)
+                    if granted is not None and not granted[1]:
                         # Whole devices: nothing more to say. The connection closes before the
                         # exec, and the service checks the locks then, as it checks a HELD's.
-                        return locked + (reply,)
-                    # A share says HELD and waits for DONE: the service opens the
-                    # device's MPS pipe directory to this user then, before the program may
-                    # connect to it.
-                    sock.sendall(wire.encode(wire.HELD, {"devices": reply.get("devices", "")}))
-                    granted = locked + (reply,)
+                        return granted
             if (elsewhere and granted is None and replies and replies[-1][0] == wire.WAIT
                     and not fds and not reader.buffer):
                 elsewhere = False  # tried once: if there is none, wait here
@@ -329,48 +319,28 @@ def _converse(sock: "Any", request: bytes, prog: str, run: "Tuple[str, str, List
     return ticket
 
 
-def received_fds(ancillary: "List[Tuple[int, int, bytes]]") -> "List[int]":
-    """The descriptors that came with a message (SCM_RIGHTS), from recvmsg's ancillary data."""
-    import _socket
-
-    from .wire import FD_BYTES
-
-    fds: List[int] = []
-    for level, kind, payload in ancillary:
-        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-            fds += [int.from_bytes(payload[i:i + FD_BYTES], sys.byteorder, signed=True)
-                    for i in range(0, len(payload) - len(payload) % FD_BYTES, FD_BYTES)]
-    return fds
-
-
-def lock_granted(fds: "List[int]", described: "List[Tuple[str, str, bool]]"
-                 ) -> "Optional[Tuple[Dict[str, int], Dict[str, int]]]":
-    """Each descriptor's lock, taken without blocking as a run deciding for itself takes it
-    (a share: the lease file's shared lock, then its slot's exclusive one), DESCRIBED by its
-    GRANT (wire.described): (uuid -> lease descriptor, uuid -> slot descriptor), or None if
-    one was taken past the service (by a run deciding for itself). Closes nothing."""
-    import fcntl
-
+def _take(sock: "Any", prog: str, fds: "List[int]", reply: "Dict[str, str]") -> "Any":
+    """A GRANT's descriptors FDS (emptied: they are the grant's now, or closed) locked:
+    (leases, slots, REPLY), a share's HELD said; None, and LOST said, if one was taken past
+    the service (by a run deciding for itself)."""
     from . import wire
 
-    leases: Dict[str, int] = {}
-    slots: Dict[str, int] = {}
-    for fd, (uuid, what, exclusive) in zip(fds, described):
-        how = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-        for attempt in range(wire.LOCK_TRIES):  # as a run deciding for itself: see wire.LOCK_TRIES
-            if attempt:
-                import time
-
-                time.sleep(wire.LOCK_GAP_S)
-            try:
-                fcntl.flock(fd, how)
-                break
-            except OSError:
-                continue
-        else:
-            return None
-        (leases if what == wire.LEASE else slots)[uuid] = fd
-    return leases, slots
+    described = wire.described(reply)
+    locked = wire.lock_granted(fds, described) if described is not None and len(described) == len(fds) else None
+    if locked is None:
+        for fd in fds:
+            posix.close(fd)
+        fds.clear()
+        sock.sendall(wire.encode(wire.LOST, {"devices": reply.get("devices", "")}))
+        return None
+    fds.clear()
+    if reply.get("text"):
+        say(prog, reply["text"])  # what it got after waiting
+    if locked[1]:
+        # A share says HELD and waits for DONE: the service opens the device's MPS pipe
+        # directory to this user then, before the program may connect to it.
+        sock.sendall(wire.encode(wire.HELD, {"devices": reply.get("devices", "")}))
+    return locked + (reply,)
 
 
 def lease_marker(leases: "Dict[str, int]", slots: "Dict[str, int]") -> str:
@@ -392,7 +362,7 @@ def _refused(prog: str, reply: "Dict[str, str]") -> "NoReturn":
 def _become(root: str, link: str, real: str, argv: "List[str]", leases: "Dict[str, int]", slots: "Dict[str, int]",
              reply: "Dict[str, str]") -> "NoReturn":
     """Exec REAL with the lease's descriptors and its variables, as launch.Grant.apply sets them."""
-    from . import wire
+    from . import locations as loc, wire
 
     prog = link[link.rfind("/") + 1:]
     env = original_environ()
@@ -414,9 +384,8 @@ def _become(root: str, link: str, real: str, argv: "List[str]", leases: "Dict[st
     import _signal  # `signal` would pull in enum
 
     # Python ignores SIGPIPE and SIGXFSZ, and ignored signals survive exec (launch.exec_program).
-    for name in ("SIGPIPE", "SIGXFSZ"):
-        if hasattr(_signal, name):
-            _signal.signal(getattr(_signal, name), _signal.SIG_DFL)
+    for signum in (_signal.SIGPIPE, _signal.SIGXFSZ):
+        _signal.signal(signum, _signal.SIG_DFL)
     args = [argv[0]] + argv[1:]
     try:
         posix.execve(real, args, env)

@@ -26,6 +26,8 @@ answered as before, so the version stays 1.
 """
 # No `from __future__ import annotations` here (nor in locations.py): at run time it imports
 # the module __future__, ~0.1 ms of every launch. Annotations naming typing's names are strings.
+import sys
+
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Dict, List, Optional, Tuple
@@ -102,6 +104,43 @@ def described(reply: "Dict[str, str]") -> "Optional[List[Tuple[str, str, bool]]]
             return None
         out.append((uuid, what, kind == EXCLUSIVE))
     return out if any(what == LEASE for _uuid, what, _ex in out) else None
+
+
+def received_fds(ancillary: "List[Tuple[int, int, bytes]]") -> "List[int]":
+    """The descriptors that came with a message (SCM_RIGHTS), from recvmsg's ancillary data."""
+    import _socket
+
+    return [int.from_bytes(payload[i:i + FD_BYTES], sys.byteorder, signed=True)
+            for level, kind, payload in ancillary if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS
+            for i in range(0, len(payload) - len(payload) % FD_BYTES, FD_BYTES)]
+
+
+def lock_granted(fds: "List[int]", described: "List[Tuple[str, str, bool]]"
+                 ) -> "Optional[Tuple[Dict[str, int], Dict[str, int]]]":
+    """Each descriptor's lock, taken without blocking as a run deciding for itself takes it
+    (a share: the lease file's shared lock, then its slot's exclusive one), DESCRIBED by its
+    GRANT (described): (uuid -> lease descriptor, uuid -> slot descriptor), or None if one
+    was taken past the service (by a run deciding for itself). Closes nothing."""
+    import fcntl
+
+    leases: Dict[str, int] = {}
+    slots: Dict[str, int] = {}
+    for fd, (uuid, what, exclusive) in zip(fds, described):
+        how = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        for attempt in range(LOCK_TRIES):  # as a run deciding for itself: see LOCK_TRIES
+            if attempt:
+                import time
+
+                time.sleep(LOCK_GAP_S)
+            try:
+                fcntl.flock(fd, how)
+                break
+            except OSError:
+                continue
+        else:
+            return None
+        (leases if what == LEASE else slots)[uuid] = fd
+    return leases, slots
 
 
 def exit_status(error: "Dict[str, str]", otherwise: int) -> int:

@@ -293,13 +293,63 @@ def test_own_modules_finds_what_the_path_finder_finds():
         parent = importlib.import_module(name.rpartition(".")[0])
         ours, theirs = OwnModules.find_spec(name, parent.__path__), PathFinder.find_spec(name, parent.__path__)
         assert ours is not None and theirs is not None, name
-        assert type(ours.loader) is SourceFileLoader is type(theirs.loader), name
+        assert isinstance(ours.loader, SourceFileLoader) and type(theirs.loader) is SourceFileLoader, name
         assert (ours.name, ours.origin, ours.cached, ours.submodule_search_locations, ours.parent, ours.has_location) == (
             theirs.name, theirs.origin, theirs.cached, theirs.submodule_search_locations, theirs.parent,
             theirs.has_location), name
     # Anything else is left to the finders after it.
     assert OwnModules.find_spec("json", None) is None
     assert OwnModules.find_spec("cudawrap.no_such_module", importlib.import_module("cudawrap").__path__) is None
+
+
+def _own_module(tmp_path: Path, text: str, **compile_args) -> tuple:  # type: ignore[no-untyped-def]
+    """A module cudawrap.own_probe of TEXT in a directory of TMP_PATH, its pyc written by
+    py_compile (COMPILE_ARGS); (its OwnModules spec, its source path)."""
+    import py_compile
+
+    from cudawrap import OwnModules
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir(exist_ok=True)
+    source = pkg / "own_probe.py"
+    source.write_text(text)
+    py_compile.compile(str(source), doraise=True, **compile_args)
+    return (lambda: OwnModules.find_spec("cudawrap.own_probe", [str(pkg)])), source
+
+
+def test_own_modules_loads_a_current_pyc_itself_and_as_the_loader_would(tmp_path, monkeypatch):
+    # The shim's general way reads each of its ~24 modules' pyc with one open and read, checked
+    # with the stat that found the source, not through the loader's layers (~20 us a module).
+    from importlib.machinery import SourceFileLoader
+
+    spec, source = _own_module(tmp_path, "X = 1\n", dfile="/elsewhere/own_probe.py")
+    theirs = SourceFileLoader("cudawrap.own_probe", str(source)).get_code("cudawrap.own_probe")
+    monkeypatch.setattr(SourceFileLoader, "get_code", lambda self, name: pytest.fail("the loader's own way"))
+    ours = spec().loader.get_code("cudawrap.own_probe")
+    assert ours == theirs and ours.co_filename == str(source)  # the source's path, as the loader fixes it
+    module = {}
+    exec(ours, module)
+    assert module["X"] == 1
+
+
+@pytest.mark.parametrize("change", ["newer source", "same time, other size", "hash-based pyc"])
+def test_own_modules_leaves_any_other_pyc_to_the_loader(tmp_path, change):
+    # A pyc its source no longer matches (by time, by size, or a hash-based one) is the loader's
+    # to check, and here to recompile: the module is the source's as it is now.
+    import importlib.util
+    import py_compile
+
+    hashed = {"invalidation_mode": py_compile.PycInvalidationMode.CHECKED_HASH} if change == "hash-based pyc" else {}
+    spec, source = _own_module(tmp_path, "X = 1\n", **hashed)
+    st = source.stat()
+    source.write_text("X = 22\n" if change == "same time, other size" else "X = 2\n")
+    if change == "newer source":
+        os.utime(source, (st.st_atime + 10, st.st_mtime + 10))
+    else:
+        os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    module = importlib.util.module_from_spec(spec())
+    module.__spec__.loader.exec_module(module)
+    assert module.X == (22 if change == "same time, other size" else 2)
 
 
 def test_real_program_not_executable_reads_like_the_shell(installed):

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import locations as loc
-from .. import lock_granted, received_fds, say, wire
+from .. import say, wire
 from ..errors import CudawrapError
 from ..lease.files import Lease
 from .grant import Grant, whole_devices
@@ -98,7 +98,7 @@ class Connection:
                 continue
             except OSError:
                 raise ServiceGone() from None
-            self.fds += received_fds(ancillary)
+            self.fds += wire.received_fds(ancillary)
             if not data:
                 raise ServiceGone()
             try:
@@ -251,7 +251,7 @@ def _exchange(conn: Connection, fields: Dict[str, str], on_wait: Callable[[str],
             fds = conn.take_fds(len(described)) if described is not None else None
             if fds is None:
                 raise ServiceGone()
-            locked = lock_granted(fds, described)
+            locked = wire.lock_granted(fds, described)
             lease = Lease(*locked) if locked is not None else None
             if lease is None:  # taken past the service (a daemonless run): it decides again
                 for fd in fds:
