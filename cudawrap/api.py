@@ -33,7 +33,7 @@ def acquire(count: int = 1, wait: Any = None, root: Optional[str] = None, *,
 
     MODEL, MIN_MEMORY_MIB, MIN_FREE_MEMORY_MIB and MAX_UTILIZATION narrow the choice as
     the settings of those names do (a user can narrow the admin's, never widen them).
-    SHARE=True takes a share of each device (a slot, README "Sharing a GPU") instead of the
+    SHARE=True takes a share of each device (a slot, docs/admin/sharing.md) instead of the
     whole device; an MPS client's variables are set in os.environ too.
 
     Sets CUDA_VISIBLE_DEVICES and returns the leased UUIDs; a second call returns the

@@ -75,7 +75,7 @@ def under(root: str, rel: str) -> str:
     return root.rstrip("/") + "/" + rel
 
 
-# The two ways an install runs (README "One arbiter"): its service grants every lease, or
+# The two ways an install runs (docs/admin/ways.md): its service grants every lease, or
 # each run decides for itself.
 SERVICE, DAEMONLESS = "service", "daemonless"
 WAYS = (SERVICE, DAEMONLESS)

@@ -1,4 +1,4 @@
-"""The Python API's promises (README, "Commands for users"): a second call, and release()."""
+"""The Python API's promises (docs/user/running.md): a second call, and release()."""
 import json
 import subprocess
 import sys

@@ -460,7 +460,7 @@ def test_a_setting_above_any_section_says_where_it_belongs(tmp_path):
 
 
 def test_the_retired_enforce_key_still_parses_and_is_said_in_one_line_where_set():
-    """[service] enforce retired (README "One arbiter"): an older config keeps working, its
+    """[service] enforce retired (docs/admin/ways.md): an older config keeps working, its
     line (true or false) is named as doing nothing; an unknown key still exits 78."""
     from cudawrap.policy.config import retired_notes
 

@@ -1,7 +1,7 @@
 """The scheduling rule for shared runs, pure: fill-first, slots, MPS users, reservations, limits.
 
 Like tests/test_schedule.py, no processes: random machines with shared devices are checked
-against the invariants the rule promises (README "Sharing a GPU").
+against the invariants the rule promises (docs/admin/sharing.md).
 """
 from collections import defaultdict
 from typing import Dict, List

@@ -1,5 +1,5 @@
 """`cudawrap way service|daemonless` with real accounts and real runs holding and waiting:
-no lease lost, none granted twice, a waiting run keeps its turn (README "One arbiter").
+no lease lost, none granted twice, a waiting run keeps its turn (docs/admin/ways.md).
 
 The switch refuses (75, one line, nothing changed) while runs wait on the side it leaves,
 and goes through once none does; runs holding leases keep them across it either way.

@@ -42,7 +42,7 @@ def test_a_holder_past_its_median_makes_the_estimate_unknown_with_why() -> None:
 
 def test_a_run_whose_devices_are_all_drained_has_no_estimate_and_says_why() -> None:
     # Pure: the run itself gives up at its next look once every device it may use is drained
-    # (README "Draining"), so a running test can only race it; the rule is checked here.
+    # (docs/admin/drains.md), so a running test can only race it; the rule is checked here.
     now = time.time()
     device = {"uuid": "GPU-a", "holder": None, "drains": [{"reason": "fan"}]}
     row = {"pid": 1, "user": "bob", "count": 1, "candidates": None, "position": 1, "kind": "busy", "program": "x"}

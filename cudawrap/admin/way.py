@@ -1,5 +1,5 @@
 """`cudawrap way service|daemonless`: switch an installed server between its two ways
-(README "One arbiter"), safely while runs hold leases and runs wait.
+(docs/admin/ways.md), safely while runs hold leases and runs wait.
 
 Runs holding leases keep them either way: a lease is its flock, which neither the service's
 start nor its stop touches; the service, once it runs, counts every lock it finds and

@@ -18,7 +18,7 @@ FILTERS: Dict[str, Optional[str]] = {
     "min_memory_mib": "MIB",
     "min_free_memory_mib": "MIB",
     "max_utilization": "PERCENT",
-    "share": None,  # a shared run: a slot of a device, README "Sharing a GPU"
+    "share": None,  # a shared run: a slot of a device, docs/admin/sharing.md
 }
 
 

@@ -1,4 +1,4 @@
-"""[confine] nodes = "leased": no lease, no GPU (README "Confinement").
+"""[confine] nodes = "leased": no lease, no GPU (docs/admin/confinement.md).
 
 Under "leased" the service makes each GPU node (/dev/nvidiaN, major 195 minors 0-253) and each
 MIG instance's access capability (/dev/nvidia-caps/nvidia-capN, GI and CI access) root:root

@@ -94,7 +94,7 @@ def install(layout: Layout, python: str, source: Optional[Path], created: List[P
 
     CREATED are the directories install.sh made for the virtual environment. WAY: how a new
     install runs (None: a root install with its service, a --prefix one daemonless); an
-    upgrade keeps the way it runs (README "One arbiter"). MAN_PAGES
+    upgrade keeps the way it runs (docs/admin/ways.md). MAN_PAGES
     (path -> text) and REFRESH (the wrapped programs' shims, rewritten) come from the
     layers above, which own the CLI definitions and the wraps. Idempotent:
     a re-run (an upgrade) refreshes the shim and the boot files and keeps the config.

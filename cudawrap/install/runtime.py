@@ -24,8 +24,8 @@ def ensure_dir(path: Path, mode: int) -> None:
 
 def sealed(layout: Layout) -> bool:
     """Whether only the service may open the lease, slot and queue directories: where the
-    install runs it (its recorded way), and wherever it runs now, however started (README
-    "One arbiter"): one arbiter at a time, never the service beside runs that go around it."""
+    install runs it (its recorded way), and wherever it runs now, however started
+    (docs/admin/ways.md): one arbiter at a time, never the service beside runs that go around it."""
     from .. import locations as loc
     from ..base.daemon import running
     from ..paths import SERVICE, recorded_way

@@ -123,7 +123,7 @@ WantedBy=multi-user.target
 """
 
 def render_service_unit(layout: Layout) -> str:
-    """`cudawrap serve`: the broker that grants leases by descriptor (README "The cudawrap service")."""
+    """`cudawrap serve`: the broker that grants leases by descriptor (docs/admin/service.md)."""
     cudawrap, command = _unit_command(layout)
     return f"""\
 # Written by cudawrap's install.sh (re-running it rewrites this file).

@@ -1,4 +1,4 @@
-"""Which way an install runs, recorded once (README "One arbiter"): its service grants every
+"""Which way an install runs, recorded once (docs/admin/ways.md): its service grants every
 lease, or each run decides for itself. install.sh, the .deb and `cudawrap way` write the
 file (paths.Layout.way_file, root's, 0644); sync, the general launch and doctor read it.
 """

@@ -228,7 +228,7 @@ def machine_status(layout: Layout, ask_service: bool = True,
         waiting = _hide(devices, waiting, me, viewer)
     from ..ledger.eta import annotate
 
-    annotate(waiting, devices, layout)  # when each may start (README "Why am I waiting")
+    annotate(waiting, devices, layout)  # when each may start (docs/user/waiting.md)
     for device in devices:
         device["waiters"] = [w["pid"] for w in waiting
                              if w["candidates"] is None or device["uuid"] in w["candidates"]]

@@ -119,7 +119,7 @@ WAITING_COLUMNS: List[Column] = [
     ("PID", lambda w: "?" if w["pid"] is None else str(w["pid"]), 0),  # None: another user's, hidden
     ("N", lambda w: str(w["count"]), 0),
     ("PROGRAM", lambda w: w["program"], 12),
-    ("START", lambda w: w.get("start", "unknown"), 10),  # README "Why am I waiting"
+    ("START", lambda w: w.get("start", "unknown"), 10),  # docs/user/waiting.md
     ("WHY", lambda w: w["reason"], 38),  # all of it in --json
 ]
 

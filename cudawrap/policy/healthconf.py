@@ -1,5 +1,5 @@
 """The [health] table: which XIDs drain a device, when it comes back, and what is done about
-leftover processes and idle leases (README "When a GPU misbehaves").
+leftover processes and idle leases (docs/admin/health.md).
 
 Kept apart from config.py so the XID catalog lives in one place; config.py only lists the table.
 """

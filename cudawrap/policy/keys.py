@@ -52,7 +52,7 @@ OPS_SECTIONS: Dict[str, Dict[str, Callable[[Any], Any]]] = {
     "service": {"private_status": boolean, "max_connections_per_uid": connections, "enforce": boolean,
                 "connect_retry_s": seconds(zero_ok=True)},
     "health": health_keys(choice),
-    # What the kernel enforces of the service's grants (README "Confinement"); only the
+    # What the kernel enforces of the service's grants (docs/admin/confinement.md); only the
     # service applies it.
     "confine": {"runs": boolean, "nodes": choice(NODE_RULES), "cgroup": choice(CGROUP_VERSIONS),
                 "allow_users": account_list, "proc": absolute_path, "dev": absolute_path},
@@ -164,7 +164,7 @@ SHARING_MODES = ("time-slicing", "mps")
 
 
 
-# A shared run's memory limit and what exceeding it does (README "Memory of shared runs"); also
+# A shared run's memory limit and what exceeding it does (docs/admin/memory.md); also
 # per device ([sharing.devices."UUID"]) and per program ([programs."NAME"]).
 MEMORY_KEYS: Dict[str, Callable[[Any], Any]] = {
     "memory_limit_mib": memory_limit,
@@ -173,7 +173,7 @@ MEMORY_KEYS: Dict[str, Callable[[Any], Any]] = {
     "kill_after_s": seconds(True),
 }
 
-# [sharing]: how shared runs share a device (README "Sharing a GPU"). Absent optional keys
+# [sharing]: how shared runs share a device (docs/admin/sharing.md). Absent optional keys
 # mean "derived from slots" (thread share, memory limit, what a share counts as).
 SHARING_KEYS: Dict[str, Callable[[Any], Any]] = {
     "slots": slots,

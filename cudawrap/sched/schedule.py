@@ -5,7 +5,7 @@ free right now, how many devices each user holds, the users' limits, the clock. 
 here touches a file or a process, so every waiter, `cudawrap status` and the tests compute
 the same answer from the same snapshot, and the rule can be tested exhaustively.
 
-The rule (README "Order of service"):
+The rule (docs/user/waiting.md):
 
 1. Runs that have waited longer than their ``reserve_after`` come first, oldest first: the
    devices they can use are *reserved* for them as they free up, so a large run is never
@@ -20,7 +20,7 @@ The rule (README "Order of service"):
    whatever stands before it (no head-of-line idling); a run that would exceed its user's
    limit is passed over, not served early.
 
-Shared runs (README "Sharing a GPU") take a slot of a device instead of all of it: an
+Shared runs (docs/admin/sharing.md) take a slot of a device instead of all of it: an
 exclusive run needs a device nobody holds, a shared run a free slot on a device no
 exclusive run holds. Shared runs fill the fullest shared devices first and open an unused
 device only when none has room, so whole devices stay free for exclusive runs. Under MPS a
@@ -29,7 +29,7 @@ towards its user's turn and limit. A starving exclusive run also keeps new share
 shared devices it could use, so they drain for it.
 
 Work cudawrap did not start keeps a device from a run by that run's own rule (its program's
-`foreign` and `busy_memory_mib`, README "How leases work"): the caller judges the devices by
+`foreign` and `busy_memory_mib`, docs/architecture.md "Leases"): the caller judges the devices by
 one rule, its own (FREE leaves out those the rule keeps off, ASIDE lists them); a waiter whose
 request carries another rule is judged by it over WORK, what was seen on each lease-free device.
 """
@@ -169,7 +169,7 @@ def _steps(out: Dict[str, Verdict], waiters: Sequence[Waiter], free: Sequence[st
     used = {u: list(uids) for u, uids in shares.used.items()}
     rank = {u: i for i, u in enumerate(list(used) + list(free) + list(aside))}
     avail = list(free)
-    # Runs judged by a rule of their own (README "How leases work"): ASIDE is theirs to take
+    # Runs judged by a rule of their own (docs/architecture.md "Leases"): ASIDE is theirs to take
     # where their rule allows, and FREE what their rule does not keep them off.
     work = work or {}
     ruled = bool(work) and any(w.request.foreign not in (None, rule) for w in waiters)

@@ -46,7 +46,7 @@ class Waiter:
     def reserve_after(self) -> float:
         return self.request.reserve_after
 
-    # Filters on what changes as jobs come and go (README "Choosing devices").
+    # Filters on what changes as jobs come and go (docs/admin/policy.md).
     @property
     def min_free_mib(self) -> int:
         return self.request.min_free_mib

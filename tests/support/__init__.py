@@ -1,2 +1,2 @@
 """What the test suite shares: the simulated machine, installs on it, the admin side, real
-accounts, fault injection, and waiting for and reaping processes (README, "Development")."""
+accounts, fault injection, and waiting for and reaping processes (docs/development.md)."""

@@ -1,6 +1,6 @@
 """One test body, both ways a run is decided: by the run itself (daemonless) and by `cudawrap serve`.
 
-README promises one rule either way: what a run gets, or is told, does not depend on whether
+The documentation promises one rule either way: what a run gets, or is told, does not depend on whether
 the install runs the service. A test of that takes the fixture ``both``: it runs twice, once
 on an install whose runs decide for themselves and once on the same install with its service
 running (as root, as a root install runs it), and the body cannot tell which but by asking
