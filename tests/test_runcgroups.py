@@ -232,6 +232,9 @@ def test_a_process_exiting_is_not_confined_and_leaves_no_cgroup_anywhere(cgroups
     assert rc.allow(proc.pid, [gpus[0]]) is False
     rc.worker.submit(lambda: None).result()
     assert set(run_cgroups(cgroups.mech, by=[os.getpid()])) == before
+    assert rc.allow(proc.pid, [gpus[0]]) is False  # refused while its connection lasts
+    rc.forget(proc.pid)  # its connection closed: the number may come back as another process
+    assert rc.allow(proc.pid, [gpus[0]]) is True  # one that never enters (a Slurm job's client)
     proc.wait()
 
 

@@ -1,5 +1,5 @@
 """[confine] runs = true: each run the service grants is in a cgroup of its own, which lets it
-open its own GPUs' and MIG instances' nodes and no other GPU's (README "Confinement").
+open its own GPUs' and MIG instances' nodes and no other GPU's (docs/admin/confinement.md).
 
 A run's cgroup, from its request to its end (the service's loop calls; base/cgroup.py does):
 - at its request (``enter``), before any decision: the client process is moved into a
@@ -227,6 +227,12 @@ class RunCgroups:
             self.wanted.discard(pid)
             self._tidy([path])
         return True
+
+    def forget(self, pid: int) -> None:
+        """PID's connection is closed: a refusal of its entry ends with it (the pid may come
+        back as another process, a Slurm job's client that never enters, which must not
+        inherit it; the same process asking again enters anew)."""
+        self.failed.discard(pid)
 
     # -- which cgroups exist ----------------------------------------------------------------
     def _tidy(self, paths: Iterable[str]) -> None:

@@ -151,6 +151,7 @@ class Grants:
         service (nothing, for a run killed while it waited: its cgroup goes once empty)."""
         if self.confine is not None:
             self._confine(pid)
+            self.confine.forget(pid)
 
     def _lessees(self, more: Sequence[str] = (), uid: int = -1) -> Dict[str, Set[int]]:
         """uuid -> the uids holding it through the service now (and UID, MORE about to be sent)."""
