@@ -163,7 +163,7 @@ def start(layout: Layout) -> List[Outcome]:
 
 
 def _start_one(layout: Layout, control: str, device: Managed) -> Outcome:
-    from ..install.runtime import ensure_dir as _dir
+    from ..install.runtime import ensure_dir
 
     root = str(layout.root)
     pipe, logs = mps_pipe_dir(root, device.uuid), mps_log_dir(root, device.uuid)
@@ -176,7 +176,7 @@ def _start_one(layout: Layout, control: str, device: Managed) -> Outcome:
     try:
         # Root's, 0755; the pipe directory, where clients connect, as _pipe_dir says.
         for path in (layout.mps_dir, layout.root / loc.LOG_DIR, layout.mps_log_dir, Path(logs)):
-            _dir(path, 0o755)
+            ensure_dir(path, 0o755)
         _pipe_dir(layout, pipe)
     except OSError as exc:
         return Outcome(device.uuid, False, f"cannot make {exc.filename}: {exc.strerror or exc}")
