@@ -15,7 +15,7 @@ from typing import Iterator, List, Tuple
 import pytest
 
 from cudawrap.install.installation import prepare
-from cudawrap.service import bookkeeping as accounts
+from cudawrap.service import bookkeeping as accounts, ledgerturn
 from cudawrap.ledger import files as ledgerfile
 from cudawrap.ledger.writer import Writer
 from cudawrap.paths import Layout
@@ -50,7 +50,7 @@ def _clients(spawned: Spawned, n: int) -> List[int]:
 @pytest.fixture(autouse=True)
 def _nothing_carried() -> Iterator[None]:
     yield
-    accounts.release()  # a turn a test left carried holds the ledger's lock
+    ledgerturn.release()  # a turn a test left carried holds the ledger's lock
 
 
 def _look_would_wait(layout: Layout) -> bool:
@@ -71,7 +71,7 @@ def test_a_turn_appends_each_record_at_once_and_writes_the_state_once_at_its_end
     sent: List[int] = []
     first = _grant(layout, pids[0])
     assert first is not None and first in _state(layout)["open"]  # alone: a turn of its own
-    with accounts.turn(layout):
+    with ledgerturn.turn(layout):
         accounts.end(layout, first)
         ids = [_grant(layout, pid, f"GPU-{pid}", lambda pid=pid: sent.append(pid) or True) for pid in pids[1:]]
         # Appended as they happened, the grants before their descriptors left (send)...
@@ -100,7 +100,7 @@ def test_a_turns_grants_are_sent_before_the_state_is_read_and_entered_open_at_it
     real_load = accounts.ledger._load_state
     monkeypatch.setattr(accounts.ledger, "_load_state", lambda path: loads.append("load") or real_load(path))
     sent: List[str] = []
-    with accounts.turn(layout):
+    with ledgerturn.turn(layout):
         ids = [_grant(layout, pid, f"GPU-{pid}", lambda pid=pid: sent.append(f"sent {pid}") or True)
                for pid in pids[1:]]
         assert loads == [] and len(sent) == 2  # both sent, the state not read yet
@@ -117,32 +117,32 @@ def test_a_carried_turn_keeps_its_lock_and_state_until_released(tmp_path: Path, 
     each turn's end, the state once, when the loop is idle or the turn old (release)."""
     layout = _layout(tmp_path)
     pids = _clients(spawned, 2)
-    with accounts.turn(layout, carry=True):
+    with ledgerturn.turn(layout, carry=True):
         a = _grant(layout, pids[0])
     assert _look_would_wait(layout) and a not in _state(layout)["open"]  # carried: not written yet
-    assert accounts.idle_within(10.0) == accounts.CARRY_IDLE_S
-    with accounts.turn(layout, carry=True):
+    assert ledgerturn.idle_within(10.0) == ledgerturn.CARRY_IDLE_S
+    with ledgerturn.turn(layout, carry=True):
         accounts.end(layout, a)
         b = _grant(layout, pids[1])
     assert [r["event"] for r in _records(layout)] == ["grant", "grant", "end"]  # the end: at its turn's end
-    accounts.release(older_than=60.0)
+    ledgerturn.release(older_than=60.0)
     assert _look_would_wait(layout)  # younger than that: still carried
-    accounts.idle()  # nothing happened for CARRY_IDLE_S: written once, let go
+    ledgerturn.idle()  # nothing happened for CARRY_IDLE_S: written once, let go
     assert not _look_would_wait(layout)
     assert list(_state(layout)["open"]) == [b]
-    assert accounts.idle_within(10.0) == accounts.IDLE_SYNC_S  # the fsync's turn next
-    with accounts.turn(layout, carry=True):
+    assert ledgerturn.idle_within(10.0) == ledgerturn.IDLE_SYNC_S  # the fsync's turn next
+    with ledgerturn.turn(layout, carry=True):
         pass  # nothing recorded: nothing carried
-    assert not _look_would_wait(layout) and accounts.idle_within(10.0) == accounts.IDLE_SYNC_S
-    accounts.idle()
-    assert accounts.idle_within(10.0) == 10.0
+    assert not _look_would_wait(layout) and ledgerturn.idle_within(10.0) == ledgerturn.IDLE_SYNC_S
+    ledgerturn.idle()
+    assert ledgerturn.idle_within(10.0) == 10.0
 
 
 def test_a_carried_turn_is_not_carried_past_an_error(tmp_path: Path, spawned: Spawned) -> None:
     layout = _layout(tmp_path)
     (pid,) = _clients(spawned, 1)
     with pytest.raises(KeyboardInterrupt):
-        with accounts.turn(layout, carry=True):
+        with ledgerturn.turn(layout, carry=True):
             a = _grant(layout, pid)
             raise KeyboardInterrupt  # the service stopped by a signal mid-turn
     assert not _look_would_wait(layout) and a in _state(layout)["open"]
@@ -156,7 +156,7 @@ def test_a_restart_closes_in_the_state_what_the_ledger_ended_before_a_crash(tmp_
     pids = _clients(spawned, 2)
     a = _grant(layout, pids[0])
     state_before = (layout.state_dir / ledgerfile.STATE).read_bytes()
-    with accounts.turn(layout):
+    with ledgerturn.turn(layout):
         accounts.end(layout, a)
         b = _grant(layout, pids[1], "GPU-b")
     (layout.state_dir / ledgerfile.STATE).write_bytes(state_before)  # as if killed before the state's write
@@ -175,7 +175,7 @@ def test_a_restart_closes_in_the_state_what_the_ledger_ended_before_a_crash(tmp_
 def test_a_grant_whose_sending_fails_is_ended_at_once_and_never_open(tmp_path: Path, spawned: Spawned) -> None:
     layout = _layout(tmp_path)
     (pid,) = _clients(spawned, 1)
-    with accounts.turn(layout):
+    with ledgerturn.turn(layout):
         assert _grant(layout, pid, send=lambda: False) is None
     records = _records(layout)
     assert [r["event"] for r in records] == ["grant", "end"]
@@ -184,16 +184,16 @@ def test_a_grant_whose_sending_fails_is_ended_at_once_and_never_open(tmp_path: P
 
 @pytest.fixture
 def writer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Tuple[Writer, threading.Event]]:
-    """The service's writer (accounts.background()), held up until the Event is set: what the
+    """The service's writer (ledgerturn.background()), held up until the Event is set: what the
     loop does while the writer is inside a slow rename."""
     w = Writer()
     gate = threading.Event()
     w.submit(lambda: gate.wait(10))
-    monkeypatch.setattr(accounts, "_writer", w)
+    monkeypatch.setattr(ledgerturn, "_writer", w)
     yield w, gate
     gate.set()
-    accounts.finish()
-    monkeypatch.setattr(accounts, "_writing", None)
+    ledgerturn.finish()
+    monkeypatch.setattr(ledgerturn, "_writing", None)
 
 
 def test_in_the_service_the_writer_writes_the_state_and_then_lets_go_of_the_lock(
@@ -201,16 +201,16 @@ def test_in_the_service_the_writer_writes_the_state_and_then_lets_go_of_the_lock
     w, gate = writer
     layout = _layout(tmp_path)
     (pid,) = _clients(spawned, 1)
-    with accounts.turn(layout, carry=True):
+    with ledgerturn.turn(layout, carry=True):
         a = _grant(layout, pid)
-    accounts.release()  # returns at once: the writer is held up
+    ledgerturn.release()  # returns at once: the writer is held up
     assert _look_would_wait(layout) and a not in _state(layout)["open"]
-    accounts.flush()
+    ledgerturn.flush()
     gate.set()
     w.wait()
     # In that order: a look that got the lock would find the grant in the state.
     assert not _look_would_wait(layout) and list(_state(layout)["open"]) == [a]
-    assert accounts.idle_within(10.0) == 10.0  # the fsyncs were queued, nothing is left
+    assert ledgerturn.idle_within(10.0) == 10.0  # the fsyncs were queued, nothing is left
 
 
 def test_a_hand_over_while_the_writer_writes_takes_the_turn_back_without_waiting(
@@ -220,10 +220,10 @@ def test_a_hand_over_while_the_writer_writes_takes_the_turn_back_without_waiting
     w, gate = writer
     layout = _layout(tmp_path)
     pids = _clients(spawned, 2)
-    with accounts.turn(layout, carry=True) as first:
+    with ledgerturn.turn(layout, carry=True) as first:
         a = _grant(layout, pids[0])
-    accounts.release()
-    with accounts.turn(layout, carry=True) as again:
+    ledgerturn.release()
+    with ledgerturn.turn(layout, carry=True) as again:
         accounts.end(layout, a)
         b = _grant(layout, pids[1], "GPU-b")
     assert again is first
@@ -231,7 +231,7 @@ def test_a_hand_over_while_the_writer_writes_takes_the_turn_back_without_waiting
     w.wait()
     # The release's state (a open) is written, and the lock kept: the turn goes on.
     assert _look_would_wait(layout) and list(_state(layout)["open"]) == [a]
-    accounts.release()
+    ledgerturn.release()
     w.wait()
     assert not _look_would_wait(layout) and list(_state(layout)["open"]) == [b]
     assert [r["event"] for r in _records(layout)] == ["grant", "grant", "end"]
@@ -246,11 +246,11 @@ def test_a_turn_released_long_after_its_lock_was_taken_is_not_taken_back(
     w, gate = writer
     layout = _layout(tmp_path)
     (pid,) = _clients(spawned, 1)
-    with accounts.turn(layout, carry=True) as first:
+    with ledgerturn.turn(layout, carry=True) as first:
         a = _grant(layout, pid)
-    monkeypatch.setattr(accounts, "CARRY_MAX_S", 0.0)
-    accounts.release()
-    with accounts.turn(layout, carry=True) as then:
+    monkeypatch.setattr(ledgerturn, "CARRY_MAX_S", 0.0)
+    ledgerturn.release()
+    with ledgerturn.turn(layout, carry=True) as then:
         assert then is not first and then.lock is None  # its lock taken only when it records
     gate.set()
     w.wait()

@@ -18,7 +18,7 @@ import pytest
 from cudawrap import locations as loc
 from cudawrap.install.installation import prepare
 from cudawrap.lease.files import lock_table
-from cudawrap.service import bookkeeping as accounts
+from cudawrap.service import bookkeeping as accounts, ledgerturn
 from cudawrap.ledger import looks as ledger, files as ledgerfile
 from cudawrap.paths import Layout
 from support.procs import Spawned
@@ -37,7 +37,7 @@ def layout(tmp_path: Path) -> Iterator[Layout]:
     layout = Layout(tmp_path / "root")
     prepare(layout, sys.executable)
     yield layout
-    accounts.release()  # nothing carried past the test
+    ledgerturn.release()  # nothing carried past the test
 
 
 @pytest.fixture

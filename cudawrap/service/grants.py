@@ -24,7 +24,8 @@ description, and SCM_RIGHTS passed that whole: closing our copies takes nothing 
 each of its files is replaced by a fresh one (lease/renew.py) while nobody holds it, the
 first time it is found free: what the client kept names a file nobody reads. And
 every lease and slot file is replaced so at the service's start, descriptors opened before
-it made the directories root's being worth no more (RENEWING lists those not yet replaced).
+it made the directories root's being worth no more (RENEWING lists those not yet replaced:
+renewals.py). A restarted service follows its predecessor's grants again (adoption.py).
 
 A shared device's MPS pipe directory is open to the uids of its
 sharers alone (lease/mpsaccess.py): set when a share is confirmed, again as shares end.
@@ -39,61 +40,25 @@ import array
 import os
 import socket
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .. import wire
 from ..errors import NotConfined
-from ..lease.files import LeaseFiles, lock_kind, lock_table
-from ..lease.renew import replace
+from ..lease.files import LeaseFiles
 from ..paths import Layout
-from ..base.proc import real_uid
 from . import bookkeeping
+from .adoption import Adoption
+from .granted import Held, Pending
+from .renewals import Renewals
 
 DEADLINE_S = 2.0
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
-@dataclass
-class Pending:
-    key: str
-    pid: int
-    devices: List[str]
-    fds: List[int]  # the service's copies of what was sent
-    deadline: float
-    lease_id: str = ""  # its ledger record
-    exclusive: List[bool] = field(default_factory=list)  # the lock each of FDS must hold
-    slots: Dict[str, int] = field(default_factory=dict)  # uuid -> the slot file sent, for a share
-    released_by: int = 0  # the pid whose release it was handed over at, on the last look (0: a new look)
-    uid: int = -1  # its client's
+class Grants(Renewals, Adoption):
+    """The grants sent and held, followed; replacing the files whose descriptors are out
+    there (renewals.py) and a restart's adoption (adoption.py) are parts of it."""
 
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
-
-    def taken(self) -> bool:
-        """Whether every lock is held through what was sent, each of its kind."""
-        return all(lock_kind(fd) is kind for fd, kind in zip(self.fds, self.exclusive))
-
-
-@dataclass
-class Held:
-    uid: int
-    pid: int
-    pidfd: int
-    devices: List[str]
-    program: str
-    since: float  # time.time() of the grant
-    lease_id: str = ""
-    exited: bool = False
-    ended: List[str] = field(default_factory=list)  # devices found released
-    slots: Dict[str, int] = field(default_factory=dict)  # uuid -> its slot, for a share (0: let go already)
-    how: str = "ended"  # what its end record says ("revoked by NAME": cudawrap revoke)
-    let_go: List[str] = field(default_factory=list)  # devices found free while it ran: closed to its cgroup
-
-
-class Grants:
     def __init__(self, leases: LeaseFiles, layout: Layout,
                  say: Callable[[str], None] = lambda line: None) -> None:
         from ..lease.mpsaccess import PipeAccess
@@ -342,83 +307,6 @@ class Grants:
         self._confine(held.pid)
         return True
 
-    # -- replacing files whose descriptors are out there ----------------------------------
-    def path_of(self, uuid: str, slot: int) -> str:
-        return self.leases.path(uuid) if slot == 0 else self.leases.slot_path(uuid, slot)
-
-    def renew(self, files: Iterable[Tuple[str, int]]) -> List[str]:
-        """Replace each of FILES ((uuid, slot), slot 0: its lease file) that nobody holds
-        now; the others wait in RENEWING for a later try (renew_free). The uuids whose lease
-        file was replaced (tried again at the next decision)."""
-        before = set(self.renewing)
-        replaced: List[str] = []
-        for uuid, slot in files:
-            try:
-                done = replace(self.path_of(uuid, slot))
-            except OSError:
-                done = False
-            if done is False:
-                self.renewing.add((uuid, slot))
-                continue
-            self.renewing.discard((uuid, slot))
-            if slot == 0:
-                self.voided.pop(uuid, None)
-                self.leases.forget(uuid)  # our descriptor names the old file
-                replaced.append(uuid)
-        if self.renewing != before:
-            self._note_renewing()
-        return replaced
-
-    def renew_free(self) -> List[str]:
-        """renew() those of RENEWING found free, tried through the descriptors we keep open
-        (an open of ours would wake our own watch, and every waiting run's)."""
-        sent = {u for p in self.pending.values() for u in p.devices}  # its client's lock may be coming
-        free = [(u, k) for u, k in sorted(self.renewing)
-                if u not in sent and (self.leases.free_now(u) if k == 0 else self.leases.slot_free(u, k))]
-        return self.renew(free) if free else []
-
-    def _note_renewing(self) -> None:
-        """For sync and doctor, the files of RENEWING held by no grant of ours (one name a
-        line; no file when none): held through a descriptor opened before the service took
-        the directories over, or one it granted before a restart."""
-        ours = self.books()
-        names = sorted(os.path.basename(self.path_of(u, k)) for u, k in self.renewing if u not in ours)
-        try:
-            if not names:
-                self.renewing_file.unlink(missing_ok=True)
-            else:
-                tmp = self.renewing_file.with_name(self.renewing_file.name + ".tmp")
-                tmp.write_text("".join(f"{n}\n" for n in names))
-                tmp.replace(self.renewing_file)
-        except OSError:
-            pass  # only a report: the set itself is ours
-
-    def every_file(self) -> List[Tuple[str, int]]:
-        """(uuid, slot) of every lease file (slot 0) and slot file there is."""
-        uuids = sorted(n for n in self.leases.names() if n.startswith(("GPU-", "MIG-")))
-        return [(u, k) for u in uuids for k in [0] + _slot_numbers(self.leases.share_dir, u)]
-
-    def revoke(self, uuid: str, by: str) -> Tuple[List[Held], List[str]]:
-        """`cudawrap revoke`: UUID's lease and slot files replaced, held or not, so that no
-        descriptor on them guards anything; the grants holding it end (their record says
-        BY revoked it) once their clients have gone. (The grants, the keys of those sent and
-        not taken, which the caller voids.)"""
-        for slot in [0] + _slot_numbers(self.leases.share_dir, uuid):
-            try:
-                replace(self.path_of(uuid, slot), held_too=True)
-            except OSError:
-                pass
-            self.renewing.discard((uuid, slot))
-        self._note_renewing()
-        self.voided.pop(uuid, None)
-        self.leases.forget(uuid)
-        holding = [h for h in self.held.values() if uuid in h.devices and uuid not in h.ended]
-        for held in holding:
-            held.how = f"revoked by {by}"
-            if held.slots.get(uuid):
-                held.slots[uuid] = 0  # its slot is let go: the share's file is a new one
-            held.ended.append(uuid)
-        return holding, [k for k, p in self.pending.items() if uuid in p.devices]
 
     def sent_since(self, held: Held, uuid: str) -> bool:
         """Whether HELD's hold on UUID went to another run since, which the service found free
@@ -433,71 +321,6 @@ class Grants:
         return (any(uuid in p.devices and uuid not in p.slots for p in pending)
                 or any(g.since > held.since and uuid in g.devices and uuid not in g.slots for g in held_now))
 
-    def slots_held(self, pid: int, devices: List[str], slots: Dict[str, int]) -> Dict[str, int]:
-        """uuid -> the slot of it whose lock PID took, as the lock table says (0: none now),
-        for each of DEVICES shared in slots (SLOTS: uuid -> its slots): a share a service
-        before this one granted."""
-        table = lock_table()
-        out: Dict[str, int] = {}
-        for uuid in devices:
-            if slots.get(uuid, 1) < 2:
-                continue
-            out[uuid] = 0
-            for k in range(1, slots[uuid] + 1):
-                try:
-                    st = os.stat(self.leases.slot_path(uuid, k), follow_symlinks=False)
-                except OSError:
-                    continue
-                if any(p == pid for p, _ex in table.get((st.st_dev, st.st_ino), ())):
-                    out[uuid] = k
-        return out
-
-    def adopt(self, slots: Dict[str, int]) -> List[Held]:
-        """Follow again the grants a service before us made that have not ended (a restart):
-        their ends are recorded when they happen, not at some later look. Those whose client
-        still runs, to watch (their pidfds); the others end now, or when the child holding
-        them lets go. SLOTS: uuid -> its slots."""
-        from ..ledger import looks as ledger
-
-        running: List[Held] = []
-        for record in bookkeeping.still_open(self.layout):
-            pid = record["pid"]
-            try:
-                pidfd = os.pidfd_open(pid)
-            except (AttributeError, OSError):
-                pidfd = -1
-            alive = ledger.proc(pid)
-            held = Held(record["uid"], pid, pidfd if pidfd >= 0 else os.open("/dev/null", os.O_RDONLY),
-                        list(record["devices"]), record.get("program", ""), record["start"], lease_id=record["id"])
-            if record.get("shared"):
-                held.slots = self.slots_held(pid, held.devices, slots)
-            self.follow(held)
-            if pidfd >= 0 and alive is not None and alive.ticks == record["ticks"]:
-                running.append(held)
-            else:  # its client is gone
-                held.exited = True
-                self.check(held)
-        if self.confine is not None:
-            self.confine.reconcile(self._holds(), [h.pid for h in self.held.values()])
-        if self.nodes is not None:
-            followed = {h.pid for h in self.held.values()}
-            unfollowed = {pid: (real_uid(pid), uuids) for pid, uuids in self._holds().items() if pid not in followed}
-            self.nodes.reconcile(self._lessees(), {p: (u, d) for p, (u, d) in unfollowed.items() if u is not None})
-        return running
-
-    def _holds(self) -> Dict[int, List[str]]:
-        """pid -> the devices it holds: the kernel's locks (a grant sent just before a crash may
-        be missing from the ledger's state), and the grants adopted (a child holds a lease its
-        exited client took, which the lock table credits to the client)."""
-        out: Dict[int, List[str]] = {}
-        table = lock_table()
-        for uuid, ident in self.leases.idents(self.leases.names()).items():
-            for pid, _exclusive in table.get(ident, []) if ident is not None else []:
-                out.setdefault(pid, []).append(uuid)
-        for h in self.held.values():
-            out.setdefault(h.pid, []).extend(u for u in h.devices if u not in h.ended)
-        return out
-
     def lingering(self) -> List[Held]:
         """Grants whose client exited with a lease still held (by a child it passed it to)."""
         return [h for h in self.held.values() if h.exited]
@@ -506,13 +329,3 @@ class Grants:
 def _files(pending: Pending) -> List[Tuple[str, int]]:
     """The files PENDING sent descriptors of: (uuid, slot), slot 0 its lease file."""
     return [(u, 0) for u in pending.devices] + [(u, k) for u, k in pending.slots.items()]
-
-
-def _slot_numbers(share_dir: Optional[str], uuid: str) -> List[int]:
-    """The numbers of UUID's slot files in SHARE_DIR (sync makes them)."""
-    try:
-        names = os.listdir(share_dir) if share_dir else []
-    except OSError:
-        return []
-    tails = [n[len(uuid) + 1:] for n in names if n.startswith(uuid + ".")]
-    return sorted(int(t) for t in tails if t.isascii() and t.isdigit() and len(t) <= 6)

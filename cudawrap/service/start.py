@@ -14,7 +14,8 @@ from .. import locations as loc
 from ..errors import SetupError
 from ..install.units import MONITOR_NICE
 from ..paths import Layout
-from .loop import Service, _say
+from .journal import say
+from .loop import Service
 
 
 def raise_file_limit() -> None:
@@ -53,9 +54,9 @@ def serve(root: str) -> None:
         if closed:
             service.notes.append(f"{closed} lease(s) whose end was recorded before a crash were still open "
                                  "in the ledger's state: closed there")
-        _say(f"listening on {service.path}")
+        say(f"listening on {service.path}")
         for note in service.notes:
-            _say(note)
+            say(note)
         # Everything made so far (modules, the inventory, the policy) lives as long as the
         # service: kept out of the collector's full passes, which took 12 ms each, measured
         # in a burst, and could fall between a release and the grant it frees.
@@ -65,7 +66,7 @@ def serve(root: str) -> None:
         monitor.stop()
         _step_down(Layout(Path(root)))
         os.close(lock)
-        _say(f"stopped (pid {os.getpid()})")  # the journal's or the --daemon log's last line
+        say(f"stopped (pid {os.getpid()})")  # the journal's or the --daemon log's last line
 
 
 def refuse_stranded_waiters(layout: Layout) -> None:
@@ -94,7 +95,7 @@ def _step_down(layout: Layout) -> None:
         try:
             prepare_runtime(layout, False)
         except OSError as exc:
-            _say(f"warning: the directories stay root's ({exc}): `cudawrap sync` gives them back")
+            say(f"warning: the directories stay root's ({exc}): `cudawrap sync` gives them back")
 
 
 def _hold_service_lock(root: str) -> int:
@@ -191,7 +192,7 @@ class Keeper:
             if time.monotonic() - self.started >= RESTART_CALM_S:
                 delay = RESTART_FIRST_S
             how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-            _say(f"the monitor (pid {pid}) ended ({how}): started again in {delay:g} s")
+            say(f"the monitor (pid {pid}) ended ({how}): started again in {delay:g} s")
             while True:
                 if self.stopping.wait(delay):
                     return
@@ -200,12 +201,12 @@ class Keeper:
                     proc = self._spawn()
                     break
                 except OSError as exc:
-                    _say(f"the monitor could not be started again: {exc}; trying again in {delay:g} s")
+                    say(f"the monitor could not be started again: {exc}; trying again in {delay:g} s")
             with self.lock:
                 self.proc, self.pid, self.started = proc, proc.pid, time.monotonic()
                 if self.stopping.is_set():  # stop() came meanwhile, with no pid to end
                     proc.terminate()
-            _say(f"the monitor started again (pid {proc.pid})")
+            say(f"the monitor started again (pid {proc.pid})")
 
     def _ended(self) -> "tuple[int, int]":
         """Once the monitor has ended: its pid, and its exit status or minus its signal."""

@@ -19,7 +19,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from .. import locations as loc
 from ..sched.acquirer import Acquirer
 from ..sched.machine import ViewOptions, free_mib_of
-from ..sched.tally import UNNAMED_HOLDER
 from ..devices.model import Inventory
 from ..errors import CudawrapError, NoDeviceError, NvmlUnavailable
 from ..lease.files import LeaseFiles
@@ -29,6 +28,7 @@ from ..sched.schedule import GRANTED, Decision, Verdict, Waiter
 from ..sched.queue import Scan, WaitQueue
 from ..sched.successor import State, after, released
 from ..sched.turns import STALL_S, Offers
+from .knownlocks import known_locks, probed
 
 # A lease found free is tried again after this long even if the watch reported nothing.
 FREE_KEPT_S = 1.0
@@ -186,9 +186,10 @@ class Line:
         self._look()
         known: Optional[Scan] = None
         if self._alone(mine):
-            scan = known = self._probed(claimed)
+            scan = known = probed(self.leases, self.present, claimed, self._free)
         else:
-            known = self._known(granted, claimed)
+            if granted is not None and self.queue.idle():
+                known = known_locks(self.leases, self.present, self.acquirer.slots, granted, claimed, self._free)
             scan = known or self.queue.scan()
         now = time.monotonic()
         for skips in (self.acquirer.skip_keys, self.acquirer.skip_users):
@@ -275,7 +276,7 @@ class Line:
     def held_by(self, pid: int) -> None:
         """PID took a lease the service granted: once it is exiting, its processes NVML still
         lists on the device are no work (MachineView.holders), named by a look or not (a lone
-        waiter's look names no holder: _probed). Else a release read at its lease's close,
+        waiter's look names no holder: knownlocks.probed). Else a release read at its lease's close,
         the run not yet gone, kept its device busy until a re-read a second later."""
         self.acquirer.holders.add(pid)
 
@@ -326,59 +327,6 @@ class Line:
         and owners only the lock table shows)."""
         return (len(mine) == 1 and self.limit_of is None and not self.acquirer.sharing.anywhere
                 and self.queue.idle())
-
-    def _probed(self, claimed: Dict[str, List[Tuple[int, bool]]]) -> Scan:
-        """The leases as trying each one's lock says (held or not), without reading /proc/locks.
-
-        That read costs ~8 ms whenever nothing read it a moment before (the kernel waits out
-        an RCU grace period); trying 56 locks costs microseconds. The holders stay unnamed,
-        which only limits and turns (see _alone) would need. A lease sent and not yet
-        confirmed (CLAIMED) is not tried: held, as decide() counts it, and our try could
-        meet its client taking it (its lock is taken without waiting)."""
-        table = {}
-        now = time.monotonic()
-        for uuid, ident in self.leases.idents(self.present).items():
-            if uuid in claimed:
-                continue
-            if ident is not None and not self._free(uuid, now):
-                table[ident] = [UNNAMED_HOLDER]
-        return Scan([], table, {})
-
-    def _known(self, granted: Optional[Dict[str, int]], claimed: Dict[str, List[Tuple[int, bool]]]) -> Optional[Scan]:
-        """The lock table as the service knows it, without reading /proc/locks: each held
-        lease is one the service granted (GRANTED names its client), the rest free (trying
-        their locks says so). None where that is not all: a lease held by a run that decided
-        for itself (its holder only the kernel's table names), a shared device in use (its
-        sharers and slots likewise), a run in the queue directory. A lease sent and not yet
-        confirmed (CLAIMED) is its client's: decide() counts it held as it is.
-
-        The read it spares costs 10-18 ms whenever nothing read the table a moment before
-        (the kernel waits out an RCU grace period), and a hand-over is that cold read: a
-        turnover of one-second jobs paid it at every grant."""
-        if granted is None or not self.queue.idle():
-            return None
-        table = {}
-        now = time.monotonic()
-        for uuid, ident in self.leases.idents(self.present).items():
-            if ident is None:
-                continue
-            slots = self.acquirer.slots.get(uuid, 1)
-            if uuid in claimed:
-                if slots > 1:
-                    return None  # a share being taken: its device's other sharers only the table names
-                continue  # sent, not yet confirmed: held (decide() counts it), and not tried (see _probed)
-            if slots > 1:
-                if not (self.leases.free_now(uuid) and all(self.leases.slot_free(uuid, k)
-                                                           for k in range(1, slots + 1))):
-                    return None
-                continue
-            if self._free(uuid, now):
-                continue
-            if uuid in granted:
-                table[ident] = [(granted[uuid], True)]
-            else:
-                return None
-        return Scan([], table, {})
 
     def pass_over(self, key: str, uid: Optional[int], now: float) -> None:
         """The run KEY ignored its turn: it, and its user's (UID's, if given) other runs, are
