@@ -297,7 +297,7 @@ def question(root: str, verb: str, fields: Dict[str, str]) -> Optional[Dict[str,
 
 def from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, count: int, job: Any = None,
                   must: bool = False, ticket: str = "") -> Optional[Grant]:
-    """Devices (or shares) granted by `cudawrap serve` (README "The cudawrap service"); None
+    """Devices (or shares) granted by `cudawrap serve` (docs/admin/service.md); None
     when it does not answer, and the run decides for itself as without it. MUST: it cannot
     (the service is the install's arbiter): the service is tried again for connect_retry_s
     (a restart), then ServiceUnavailable."""

@@ -190,7 +190,7 @@ def obtain(root: str, prog: str, settings: Settings, environ: Any,
     from ..lease.sharing import of_run
 
     sharing, share = of_run(value, count)
-    # Where the service arbitrates (README "One arbiter") every run, shares and Slurm jobs
+    # Where the service arbitrates (docs/admin/ways.md) every run, shares and Slurm jobs
     # too, is its grant: a user cannot open the lease files, and waits for a service that is
     # restarting; root decides for itself only while it is down, so a stopped service never
     # locks the admin out. Elsewhere an unshared run asks a service that answers.

@@ -9,7 +9,7 @@ should it lock later, the lock table shows it, as any lock). Either word is chec
 believed: the service still has the same open file descriptions, and /proc/self/fdinfo
 lists the locks each of them holds, and of which kind.
 
-A share (README "Sharing a GPU") is sent as two descriptors, as a run deciding for itself
+A share (docs/admin/sharing.md) is sent as two descriptors, as a run deciding for itself
 holds it: the device's lease file, to be locked shared, and one of its slot files, chosen
 here among those nobody holds, to be locked exclusively.
 

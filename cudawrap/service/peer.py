@@ -6,7 +6,7 @@ the pid SO_PEERCRED recorded at connect(2), held by a pidfd opened at once and c
 belong to the same uid and to have started before the connection was accepted (to within the
 second /proc/stat's boot time is given in). The program is the kernel's word too: a request
 counts as a run of a wrapped program only when the process runs the interpreter of this install's shims on a
-shim file of this install that is root's (README "The cudawrap service").
+shim file of this install that is root's (docs/admin/service.md).
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ class Ask:
 
     @property
     def share(self) -> bool:
-        return self.request.share  # a share of each device that has slots (README "Sharing a GPU")
+        return self.request.share  # a share of each device that has slots (docs/admin/sharing.md)
 
     def waiter(self, key: str, uid: int, pid: int, arrival: float) -> Waiter:
         name = self.program.rsplit("/", 1)[-1] if self.program else "(not a wrapped program)"

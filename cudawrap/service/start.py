@@ -36,7 +36,7 @@ def serve(root: str) -> None:
     config = load_config(Path(root) / loc.CONFIG_FILE)  # a broken config: one line, 78, before listening
     from ..install.runtime import prepare_runtime
 
-    # The only arbiter, however started (README "One arbiter"): the lease, slot and queue
+    # The only arbiter, however started (docs/admin/ways.md): the lease, slot and queue
     # directories become root's before the first grant (and users' again at its stop only
     # where the install runs daemonless: _step_down).
     refuse_stranded_waiters(Layout(Path(root)))
