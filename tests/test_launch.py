@@ -197,8 +197,8 @@ def test_the_shim_imports_only_what_it_needs(installed):
 # cudawrap's modules on a launch, exactly: a new import on the shim's path shows here first.
 LAUNCH_MODULES = {
     "cudawrap", "cudawrap.errors", "cudawrap.locations", "cudawrap.base.users",
-    # The general way: the package's door, its body, and what it grants.
-    "cudawrap.launch", "cudawrap.launch.general", "cudawrap.launch.grant",
+    # The general way: the package's door (which defines what it grants) and its body.
+    "cudawrap.launch", "cudawrap.launch.general",
     "cudawrap.base", "cudawrap.base.audit", "cudawrap.base.rootfile",
     "cudawrap.devices", "cudawrap.devices.model", "cudawrap.devices.snapshot",
     "cudawrap.lease", "cudawrap.lease.files", "cudawrap.lease.sharing",
@@ -286,7 +286,8 @@ def test_own_modules_finds_what_the_path_finder_finds():
 
     from cudawrap import OwnModules
 
-    others = {"cudawrap.base.proc", "cudawrap.launch.inherited", "cudawrap.launch.client", "cudawrap.sched.run"}
+    others = {"cudawrap.base.proc", "cudawrap.launch.inherited", "cudawrap.launch.client", "cudawrap.sched.run",
+              "cudawrap.launch.failures", "cudawrap.launch.links"}
     for name in sorted(LAUNCH_MODULES_NVML | others):
         if name == "cudawrap":
             continue

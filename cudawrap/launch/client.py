@@ -25,7 +25,6 @@ from .. import locations as loc
 from .. import say, wire
 from ..errors import CudawrapError
 from ..lease.files import Lease
-from .grant import Grant, whole_devices
 
 # The variables a run's settings are read from (policy.effective), passed on as asks.
 ASK_PREFIX = "CUDAWRAP_"
@@ -296,8 +295,9 @@ def question(root: str, verb: str, fields: Dict[str, str]) -> Optional[Dict[str,
 # ---- the general launch's way to the service ------------------------------------------------
 
 def from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, count: int, job: Any = None,
-                  must: bool = False, ticket: str = "") -> Optional[Grant]:
-    """Devices (or shares) granted by `cudawrap serve` (docs/admin/service.md); None
+                  must: bool = False, ticket: str = "") -> Optional[Granted]:
+    """Devices (or shares) granted by `cudawrap serve` (docs/admin/service.md), the
+    locks held here (the launch makes them its Grant, as its own decision's); None
     when it does not answer, and the run decides for itself as without it. MUST: it cannot
     (the service is the install's arbiter): the service is tried again for connect_retry_s
     (a restart), then ServiceUnavailable."""
@@ -316,10 +316,8 @@ def from_service(root: str, prog: str, value: Dict[str, Any], environ: Any, coun
         granted = ask(root, fields, on_wait)
     else:
         granted = ask_retrying(root, fields, on_wait, float(value.get("connect_retry_s", 10.0)))
-    if granted is None:
-        return None
     # The service writes the grant's audit line (and its ledger record) itself.
-    return whole_devices(root, granted.lease, environ, granted.extra, granted.defaults)
+    return granted
 
 
 def _job_devices(job: Any) -> Optional[str]:

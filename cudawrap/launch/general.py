@@ -2,11 +2,12 @@
 
 Every case: a lease inherited from a wrapped parent, a Slurm job, the service asked with
 the settings read here (those two in inherited.py and client.py), or no service and the run deciding for
-itself; and every error, said in one line. The wrapped program itself is here too: the
-name it was reached by, the real program beside it, and becoming it (exec, same pid) with
-what it was granted (Grant). The shim comes here when its fast path (cudawrap/__init__.py) cannot serve
-the run; `cudawrap run` and the API lease through obtain(). On the shim's path, so it
-imports only what it needs, lazily, and never plumbum, pathlib, typing or dataclasses.
+itself; and every error, said in one line (failures.py, loaded only then). The wrapped program itself is
+here too: the real program beside the name it was reached by (links.py finds that name for the shared
+shim), and becoming it (exec, same pid) with what it was granted (Grant). The shim comes here when its
+fast path (cudawrap/__init__.py) cannot serve the run; `cudawrap run` and the API lease through
+obtain(). On the shim's path, so it imports only what it needs, lazily, and never plumbum, pathlib,
+typing or dataclasses.
 """
 from __future__ import annotations
 
@@ -22,45 +23,13 @@ if TYPE_CHECKING:
 
 from ..base import audit
 from .. import locations as loc
-from ..errors import CannotExecute, CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound, UsageError
+from ..errors import CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound, UsageError
 from ..lease.files import LEASE_ENV, Lease, LeaseFiles
 from .. import original_environ, say  # the shim's fast path (the package) has them loaded already
-from .grant import CVD, Grant, whole_devices
+from . import CVD, Grant, whole_devices  # the door defines them before it imports this module
 
 
-# ---- the wrapped program: the name it was reached by, the real one beside it, becoming it ----
-
-def find_link(invoked: str, shim: str) -> str:
-    """The wrapped name through which the shim was reached.
-
-    That is the last link in INVOKED's symlink chain with a CUDAWRAP_<name> beside it, so
-    the real program is found even when a user ran it through another symlink elsewhere
-    (/usr/local/bin/recon -> /opt/app/bin/recon -> shim) or the shim is itself reached
-    through links. Without any such sibling, the last link names the missing program.
-    """
-    chain = []
-    path = invoked
-    for _ in range(40):  # the kernel's own limit on symlink chains
-        if not os.path.islink(path):
-            break
-        chain.append(path)
-        target = os.readlink(path)
-        path = target if target.startswith("/") else os.path.join(os.path.dirname(path), target)
-    if not chain:
-        try:
-            if os.path.samefile(invoked, shim):
-                raise UsageError(
-                    "this is cudawrap's shim; run a wrapped program by its own name",
-                    hint="wrap a program with `create-cudawrap PATH`, or use `cudawrap run -- CMD`")
-        except OSError:
-            pass
-        return invoked
-    for link in reversed(chain):
-        directory, name = os.path.split(link)
-        if os.path.lexists(os.path.join(directory, loc.REAL_PREFIX + name)):
-            return link
-    return chain[-1]
-
+# ---- the wrapped program: the real one beside the name it was reached by, becoming it ----
 
 def is_shim(path: str, root: str) -> bool:
     """Whether PATH resolves to a shim of the install at ROOT (the prototype or a program's own)."""
@@ -105,40 +74,10 @@ def exec_program(path: str, argv: Sequence[str], env: Dict[bytes, bytes], grant:
         grant.lease.keep_across_exec()
     try:
         os.execve(path, list(argv), env)
-    except FileNotFoundError:
-        raise ProgramNotFound(f"{path}: not found") from None
-    except PermissionError:
-        raise CannotExecute(f"{path}: permission denied") from None
     except OSError as exc:
-        if exc.errno == ENOEXEC and is_script_text(path):
-            run_with_sh(path, argv, env)
-        raise CannotExecute(f"{path}: cannot execute: {exc.strerror}") from None
+        from .failures import exec_error
 
-
-ENOEXEC = 8  # errno.ENOEXEC on Linux, without importing errno on the shim's path
-SH = "/bin/sh"
-
-
-def is_script_text(path: str) -> bool:
-    """Whether PATH, which the kernel would not run (ENOEXEC), reads as a shell script: no
-    NUL in its first line, as bash decides before running such a file itself (a binary for
-    another machine must fail as it is, not as shell syntax errors)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(256)
-    except OSError:
-        return False
-    return b"\0" not in head.split(b"\n", 1)[0]
-
-
-def run_with_sh(path: str, argv: Sequence[str], env: Dict[bytes, bytes]) -> None:
-    """Run the script PATH, which has no #! line, with /bin/sh, as execvp does (glibc's
-    maybe_script_execute: `/bin/sh PATH ARGS...`): a shell ran it fine before it was wrapped.
-    Returns only if /bin/sh cannot be run (the caller then reports the first error)."""
-    try:
-        os.execve(SH, [SH, path, *argv[1:]], env)
-    except OSError:
-        pass
+        raise exec_error(path, argv, env, exc) from None
 
 
 def unwrapped_meanwhile(link: str, shim: str, root: str) -> Optional[str]:
@@ -170,11 +109,11 @@ def obtain(root: str, prog: str, settings: Settings, environ: Any,
     preset = environ.get(CVD)
     marker = environ.get(LEASE_ENV)
     if marker:
-        from .inherited import inherited_grant
+        from .inherited import inherited_devices
 
-        grant = inherited_grant(lease_dir, marker, preset)
-        if grant is not None:
-            return grant
+        inherited = inherited_devices(lease_dir, marker, preset)
+        if inherited is not None:
+            return Grant(*inherited)
     job = None
     if environ.get("SLURM_JOB_ID"):  # within_job's own test: outside Slurm, slurm is not imported
         from ..devices.slurm import within_job
@@ -201,7 +140,7 @@ def obtain(root: str, prog: str, settings: Settings, environ: Any,
 
         served = from_service(root, prog, value, environ, count, job, must, ticket)
         if served is not None:
-            return served
+            return whole_devices(root, served.lease, environ, served.extra, served.defaults)
 
     return _Run(root, prog, settings, environ, count, sharing, share).take(job, preset, layout)
 
@@ -233,25 +172,16 @@ def _grant_without_lease(prog: str, job: Any, preset: Optional[str]) -> Optional
 def _device_source(root: str, prog: str, value: Dict[str, Any], lease_dir: str, layout: bool) -> Any:
     """Where this launch reads the machine from (devices/source.py); None when NVML is
     unusable, no_driver allows that and there are no lease files: no lease at all."""
-    from ..devices.source import GenericSource, choose
+    from ..devices.source import choose
 
     try:
         return choose(root, layout)
     except NvmlUnavailable as exc:
         if value["no_driver"] == "fail":
             raise
-        from ..lease.known import lease_file_inventory
+        from .failures import without_nvml
 
-        # The lease files root made still name the devices (NVML may be broken only for
-        # us, a driver upgraded under a loaded module): one lease each, by UUID, rather
-        # than every run on device 0.
-        inventory = lease_file_inventory(lease_dir)
-        audit.log("no-driver", "warning", program=prog, pid=os.getpid(), reason=str(exc))
-        if inventory is None:
-            say(prog, f"warning: {exc}; running without a device lease")
-            return None
-        say(prog, f"warning: {exc}; leasing by the lease files alone (processes on the devices unseen)")
-        return GenericSource(inventory)
+        return without_nvml(prog, lease_dir, exc)
 
 
 class _Run:
@@ -397,6 +327,8 @@ def run_shim(root: str, argv: List[str], link: Optional[str] = None, ticket: str
         raise UsageError("started without a program name")
     invoked = argv[0]
     if link is None:
+        from .links import find_link
+
         shim = loc.under(root, loc.SHIM)
         link = find_link(invoked, shim)
     else:
@@ -451,16 +383,9 @@ def _guarded(prog: str, run: Any) -> NoReturn:
     try:
         run()
     except CudawrapError as exc:
-        say(prog, exc.message)
-        if exc.hint:
-            say(prog, f"hint: {exc.hint}")
-        if os.environ.get("CUDAWRAP_DEBUG"):
-            import traceback
+        from .failures import report
 
-            traceback.print_exc()
-        if not isinstance(exc, NoDeviceError):
-            audit.log("error", "error", program=prog, pid=os.getpid(), reason=exc.message)
-        os._exit(exc.exit_code)
+        report(prog, exc)
     except KeyboardInterrupt:
         os._exit(130)
     os._exit(os.EX_SOFTWARE)  # RUN returned: it must not

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
-    from typing import List, Optional
+    from typing import List, Optional, Tuple
 
 from ..lease.files import Lease
-from .grant import Grant
 
 
 def narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
@@ -43,9 +42,11 @@ def narrow_inherited(lease: Lease, preset: Optional[str]) -> Optional[Lease]:
 
 
 
-def inherited_grant(lease_dir: str, marker: Optional[str], preset: Optional[str]) -> Optional[Grant]:
-    """A child's grant within the lease its parent passed on (MARKER); None when there is
-    none, or the child names devices outside it (leased anew, like any run's)."""
+def inherited_devices(lease_dir: str, marker: Optional[str],
+                      preset: Optional[str]) -> Optional[Tuple[Optional[Lease], Optional[str]]]:
+    """A child's grant within the lease its parent passed on (MARKER): its lease and its
+    CUDA_VISIBLE_DEVICES (the launch's Grant of them); None when there is none, or the child
+    names devices outside it (leased anew, like any run's)."""
     if not marker:
         return None
     from ..lease.known import inherited_lease  # only a wrapped program's child has a marker: off a usual launch's path
@@ -54,6 +55,6 @@ def inherited_grant(lease_dir: str, marker: Optional[str], preset: Optional[str]
     if inherited is None:
         return None
     if preset is not None and not preset.strip():
-        return Grant(None, None)  # the caller asked for no device at all
+        return None, None  # the caller asked for no device at all
     narrowed = narrow_inherited(inherited, preset)
-    return Grant(narrowed, ",".join(narrowed.uuids)) if narrowed is not None else None
+    return (narrowed, ",".join(narrowed.uuids)) if narrowed is not None else None

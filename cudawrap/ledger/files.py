@@ -206,7 +206,11 @@ def private_group(uid: int) -> Optional[int]:
     return gr.gr_gid if gr.gr_name == pw.pw_name and not set(gr.gr_mem) - {pw.pw_name} else None
 
 
-def _append_user_view(layout: Layout, record: Dict[str, Any], limits: Tuple[int, int], durable: bool = True) -> None:
+def append_user_view(layout: Layout, record: Dict[str, Any], limits: Tuple[int, int], durable: bool = True) -> None:
+    """RECORD into its user's own view (usage/UID, readable by their private group alone),
+    after the ledger has it: the looks' and the service's ends, the monitor's notes. Nothing
+    where the user has no private group; a failure is left for the next end to catch up.
+    LIMITS: (max bytes of a file, rotated files kept); DURABLE as append() takes it."""
     group = private_group(record["uid"])
     if group is None:
         return  # no group of that user alone: only root sees these records
@@ -241,7 +245,7 @@ class Notes:
                 append(ledger_path(self.layout), self.pending, *limits)
                 for record in self.pending:
                     if isinstance(record.get("uid"), int) and record["uid"] >= 0:
-                        _append_user_view(self.layout, record, limits)  # their own idle time, leftovers
+                        append_user_view(self.layout, record, limits)  # their own idle time, leftovers
         except OSError as exc:
             return f"cannot write the ledger {ledger_path(self.layout)}: {exc.strerror or exc}"
         self.pending = []

@@ -54,7 +54,7 @@ def runs(layout: Layout) -> List[Run]:
     """Every lease and share held now, from the kernel's lock table."""
     from ..lease.holders import holdings, locked_files
     from ..lease.files import lock_table
-    from ..ledger.looks import proc
+    from ..ledger.processes import proc
 
     table = lock_table()
     found: Dict[int, Dict[str, Any]] = {}

@@ -240,7 +240,7 @@ class _Writes:
 
     def write_views(self) -> None:
         for done in self.views:
-            ledger._append_user_view(self.layout, done, self.limits, durable=False)
+            ledgerfile.append_user_view(self.layout, done, self.limits, durable=False)
 
 
 _turn: Optional[_Turn] = None
