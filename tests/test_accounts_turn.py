@@ -97,8 +97,8 @@ def test_a_turns_grants_are_sent_before_the_state_is_read_and_entered_open_at_it
     pids = _clients(spawned, 3)
     assert _grant(layout, pids[0]) is not None  # the state is seen to be this boot's from now on
     loads: List[str] = []
-    real_load = accounts.ledger._load_state
-    monkeypatch.setattr(accounts.ledger, "_load_state", lambda path: loads.append("load") or real_load(path))
+    real_load = accounts.ledger.load_state
+    monkeypatch.setattr(accounts.ledger, "load_state", lambda path: loads.append("load") or real_load(path))
     sent: List[str] = []
     with ledgerturn.turn(layout):
         ids = [_grant(layout, pid, f"GPU-{pid}", lambda pid=pid: sent.append(f"sent {pid}") or True)

@@ -59,8 +59,37 @@ def _private_imports(path: Path, tree: ast.Module) -> Iterator[str]:
                 yield f"{_name(path)}:{node.lineno} imports {'.' * node.level}{node.module or ''}.{alias.name}"
 
 
+MODULES = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+           for p in PACKAGE.rglob("*.py")}
+
+
+def _source(path: Path, node: ast.ImportFrom) -> str:
+    """The module NODE imports from, as a dotted name (a relative import resolved from PATH)."""
+    if not node.level:
+        return node.module or ""
+    package = list(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    return ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+
+
+def _private_attributes(path: Path, tree: ast.Module) -> Iterator[str]:
+    """`module._name` where module is another cudawrap module imported by PATH: an import of
+    its private name by another spelling."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                full = f"{_source(path, node)}.{alias.name}"
+                if full in MODULES:
+                    aliases[alias.asname or alias.name] = full
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            yield f"{_name(path)}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}"
+
+
 def test_no_module_imports_another_modules_private_name() -> None:
-    found = [line for path, tree in modules() for line in _private_imports(path, tree)]
+    found = [line for path, tree in modules()
+             for line in list(_private_imports(path, tree)) + list(_private_attributes(path, tree))]
     assert not found, f"private names imported from another module (make them public where they live): {found}"
 
 
@@ -70,4 +99,7 @@ def test_the_checks_see_what_they_look_for() -> None:
     path = PACKAGE / "sizes_probe.py"  # named as if in the package, never written there
     tree = ast.parse(source)
     assert list(_private_imports(path, tree)) == ["cudawrap/sizes_probe.py:1 imports ..x._hidden"]
+    probe = PACKAGE / "ops" / "sizes_probe.py"
+    used = ast.parse("from ..ledger import looks as ledger\nledger._hidden()\nledger.__name__\n")
+    assert list(_private_attributes(probe, used)) == ["cudawrap/ops/sizes_probe.py:2 uses cudawrap.ledger.looks._hidden"]
     assert list(_long_functions(path, tree)) == [f"cudawrap/sizes_probe.py:3 long: {FUNCTION_LINES + 1} lines"]

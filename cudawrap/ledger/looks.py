@@ -59,7 +59,8 @@ def _share_costs(layout: Layout) -> Callable[[str], float]:
     return lambda uuid: sharing.cost(sharing.slots_for(uuid))
 
 
-def _lease_id(boot: str, pid: int, ticks: int, devices: Sequence[str]) -> str:
+def lease_id(boot: str, pid: int, ticks: int, devices: Sequence[str]) -> str:
+    """A lease's id: this boot, its client's pid and start ticks, a digest of its devices (unique per grant)."""
     digest = hashlib.sha1(",".join(devices).encode()).hexdigest()[:8]
     return f"{boot[:8]}-{pid}-{ticks}-{digest}"
 
@@ -79,7 +80,9 @@ class Observation:
     error: Optional[str] = None  # why the ledger could not be written (kept for the next look)
 
 
-def _load_state(path: Path) -> Dict[str, Any]:
+def load_state(path: Path) -> Dict[str, Any]:
+    """The ledger's state (the leases open, the runs waiting, the last look); a fresh one
+    where it is missing or of another version."""
     try:
         data = json.loads(path.read_bytes())
         if isinstance(data, dict) and data.get("version") == RECORD_VERSION:
@@ -89,11 +92,14 @@ def _load_state(path: Path) -> Dict[str, Any]:
     return {"version": RECORD_VERSION, "boot": "", "looked": None, "open": {}, "waiting": {}}
 
 
-def _save_state(path: Path, state: Dict[str, Any]) -> None:
-    _write_state(path, json.dumps(state).encode())
+def save_state(path: Path, state: Dict[str, Any]) -> None:
+    """STATE written whole in place of PATH's (write_state)."""
+    write_state(path, json.dumps(state).encode())
 
 
-def _write_state(path: Path, text: bytes) -> None:
+def write_state(path: Path, text: bytes) -> None:
+    """TEXT as PATH's new content, written beside it and renamed over it, root's alone
+    (0600): a reader sees the old state or the new, never a part."""
     tmp = path.with_name("." + private_tmp(path.name))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -151,7 +157,7 @@ def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = 
             obs.open = kept["open"]
             return obs
     with Locked(layout):
-        state = _load_state(state_path)
+        state = load_state(state_path)
         now = time.time()
         boot = boot_id()
         opened, waiting, since = _since_last_look(state, obs, boot, boot_time(), now, seen_by)
@@ -163,7 +169,7 @@ def observe(layout: Layout, seen_by: str = "monitor", limits: Tuple[int, int] = 
             return obs  # the state is left as it was: the next look records all of it
         state.update(boot=boot, looked=now, open=current, waiting=now_waiting)
         try:
-            _save_state(state_path, state)
+            save_state(state_path, state)
         except OSError as exc:
             obs.error = f"cannot write {state_path}: {exc.strerror}"
     return obs
@@ -194,7 +200,7 @@ def quiet(layout: Layout, table: Dict[Tuple[int, int], List[Tuple[int, bool]]],
     the other way: then the full look, under the lock, decides."""
     if not service_running(layout):
         return None
-    state = _load_state(layout.state_dir / STATE)
+    state = load_state(layout.state_dir / STATE)
     now = time.time() if now is None else now
     looked = state.get("looked")
     if state.get("boot") != boot_id() or state.get("waiting") or not isinstance(looked, (int, float)) \
@@ -229,7 +235,7 @@ def _since_last_look(state: Dict[str, Any], obs: Observation, boot: str, booted:
     if state["boot"] != boot:
         # Restarted since the last look: whatever was held then ended before this boot.
         for record in opened.values():
-            obs.ends.append(_end(record, record["seen"], max(record["seen"], booted), now,
+            obs.ends.append(end_record(record, record["seen"], max(record["seen"], booted), now,
                                  "ended (the machine restarted)", seen_by))
         opened, waiting, looked = {}, {}, None
     return opened, waiting, max(looked if looked is not None else booted, booted)
@@ -285,7 +291,7 @@ def _leases(look: _Look, opened: Dict[str, Dict[str, Any]], waiting: Dict[str, D
             p = proc(record["pid"])
             how = ("released while its process still runs" if p is not None and p.ticks == record["ticks"]
                    else "ended")
-            obs.ends.append(_end(record, record["seen"], look.now, look.now, how, look.seen_by))
+            obs.ends.append(end_record(record, record["seen"], look.now, look.now, how, look.seen_by))
     return current
 
 
@@ -308,7 +314,7 @@ def _grant(look: _Look, p: Proc, devices: List[str], shared: bool,
     lo = max(look.since, p.started)
     start = _estimate(lo, look.now, p.started)
     record: Dict[str, Any] = {
-        "v": RECORD_VERSION, "event": "grant", "id": _lease_id(look.boot, p.pid, p.ticks, devices), "uid": p.uid,
+        "v": RECORD_VERSION, "event": "grant", "id": lease_id(look.boot, p.pid, p.ticks, devices), "uid": p.uid,
         "user": user_name(p.uid), "pid": p.pid, "ticks": p.ticks, "program": p.program, "exe": p.exe,
         "devices": devices, "start": round(start, 3), "start_lo": round(lo, 3), "start_hi": round(look.now, 3),
         "seen_by": look.seen_by, "seen": look.now}
@@ -361,7 +367,7 @@ def _append_records(layout: Layout, obs: Observation, limits: Tuple[int, int]) -
     return True
 
 
-def _end(grant: Dict[str, Any], lo: float, hi: float, now: float, how: str, seen_by: str) -> Dict[str, Any]:
+def end_record(grant: Dict[str, Any], lo: float, hi: float, now: float, how: str, seen_by: str) -> Dict[str, Any]:
     """The end record: self-contained (the grant's facts too), so a user's view needs no grants."""
     record = {k: v for k, v in grant.items() if k not in ("seen", "seen_by", "memory_at", "memory_ended")}
     if grant.get("memory_ended"):

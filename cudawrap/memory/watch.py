@@ -150,7 +150,7 @@ class Watch:
         try:
             with ledgerfile.Locked(self.layout):
                 path = self.layout.state_dir / ledgerfile.STATE
-                state = ledger._load_state(path)
+                state = ledger.load_state(path)
                 changed = False
                 for record in state["open"].values():
                     pid = record.get("pid")
@@ -167,7 +167,7 @@ class Watch:
                         record["memory_ended"] = self._ended[pid]
                     changed = True
                 if changed:
-                    ledger._save_state(path, state)
+                    ledger.save_state(path, state)
         except OSError as exc:
             log.warning("cannot record memory in the ledger: %s", exc.strerror or exc)
 

@@ -58,7 +58,7 @@ def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, 
     ticks, name, exe = client
     now = time.time()
     boot = ledgerturn.boot()
-    lid = ledger._lease_id(boot, pid, ticks, sorted(devices))
+    lid = ledger.lease_id(boot, pid, ticks, sorted(devices))
     record: Dict[str, Any] = {
         "v": ledgerfile.RECORD_VERSION, "event": "grant", "id": lid, "uid": uid, "user": user_name(uid),
         "pid": pid, "ticks": ticks, "program": name, "exe": exe,
@@ -77,7 +77,7 @@ def grant(layout: Layout, pid: int, uid: int, devices: List[str], program: str, 
             return lid if send() else None  # a look after the restart records it (and ends what the old boot held)
         t.append(record)
         if not send():
-            t.append(ledger._end(record, now, now, now, "not taken (the client went away)", "service"))
+            t.append(ledger.end_record(record, now, now, now, "not taken (the client went away)", "service"))
             return None
         # Entered as open at the turn's end (settle): a second grant of the turn (seven
         # releases at once) is sent before the state is read (~0.1 ms on a cold CPU).
@@ -105,7 +105,7 @@ def recover(layout: Layout) -> Tuple[int, int]:
     no longer open (a restarted service would end them a second time). How many of each."""
     path = layout.state_dir / ledgerfile.STATE
     with ledgerfile.Locked(layout):
-        state = ledger._load_state(path)
+        state = ledger.load_state(path)
         boot = ledger.boot_id()
         if state["boot"] not in ("", boot):
             return 0, 0  # a look after the reboot ends what the old boot held
@@ -124,7 +124,7 @@ def recover(layout: Layout) -> Tuple[int, int]:
             state["boot"] = boot
             state["open"].update(missing)
         if missing or closed:
-            ledger._save_state(path, state)
+            ledger.save_state(path, state)
     return len(missing), len(closed)
 
 
@@ -132,7 +132,7 @@ def still_open(layout: Layout) -> List[Dict[str, Any]]:
     """The grants a service recorded that no end has closed yet (for a restarted service)."""
     path = layout.state_dir / ledgerfile.STATE
     with ledgerfile.Locked(layout):
-        state = ledger._load_state(path)
+        state = ledger.load_state(path)
     if state["boot"] != ledger.boot_id():
         return []
     return [r for r in state["open"].values() if r.get("seen_by") == "service"]

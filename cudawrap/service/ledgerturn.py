@@ -168,7 +168,7 @@ class _Turn:
         """The ledger's state, under its lock (taken now if not yet)."""
         self.locked()
         if self.state is None:
-            self.state = ledger._load_state(self.path)
+            self.state = ledger.load_state(self.path)
             if self.state["boot"] == boot():
                 _kept["boot_current"] = True  # only a reboot changes it, and this service dies with it
         return self.state
@@ -197,7 +197,7 @@ class _Turn:
             record = self.open()["open"].pop(lid, None)
             if record is None:
                 continue
-            done = ledger._end(record, at, at, at, how, "service")
+            done = ledger.end_record(record, at, at, at, how, "service")
             self.append(done)
             self.changed = True
             self.views.append(done)
@@ -236,7 +236,7 @@ class _Writes:
 
     def write_state(self) -> None:
         if self.text is not None:
-            ledger._write_state(self.path, self.text)
+            ledger.write_state(self.path, self.text)
 
     def write_views(self) -> None:
         for done in self.views:

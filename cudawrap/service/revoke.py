@@ -99,7 +99,7 @@ def _end_records(layout: Layout, uuids: List[str], by: str) -> None:
     if not path.exists():
         return
     with ledgerfile.Locked(layout):
-        state = looks._load_state(path)
+        state = looks.load_state(path)
     for lid, record in state["open"].items():
         if set(record.get("devices", ())) & set(uuids):
             bookkeeping.end(layout, lid, f"revoked by {by}")
