@@ -113,6 +113,28 @@ def test_a_stop_removes_every_empty_cgroup_of_its_install_before_it_returns(cgro
     held.wait()
 
 
+def test_a_stop_lets_a_waiting_client_out_and_keeps_a_holder_in(cgroups: Cgroups, gpus, tmp_path):
+    """A client still waiting for its decision at the stop goes back where it came from (it
+    may go on without the service, root deciding for itself, and must then open what it
+    takes); its cgroup goes. A run that holds a GPU stays in its own, confined."""
+    mech = cgroups.mech
+    rc = service(cgroups, tmp_path)
+    waiting, held = placed(cgroups), placed(cgroups)
+    rc.enter(waiting.pid, 0)
+    rc.enter(held.pid, 0)
+    assert rc.allow(held.pid, [gpus[1]])
+    waiting_path = rc._settled(waiting.pid)
+    assert mech.parent_of(waiting.pid) == waiting_path
+    assert rc.allow(waiting.pid, [])  # the stop drops its connection first (Grants.gone)
+    rc.close()
+    assert mech.parent_of(waiting.pid) == cgroups.top
+    assert mech.parent_of(held.pid) == rc.runs[held.pid]
+    assert not any(os.path.exists(os.path.join(r, waiting_path.lstrip("/"))) for r in mech.roots)
+    for proc in (waiting, held):
+        proc.kill()
+        proc.wait()
+
+
 def test_a_nested_run_goes_beside_its_parent_run(cgroups: Cgroups, gpus, tmp_path):
     rc = service(cgroups, tmp_path)
     outer = placed(cgroups)
@@ -260,7 +282,7 @@ def test_leftovers_are_ended_through_their_run_cgroup_daemons_and_all(cgroups: C
 
 
 def test_a_leftover_outside_any_run_cgroup_is_not_ended_through_one(cgroups: Cgroups):
-    from cudawrap.confine.cgroups import kill_run_of
+    from cudawrap.confine.runkill import kill_run_of
     from cudawrap.base.proc import start_time
 
     other = placed(cgroups)

@@ -49,7 +49,6 @@ from ..base.devrule import Rule
 from ..devices import drivernodes
 from ..devices.nvml import node_ids
 from ..errors import SetupError
-from ..base.proc import start_time
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +79,8 @@ class RunCgroups:
         # The worker's alone (the loop reads them once it has the worker's result):
         self.spares: Dict[str, str] = {}  # where runs go -> a cgroup made and confined ahead
         self.bases: Dict[int, str] = {}  # client pid -> where its run cgroup went
+        self.origins: Dict[int, str] = {}  # client pid -> the cgroup it was in before its own
+        self.opened: Set[int] = set()  # pids of RUNS whose cgroup opened a device once (a grant went out)
         self.made = 0
         # A cgroup no longer wanted with processes in it -> {pid: pidfd} of those watched.
         self.leaving: Dict[str, Dict[int, int]] = {}
@@ -94,6 +95,7 @@ class RunCgroups:
             # Its run ended, its cgroup waiting for its leftovers: a new process of that
             # number, or the same one asking again. Either way a cgroup of its own.
             del self.runs[pid]
+            self.opened.discard(pid)
         if pid not in self.runs and pid not in self.entering:
             self.wanted.add(pid)
             self.entering[pid] = self.worker.submit(self._enter, pid, uid)
@@ -171,6 +173,7 @@ class RunCgroups:
             else:
                 self.runs[pid] = path
                 self.rules[path] = self.rule(())
+                self.origins[pid] = was
                 self.failed.discard(pid)
                 if was in self.leaving:
                     self._tidy([was])  # it left its last run's cgroup: maybe empty now
@@ -217,6 +220,7 @@ class RunCgroups:
             return False
         if devices:
             self.wanted.add(pid)
+            self.opened.add(pid)
             self._unwatch(path)  # wanted again (a client granted after a void grant)
             base = self.bases.pop(pid, None)
             if base is not None:
@@ -314,6 +318,7 @@ class RunCgroups:
         removed, now (spares, a run's whose last process just exited); one with a process
         stays with its run (it goes on confined), for the next start's reconcile."""
         self.worker.shutdown(wait=True, cancel_futures=True)  # no spare made once stopping
+        self._let_out_waiters()
         for path in self._found():
             try:
                 self.mech.remove(path)
@@ -325,6 +330,26 @@ class RunCgroups:
         self.leaving.clear()
         self.spares.clear()
         self.exits.close()
+
+    def _let_out_waiters(self) -> None:
+        """At the stop, each client that never got a grant (its cgroup opens no GPU: it waits,
+        or its connection was just dropped by the stop) goes back to the cgroup it came from:
+        one that runs on without the service (root deciding for itself, or a run that waits for
+        the next service and enters anew) must not be left unable to open the GPU it then
+        takes. A run that was granted stays confined, whatever it holds now."""
+        for pid, entering in list(self.entering.items()):
+            if entering.cancelled():  # never moved: the stop came first
+                del self.entering[pid]
+            else:
+                self._settled(pid)
+        for pid, path in self.runs.items():
+            origin = self.origins.get(pid)
+            if origin is None or pid in self.opened or pid not in self.mech.pids(path):
+                continue
+            try:
+                self.mech.move(origin, pid)
+            except OSError:
+                pass  # gone, or its old cgroup with it: nothing to give back
 
     # -- a restart --------------------------------------------------------------------------
     def reconcile(self, held: Mapping[int, Iterable[str]], followed: Iterable[int] = ()) -> None:
@@ -348,35 +373,6 @@ class RunCgroups:
                 self.wanted.add(owner)
             self._set(path, sorted({u for pid in holders for u in held[pid]}))
         self._tidy(found)
-
-
-def kill_run_of(pid: int, ticks: int) -> bool:
-    """End every process of the run cgroup PID is in (a run's leftovers: its lease has ended),
-    through the cgroup (cgroup.kill, or the freezer and a kill of each): its children and
-    daemons too, none of them guessed by pid. False where PID (started at TICKS) is in no run
-    cgroup of cudawrap's, or is another process now."""
-    try:
-        found = cgroup.mounts()
-        where = cgroup.current(pid)
-    except OSError:
-        return False
-    if start_time(pid) != ticks:
-        return False  # the pid was reused
-    mechanisms = []
-    if "devices" in found and "freezer" in found:
-        mechanisms.append(("devices", cgroup.V1(found["devices"], found["freezer"])))
-    if "unified" in found:
-        mechanisms.append(("unified", cgroup.V2(found["unified"])))
-    for name, mech in mechanisms:
-        path = where.get(name, "")
-        if os.path.basename(path).startswith(RUN_PREFIX):
-            try:
-                mech.kill(path)
-            except OSError as exc:
-                log.warning("the leftovers in %s could not be ended through it: %s", path, exc)
-                return False
-            return True
-    return False
 
 
 def for_install(config: Mapping[str, object], root: str, say: Callable[[str], None]) -> Optional[RunCgroups]:

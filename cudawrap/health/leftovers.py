@@ -119,7 +119,7 @@ def end(leftover: Leftover) -> bool:
     """End LEFTOVER: in a run cgroup of the service's ([confine] runs), that whole cgroup
     (the run's other leftovers with it); else SIGTERM if it is still that very process (a
     pidfd, its start time checked)."""
-    from ..confine.cgroups import kill_run_of
+    from ..confine.runkill import kill_run_of
 
     if kill_run_of(leftover.pid, leftover.ticks):
         return True
