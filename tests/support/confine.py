@@ -16,6 +16,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
@@ -24,7 +25,6 @@ import pytest
 
 from cudawrap.base import cgroup
 
-from .procs import wait_for
 
 PROBE = str(Path(__file__).with_name("devprobe.py"))
 
@@ -94,10 +94,33 @@ def gpu_nodes(tmp_path: Path) -> Iterator[Nodes]:
             os.unlink(path)
 
 
-def _tree(top: str) -> List[str]:
+def tree(top: str) -> List[str]:
     """Every directory at and below TOP, deepest first."""
     dirs = [d for d, _, _ in os.walk(top)]
     return sorted(dirs, key=lambda d: d.count("/"), reverse=True)
+
+
+def empty(path: str, timeout: float = 10.0) -> bool:
+    """Kill every process in the cgroup directory PATH; whether none is left within TIMEOUT."""
+    for state, thawed in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+        try:
+            with open(os.path.join(path, state), "w") as f:
+                f.write(thawed)  # a frozen process dies of SIGKILL only once thawed
+        except OSError:
+            pass
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = cgroup._pids(path)
+        if not pids:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
 
 
 def teardown(mech: "cgroup.V1 | cgroup.V2", rel_top: str) -> None:
@@ -106,13 +129,8 @@ def teardown(mech: "cgroup.V1 | cgroup.V2", rel_top: str) -> None:
         top = os.path.join(root, rel_top.lstrip("/"))
         if not os.path.isdir(top):
             continue
-        for d in _tree(top):
-            for pid in cgroup._pids(d):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            wait_for(lambda: not cgroup._pids(d), what=f"{d} empty")
+        for d in tree(top):
+            assert empty(d), f"{d} not empty in 10 s"
             os.rmdir(d)
 
 

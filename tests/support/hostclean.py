@@ -22,12 +22,12 @@ from __future__ import annotations
 import errno
 import glob
 import os
-import signal
-import time
 from typing import Dict, List, Optional, Tuple
 
 from cudawrap.base import cgroup
 from cudawrap.base.nodemodes import snapshot
+
+from .confine import empty, tree
 
 _HIERARCHIES = ("devices", "freezer", "unified")
 _NODES = ("/dev/nvidia*", "/dev/nvidia-caps/*")
@@ -73,11 +73,11 @@ class HostCheck:
         cgroups: Dict[str, List[str]] = {}  # below the session's -> the hierarchies it is in
         for hier, mount, was in self.places:
             session = os.path.join(mount, was.lstrip("/"), self.name)
-            for path in _below(session):
+            for path in tree(session)[:-1]:  # below it, deepest first
                 rel = os.path.relpath(path, session)
                 pids = cgroup._pids(path)
                 cgroups.setdefault(rel, []).append(hier + (f" (processes {_commands(pids)})" if pids else ""))
-                _empty(path)
+                empty(path)
                 if not _rmdir(path):
                     self.notes.append(f"{path} could not be removed")
             back = os.path.join(mount, was.lstrip("/"), "cgroup.procs")
@@ -104,7 +104,7 @@ def _stale(where: str) -> None:
     for name in os.listdir(where):
         pid = name[len("cudawrap-tests-"):]
         if name.startswith("cudawrap-tests-") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            for path in _below(os.path.join(where, name)) + [os.path.join(where, name)]:
+            for path in tree(os.path.join(where, name)):
                 _rmdir(path)  # not if a process is in it: then it is not stale
 
 
@@ -124,12 +124,6 @@ def _write(path: str, pid: int) -> None:
         f.write(str(pid))
 
 
-def _below(top: str) -> List[str]:
-    """Every cgroup below TOP, deepest first."""
-    dirs = [d for d, _subdirs, _files in os.walk(top) if d != top]
-    return sorted(dirs, key=lambda d: d.count("/"), reverse=True)
-
-
 def _commands(pids: List[int]) -> str:
     out = []
     for pid in pids[:5]:
@@ -140,27 +134,6 @@ def _commands(pids: List[int]) -> str:
         except OSError:
             out.append(str(pid))
     return ", ".join(out) + (" ..." if len(pids) > 5 else "")
-
-
-def _empty(path: str, timeout: float = 10.0) -> None:
-    """Kill every process in the cgroup PATH and wait until none is left."""
-    for state, thawed in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
-        try:
-            with open(os.path.join(path, state), "w") as f:
-                f.write(thawed)  # a frozen process dies of SIGKILL only once thawed
-        except OSError:
-            pass
-    deadline = time.monotonic() + timeout
-    while True:
-        pids = cgroup._pids(path)
-        if not pids or time.monotonic() > deadline:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.01)
 
 
 def _rmdir(path: str) -> bool:
