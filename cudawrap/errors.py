@@ -3,7 +3,6 @@
 Errors are caught in exactly two places, the shim's ``main`` and the CLI root, and
 printed there as one line (plus an optional ``hint:`` line).
 """
-from __future__ import annotations
 
 import os
 TYPE_CHECKING = False  # the shim imports this module and `import typing` costs ~10 ms
@@ -16,7 +15,7 @@ class CudawrapError(Exception):
 
     exit_code: int = os.EX_SOFTWARE
 
-    def __init__(self, message: str, hint: Optional[str] = None) -> None:
+    def __init__(self, message: str, hint: "Optional[str]" = None) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
@@ -60,7 +59,7 @@ class ConfigError(CudawrapError):
 
     exit_code = os.EX_CONFIG  # 78
 
-    def __init__(self, message: str, hint: Optional[str] = None) -> None:
+    def __init__(self, message: str, hint: "Optional[str]" = None) -> None:
         # The line says what and where; what to do is the same for every such file.
         super().__init__(message, hint or "correct what it names (a file of the administrator's: ask them to); "
                                           "`cudawrap config` reads it back")
@@ -83,7 +82,7 @@ class Interrupted(CudawrapError):
 
     exit_code = 128 + 2
 
-    def __init__(self, message: str, hint: Optional[str] = None, exit_code: int = 128 + 2) -> None:
+    def __init__(self, message: str, hint: "Optional[str]" = None, exit_code: int = 128 + 2) -> None:
         super().__init__(message, hint)
         self.exit_code = exit_code  # 128 + the signal, as the shell reports it
 
@@ -137,7 +136,7 @@ class CannotWrite(CudawrapError):
     exit_code = os.EX_CANTCREAT  # 73
 
     @classmethod
-    def from_os_error(cls, exc: OSError, where: str) -> CannotWrite:
+    def from_os_error(cls, exc: "OSError", where: str) -> "CannotWrite":
         path = exc.filename or where
         return cls(f"cannot write {path}: {exc.strerror or exc}",
                    hint=f"free space on the filesystem of {where} (`df {where}`), then try again")

@@ -300,12 +300,12 @@ def test_a_taker_that_meets_a_probe_tries_again(runtime: Layout, monkeypatch: py
         return len(tries) >= ACQUIRE.PROBE_TRIES and real(uuid, *args)
 
     monkeypatch.setattr(files, "try_lock", probed_meanwhile)
-    lease = acquirer._take([UUIDS[0]])
+    lease = acquirer.take_exactly([UUIDS[0]])
     assert lease is not None and lease.uuids == [UUIDS[0]] and len(tries) == ACQUIRE.PROBE_TRIES
     lease.release()
     tries.clear()
     monkeypatch.setattr(files, "try_lock", lambda uuid, *args: tries.append(uuid) and False)
-    assert acquirer._take([UUIDS[0]]) is None and len(tries) == ACQUIRE.PROBE_TRIES
+    assert acquirer.take_exactly([UUIDS[0]]) is None and len(tries) == ACQUIRE.PROBE_TRIES
 
 
 def test_events_that_change_nothing_are_not_decided_on(runtime: Layout, monkeypatch: pytest.MonkeyPatch) -> None:

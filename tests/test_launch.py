@@ -152,8 +152,10 @@ def test_running_the_shim_directly_is_refused(installed):
     assert b"run a wrapped program by its own name" in r.stderr
 
 
+# __future__ too: the one stdlib module a launch would read from disk (~0.1 ms); the modules on
+# the shim's path write the annotations that need it as strings instead.
 HEAVY = {"plumbum", "pathlib", "typing", "dataclasses", "json", "tomllib", "tomli", "filelock",
-         "logging", "re", "enum", "subprocess", "inspect", "argparse", "threading"}
+         "logging", "re", "enum", "subprocess", "inspect", "argparse", "threading", "__future__"}
 
 
 def shim_imports(inst, *argv: str, **env: str) -> set:  # type: ignore[no-untyped-def]

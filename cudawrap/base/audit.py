@@ -3,7 +3,6 @@
 libc's syslog() drops messages silently when no syslog socket exists, which is what we
 want: a container or a minimal chroot must not make every launch complain.
 """
-from __future__ import annotations
 
 import os
 
@@ -30,7 +29,7 @@ def field(value: object) -> str:
     return '"' + text.replace('"', '\\"') + '"'
 
 
-def log(event: str, priority: str = "info", **fields: Any) -> None:
+def log(event: str, priority: str = "info", **fields: "Any") -> None:
     """Send "EVENT key=value …" to syslog with the caller's user and pid."""
     global _opened
     try:
@@ -52,7 +51,7 @@ SYSLOG_SOCKET = "/dev/log"  # where libc's syslog() sends; without it messages v
 _noticed = False
 
 
-def channel_problem(socket: str = SYSLOG_SOCKET) -> Optional[str]:
+def channel_problem(socket: str = SYSLOG_SOCKET) -> "Optional[str]":
     """Why syslog cannot receive the audit trail, or None when it can."""
     import stat
 

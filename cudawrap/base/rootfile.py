@@ -4,7 +4,6 @@ marshal is a C module (no import cost) and loads plain data only. A reader trust
 only if the runtime directory's owner (root on a system install) wrote it and nobody
 else can write it, so a user cannot plant data that steers other users' launches.
 """
-from __future__ import annotations
 
 import _thread
 import marshal
@@ -26,7 +25,7 @@ def private_tmp(path: str) -> str:
     return f"{path}.{os.getpid()}.{_thread.get_ident()}.tmp"
 
 
-def write(path: str, data: Any, mode: int = 0o644) -> None:
+def write(path: str, data: "Any", mode: int = 0o644) -> None:
     """DATA at PATH, atomically; MODE 0o644 (the default) lets every user read it."""
     tmp = private_tmp(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
@@ -38,7 +37,7 @@ def write(path: str, data: Any, mode: int = 0o644) -> None:
     os.replace(tmp, path)
 
 
-def read_raw(root: str, path: str) -> Optional[bytes]:
+def read_raw(root: str, path: str) -> "Optional[bytes]":
     """The bytes at PATH if trusted (see the module's docstring), else None."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -56,7 +55,7 @@ def read_raw(root: str, path: str) -> Optional[bytes]:
         os.close(fd)
 
 
-def loads(raw: Optional[bytes], version: int) -> Optional[dict]:
+def loads(raw: "Optional[bytes]", version: int) -> "Optional[dict]":
     """The dict RAW holds if it is of VERSION, else None."""
     if raw is None:
         return None
@@ -69,6 +68,6 @@ def loads(raw: Optional[bytes], version: int) -> Optional[dict]:
     return data
 
 
-def read(root: str, path: str, version: int) -> Optional[dict]:
+def read(root: str, path: str, version: int) -> "Optional[dict]":
     """The dict at PATH if trusted and of VERSION, else None."""
     return loads(read_raw(root, path), version)

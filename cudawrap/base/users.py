@@ -1,5 +1,4 @@
 """Account names for messages, status and the audit trail (light enough for the shim)."""
-from __future__ import annotations
 
 import time
 

@@ -13,7 +13,6 @@ foreign process on it. It holds no usage data: processes and memory are always r
 launch. With a GPU lost, no cache is written (lost GPUs are handled by the full
 enumeration).
 """
-from __future__ import annotations
 
 import os
 
@@ -28,14 +27,14 @@ from .model import Device, Inventory
 VERSION = 1
 
 
-def layout_of(inventory: Inventory) -> Inventory:
+def layout_of(inventory: "Inventory") -> "Inventory":
     """INVENTORY without usage: no process list (unknown), no memory used."""
     devices = [Device(d.uuid, d.name, d.parent_uuid, d.gpu_index, d.mig_slot, d.memory_total_mib, 0, None)
                for d in inventory.devices]
     return Inventory(inventory.driver_version, inventory.gpus, devices)
 
 
-def write(root: str, inventory: Inventory) -> None:
+def write(root: str, inventory: "Inventory") -> None:
     """Keep INVENTORY's layout for launches; removes the cache instead while a GPU is lost."""
     path = loc.under(root, loc.INVENTORY_CACHE)
     if inventory.lost:
@@ -49,7 +48,7 @@ def write(root: str, inventory: Inventory) -> None:
         rootfile.write(path, data)
 
 
-def read(root: str) -> Optional[Inventory]:
+def read(root: str) -> "Optional[Inventory]":
     """The layout if root wrote a usable cache, else None."""
     data = rootfile.read(root, loc.under(root, loc.INVENTORY_CACHE), VERSION)
     try:

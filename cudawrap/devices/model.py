@@ -4,7 +4,6 @@ Plain ``__slots__`` classes rather than dataclasses because the shim builds thes
 every launch (dataclasses cost ~19 ms to import); they convert to and from tuples so the
 root-written caches can store them with ``marshal``.
 """
-from __future__ import annotations
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
@@ -29,11 +28,11 @@ class Device:
         name: str,
         parent_uuid: str,
         gpu_index: int,
-        mig_slot: Optional[int],
+        mig_slot: "Optional[int]",
         memory_total_mib: int,
-        memory_used_mib: Optional[int],
-        pids: Optional[Tuple[int, ...]],
-        utilization: Optional[int] = None,
+        memory_used_mib: "Optional[int]",
+        pids: "Optional[Tuple[int, ...]]",
+        utilization: "Optional[int]" = None,
     ) -> None:
         self.uuid = uuid
         self.name = name  # GPU product name, or MIG profile such as "1g.10gb"
@@ -56,7 +55,7 @@ class Device:
                 self.memory_total_mib, self.memory_used_mib, self.pids, self.utilization)
 
     @classmethod
-    def from_tuple(cls, t: tuple) -> Device:
+    def from_tuple(cls, t: tuple) -> "Device":
         return cls(*t)
 
     def __repr__(self) -> str:
@@ -89,8 +88,8 @@ class Inventory:
 
     __slots__ = ("driver_version", "gpus", "devices", "lost")
 
-    def __init__(self, driver_version: str, gpus: Iterable[Gpu], devices: Iterable[Device],
-                 lost: Iterable[str] = ()) -> None:
+    def __init__(self, driver_version: str, gpus: "Iterable[Gpu]", devices: "Iterable[Device]",
+                 lost: "Iterable[str]" = ()) -> None:
         self.driver_version = driver_version
         self.gpus = tuple(gpus)
         self.devices = tuple(devices)
@@ -108,7 +107,7 @@ class Inventory:
         """Whether one process may use several MIG instances with this driver."""
         return self.driver_major >= MULTI_MIG_DRIVER
 
-    def by_uuid(self, uuid: str) -> Optional[Device]:
+    def by_uuid(self, uuid: str) -> "Optional[Device]":
         for device in self.devices:
             if device.uuid == uuid:
                 return device
@@ -119,9 +118,9 @@ class Inventory:
                 tuple(d.to_tuple() for d in self.devices), self.lost)
 
     @classmethod
-    def from_tuple(cls, t: tuple) -> Inventory:
+    def from_tuple(cls, t: tuple) -> "Inventory":
         driver, gpus, devices, lost = t
         return cls(driver, (Gpu(*g) for g in gpus), (Device(*d) for d in devices), lost)
 
-    def uuids(self) -> List[str]:
+    def uuids(self) -> "List[str]":
         return [d.uuid for d in self.devices]

@@ -7,7 +7,6 @@ below, so there is one way to enumerate. NoPermission / NotSupported answers bec
 ``None`` ("unknown") instead of exceptions; a GPU that fails mid-enumeration is reported
 as lost and skipped, never guessed at.
 """
-from __future__ import annotations
 
 from .model import Device, Gpu, Inventory
 from ..errors import NvmlUnavailable
@@ -20,14 +19,14 @@ MIB = 1024 * 1024
 
 # uuid -> (binding, NVML handle) from the last inventory(), so the waiting loop can
 # re-query one device without enumerating the machine again.
-_handles: Dict[str, Tuple[Any, Any]] = {}
+_handles: "Dict[str, Tuple[Any, Any]]" = {}
 # The lean binding once nvmlInit succeeded through it in this process (the shim's): a real
 # driver's nvmlInit only counts a second call, but without persistence mode the first can
 # take seconds, and a launch must not risk paying that twice.
-_direct_ready: List[Any] = []
+_direct_ready: "List[Any]" = []
 
 
-def _binding(direct: bool) -> Any:
+def _binding(direct: bool) -> "Any":
     if direct:
         from . import nvmldirect
 
@@ -37,7 +36,7 @@ def _binding(direct: bool) -> Any:
     return pynvml
 
 
-def init(direct: bool = False) -> Any:
+def init(direct: bool = False) -> "Any":
     """Initialise NVML, or raise NvmlUnavailable with a hint.
 
     NVML counts nvmlInit calls, so calling this per inventory is cheap and stays correct
@@ -62,7 +61,7 @@ def init(direct: bool = False) -> Any:
     return nv
 
 
-def _unknown_errors(nv: Any) -> tuple:
+def _unknown_errors(nv: "Any") -> tuple:
     # Answers that mean "you may not / cannot know", not "the GPU is broken".
     return tuple(
         getattr(nv, name)
@@ -71,7 +70,7 @@ def _unknown_errors(nv: Any) -> tuple:
     )
 
 
-def _pids(nv: Any, handle: Any) -> Optional[Tuple[int, ...]]:
+def _pids(nv: "Any", handle: "Any") -> "Optional[Tuple[int, ...]]":
     """Compute processes on one handle; None where NVML hides them."""
     try:
         procs = nv.nvmlDeviceGetComputeRunningProcesses(handle)
@@ -80,13 +79,13 @@ def _pids(nv: Any, handle: Any) -> Optional[Tuple[int, ...]]:
     return tuple(sorted({int(p.pid) for p in procs}))
 
 
-def _usage(nv: Any, handle: Any) -> Tuple[Optional[Tuple[int, ...]], int, int]:
+def _usage(nv: "Any", handle: "Any") -> "Tuple[Optional[Tuple[int, ...]], int, int]":
     """(compute pids or None if hidden, memory used MiB, memory total MiB) of one handle."""
     memory = nv.nvmlDeviceGetMemoryInfo(handle)
     return _pids(nv, handle), int(memory.used) // MIB, int(memory.total) // MIB
 
 
-def _utilization(nv: Any, handle: Any) -> Optional[int]:
+def _utilization(nv: "Any", handle: "Any") -> "Optional[int]":
     """GPU utilisation in %, None where NVML does not report it (MIG, some boards)."""
     try:
         return int(nv.nvmlDeviceGetUtilizationRates(handle).gpu)
@@ -101,7 +100,7 @@ def _profile(name: str) -> str:
     return name.split(marker, 1)[1] if marker in name else name
 
 
-def _mig_mode(nv: Any, handle: Any) -> bool:
+def _mig_mode(nv: "Any", handle: "Any") -> bool:
     try:
         current, _pending = nv.nvmlDeviceGetMigMode(handle)
     except _unknown_errors(nv):
@@ -109,7 +108,7 @@ def _mig_mode(nv: Any, handle: Any) -> bool:
     return current == getattr(nv, "NVML_DEVICE_MIG_ENABLE", 1)
 
 
-def _mig_devices(nv: Any, gpu: Gpu, handle: Any) -> List[Device]:
+def _mig_devices(nv: "Any", gpu: "Gpu", handle: "Any") -> "List[Device]":
     devices = []
     for slot in range(nv.nvmlDeviceGetMaxMigDeviceCount(handle)):
         try:
@@ -124,7 +123,7 @@ def _mig_devices(nv: Any, gpu: Gpu, handle: Any) -> List[Device]:
     return devices
 
 
-def inventory(utilization: bool = False, direct: bool = False, nv: Any = None) -> Inventory:
+def inventory(utilization: bool = False, direct: bool = False, nv: "Any" = None) -> "Inventory":
     """Enumerate every leasable device with its current processes and memory.
 
     UTILIZATION: also read whole GPUs' utilisation (one more query each), for a filter
@@ -141,9 +140,9 @@ def inventory(utilization: bool = False, direct: bool = False, nv: Any = None) -
         # so the no_driver policy decides, and the monitor and status carry on.
         raise NvmlUnavailable(f"NVML started but cannot list the devices: {exc}",
                               hint="check `nvidia-smi`; a driver upgrade may need a reboot") from None
-    gpus: List[Gpu] = []
-    devices: List[Device] = []
-    lost: List[str] = []
+    gpus: "List[Gpu]" = []
+    devices: "List[Device]" = []
+    lost: "List[str]" = []
     for index in range(count):
         uuid = f"index {index}"
         try:
@@ -167,7 +166,7 @@ def inventory(utilization: bool = False, direct: bool = False, nv: Any = None) -
     return Inventory(driver, gpus, devices, lost)
 
 
-def mig_by_ids(gpu_uuid: str, gi: int, ci: int) -> Optional[str]:
+def mig_by_ids(gpu_uuid: str, gi: int, ci: int) -> "Optional[str]":
     """The UUID of GPU_UUID's MIG instance with GPU instance GI and compute instance CI, or None.
 
     For CUDA_VISIBLE_DEVICES=MIG-GPU-<uuid>/<gi>/<ci>, the pre-R470 spelling; asked only
@@ -188,7 +187,7 @@ def mig_by_ids(gpu_uuid: str, gi: int, ci: int) -> Optional[str]:
     return None
 
 
-def node_ids(uuid: str) -> Optional[Tuple[int, Optional[int], Optional[int]]]:
+def node_ids(uuid: str) -> "Optional[Tuple[int, Optional[int], Optional[int]]]":
     """(minor, GI, CI) of a leasable device: the minor number of its GPU's node /dev/nvidiaN
     (a MIG instance's parent's) and, for a MIG instance, its GPU and compute instance ids,
     which name its capability nodes; None where NVML cannot say (gone, lost).
@@ -208,7 +207,7 @@ def node_ids(uuid: str) -> Optional[Tuple[int, Optional[int], Optional[int]]]:
         return None
 
 
-def matches(layout: Inventory) -> bool:
+def matches(layout: "Inventory") -> bool:
     """Whether LAYOUT (``invcache``) may still describe the machine, for the shim.
 
     False with another GPU count or driver, or any NVML error (the caller must enumerate).
@@ -224,7 +223,7 @@ def matches(layout: Inventory) -> bool:
         return False
 
 
-def refresh(device: Device) -> Optional[Device]:
+def refresh(device: "Device") -> "Optional[Device]":
     """The same device with current processes and memory; None if NVML lost it."""
     entry = _handles.get(device.uuid)
     if entry is None:
@@ -252,7 +251,7 @@ def refresh(device: Device) -> Optional[Device]:
                   device.mig_slot, total, used, pids, util)
 
 
-def _reading(nv: Any, ask: Any, *args: Any) -> Any:
+def _reading(nv: "Any", ask: "Any", *args: "Any") -> "Any":
     """One status reading; None where NVML cannot say (NotSupported, NoPermission, lost)."""
     try:
         return ask(*args)
@@ -260,7 +259,7 @@ def _reading(nv: Any, ask: Any, *args: Any) -> Any:
         return None
 
 
-def readings(uuid: str, nv: Any = None) -> Dict[str, Any]:
+def readings(uuid: str, nv: "Any" = None) -> "Dict[str, Any]":
     """What `cudawrap status` shows beyond the inventory, for the GPU or MIG device UUID:
     utilisation, temperature, power, performance state and each process's memory.
 
@@ -282,7 +281,7 @@ def readings(uuid: str, nv: Any = None) -> Dict[str, Any]:
     limit = _reading(nv, nv.nvmlDeviceGetEnforcedPowerLimit, handle)
     pstate = _reading(nv, nv.nvmlDeviceGetPerformanceState, handle)
     procs = _reading(nv, nv.nvmlDeviceGetComputeRunningProcesses, handle)
-    memory_of: Optional[Dict[int, Optional[int]]] = None
+    memory_of: "Optional[Dict[int, Optional[int]]]" = None
     if procs is not None:
         memory_of = {}
         for proc in procs:

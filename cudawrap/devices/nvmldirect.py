@@ -12,7 +12,6 @@ as the project's rule says. Struct layouts and symbol versions are those pynvml 
 
 Nothing here runs on import: the library is opened by ``nvmlInit``.
 """
-from __future__ import annotations
 
 import ctypes
 
@@ -27,7 +26,7 @@ _VERSION_BUFFER = 80
 _SUCCESS = 0
 _INSUFFICIENT_SIZE = 7
 
-_lib: Any = None
+_lib: "Any" = None
 
 
 class NVMLError(Exception):
@@ -63,7 +62,7 @@ NVMLError_DriverNotLoaded = _error_class("DriverNotLoaded", 9)
 NVMLError_LibraryNotFound = _error_class("LibraryNotFound", 12)
 NVMLError_FunctionNotFound = _error_class("FunctionNotFound", 13)
 NVMLError_GpuIsLost = _error_class("GpuIsLost", 15)
-_BY_CODE: Dict[int, type] = {cls.value: cls for cls in (
+_BY_CODE: "Dict[int, type]" = {cls.value: cls for cls in (
     NVMLError_InvalidArgument, NVMLError_NotSupported, NVMLError_NoPermission, NVMLError_NotFound,
     NVMLError_DriverNotLoaded, NVMLError_LibraryNotFound, NVMLError_FunctionNotFound,
     NVMLError_GpuIsLost)}
@@ -83,7 +82,7 @@ class _ProcessInfo(ctypes.Structure):
                 ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
 
 
-def _fn(name: str) -> Any:
+def _fn(name: str) -> "Any":
     if _lib is None:
         raise NVMLError(1)  # NVML_ERROR_UNINITIALIZED, as pynvml says before nvmlInit
     try:
@@ -104,19 +103,19 @@ def nvmlInit() -> None:
     _check(_fn("nvmlInitWithFlags")(ctypes.c_uint(0)))
 
 
-def _text(name: str, *args: Any, size: int = _BUFFER) -> str:
+def _text(name: str, *args: "Any", size: int = _BUFFER) -> str:
     buf = ctypes.create_string_buffer(size)
     _check(_fn(name)(*args, buf, ctypes.c_uint(size)))
     return buf.value.decode("utf-8", "replace")
 
 
-def _uint(name: str, *args: Any) -> int:
+def _uint(name: str, *args: "Any") -> int:
     value = ctypes.c_uint(0)
     _check(_fn(name)(*args, ctypes.byref(value)))
     return value.value
 
 
-def _handle(name: str, *args: Any) -> ctypes.c_void_p:
+def _handle(name: str, *args: "Any") -> "ctypes.c_void_p":
     handle = ctypes.c_void_p()
     _check(_fn(name)(*args, ctypes.byref(handle)))
     return handle
@@ -130,43 +129,43 @@ def nvmlDeviceGetCount() -> int:
     return _uint("nvmlDeviceGetCount_v2")
 
 
-def nvmlDeviceGetHandleByIndex(index: int) -> ctypes.c_void_p:
+def nvmlDeviceGetHandleByIndex(index: int) -> "ctypes.c_void_p":
     return _handle("nvmlDeviceGetHandleByIndex_v2", ctypes.c_uint(index))
 
 
-def nvmlDeviceGetHandleByUUID(uuid: str) -> ctypes.c_void_p:
+def nvmlDeviceGetHandleByUUID(uuid: str) -> "ctypes.c_void_p":
     return _handle("nvmlDeviceGetHandleByUUID", uuid.encode())
 
 
-def nvmlDeviceGetMigDeviceHandleByIndex(handle: ctypes.c_void_p, index: int) -> ctypes.c_void_p:
+def nvmlDeviceGetMigDeviceHandleByIndex(handle: "ctypes.c_void_p", index: int) -> "ctypes.c_void_p":
     return _handle("nvmlDeviceGetMigDeviceHandleByIndex", handle, ctypes.c_uint(index))
 
 
-def nvmlDeviceGetUUID(handle: ctypes.c_void_p) -> str:
+def nvmlDeviceGetUUID(handle: "ctypes.c_void_p") -> str:
     return _text("nvmlDeviceGetUUID", handle)
 
 
-def nvmlDeviceGetName(handle: ctypes.c_void_p) -> str:
+def nvmlDeviceGetName(handle: "ctypes.c_void_p") -> str:
     return _text("nvmlDeviceGetName", handle)
 
 
-def nvmlDeviceGetMaxMigDeviceCount(handle: ctypes.c_void_p) -> int:
+def nvmlDeviceGetMaxMigDeviceCount(handle: "ctypes.c_void_p") -> int:
     return _uint("nvmlDeviceGetMaxMigDeviceCount", handle)
 
 
-def nvmlDeviceGetMigMode(handle: ctypes.c_void_p) -> Tuple[int, int]:
+def nvmlDeviceGetMigMode(handle: "ctypes.c_void_p") -> "Tuple[int, int]":
     current, pending = ctypes.c_uint(0), ctypes.c_uint(0)
     _check(_fn("nvmlDeviceGetMigMode")(handle, ctypes.byref(current), ctypes.byref(pending)))
     return current.value, pending.value
 
 
-def nvmlDeviceGetMemoryInfo(handle: ctypes.c_void_p) -> _Memory:
+def nvmlDeviceGetMemoryInfo(handle: "ctypes.c_void_p") -> "_Memory":
     memory = _Memory()
     _check(_fn("nvmlDeviceGetMemoryInfo")(handle, ctypes.byref(memory)))
     return memory
 
 
-def nvmlDeviceGetComputeRunningProcesses(handle: ctypes.c_void_p) -> List[_ProcessInfo]:
+def nvmlDeviceGetComputeRunningProcesses(handle: "ctypes.c_void_p") -> "List[_ProcessInfo]":
     fn = _fn("nvmlDeviceGetComputeRunningProcesses_v3")
     count = ctypes.c_uint(0)
     ret = fn(handle, ctypes.byref(count), None)

@@ -17,7 +17,6 @@ when the reader's pid namespace is not the monitor's. A process still alive keep
 the snapshot can only make a launch more careful than NVML. A zombie does not: its parent
 may reap it only when it next looks, and it holds nothing on the GPU.
 """
-from __future__ import annotations
 
 import time
 
@@ -35,11 +34,11 @@ PERIOD_S = 0.5
 MAX_AGE_S = 3.0
 
 
-def write(root: str, inventory: Inventory) -> None:
+def write(root: str, inventory: "Inventory") -> None:
     """INVENTORY as NVML gave it, with the start time of each listed process seen in /proc."""
     from ..base.proc import namespace, start_time
 
-    started: Dict[int, int] = {}
+    started: "Dict[int, int]" = {}
     for device in inventory.devices:
         for pid in device.pids or ():
             if pid not in started:
@@ -51,7 +50,7 @@ def write(root: str, inventory: Inventory) -> None:
     rootfile.write(loc.under(root, loc.USAGE_SNAPSHOT), data)
 
 
-def _without_exited(device: Device, exited: Set[int]) -> Device:
+def _without_exited(device: "Device", exited: "Set[int]") -> "Device":
     if not device.pids or not exited.intersection(device.pids):
         return device
     return Device(device.uuid, device.name, device.parent_uuid, device.gpu_index, device.mig_slot,
@@ -59,7 +58,7 @@ def _without_exited(device: Device, exited: Set[int]) -> Device:
                   tuple(p for p in device.pids if p not in exited))
 
 
-def _exited(started: Dict[int, int], listed: Iterable[int], recorded: object) -> Set[int]:
+def _exited(started: "Dict[int, int]", listed: "Iterable[int]", recorded: object) -> "Set[int]":
     """Those of LISTED seen by the monitor (STARTED: pid -> start time) that are no longer
     the process it saw: exited, a zombie, or their pid reused. None where the pids of
     this process's namespace are not the monitor's (RECORDED)."""
@@ -76,7 +75,7 @@ def _exited(started: Dict[int, int], listed: Iterable[int], recorded: object) ->
 # path -> (the file's bytes, its data, its inventory): a reader that looks again and again
 # (the service, at each hand-over) parses each snapshot once. Compared by content, not by
 # the file's identity: one rewritten within a tick of the clock looks unchanged.
-_parsed: Dict[str, tuple] = {}
+_parsed: "Dict[str, tuple]" = {}
 
 
 def _read(root: str) -> "Optional[tuple]":
@@ -98,7 +97,7 @@ def _read(root: str) -> "Optional[tuple]":
     return parsed
 
 
-def read_fresh(root: str, max_age: float = MAX_AGE_S) -> Optional[Inventory]:
+def read_fresh(root: str, max_age: float = MAX_AGE_S) -> "Optional[Inventory]":
     """The snapshot's inventory if root wrote it less than MAX_AGE seconds ago, else None.
 
     Processes the monitor saw that have exited since are left out; every other process
@@ -164,7 +163,7 @@ class SnapshotRefresh:
         self.sticky = sticky
         self.nvml = False
 
-    def __call__(self, device: Device) -> Optional[Device]:
+    def __call__(self, device: "Device") -> "Optional[Device]":
         if not self.nvml:
             fresh, found = read_fresh_device(self.root, device.uuid)
             if fresh:
@@ -172,7 +171,7 @@ class SnapshotRefresh:
             self.nvml = self.sticky  # the monitor stopped: from now on ask NVML
         return self.fresh(device)
 
-    def fresh(self, device: Device) -> Optional[Device]:
+    def fresh(self, device: "Device") -> "Optional[Device]":
         """DEVICE as NVML says now (the snapshot may be half a second old)."""
         from . import nvml
 

@@ -13,7 +13,6 @@ waits, for one device again (refresh()). The sources, cheapest first (choose()):
 
 On the shim's path: NVML, the snapshot and the layout are imported only by the source used.
 """
-from __future__ import annotations
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
@@ -29,16 +28,16 @@ class DeviceSource:
     # before judging it, and a decision that fails may be the source's fault (see unread).
     unread = False
     # The monitor's snapshot file this source reads, if it is one (the acquirer checks its age).
-    snapshot: Optional[str] = None
+    snapshot: "Optional[str]" = None
 
-    def __init__(self, inventory: Inventory) -> None:
+    def __init__(self, inventory: "Inventory") -> None:
         self._inventory = inventory
 
-    def inventory(self) -> Inventory:
+    def inventory(self) -> "Inventory":
         """The devices, as read when the source was chosen."""
         return self._inventory
 
-    def refresh(self, device: Device) -> Optional[Device]:
+    def refresh(self, device: "Device") -> "Optional[Device]":
         """DEVICE read again now; None if it is gone."""
         raise NotImplementedError
 
@@ -46,7 +45,7 @@ class DeviceSource:
 class SnapshotSource(DeviceSource):
     """The monitor's snapshot; once it stops being fresh, NVML (SnapshotRefresh)."""
 
-    def __init__(self, root: str, inventory: Inventory) -> None:
+    def __init__(self, root: str, inventory: "Inventory") -> None:
         from .. import locations as loc
         from .snapshot import SnapshotRefresh
 
@@ -55,14 +54,14 @@ class SnapshotSource(DeviceSource):
         self.snapshot = loc.under(root, loc.USAGE_SNAPSHOT)
 
     @classmethod
-    def read(cls, root: str) -> Optional[SnapshotSource]:
+    def read(cls, root: str) -> "Optional[SnapshotSource]":
         """The snapshot's source, or None when there is no fresh snapshot written by root."""
         from .snapshot import read_fresh
 
         inventory = read_fresh(root)
         return cls(root, inventory) if inventory is not None else None
 
-    def refresh(self, device: Device) -> Optional[Device]:
+    def refresh(self, device: "Device") -> "Optional[Device]":
         return self._refresh(device)
 
 
@@ -70,13 +69,13 @@ class NvmlSource(DeviceSource):
     """NVML, every device enumerated (ctypes, not pynvml: see nvmldirect)."""
 
     @classmethod
-    def read(cls) -> NvmlSource:
+    def read(cls) -> "NvmlSource":
         """NvmlUnavailable if NVML cannot be used."""
         from . import nvml
 
         return cls(nvml.inventory(direct=True))
 
-    def refresh(self, device: Device) -> Optional[Device]:
+    def refresh(self, device: "Device") -> "Optional[Device]":
         from . import nvml
 
         return nvml.refresh(device)
@@ -88,7 +87,7 @@ class LayoutSource(NvmlSource):
     unread = True
 
     @classmethod
-    def read_layout(cls, root: str) -> Optional[LayoutSource]:
+    def read_layout(cls, root: str) -> "Optional[LayoutSource]":
         """The layout's source, or None when there is none or it no longer matches NVML's
         devices (NvmlUnavailable if NVML cannot be used)."""
         from . import invcache, nvml
@@ -100,15 +99,15 @@ class LayoutSource(NvmlSource):
 class GenericSource(DeviceSource):
     """Devices known by name only: what is known of them stays as it is."""
 
-    def refresh(self, device: Device) -> Optional[Device]:
+    def refresh(self, device: "Device") -> "Optional[Device]":
         return device
 
 
-def choose(root: str, layout: bool) -> DeviceSource:
+def choose(root: str, layout: bool) -> "DeviceSource":
     """The cheapest source that knows the machine now: the monitor's snapshot, else (if
     LAYOUT: no reader needs every device's usage) sync's layout, else NVML's enumeration.
     NvmlUnavailable if it takes NVML and NVML cannot be used."""
-    source: Optional[DeviceSource] = SnapshotSource.read(root)
+    source: "Optional[DeviceSource]" = SnapshotSource.read(root)
     if source is None and layout:
         source = LayoutSource.read_layout(root)
     return source if source is not None else NvmlSource.read()

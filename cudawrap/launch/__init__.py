@@ -10,7 +10,6 @@ fallbacks, the shared shim's search of the links), loaded only when asked for.
 Grant is here rather than in a module of its own: each module on the shim's path costs a
 launch ~0.1 ms, and every launch loads the door anyway.
 """
-from __future__ import annotations
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
@@ -31,16 +30,16 @@ class Grant:
     makes one of each way to a grant: its own decision, a wrapped parent's lease (inherited.py),
     the service's answer (client.py)."""
 
-    def __init__(self, lease: Optional[Lease], visible: Optional[str],
-                 extra: Optional[Dict[bytes, bytes]] = None) -> None:
+    def __init__(self, lease: "Optional[Lease]", visible: "Optional[str]",
+                 extra: "Optional[Dict[bytes, bytes]]" = None) -> None:
         self.lease = lease
         self.visible = visible  # value for CUDA_VISIBLE_DEVICES; None = leave it as it is
         self.extra = extra or {}  # more variables: an MPS client's
-        self.defaults: Dict[bytes, bytes] = {}  # variables set only where the caller has none
-        self.drop: Tuple[bytes, ...] = ()  # variables to remove
-        self.program: Optional[str] = None  # the wrapped name, for a run a shim started
+        self.defaults: "Dict[bytes, bytes]" = {}  # variables set only where the caller has none
+        self.drop: "Tuple[bytes, ...]" = ()  # variables to remove
+        self.program: "Optional[str]" = None  # the wrapped name, for a run a shim started
 
-    def apply(self, env: Dict[bytes, bytes]) -> Dict[bytes, bytes]:
+    def apply(self, env: "Dict[bytes, bytes]") -> "Dict[bytes, bytes]":
         for name in self.drop:
             env.pop(name, None)
         env.update(self.extra)
@@ -57,8 +56,8 @@ class Grant:
         return env
 
 
-def whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[bytes, bytes]] = None,
-                   defaults: Optional[Dict[bytes, bytes]] = None) -> Grant:
+def whole_devices(root: str, lease: "Lease", environ: "Any", extra: "Optional[Dict[bytes, bytes]]" = None,
+                   defaults: "Optional[Dict[bytes, bytes]]" = None) -> "Grant":
     """The Grant of LEASE with a share's variables (EXTRA, and DEFAULTS where the caller has
     none; sharing.run_env), and a shared run's MPS variables dropped for whole devices."""
     grant = Grant(lease, ",".join(lease.uuids), extra)
@@ -77,7 +76,7 @@ def whole_devices(root: str, lease: Lease, environ: Any, extra: Optional[Dict[by
 from .general import exec_failed, exec_program, fail, main, obtain  # noqa: E402,F401
 
 
-def __getattr__(name: str) -> Callable[..., Any]:
+def __getattr__(name: str) -> "Callable[..., Any]":
     """The names handed on from the modules a usual launch never loads, imported only when a
     caller asks for one (PEP 562): the wrapping's check for a script without #!, the links
     searched by `cudawrap config` and the service's peers."""

@@ -5,7 +5,6 @@ inheritable and survives ``execv``, so the kernel releases it when the program a
 every child that inherited it have exited (kill -9 included). No daemon, no heartbeat,
 no cleanup job. Users open lease files read-only; only root creates or removes them.
 """
-from __future__ import annotations
 
 import errno
 import fcntl
@@ -22,7 +21,7 @@ from ..locations import LEASE_ENV, PROGRAM_ENV  # noqa: F401 - named here by the
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
-def check_dir(path: str, what: str, hint: str) -> os.stat_result:
+def check_dir(path: str, what: str, hint: str) -> "os.stat_result":
     """A directory that must exist and be writable only by its owner (root, system-wide)."""
     try:
         st = os.stat(path)
@@ -49,19 +48,19 @@ class Lease:
     lock: a share). SLOTS: uuid -> descriptor on the slot file a share holds exclusively.
     """
 
-    def __init__(self, fds: Dict[str, int], slots: Optional[Dict[str, int]] = None) -> None:
+    def __init__(self, fds: "Dict[str, int]", slots: "Optional[Dict[str, int]]" = None) -> None:
         self.fds = dict(fds)
         self.slots = dict(slots or {})
 
     @property
-    def uuids(self) -> List[str]:
+    def uuids(self) -> "List[str]":
         return list(self.fds)
 
     @property
-    def shared(self) -> List[str]:
+    def shared(self) -> "List[str]":
         return [u for u in self.fds if u in self.slots]
 
-    def part(self, uuids: Iterable[str]) -> Lease:
+    def part(self, uuids: "Iterable[str]") -> "Lease":
         return Lease({u: self.fds[u] for u in uuids}, {u: self.slots[u] for u in uuids if u in self.slots})
 
     def marker(self) -> str:
@@ -88,19 +87,19 @@ class Lease:
 class LeaseFiles:
     """The lease files of one lease directory, opened read-only once per process."""
 
-    def __init__(self, lease_dir: str, share_dir: Optional[str] = None) -> None:
+    def __init__(self, lease_dir: str, share_dir: "Optional[str]" = None) -> None:
         self.dir = lease_dir
         self.share_dir = share_dir
         self.owner = check_dir(lease_dir, "lease directory", SYNC_HINT).st_uid
-        self._fds: Dict[str, int] = {}
-        self._idents: Dict[str, Tuple[int, int]] = {}  # uuid -> (device, inode) of its descriptor's file
-        self._slots: Dict[str, int] = {}  # uuid -> locked slot file of a share being taken
-        self._probes: Dict[str, int] = {}  # slot file -> a descriptor kept for slot_free
+        self._fds: "Dict[str, int]" = {}
+        self._idents: "Dict[str, Tuple[int, int]]" = {}  # uuid -> (device, inode) of its descriptor's file
+        self._slots: "Dict[str, int]" = {}  # uuid -> locked slot file of a share being taken
+        self._probes: "Dict[str, int]" = {}  # slot file -> a descriptor kept for slot_free
 
     def path(self, uuid: str) -> str:
         return self.dir + "/" + uuid
 
-    def fd(self, uuid: str) -> Optional[int]:
+    def fd(self, uuid: str) -> "Optional[int]":
         """An open descriptor on UUID's lease file, or None if it has none (not synced yet)."""
         fd = self._fds.get(uuid)
         if fd is not None:
@@ -119,20 +118,20 @@ class LeaseFiles:
         self._idents[uuid] = (st.st_dev, st.st_ino)  # a descriptor's file never changes
         return fd
 
-    def names(self) -> Set[str]:
+    def names(self) -> "Set[str]":
         """The names in the lease directory (a UUID each), in one listing; nothing is opened."""
         try:
             return set(os.listdir(self.dir))
         except OSError:
             return set()
 
-    def ident(self, uuid: str) -> Optional[Tuple[int, int]]:
+    def ident(self, uuid: str) -> "Optional[Tuple[int, int]]":
         """(device, inode) of UUID's lease file, as /proc/locks names it; None if it has none."""
         if uuid not in self._idents:
             self.fd(uuid)  # opens it and notes its file; its entry goes with its descriptor
         return self._idents.get(uuid)
 
-    def idents(self, uuids: Iterable[str]) -> Dict[str, Optional[Tuple[int, int]]]:
+    def idents(self, uuids: "Iterable[str]") -> "Dict[str, Optional[Tuple[int, int]]]":
         """ident() of each of UUIDS: a decision reads every device's, once a call each cost
         a decision on 56 MIG instances ~0.03 ms."""
         known = self._idents
@@ -186,7 +185,7 @@ class LeaseFiles:
     def slot_path(self, uuid: str, slot: int) -> str:
         return f"{self.share_dir}/{uuid}.{slot}"
 
-    def open_slot(self, uuid: str, slot: int) -> Optional[int]:
+    def open_slot(self, uuid: str, slot: int) -> "Optional[int]":
         """A new descriptor on UUID's slot file SLOT, or None where there is none (root's, a
         regular file; fewer slot files than configured until root syncs)."""
         if self.share_dir is None or "/" in uuid:
@@ -227,9 +226,9 @@ class LeaseFiles:
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def slot_idents(self, uuid: str, slots: int) -> List[Tuple[int, int]]:
+    def slot_idents(self, uuid: str, slots: int) -> "List[Tuple[int, int]]":
         """(device, inode) of each of UUID's SLOTS slot files that exists (root's, regular)."""
-        out: List[Tuple[int, int]] = []
+        out: "List[Tuple[int, int]]" = []
         if self.share_dir is None:
             return out
         for slot in range(1, slots + 1):
@@ -247,7 +246,7 @@ class LeaseFiles:
         if fd is not None:
             os.close(fd)
 
-    def take(self, uuids: Iterable[str]) -> Lease:
+    def take(self, uuids: "Iterable[str]") -> "Lease":
         """Hand the (locked) descriptors of UUIDS over to a Lease; close the others."""
         chosen = {u: self._fds.pop(u) for u in uuids}
         for u in chosen:
@@ -265,7 +264,7 @@ class LeaseFiles:
         self._probes.clear()
 
 
-def _flock_current(fd: int, path: str, how: int, ident: Optional[Tuple[int, int]] = None) -> bool:
+def _flock_current(fd: int, path: str, how: int, ident: "Optional[Tuple[int, int]]" = None) -> bool:
     """flock FD (HOW, without blocking) and check it is still the file at PATH.
 
     sync removes the files of vanished devices while holding their lock; a lock won on such
@@ -283,7 +282,7 @@ def _flock_current(fd: int, path: str, how: int, ident: Optional[Tuple[int, int]
     return True
 
 
-def _same_file(fd: int, path: str, ident: Optional[Tuple[int, int]] = None) -> bool:
+def _same_file(fd: int, path: str, ident: "Optional[Tuple[int, int]]" = None) -> bool:
     """Whether FD (whose file is IDENT, (device, inode), where known) is still the file at
     PATH (sync has not replaced or removed it)."""
     try:
@@ -296,7 +295,7 @@ def _same_file(fd: int, path: str, ident: Optional[Tuple[int, int]] = None) -> b
     return (current.st_dev, current.st_ino) == ident
 
 
-def _lock_fields(line: str) -> Optional[Tuple[int, int, int, bool]]:
+def _lock_fields(line: str) -> "Optional[Tuple[int, int, int, bool]]":
     """(pid, device, inode, exclusive) of one granted flock line of /proc/locks or fdinfo."""
     parts = line.split()
     if len(parts) < 6 or parts[1] != "FLOCK":  # "->" marks a blocked request, not a lock
@@ -308,7 +307,7 @@ def _lock_fields(line: str) -> Optional[Tuple[int, int, int, bool]]:
         return None
 
 
-def lock_kind(fd: int, pid: str = "self") -> Optional[bool]:
+def lock_kind(fd: int, pid: str = "self") -> "Optional[bool]":
     """The flock the open file description behind PID's FD holds now: True exclusive,
     False shared, None none.
 
@@ -335,10 +334,10 @@ def lock_kind(fd: int, pid: str = "self") -> Optional[bool]:
 _REREAD_SIZES = (2500, 1700)
 
 
-def _read_locks(size: int = 1 << 16) -> Tuple[Dict[str, str], int]:
+def _read_locks(size: int = 1 << 16) -> "Tuple[Dict[str, str], int]":
     """The lines of one read of /proc/locks (read calls of SIZE bytes), keyed by what they
     say (without the number of their place, which shifts); and how many calls gave data."""
-    pieces: List[bytes] = []
+    pieces: "List[bytes]" = []
     try:
         fd = os.open("/proc/locks", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -357,7 +356,7 @@ def _read_locks(size: int = 1 << 16) -> Tuple[Dict[str, str], int]:
     return {line.partition(":")[2]: line for line in lines}, len(pieces)
 
 
-def lock_table() -> Dict[Tuple[int, int], List[Tuple[int, bool]]]:
+def lock_table() -> "Dict[Tuple[int, int], List[Tuple[int, bool]]]":
     """(device, inode) -> (pid that took it, exclusive) for each granted flock (/proc/locks).
 
     A file has one exclusive lock or any number of shared ones (a device's sharers). The pid
@@ -387,7 +386,7 @@ def lock_table() -> Dict[Tuple[int, int], List[Tuple[int, bool]]]:
             break
         lines = {**lines, **again}
         previous = again.keys()
-    table: Dict[Tuple[int, int], List[Tuple[int, bool]]] = {}
+    table: "Dict[Tuple[int, int], List[Tuple[int, bool]]]" = {}
     for line in lines.values():
         fields = _lock_fields(line)
         if fields is not None:
@@ -396,5 +395,5 @@ def lock_table() -> Dict[Tuple[int, int], List[Tuple[int, bool]]]:
     return table
 
 
-def first_pids(table: Dict[Tuple[int, int], List[Tuple[int, bool]]]) -> Dict[Tuple[int, int], int]:
+def first_pids(table: "Dict[Tuple[int, int], List[Tuple[int, bool]]]") -> "Dict[Tuple[int, int], int]":
     return {key: entries[0][0] for key, entries in table.items()}

@@ -9,7 +9,6 @@ slot files with the lease files (``cudawrap sync``).
 
 Imported on the launch path: no imports beyond the standard library's cheapest.
 """
-from __future__ import annotations
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
@@ -33,7 +32,7 @@ def mps_pipe_dir(root: str, uuid: str) -> str:
     return f"{loc.under(root, loc.MPS_DIR)}/{uuid}"
 
 
-def mps_daemon(root: str, uuid: str, owner: int) -> Optional[int]:
+def mps_daemon(root: str, uuid: str, owner: int) -> "Optional[int]":
     """The pid of the MPS control daemon `cudawrap mps start` runs for UUID, or None.
 
     Named by the pid file the daemon writes in UUID's pipe directory (OWNER's: the install's
@@ -74,7 +73,7 @@ def mps_log_dir(root: str, uuid: str) -> str:
     return f"{loc.under(root, loc.MPS_LOG_DIR)}/{uuid}"
 
 
-def settings(root: str) -> Mapping[str, Any]:
+def settings(root: str) -> "Mapping[str, Any]":
     """The [sharing] table the policy compiled for the install at ROOT (key -> (value, source)).
 
     For root's commands (sync, the monitor's ledger, doctor, status, mps); a run takes it from
@@ -85,33 +84,33 @@ def settings(root: str) -> Mapping[str, Any]:
     return effective(root, None, environ={}).sharing
 
 
-def configured(root: str) -> Sharing:
+def configured(root: str) -> "Sharing":
     return Sharing(settings(root))
 
 
 class Sharing:
     """The [sharing] settings of one run (from the policy: key -> (value, source))."""
 
-    def __init__(self, data: Optional[Mapping[str, Any]] = None) -> None:
+    def __init__(self, data: "Optional[Mapping[str, Any]]" = None) -> None:
         data = data or {}
 
-        def value(key: str, default: Any) -> Any:
+        def value(key: str, default: "Any") -> "Any":
             return data[key][0] if key in data else default
 
         self.slots: int = value("slots", 1)
         self.mode: str = value("mode", TIME_SLICING)
-        self.thread_percentage: Optional[int] = value("thread_percentage", None)
-        self.memory_limit_mib: Optional[int] = value("memory_limit_mib", None)
-        self.counts_as: Optional[float] = value("counts_as", None)
+        self.thread_percentage: "Optional[int]" = value("thread_percentage", None)
+        self.memory_limit_mib: "Optional[int]" = value("memory_limit_mib", None)
+        self.counts_as: "Optional[float]" = value("counts_as", None)
         # Longest prefix first: the most specific entry wins.
-        self.devices: Tuple[Tuple[str, int], ...] = tuple(sorted(
+        self.devices: "Tuple[Tuple[str, int], ...]" = tuple(sorted(
             ((name, v[0]) for name, v in (data.get("devices") or {}).items()),
             key=lambda item: -len(item[0])))
         # [sharing.devices."UUID"] memory keys, longest prefix first (plain values).
-        self.device_memory: Tuple[Tuple[str, Mapping[str, Any]], ...] = tuple(sorted(
+        self.device_memory: "Tuple[Tuple[str, Mapping[str, Any]], ...]" = tuple(sorted(
             value("device_memory", {}).items(), key=lambda item: -len(item[0])))
 
-    def slots_for(self, uuid: str, parent: Optional[str] = None) -> int:
+    def slots_for(self, uuid: str, parent: "Optional[str]" = None) -> int:
         """Slots of the device UUID (a MIG instance also matches by its GPU's UUID)."""
         for name, slots in self.devices:
             if uuid.startswith(name) or (parent and parent.startswith(name)):
@@ -129,8 +128,8 @@ class Sharing:
             return 1.0
         return self.counts_as if self.counts_as is not None else 1.0 / slots
 
-    def limit_mib(self, uuid: str, parent: Optional[str], slots: int, memory_total_mib: Optional[int],
-                  program_limit: Optional[int] = None) -> int:
+    def limit_mib(self, uuid: str, parent: "Optional[str]", slots: int, memory_total_mib: "Optional[int]",
+                  program_limit: "Optional[int]" = None) -> int:
         """The memory one share of UUID may use, MiB (0: no limit): the program's
         memory_limit_mib, else its device's ([sharing.devices], longest prefix), else
         [sharing]'s, else the device's memory over its SLOTS. The monitor enforces the same."""
@@ -143,8 +142,8 @@ class Sharing:
             return self.memory_limit_mib
         return memory_total_mib // slots if memory_total_mib else 0
 
-    def mps_env(self, root: str, uuid: str, slots: int, memory_total_mib: Optional[int],
-                limit: Optional[int] = None) -> Dict[bytes, bytes]:
+    def mps_env(self, root: str, uuid: str, slots: int, memory_total_mib: "Optional[int]",
+                limit: "Optional[int]" = None) -> "Dict[bytes, bytes]":
         """The variables that make a shared run an MPS client of its device's daemon, with
         its share of the SMs and of the memory (LIMIT MiB, by default limit_mib's). The run
         sees one device, CUDA's device 0."""
@@ -159,12 +158,12 @@ class Sharing:
         return env
 
 
-    def run_env(self, root: str, shared: Any, current: Mapping[str, Any], slots: Mapping[str, int],
-                asked_mib: Optional[int]) -> Tuple[Dict[bytes, bytes], Optional[Dict[bytes, bytes]]]:
+    def run_env(self, root: str, shared: "Any", current: "Mapping[str, Any]", slots: "Mapping[str, int]",
+                asked_mib: "Optional[int]") -> "Tuple[Dict[bytes, bytes], Optional[Dict[bytes, bytes]]]":
         """A run sharing the devices SHARED (CURRENT: uuid -> Device; SLOTS: uuid -> its
         slots; ASKED_MIB: the run's memory_limit_mib): (MPS's variables, the frameworks'
         memory defaults, or None when no device's memory is limited)."""
-        extra: Dict[bytes, bytes] = {}
+        extra: "Dict[bytes, bytes]" = {}
         fractions = []
         for uuid in shared:
             device = current[uuid]
@@ -177,7 +176,7 @@ class Sharing:
         return extra, framework_env(min(fractions)) if fractions else None
 
 
-def of_run(value: Mapping[str, Any], count: int) -> Tuple[Sharing, bool]:
+def of_run(value: "Mapping[str, Any]", count: int) -> "Tuple[Sharing, bool]":
     """(the sharing policy in VALUE, the run's settings; whether this run of COUNT devices shares)."""
     sharing = Sharing(value.get("sharing"))
     share = bool(value.get("share")) and sharing.anywhere
@@ -189,7 +188,7 @@ def of_run(value: Mapping[str, Any], count: int) -> Tuple[Sharing, bool]:
     return sharing, share
 
 
-def framework_env(fraction: float) -> Dict[bytes, bytes]:
+def framework_env(fraction: float) -> "Dict[bytes, bytes]":
     """What tells the frameworks a shared run's allowance, FRACTION of its device's memory: JAX
     preallocates that much instead of 75 %, TensorFlow grows as it needs instead of taking all.
     Defaults only: a value the user set wins (Grant.defaults)."""

@@ -13,7 +13,6 @@ by the inode, size and mtime of both files. The shim uses it only when both keys
 match; otherwise it parses the files itself, so a stale cache can cost time but never
 change a decision.
 """
-from __future__ import annotations
 
 import os
 
@@ -38,26 +37,26 @@ class Settings:
 
     __slots__ = ("_set",)
 
-    def __init__(self, pairs: Mapping[str, Tuple[Any, str]]) -> None:
-        self._set: Dict[str, Tuple[Any, str]] = {k: (v, src) for k, (v, src) in pairs.items()}
+    def __init__(self, pairs: "Mapping[str, Tuple[Any, str]]") -> None:
+        self._set: "Dict[str, Tuple[Any, str]]" = {k: (v, src) for k, (v, src) in pairs.items()}
 
     def __contains__(self, key: str) -> bool:
         return key in self._set
 
-    def value(self, key: str, default: Any = None) -> Any:
+    def value(self, key: str, default: "Any" = None) -> "Any":
         return self._set[key][0] if key in self._set else default
 
     def source(self, key: str, default: str = "default") -> str:
         return self._set[key][1] if key in self._set else default
 
-    def set(self, key: str, value: Any, source: str) -> None:
+    def set(self, key: str, value: "Any", source: str) -> None:
         self._set[key] = (value, source)
 
-    def values(self) -> Dict[str, Any]:
+    def values(self) -> "Dict[str, Any]":
         """Key -> value, for the code that decides (it has no use for sources)."""
         return {k: v for k, (v, _src) in self._set.items()}
 
-    def keys(self) -> Iterator[str]:
+    def keys(self) -> "Iterator[str]":
         return iter(self._set)
 
     @property
@@ -73,21 +72,21 @@ class Settings:
         return bool(self.value("share", False))
 
     @property
-    def limits(self) -> Any:
+    def limits(self) -> "Any":
         """[limits] as the launch cache holds it (policy.limits reads it)."""
         return self.value("limits")
 
     @property
-    def sharing(self) -> Dict[str, Any]:
+    def sharing(self) -> "Dict[str, Any]":
         """[sharing] as the launch cache holds it (lease.sharing reads it)."""
         return self._set["sharing"][0]
 
     @property
-    def memory_limit_mib(self) -> Optional[int]:
+    def memory_limit_mib(self) -> "Optional[int]":
         return self.value("memory_limit_mib")
 
 
-def _signature(path: str) -> Optional[Tuple[int, int, int, int]]:
+def _signature(path: str) -> "Optional[Tuple[int, int, int, int]]":
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -95,7 +94,7 @@ def _signature(path: str) -> Optional[Tuple[int, int, int, int]]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _compile(root: str) -> Dict[str, Any]:
+def _compile(root: str) -> "Dict[str, Any]":
     """Parse config and registry into plain data: {"settings", "programs", "links"}."""
     from pathlib import Path
 
@@ -156,7 +155,7 @@ def cache_is_current(root: str) -> bool:
     return _read_cache(root) is not None
 
 
-def _read_cache(root: str) -> Optional[Dict[str, Any]]:
+def _read_cache(root: str) -> "Optional[Dict[str, Any]]":
     data = rootfile.read(root, loc.under(root, loc.LAUNCH_CACHE), CACHE_VERSION)
     if data is None or data.get("signatures") != _signatures(root):
         return None
@@ -167,17 +166,17 @@ def _read_cache(root: str) -> Optional[Dict[str, Any]]:
 # filters.explain() names them, with the values that filter nothing. Kept here so that a
 # launch without any filter need not import filters.py.
 FILTER_KEYS = ("devices", "model", "min_memory_mib", "min_free_memory_mib", "max_utilization")
-UNFILTERED: Dict[str, Any] = {
+UNFILTERED: "Dict[str, Any]" = {
     "devices": (), "model": "", "min_memory_mib": 0, "min_free_memory_mib": 0, "max_utilization": 100,
 }
 
 
-def filtered(value: Dict[str, Any]) -> bool:
+def filtered(value: "Dict[str, Any]") -> bool:
     """Whether VALUE (key -> value, the policy in force) sets any filter."""
     return any(value.get(k, UNFILTERED[k]) != UNFILTERED[k] for k in FILTER_KEYS)
 
 
-def narrowed(key: str, admin: Any, user: Any) -> Any:
+def narrowed(key: str, admin: "Any", user: "Any") -> "Any":
     """KEY's value when the admin set ADMIN and a user asks USER: the stricter of the two.
 
     A user may narrow what the admin allows, never widen it: model words add up (every
@@ -203,7 +202,7 @@ RUN_ENV = (
 )
 
 
-def _parse_ask(key: str, raw: Any) -> Any:
+def _parse_ask(key: str, raw: "Any") -> "Any":
     """RAW (text from the environment or a switch, or a Python value) checked as KEY."""
     from .config import POLICY_KEYS
 
@@ -216,7 +215,7 @@ def _parse_ask(key: str, raw: Any) -> Any:
     return POLICY_KEYS[key](raw)
 
 
-def check_count(settings: Settings, count: int) -> None:
+def check_count(settings: "Settings", count: int) -> None:
     """Refuse (75) a run asking for more devices than its program's max_gpus allows."""
     ceiling, source = settings.value("max_gpus", count), settings.source("max_gpus", "")
     if count > ceiling:
@@ -225,7 +224,7 @@ def check_count(settings: Settings, count: int) -> None:
                             hint="ask for fewer devices, or ask an admin to raise max_gpus")
 
 
-def narrow(settings: Settings, key: str, raw: Any, source: str) -> None:
+def narrow(settings: "Settings", key: str, raw: "Any", source: str) -> None:
     """Apply a user's ask RAW for KEY, made by SOURCE, to SETTINGS; ValueError if malformed.
 
     The count replaces the program's (within max_gpus); a filter becomes the stricter of
@@ -244,7 +243,7 @@ def narrow(settings: Settings, key: str, raw: Any, source: str) -> None:
     settings.set(key, combined, f"{admin_source} and {source}" if both else source)
 
 
-def ask(settings: Settings, key: str, raw: Any, source: str, shown: str) -> None:
+def ask(settings: "Settings", key: str, raw: "Any", source: str, shown: str) -> None:
     """narrow(), with a malformed RAW refused as a usage error (64) that names SHOWN."""
     try:
         narrow(settings, key, raw, source)
@@ -253,7 +252,7 @@ def ask(settings: Settings, key: str, raw: Any, source: str, shown: str) -> None
                          hint="`cudawrap config` lists the settings and what they take") from None
 
 
-def ask_share(settings: Settings, raw: Any, source: str, shown: str) -> None:
+def ask_share(settings: "Settings", raw: "Any", source: str, shown: str) -> None:
     """A user's ask to share a device for one run (1/true) or not (0/false).
 
     Sharing only narrows what a run takes, so anyone may ask for it; asking for a whole
@@ -271,7 +270,7 @@ def ask_share(settings: Settings, raw: Any, source: str, shown: str) -> None:
         settings.set("share", True, source)
 
 
-def _check_ceiling(merged: Settings) -> None:
+def _check_ceiling(merged: "Settings") -> None:
     if "max_gpus" in merged and merged.gpus > merged.value("max_gpus"):
         gpus, where = merged.gpus, merged.source("gpus")
         ceiling, ceiling_where = merged.value("max_gpus"), merged.source("max_gpus")
@@ -279,7 +278,7 @@ def _check_ceiling(merged: Settings) -> None:
                           hint="a program's own count must be within its max_gpus")
 
 
-def queue_bounds(root: str) -> Tuple[float, int]:
+def queue_bounds(root: str) -> "Tuple[float, int]":
     """(the shortest reserve_after, the largest max_gpus) the admin's config and wraps give
     any run. Queue entries are written by users: whatever one claims, its reservation starts
     no sooner and its count is served no larger (schedule.Bounds). Read from the files, never
@@ -293,10 +292,10 @@ def queue_bounds(root: str) -> Tuple[float, int]:
     return min(floors), max(ceilings)
 
 
-def effective(root: str, link: Optional[str], environ: Any = None) -> Settings:
+def effective(root: str, link: "Optional[str]", environ: "Any" = None) -> "Settings":
     """The settings of a run of LINK (a wrapped program's path, or None)."""
     data = _read_cache(root) or _compile(root)
-    merged: Dict[str, Tuple[Any, str]] = dict(data["settings"])
+    merged: "Dict[str, Tuple[Any, str]]" = dict(data["settings"])
     merged["limits"] = (data["limits"], "[limits]")
     merged["sharing"] = (data["sharing"], "[sharing]")
     if link:

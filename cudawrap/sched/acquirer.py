@@ -12,7 +12,6 @@ A run that is given devices but does not take them (stopped, blocked, or a fake;
 tells those from a run only slow for want of a CPU) is passed over by the others, its user
 for STALL_S, so nobody can hold others up for longer than that.
 """
-from __future__ import annotations
 
 import fcntl  # (leases.py has loaded it: free on the shim path)
 import os
@@ -52,9 +51,9 @@ class Acquirer(MachineView):
     (MachineView, read and judged as OPTIONS say), taken by flock. SNAPSHOT: the monitor's
     (its rewrite may free devices foreign work kept); OBSERVE is given each Decision."""
 
-    def __init__(self, leases: LeaseFiles, queue: WaitQueue, candidates: Sequence[Device],
-                 all_devices: Sequence[Device], request: Request, options: ViewOptions = DEFAULTS,
-                 snapshot: Optional[str] = None, observe: Optional[Callable[[Decision], None]] = None) -> None:
+    def __init__(self, leases: "LeaseFiles", queue: "WaitQueue", candidates: "Sequence[Device]",
+                 all_devices: "Sequence[Device]", request: "Request", options: "ViewOptions" = DEFAULTS,
+                 snapshot: "Optional[str]" = None, observe: "Optional[Callable[[Decision], None]]" = None) -> None:
         super().__init__(leases, candidates, all_devices, options)
         # Who sees each decision (see Decision): OBSERVE, and with CUDAWRAP_DEBUG set the trace
         # on stderr for an admin asking "why".
@@ -63,11 +62,11 @@ class Acquirer(MachineView):
         # What we ask, with the devices we may use (None: any of the machine's).
         self.request = request.replace(candidates=None if self.mine >= set(self.current) else frozenset(self.mine))
         # What this process has seen of others taking their turns (and the view, passing over).
-        self.offered: Optional[Offers] = None  # made at the first decision (turns.py is off a lone launch's path)
-        self.top: Set[str] = set()
+        self.offered: "Optional[Offers]" = None  # made at the first decision (turns.py is off a lone launch's path)
+        self.top: "Set[str]" = set()
         self.snapshot = snapshot  # the monitor's: its rewrite may free devices foreign work kept
 
-    def _uncontended(self) -> Optional[Lease]:
+    def _uncontended(self) -> "Optional[Lease]":
         """Nobody waits: take free devices by trying their locks, without the lock table.
 
         With no waiter there is no turn to respect, so the decision is only which free
@@ -103,7 +102,7 @@ class Acquirer(MachineView):
             pool = [u for u in pool if u not in held]
         from .request import place  # not schedule: the rest of it is for runs that wait
 
-        locked: List[str] = []
+        locked: "List[str]" = []
         while len(locked) < self.request.count and pool:
             # One device at a time, each counted busy for the next, as place() does for a
             # whole request: the first choice usually stands, and ordering all 56 devices
@@ -113,7 +112,7 @@ class Acquirer(MachineView):
             busy.add(uuid)
             if not self.leases.try_lock(uuid):
                 continue
-            if self._eligible(uuid, now):
+            if self.eligible(uuid, now):
                 locked.append(uuid)
             else:
                 self.leases.unlock(uuid)  # a process cudawrap did not start is on it
@@ -123,7 +122,7 @@ class Acquirer(MachineView):
             self.leases.unlock(uuid)
         return None
 
-    def _take(self, uuids: Sequence[str]) -> Optional[Lease]:
+    def take_exactly(self, uuids: "Sequence[str]") -> "Optional[Lease]":
         """Lock exactly UUIDS now (all or none) and hand them over as a Lease.
 
         A shared run takes a share of each device that has slots (a device of one slot
@@ -132,14 +131,14 @@ class Acquirer(MachineView):
         there (_joinable); opening a device it does, as an exclusive run would.
         """
         now = self.clock()
-        locked: List[str] = []
+        locked: "List[str]" = []
         shared = [u for u in uuids if self.request.share and self.slots.get(u, 1) > 1]
         for uuid in uuids:
             if not (self.leases.try_share(uuid, self.slots[uuid]) if uuid in shared
                     else self._lock(uuid)):
                 break
             locked.append(uuid)
-            if not (self._joinable(uuid) if uuid in self.joined else self._eligible(uuid, now)):
+            if not (self.joinable(uuid) if uuid in self.joined else self.eligible(uuid, now)):
                 break
         else:
             if not shared or self._shares_hold(shared):
@@ -148,7 +147,7 @@ class Acquirer(MachineView):
             self.leases.unlock(uuid)
         return None
 
-    def _vacant(self, uuid: str) -> bool:
+    def vacant(self, uuid: str) -> bool:
         """Whether nobody holds UUID, as the watchers ask it all at once as a lease frees.
 
         A device of one slot is only ever locked exclusively: probed shared (LeaseFiles.free_now
@@ -169,7 +168,7 @@ class Acquirer(MachineView):
             time.sleep(PROBE_GAP_S)
         return self.leases.try_lock(uuid)
 
-    def _shares_hold(self, uuids: Sequence[str]) -> bool:
+    def _shares_hold(self, uuids: "Sequence[str]") -> bool:
         """Whether the shares just taken of UUIDS stand: no device over its slots (an admin
         lowered them under running sharers) and, under MPS, no other user's sharers there
         (two users' runs decided at once from different looks: both back off and decide
@@ -192,12 +191,12 @@ class Acquirer(MachineView):
         return ((self.request.min_free_mib <= 0 or (free_mib is not None and free_mib >= self.request.min_free_mib))
                 and (d.utilization is None or d.utilization <= self.request.max_util))
 
-    def _me(self, key: str) -> Waiter:
+    def waiter_of(self, key: str) -> "Waiter":
         from .terms import Waiter
 
         return Waiter(key, self.uid, os.getpid(), self.request, time.time())
 
-    def _watch_others(self, verdicts: Dict[str, Verdict], scan: Scan, me: str) -> bool:
+    def watch_others(self, verdicts: "Dict[str, Verdict]", scan: "Scan", me: str) -> bool:
         """Note who was given devices and has not taken them; poke those to wake.
 
         True when someone was passed over just now (decide again at once).
@@ -230,7 +229,7 @@ class Acquirer(MachineView):
         self.poke_new_watchers(verdicts, scan, me)
         return changed
 
-    def poke_new_watchers(self, verdicts: Dict[str, Verdict], scan: Scan, me: str) -> None:
+    def poke_new_watchers(self, verdicts: "Dict[str, Verdict]", scan: "Scan", me: str) -> None:
         """Wake those VERDICTS put among the first WATCHERS since our last decision: they
         sleep until poked (waiting.py), and a line turning over fast (a batch of releases)
         must not run out of watchers, leaving freed devices idle until someone looks."""
@@ -242,8 +241,8 @@ class Acquirer(MachineView):
                 poke(scan.paths[key])
         self.top = top
 
-    def _observe(self, cause: str, key: str, verdicts: Dict[str, Verdict], free: List[str],
-                 released: Iterable[str] = ()) -> None:
+    def observe(self, cause: str, key: str, verdicts: "Dict[str, Verdict]", free: "List[str]",
+                 released: "Iterable[str]" = ()) -> None:
         if self.observers:
             from .decision import Decision
 
@@ -252,7 +251,7 @@ class Acquirer(MachineView):
                 observe(decision)
 
     # -- taking ------------------------------------------------------------------------
-    def arrive(self, wait_s: float, info: bytes) -> Union[Lease, Queued]:
+    def arrive(self, wait_s: float, info: bytes) -> "Union[Lease, Queued]":
         """Devices now if this run's turn is now; else its place in the queue, to wait in
         (waiting.py, which run.acquire imports only then) until WAIT_S seconds from now."""
         start = self.clock()
@@ -263,15 +262,15 @@ class Acquirer(MachineView):
         from .decision import Decision
         from .schedule import GRANTED
 
-        probe = self._me("~")  # sorts after every real key: a newcomer arrives last
+        probe = self.waiter_of("~")  # sorts after every real key: a newcomer arrives last
         for _ in range(3):  # a lost race for a lock means someone else took it: look again
             scan = self.queue.scan()
             verdicts, free = self.decide(scan, probe, queued=False)
-            self._observe(Decision.ARRIVAL, probe.key, verdicts, free)
+            self.observe(Decision.ARRIVAL, probe.key, verdicts, free)
             verdict = verdicts[probe.key]
             if verdict.kind != GRANTED:
                 break
-            lease = self._take(verdict.devices)
+            lease = self.take_exactly(verdict.devices)
             if lease is not None:
                 return lease
             from .decision import jitter
@@ -306,7 +305,7 @@ class Queued:
 
     __slots__ = ("entry", "deadline", "wait_s", "verdict", "ahead")
 
-    def __init__(self, entry: Entry, deadline: float, wait_s: float, verdict: Verdict, ahead: Set[str]) -> None:
+    def __init__(self, entry: "Entry", deadline: float, wait_s: float, verdict: "Verdict", ahead: "Set[str]") -> None:
         self.entry = entry
         self.deadline = deadline
         self.wait_s = wait_s
@@ -318,7 +317,7 @@ def describe_wait(text: str) -> str:
     return f"waiting for a device: {text} (pid {os.getpid()})"
 
 
-def _trace() -> Callable[[Decision], None]:
+def _trace() -> "Callable[[Decision], None]":
     from .decision import trace
 
     return trace

@@ -6,7 +6,6 @@ change, the lease files sync made) and checked against the admin's drains and th
 judges at every decision. On the shim's path: each rule's module is imported only when
 that rule is set.
 """
-from __future__ import annotations
 
 import os
 
@@ -20,7 +19,7 @@ from .. import locations as loc
 from ..errors import NoDeviceError
 
 
-def allow_list(value: Dict[str, Any]) -> List[str]:
+def allow_list(value: "Dict[str, Any]") -> "List[str]":
     """The allow-list of VALUE, the run's settings: its entries and its allow_file's."""
     allow = list(value["allow"])
     if value["allow_file"]:
@@ -30,8 +29,8 @@ def allow_list(value: Dict[str, Any]) -> List[str]:
     return allow
 
 
-def usable(inventory: Any, value: Dict[str, Any], allow: List[str], preset: Optional[str],
-          count: int, order: Optional[str] = None) -> List[Any]:
+def usable(inventory: "Any", value: "Dict[str, Any]", allow: "List[str]", preset: "Optional[str]",
+          count: int, order: "Optional[str]" = None) -> "List[Any]":
     """The devices of INVENTORY this run may be given; NoDeviceError if fewer than COUNT.
 
     Narrowed by the allow-list, CUDA_VISIBLE_DEVICES (read in ORDER, as CUDA will) and the
@@ -77,7 +76,7 @@ def usable(inventory: Any, value: Dict[str, Any], allow: List[str], preset: Opti
     return candidates
 
 
-def drains(root: str) -> Dict[str, Any]:
+def drains(root: str) -> "Dict[str, Any]":
     """The admin's drains (uuid -> Drain); drains.py is imported only when there are some."""
     if not os.path.exists(loc.under(root, loc.DRAINS)):
         return {}
@@ -86,7 +85,7 @@ def drains(root: str) -> Dict[str, Any]:
     return drained(root)
 
 
-def check_drained(root: str, candidates: List[Any], count: int) -> None:
+def check_drained(root: str, candidates: "List[Any]", count: int) -> None:
     """NoDeviceError (at once, naming the drains and their reasons) where fewer than COUNT of
     CANDIDATES are left undrained by an admin (`cudawrap drain`). The drained ones stay
     candidates: the acquirer leaves them out at every decision, re-reading the drains, so a
@@ -109,7 +108,7 @@ def check_drained(root: str, candidates: List[Any], count: int) -> None:
                         hint="`cudawrap status` says why and since when; try again after `cudawrap resume`")
 
 
-def limits_of(value: Dict[str, Any], count: int, uid: int) -> Dict[str, Any]:
+def limits_of(value: "Dict[str, Any]", count: int, uid: int) -> "Dict[str, Any]":
     """The [limits] table, or {} when none is configured (limits.py is not imported then);
     NoDeviceError if COUNT is over UID's own limit."""
     limits = value.get("limits") or {}
@@ -124,7 +123,7 @@ def limits_of(value: Dict[str, Any], count: int, uid: int) -> Dict[str, Any]:
     return limits
 
 
-def synced(candidates: List[Any], leases: LeaseFiles, lease_dir: str, count: int) -> List[Any]:
+def synced(candidates: "List[Any]", leases: "LeaseFiles", lease_dir: str, count: int) -> "List[Any]":
     """CANDIDATES that have a lease file.
 
     A device without one (appeared since the last sync) can never be leased: left out rather
@@ -140,9 +139,9 @@ def synced(candidates: List[Any], leases: LeaseFiles, lease_dir: str, count: int
     return [d for d in candidates if d not in unsynced]
 
 
-def drained_now(root: str, inventory: Any) -> Any:
+def drained_now(root: str, inventory: "Any") -> "Any":
     """The acquirer's view of the drains, re-read at every decision: a drain made while runs wait."""
-    def now() -> Any:
+    def now() -> "Any":
         admin = drains(root)
         if not admin:
             return ()

@@ -55,7 +55,7 @@ def amend(acq: Acquirer, scan: Scan, closed: Set[str], departed: Set[str], befor
         holders = [pid for pid, _ex in table.pop(ident)]
         _forget_slots(acq, table, uuid, set(holders))
         for _ in range(20):
-            if acq._vacant(uuid):
+            if acq.vacant(uuid):
                 break
             if all(state(pid) in (None, b"Z") for pid in holders):
                 # They have exited and it is held: taken again since (by whom, below)
@@ -77,7 +77,7 @@ def amend(acq: Acquirer, scan: Scan, closed: Set[str], departed: Set[str], befor
             ident = acq.leases.ident(uuid)
             if ident is None or uuid in acq.lost or (ident in table and table[ident][0][0] != UNKNOWN_HOLDER[0]):
                 continue
-            if acq._vacant(uuid):
+            if acq.vacant(uuid):
                 table.pop(ident, None)
             else:
                 table[ident] = [(slots.pop(0), True) if slots else UNKNOWN_HOLDER]
@@ -107,10 +107,10 @@ def after_release(acq: Acquirer, amended: Scan, me: Waiter, key: str, closed: Se
     for _ in range(3):
         verdicts, free = acq.decide(Scan(amended.waiters, table, amended.paths), me, queued=queued)
         verdict = verdicts[key]
-        acq._observe(Decision.RELEASE, key, verdicts, free, closed)
+        acq.observe(Decision.RELEASE, key, verdicts, free, closed)
         if verdict.kind != GRANTED:
             return verdicts, None
-        lease = acq._take(verdict.devices)
+        lease = acq.take_exactly(verdict.devices)
         if lease is not None:
             return verdicts, lease
         # Another watcher, amending its own look, took them: count them held, decide again.

@@ -168,7 +168,7 @@ def poke_worth(acq: Acquirer, clock: Callable[[], float], looked_at: float, verd
             left = 0
         if left < WATCHERS:
             return MOVED_UP
-    vacant = [d.uuid for d in acq.candidates if d.uuid not in acq.lost and acq._vacant(d.uuid)]
+    vacant = [d.uuid for d in acq.candidates if d.uuid not in acq.lost and acq.vacant(d.uuid)]
     if any(u not in free for u in vacant):
         return MOVED_UP
     if vacant or acq.request.share or clock() - looked_at >= POKE_IDLE_S:

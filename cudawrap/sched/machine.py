@@ -5,7 +5,6 @@ work cudawrap did not start; and the decision for every waiter over that look
 A device is free when nobody holds its lease and NVML shows no process cudawrap did not
 start (where process lists are hidden, when little memory is used).
 """
-from __future__ import annotations
 
 import os
 import time
@@ -29,14 +28,14 @@ from .queue import Scan
 FOREIGN_RECHECK_S = 1.0
 
 
-def free_mib_of(device: Device) -> Optional[int]:
+def free_mib_of(device: "Device") -> "Optional[int]":
     """Memory free on DEVICE, None where it was not read (the lean launch path skips it)."""
     if device.memory_used_mib is None:
         return None
     return device.memory_total_mib - device.memory_used_mib
 
 
-def _mps_server(pid: int, daemon: Optional[int]) -> bool:
+def _mps_server(pid: int, daemon: "Optional[int]") -> bool:
     """Whether PID is an MPS server of cudawrap's: a child of DAEMON, the control daemon
     `cudawrap mps start` runs for the device (None: none runs). Never by its name: anyone can
     run a program named nvidia-cuda-mps-server."""
@@ -47,8 +46,8 @@ def _mps_server(pid: int, daemon: Optional[int]) -> bool:
     return parent(pid) == daemon
 
 
-def mps_strangers(pids: Sequence[int], uids: Set[int], daemon: Optional[int],
-                  gone: Callable[[int], bool] = lambda pid: False) -> List[int]:
+def mps_strangers(pids: "Sequence[int]", uids: "Set[int]", daemon: "Optional[int]",
+                  gone: "Callable[[int], bool]" = lambda pid: False) -> "List[int]":
     """Of PIDS on a device shared through MPS, those of users who hold no share there (UIDS
     do), other than the MPS server of DAEMON (cudawrap's control daemon for the device): MPS
     clients connected without a lease, or other work. The daemon serves one user at a time,
@@ -90,15 +89,15 @@ class ViewOptions:
         *,
         foreign: str = "avoid",
         busy_memory_mib: int = 1024,
-        refresh: Optional[Callable[[Device], Optional[Device]]] = None,
-        checked_at: Optional[float] = None,
-        limit_of: Optional[Callable[[int], int]] = None,
-        drained: Optional[Callable[[], Set[str]]] = None,
-        sharing: Optional[Sharing] = None,
-        unread: Sequence[str] = (),
-        root: Optional[str] = None,
-        admin: Optional[Callable[[], Tuple[float, int]]] = None,
-        clock: Callable[[], float] = time.monotonic,
+        refresh: "Optional[Callable[[Device], Optional[Device]]]" = None,
+        checked_at: "Optional[float]" = None,
+        limit_of: "Optional[Callable[[int], int]]" = None,
+        drained: "Optional[Callable[[], Set[str]]]" = None,
+        sharing: "Optional[Sharing]" = None,
+        unread: "Sequence[str]" = (),
+        root: "Optional[str]" = None,
+        admin: "Optional[Callable[[], Tuple[float, int]]]" = None,
+        clock: "Callable[[], float]" = time.monotonic,
     ) -> None:
         put = object.__setattr__
         for name, value in (("foreign", foreign), ("busy_memory_mib", busy_memory_mib), ("refresh", refresh),
@@ -119,8 +118,8 @@ class MachineView:
     of ALL_DEVICES), what NVML said of them and when, and the runs passed over; OPTIONS
     say how they are read and judged."""
 
-    def __init__(self, leases: LeaseFiles, candidates: Sequence[Device], all_devices: Sequence[Device],
-                 options: ViewOptions = DEFAULTS) -> None:
+    def __init__(self, leases: "LeaseFiles", candidates: "Sequence[Device]", all_devices: "Sequence[Device]",
+                 options: "ViewOptions" = DEFAULTS) -> None:
         self.clock = options.clock  # every timing: grace, stalls, reservations, re-reads
         self.leases = leases
         self.root = options.root
@@ -135,61 +134,59 @@ class MachineView:
         self.limit_of = options.limit_of or (lambda uid: 0)
         # What every waiter's claims are held to (schedule.Bounds), read at the first decision.
         self.admin = options.admin
-        self.admin_bounds: Optional[Tuple[float, int]] = None
-        self.unavailable: Set[str] = set()  # drained: never granted (from DRAINED, each decision)
+        self.admin_bounds: "Optional[Tuple[float, int]]" = None
+        self.unavailable: "Set[str]" = set()  # drained: never granted (from DRAINED, each decision)
         self.drained = options.drained  # re-read at every decision (an admin may drain meanwhile)
         self.uid = os.geteuid()
-        self.current: Dict[str, Device] = {d.uuid: d for d in all_devices}
+        self.current: "Dict[str, Device]" = {d.uuid: d for d in all_devices}
         self.parents = {d.uuid: d.parent_uuid for d in all_devices}
         self.sharing = options.sharing if options.sharing is not None else Sharing()
         self.slots = {u: self.sharing.slots_for(u, p) for u, p in self.parents.items()}
         now = self.clock() if options.checked_at is None else options.checked_at
-        self.checked_at: Dict[str, float] = {d.uuid: now for d in all_devices}
+        self.checked_at: "Dict[str, float]" = {d.uuid: now for d in all_devices}
         # Devices whose data may be stale: their lease was held at some look since they were
         # last read (the processes seen were probably that job's), or never read (UNREAD:
         # the launch had only the layout, and reads a device as it is about to take it).
-        self.stale: Set[str] = set(options.unread)
-        self.lost: Set[str] = set()
+        self.stale: "Set[str]" = set(options.unread)
+        self.lost: "Set[str]" = set()
         # Those lost before this run queued: on a launch from sync's layout, a sign that the
         # layout is out of date (a MIG instance destroyed since), not of a GPU lost now.
-        self.lost_on_arrival: Set[str] = set()
+        self.lost_on_arrival: "Set[str]" = set()
         self.queued = False
         self.mine = {d.uuid for d in self.candidates}
         self._remember_nothing()
 
     def _remember_nothing(self) -> None:
         """What the view keeps from one decision to the next, empty at its start."""
-        self.joined: Set[str] = set()  # devices that had sharers at the last decision
-        self.used: Dict[str, List[int]] = {}  # and the uid of each of their shares
+        self.joined: "Set[str]" = set()  # devices that had sharers at the last decision
+        self.used: "Dict[str, List[int]]" = {}  # and the uid of each of their shares
         # Runs passed over for not taking what they were given (until when).
-        self.skip_keys: Dict[str, float] = {}
-        self.skip_users: Dict[int, float] = {}
-        self.limits: Dict[int, int] = {}
+        self.skip_keys: "Dict[str, float]" = {}
+        self.skip_users: "Dict[int, float]" = {}
+        self.limits: "Dict[int, int]" = {}
         # Processes seen holding a lease. NVML data read while one ran (a monitor snapshot
         # half a second old) still lists it once it has exited: its pid is then no work.
         # Other pids count even if not found here: in a container, NVML names host pids.
-        self.holders: Set[int] = set()
+        self.holders: "Set[int]" = set()
         # (lease file, pids that took its locks) -> the real uid of each lock's holder, read
         # once per lease (see tally.owners).
-        self.owners: Dict[Tuple[Tuple[int, int], Tuple[int, ...]], List[int]] = {}
+        self.owners: "Dict[Tuple[Tuple[int, int], Tuple[int, ...]], List[int]]" = {}
         # The service's books (service/grants.py): lease file -> {pid that took its lock: uid}
         # of each grant it made and has not seen let go. A lock a booked pid took is that
         # uid's, whatever process has the pid now; an exclusive one whose holder cannot be
         # named (its descriptor sent on into a socket, or mapped) is its one booked uid's.
-        self.books: Dict[Tuple[int, int], Dict[int, int]] = {}
+        self.books: "Dict[Tuple[int, int], Dict[int, int]]" = {}
         # Our devices whose lease was free at the last look but which processes cudawrap did
         # not start kept from us.
-        self.foreign_busy: Set[str] = set()
-        self.aside: List[str] = []  # and those of them kept off only by this view's rule (machine())
+        self.foreign_busy: "Set[str]" = set()
+        self.aside: "List[str]" = []  # and those of them kept off only by this view's rule (machine())
         # The last decision's inputs, and uuid -> the uid holding it whole (machine): what a
         # release carries on without a new look (successor.py; the service's hand-over).
-        self.last: Optional[Tuple[Sequence[Waiter], List[str], Dict[int, float], Dict[int, int], Set[str],
-                                  Dict[str, Tuple[Optional[int], Optional[int]]], Shares, Bounds,
-                                  Dict[str, Optional[Tuple[int, int]]]]] = None
-        self.whole: Dict[str, int] = {}
+        self.last: "Optional[Tuple[Sequence[Waiter], List[str], Dict[int, float], Dict[int, int], Set[str], Dict[str, Tuple[Optional[int], Optional[int]]], Shares, Bounds, Dict[str, Optional[Tuple[int, int]]]]]" = None
+        self.whole: "Dict[str, int]" = {}
 
     # -- judging devices -------------------------------------------------------------
-    def occupied(self, device: Device) -> bool:
+    def occupied(self, device: "Device") -> bool:
         """Whether NVML shows work cudawrap did not start on DEVICE (its lease being free).
 
         The MPS server of cudawrap's daemon for DEVICE, left by shared runs that ended, is
@@ -200,12 +197,12 @@ class MachineView:
             return (device.memory_used_mib or 0) > self.busy_memory_mib
         return self.work(device) is not None
 
-    def work(self, device: Device) -> Optional[int]:
+    def work(self, device: "Device") -> "Optional[int]":
         """The work cudawrap did not start on DEVICE, whatever the rule (schedule.kept judges
         it): None, none; schedule.LISTED, processes; else the MiB used where NVML hides them."""
         if device.pids is None:
             return device.memory_used_mib or 0
-        daemon: Optional[int] = -1  # not read yet: only once a process is seen
+        daemon: "Optional[int]" = -1  # not read yet: only once a process is seen
         for pid in device.pids:
             if pid in self.holders and _exited(pid):
                 continue
@@ -215,7 +212,7 @@ class MachineView:
                 return -1  # schedule.LISTED (schedule is not imported on a lone launch's path)
         return None
 
-    def mps_daemon(self, uuid: str) -> Optional[int]:
+    def mps_daemon(self, uuid: str) -> "Optional[int]":
         """The pid of the MPS control daemon cudawrap runs for UUID, or None."""
         return mps_daemon(self.root, uuid, self.leases.owner) if self.root is not None else None
 
@@ -245,7 +242,7 @@ class MachineView:
         self.stale.discard(uuid)
         return not self.occupied(fresh)
 
-    def _eligible(self, uuid: str, now: float) -> bool:
+    def eligible(self, uuid: str, now: float) -> bool:
         if uuid in self.stale and self.refresh is not None:
             # Meanwhile its job may have ended, its GPU been lost or its MIG instance destroyed
             # (the lease file outlives it until the next sync): only a fresh look tells.
@@ -256,16 +253,16 @@ class MachineView:
             return self._recheck(uuid, now)
         return False
 
-    def machine(self, table: Dict[Tuple[int, int], List[Tuple[int, bool]]],
-                idents: Dict[str, Optional[Tuple[int, int]]],
-                work: Optional[Dict[str, int]] = None) -> Tuple[List[str], Dict[int, float], Set[str], Shares]:
+    def machine(self, table: "Dict[Tuple[int, int], List[Tuple[int, bool]]]",
+                idents: "Dict[str, Optional[Tuple[int, int]]]",
+                work: "Optional[Dict[str, int]]" = None) -> "Tuple[List[str], Dict[int, float], Set[str], Shares]":
         """(free devices in the machine's order, devices held per uid, busy devices, shares)
         by TABLE (the lock table); see tally.tally, which a launch nobody waits before never loads."""
         from .tally import tally
 
         return tally(self, table, idents, work)
 
-    def strangers(self, uuid: str, uids: Set[int]) -> bool:
+    def strangers(self, uuid: str, uids: "Set[int]") -> bool:
         """Whether UUID is shared through MPS and NVML shows a process there of a user who
         holds no share on it (see mps_strangers): it takes no new shares until they are gone."""
         pids = self.current[uuid].pids
@@ -273,7 +270,7 @@ class MachineView:
             return False
         return bool(mps_strangers(pids, uids, self.mps_daemon(uuid), lambda pid: pid in self.holders and _exited(pid)))
 
-    def _joinable(self, uuid: str, uid: Optional[int] = None) -> bool:
+    def joinable(self, uuid: str, uid: "Optional[int]" = None) -> bool:
         """Whether a share of UUID, which has sharers, may be taken (by UID; None: us): under
         MPS, NVML read again shows no user there but its sharers and the taker (see strangers)."""
         if self.sharing.mode != MPS:
@@ -283,7 +280,7 @@ class MachineView:
             self.current[uuid] = fresh
         return not self.strangers(uuid, set(self.used.get(uuid, ())) | {self.uid if uid is None else uid})
 
-    def foreign_pids(self) -> Set[int]:
+    def foreign_pids(self) -> "Set[int]":
         """The processes on the devices that only processes cudawrap did not start keep from us."""
         return {pid for uuid in self.foreign_busy for pid in self.current[uuid].pids or ()}
 
@@ -298,7 +295,7 @@ class MachineView:
         now = self.clock()
         return any([self._recheck(uuid, now) for uuid in self.foreign_busy])
 
-    def unreachable(self, uuids: Iterable[str], count: int) -> Optional[NoDeviceError]:
+    def unreachable(self, uuids: "Iterable[str]", count: int) -> "Optional[NoDeviceError]":
         """Why a run waiting for COUNT of UUIDS can never be served now: fewer of them are left
         undrained and not lost (as the last decision found them). One rule for a run deciding
         for itself (waiting.py, its candidates) and for the service's waiters (service/waitline.py)."""
@@ -316,15 +313,15 @@ class MachineView:
             self.limits[uid] = self.limit_of(uid)
         return self.limits[uid]
 
-    def _passed_over(self, w: Waiter, me: Optional[str], now: float) -> bool:
+    def _passed_over(self, w: "Waiter", me: "Optional[str]", now: float) -> bool:
         if w.key == me:
             return False
         if self.skip_keys.get(w.key, 0) > now:
             return True
         return w.uid != self.uid and self.skip_users.get(w.uid, 0) > now
 
-    def decide(self, scan: Scan, me: Optional[Waiter], queued: bool,
-               grants_first: bool = False) -> Tuple[Decision, List[str]]:
+    def decide(self, scan: "Scan", me: "Optional[Waiter]", queued: bool,
+               grants_first: bool = False) -> "Tuple[Decision, List[str]]":
         """Verdicts for everyone in SCAN plus ME (not yet queued unless QUEUED); free devices.
         GRANTS_FIRST: the verdicts are a schedule.Decision holding every grant, the rest
         once it is finished."""
@@ -339,7 +336,7 @@ class MachineView:
         idents = self.leases.idents(self.current)  # read once, for the machine and the bounds
         rule = (self.foreign, self.busy_memory_mib)
         # Work cudawrap did not start, for runs whose program has a rule of its own (schedule.kept).
-        work: Optional[Dict[str, int]] = {} if any(w.request.foreign not in (None, rule) for w in waiters) else None
+        work: "Optional[Dict[str, int]]" = {} if any(w.request.foreign not in (None, rule) for w in waiters) else None
         free, held, busy, shares = self.machine(scan.table, idents, work)
         self.joined = set(shares.used)
         self.used = shares.used
@@ -355,7 +352,7 @@ class MachineView:
                           work, rule, aside)
         return verdicts, free
 
-    def _bounds(self, idents: Dict[str, Optional[Tuple[int, int]]]) -> Bounds:
+    def _bounds(self, idents: "Dict[str, Optional[Tuple[int, int]]]") -> "Bounds":
         """What the admin allows any run, and the devices that can be leased at all (those
         with a lease file: IDENTS)."""
         from .terms import Bounds

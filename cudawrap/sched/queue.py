@@ -21,7 +21,6 @@ narrowed their devices (the list is inside) and for `cudawrap status`.
 
 Entry name: ``<arrival ns, 20 digits>.<pid>.<count><placement><a|n>.<reserve s|inf>.wait``.
 """
-from __future__ import annotations
 
 import os
 import stat
@@ -46,7 +45,7 @@ _PLACEMENTS = {v: k for k, v in _PLACEMENT_CODES.items()}
 _MAX_INFO = 64 << 10
 
 
-def entry_name(key_ns: int, pid: int, request: Request) -> str:
+def entry_name(key_ns: int, pid: int, request: "Request") -> str:
     """The name of PID's entry for REQUEST: what every reader needs of it; the devices it may
     use and its memory and load filters are in the file ("n": narrowed, read them there)."""
     narrowed = request.candidates is not None or request.dynamic
@@ -55,7 +54,7 @@ def entry_name(key_ns: int, pid: int, request: Request) -> str:
             f"{'n' if narrowed else 'a'}{'h' if request.share else ''}.{reserve}{SUFFIX}")
 
 
-def parse_name(name: str) -> Optional[Tuple[int, int, Request, bool]]:
+def parse_name(name: str) -> "Optional[Tuple[int, int, Request, bool]]":
     """(key ns, pid, request, narrowed) from an entry NAME, or None; a narrowed entry's
     request is completed from its file. A shared run's request ends in "h" (a share of each
     device, not the devices).
@@ -91,9 +90,9 @@ def _digits(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-def parse_info(data: bytes) -> Dict[str, str]:
+def parse_info(data: bytes) -> "Dict[str, str]":
     """key=value lines of an entry's contents (untrusted text)."""
-    out: Dict[str, str] = {}
+    out: "Dict[str, str]" = {}
     for line in data.decode("utf-8", "replace").splitlines():
         key, sep, value = line.partition("=")
         if sep and key not in out:
@@ -114,8 +113,8 @@ class Entry:
 class Scan:
     """The live, valid waiters at one moment, and the lock table it was judged by."""
 
-    def __init__(self, waiters: List[Waiter], table: Dict[Tuple[int, int], List[Tuple[int, bool]]],
-                 paths: Dict[str, str]) -> None:
+    def __init__(self, waiters: "List[Waiter]", table: "Dict[Tuple[int, int], List[Tuple[int, bool]]]",
+                 paths: "Dict[str, str]") -> None:
         self.waiters = waiters
         self.table = table  # lock_table(): every flock, shared ones (device shares) included
         self.locks = first_pids(table)
@@ -138,8 +137,8 @@ class WaitQueue:
         self.uid = os.geteuid()
         # Per entry (name and inode: inodes are reused as entries come and go, names never):
         # what was read once, as entries never change what they claim.
-        self._asks: Dict[Tuple[str, int], Optional[Tuple[Optional[FrozenSet[str]], int, int]]] = {}
-        self._owner_ok: Dict[Tuple[int, int], bool] = {}
+        self._asks: "Dict[Tuple[str, int], Optional[Tuple[Optional[FrozenSet[str]], int, int]]]" = {}
+        self._owner_ok: "Dict[Tuple[int, int], bool]" = {}
 
     # -- reading ---------------------------------------------------------------------------
     def idle(self) -> bool:
@@ -150,14 +149,14 @@ class WaitQueue:
         except OSError:
             return False
 
-    def scan(self, clean: bool = True, mine: str = "", bounded: bool = True) -> Scan:
+    def scan(self, clean: bool = True, mine: str = "", bounded: bool = True) -> "Scan":
         """Every live and valid waiter; dead entries we may remove are removed (CLEAN).
         MINE: the caller's own entry, alive whatever the lock table says (we hold its lock).
         BOUNDED: only each user's oldest MAX_ENTRIES_PER_USER (as every decision counts them)."""
         from .terms import Waiter  # here, not at the top: a launch nobody waits before never scans
 
-        waiters: List[Waiter] = []
-        paths: Dict[str, str] = {}
+        waiters: "List[Waiter]" = []
+        paths: "Dict[str, str]" = {}
         try:
             with os.scandir(self.dir) as it:
                 items = list(it)
@@ -168,7 +167,7 @@ class WaitQueue:
         # really gone. (Read before, a newcomer would look dead and be removed.)
         table = lock_table()
         locks = first_pids(table)
-        found: List[Tuple[int, str, int, int, int, Request, bool]] = []
+        found: "List[Tuple[int, str, int, int, int, Request, bool]]" = []
         for item in items:
             parsed = parse_name(item.name)
             if parsed is None:
@@ -189,7 +188,7 @@ class WaitQueue:
             # when its name says: the name is the user's word.
             found.append((st.st_ctime_ns, item.name, st.st_ino, st.st_uid, pid, request, narrowed))
         found.sort(key=lambda f: f[:2])  # (arrival, name): unique
-        per_user: Dict[int, int] = {}
+        per_user: "Dict[int, int]" = {}
         for arrival_ns, name, ino, uid, pid, request, narrowed in found:
             # A user's oldest MAX_ENTRIES_PER_USER count, in every decision: the bound holds
             # whoever made the entries (enqueue checks it only for runs that queue honestly).
@@ -224,7 +223,7 @@ class WaitQueue:
             self._owner_ok[(uid, pid)] = known
         return known
 
-    def _read_asks(self, path: str) -> Optional[Tuple[Optional[FrozenSet[str]], int, int]]:
+    def _read_asks(self, path: str) -> "Optional[Tuple[Optional[FrozenSet[str]], int, int]]":
         """(devices it may use or None for any, min free MiB, max utilisation %) from PATH."""
         info = self.read_info(path)
         if info is None:
@@ -240,7 +239,7 @@ class WaitQueue:
         return candidates, numbers[0], numbers[1]
 
     @staticmethod
-    def read_info(path: str) -> Optional[Dict[str, str]]:
+    def read_info(path: str) -> "Optional[Dict[str, str]]":
         try:
             fd = os.open(path, _READ_FLAGS)
         except OSError:
@@ -276,7 +275,7 @@ class WaitQueue:
             os.close(fd)
 
     # -- joining and leaving -----------------------------------------------------------------
-    def enqueue(self, request: Request, info: bytes, mine: int = 0) -> Entry:
+    def enqueue(self, request: "Request", info: bytes, mine: int = 0) -> "Entry":
         """Join the queue with REQUEST (INFO: more lines for its file). MINE: this user's live
         entries already (for the per-user bound)."""
         if mine >= MAX_ENTRIES_PER_USER:
@@ -297,7 +296,7 @@ class WaitQueue:
         try:
             fd = os.open(self.dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
             source = f"/proc/self/fd/{fd}"  # linked with AT_SYMLINK_FOLLOW, as open(2) shows
-            link: Dict[str, int] = {"src_dir_fd": fd}  # any dir fd makes os.link use linkat (not link(), which
+            link: "Dict[str, int]" = {"src_dir_fd": fd}  # any dir fd makes os.link use linkat (not link(), which
             # would try to link the /proc symlink itself); an absolute path ignores it
         except (AttributeError, OSError):  # a file system without O_TMPFILE: a named one
             fd = -1
@@ -336,7 +335,7 @@ class WaitQueue:
                     pass
         return Entry(name, fd, self.dir + "/" + name)
 
-    def leave(self, entry: Entry) -> None:
+    def leave(self, entry: "Entry") -> None:
         try:
             os.unlink(entry.path)
         except OSError:
@@ -345,7 +344,7 @@ class WaitQueue:
             os.close(entry.fd)  # drops the lock
             entry.fd = -1
 
-    def cancelled_by(self, entry: Entry) -> Optional[str]:
+    def cancelled_by(self, entry: "Entry") -> "Optional[str]":
         """Who cancelled ENTRY (`cudawrap cancel` appended a line), or None."""
         try:
             size = os.fstat(entry.fd).st_size

@@ -7,7 +7,6 @@ service makes the same from what a client asks: never taken apart into arguments
 way. Imported on the shim's path: no typing, no dataclasses; and all a launch nobody waits
 before (the usual case) needs of the scheduler, in one module (the shim pays ~0.1 ms for each).
 """
-from __future__ import annotations
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
@@ -25,9 +24,9 @@ class Request:
     __slots__ = ("count", "candidates", "placement", "reserve_after", "min_free_mib", "max_util", "share",
                  "foreign")
 
-    def __init__(self, count: int = 1, candidates: Optional[FrozenSet[str]] = None, placement: str = "spread",
+    def __init__(self, count: int = 1, candidates: "Optional[FrozenSet[str]]" = None, placement: str = "spread",
                  reserve_after: float = 300.0, min_free_mib: int = 0, max_util: int = 100,
-                 share: bool = False, foreign: Optional[Tuple[str, int]] = None) -> None:
+                 share: bool = False, foreign: "Optional[Tuple[str, int]]" = None) -> None:
         put = object.__setattr__
         put(self, "count", count)
         put(self, "candidates", None if candidates is None else frozenset(candidates))
@@ -39,13 +38,13 @@ class Request:
         put(self, "foreign", foreign)
 
     @classmethod
-    def of(cls, values: Any, count: int, share: bool) -> Request:
+    def of(cls, values: "Any", count: int, share: bool) -> "Request":
         """The request of a run under VALUES (key -> value: Settings.values()) for COUNT devices."""
         return cls(count, None, values.get("placement", "spread"), float(values.get("reserve_after", 300.0)),
                    values.get("min_free_memory_mib", 0), values.get("max_utilization", 100), share,
                    (values.get("foreign", "avoid"), values.get("busy_memory_mib", 1024)))
 
-    def replace(self, **changes: Any) -> Request:
+    def replace(self, **changes: "Any") -> "Request":
         fields = {k: getattr(self, k) for k in self.__slots__}
         fields.update(changes)
         return Request(**fields)
@@ -55,7 +54,7 @@ class Request:
         """Whether a device that passes now may fail later, or the reverse (memory, load)."""
         return self.min_free_mib > 0 or self.max_util < 100
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: "Any") -> None:
         raise AttributeError("a Request cannot be changed; make a new one with replace()")
 
     def _key(self) -> tuple:
@@ -71,8 +70,8 @@ class Request:
         return "Request(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
 
 
-def place(eligible: Sequence[str], count: int, placement: str, parents: Mapping[str, str],
-          busy: Set[str], seed: str = "") -> List[str]:
+def place(eligible: "Sequence[str]", count: int, placement: str, parents: "Mapping[str, str]",
+          busy: "Set[str]", seed: str = "") -> "List[str]":
     """COUNT devices of ELIGIBLE (in the machine's order) by the placement policy.
 
     spread: on the physical GPUs with the smallest share of busy devices; pack: the largest;
@@ -84,14 +83,14 @@ def place(eligible: Sequence[str], count: int, placement: str, parents: Mapping[
         pool = list(eligible)
         random.Random(seed).shuffle(pool)
         return pool[:count]
-    total: Dict[str, int] = {}
-    taken: Dict[str, int] = {}
+    total: "Dict[str, int]" = {}
+    taken: "Dict[str, int]" = {}
     for uuid, parent in parents.items():
         total[parent] = total.get(parent, 0) + 1
         if uuid in busy:
             taken[parent] = taken.get(parent, 0) + 1
     sign = -1 if placement == "pack" else 1
-    chosen: List[str] = []
+    chosen: "List[str]" = []
     pool = list(eligible)
     while len(chosen) < count:
         # Each physical GPU's share of busy devices (signed); min() keeps the first of equals,

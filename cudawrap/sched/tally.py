@@ -58,7 +58,7 @@ def tally(view: MachineView, table: Table, idents: Dict[str, Optional[Tuple[int,
         locks = table.get(ident)
         if locks is not None and view.slots[uuid] < 2 and not any(exclusive for _pid, exclusive in locks):
             # A device of one slot is only ever held exclusively: shared locks on its
-            # lease are probes (Acquirer._vacant, microseconds each). Read as shares,
+            # lease are probes (Acquirer.vacant, microseconds each). Read as shares,
             # a watcher's probe caught by /proc/locks counted a device for its user,
             # and the next turn went to another (test_fairness, on a loaded machine).
             locks = None
@@ -67,7 +67,7 @@ def tally(view: MachineView, table: Table, idents: Dict[str, Optional[Tuple[int,
             _count_held(view, uuid, locks, apart, named.get(ident, []), held, busy, used, closed)
         elif uuid in view.lost or uuid in view.unavailable:
             continue
-        elif uuid in view.mine and view._eligible(uuid, now):
+        elif uuid in view.mine and view.eligible(uuid, now):
             free.append(uuid)
         elif uuid not in view.mine and not view.occupied(view.current[uuid]):
             # Another run's device: judged by what we know, never re-read from NVML

@@ -258,7 +258,7 @@ class Waiting:
         scan = self.scan = acq.queue.scan(mine=entry.name)
         me = next((w for w in scan.waiters if w.key == entry.name), None)
         if me is None:  # our entry is not seen as valid (cannot happen unless tampered with)
-            me = acq._me(entry.name)
+            me = acq.waiter_of(entry.name)
             self.verdicts, self.free = acq.decide(scan, me, queued=False)
         else:
             # What we ask for, we know first-hand; the entry says the same to others.
@@ -267,9 +267,9 @@ class Waiting:
         self.me = me
         verdict = self.verdicts[entry.name]
         self.position = self.placed = verdict.position
-        acq._observe(Decision.LOOK, entry.name, self.verdicts, self.free)
+        acq.observe(Decision.LOOK, entry.name, self.verdicts, self.free)
         if verdict.kind == GRANTED:
-            self.lease = acq._take(verdict.devices)
+            self.lease = acq.take_exactly(verdict.devices)
             if self.lease is not None:
                 hand_over(acq, self.verdicts, scan, entry.name)
                 return True
@@ -283,7 +283,7 @@ class Waiting:
             if self.on_wait is not None:
                 self.on_wait(verdict.text)
             self.told = verdict.kind
-        return acq._watch_others(self.verdicts, scan, entry.name)
+        return acq.watch_others(self.verdicts, scan, entry.name)
 
     def _rewatch(self) -> bool:
         """Watch what our place in line calls for; True to look again at once (something may

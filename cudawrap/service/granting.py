@@ -157,7 +157,7 @@ class Granting:
 
     def _offer(self, client: Client, devices: List[str]) -> bool:
         """Send CLIENT the grant of DEVICES: of a share of each that has slots, for a shared
-        run (as a run deciding for itself takes them: Acquirer._take). False if the client is
+        run (as a run deciding for itself takes them: Acquirer.take_exactly). False if the client is
         gone; a share that cannot be had now (its slots taken past the line since, or under MPS
         another user's work found there) stays waiting."""
         assert client.waiter is not None and client.ask is not None

@@ -223,7 +223,7 @@ class Line:
         start counts within one monitor period of NVML listing it, as for a run deciding for
         itself, without NVML on a served launch's path (a stat of the snapshot when nothing
         changed). Devices whose lease was held at a look since their last reading are left
-        to be read again as they are let go (MachineView._eligible); without a fresh snapshot
+        to be read again as they are let go (MachineView.eligible); without a fresh snapshot
         (the monitor stopped) the last readings stand."""
         a = self.acquirer
         if self.refresh is None:
@@ -298,7 +298,7 @@ class Line:
         now = time.monotonic()
         fit: Dict[str, Tuple[Optional[int], Optional[int]]] = {}
         for uuid in devices:
-            if uuid not in a.mine or uuid in a.lost or uuid in a.unavailable or not a._eligible(uuid, now):
+            if uuid not in a.mine or uuid in a.lost or uuid in a.unavailable or not a.eligible(uuid, now):
                 return None
             device = a.current[uuid]
             fit[uuid] = (free_mib_of(device), device.utilization)
@@ -313,7 +313,7 @@ class Line:
         """Whether UID may join the sharers of those of UUIDS that had sharers at the last
         decision: under MPS, NVML read again shows no other user's work there, as a share
         deciding for itself checks before it stays (its device's data may be older)."""
-        return all(self.acquirer._joinable(u, uid) for u in uuids if u in self.acquirer.joined)
+        return all(self.acquirer.joinable(u, uid) for u in uuids if u in self.acquirer.joined)
 
     def programs(self, entries: Sequence[Waiter], paths: Dict[str, str]) -> Dict[str, str]:
         """Queue entry -> the program its file names (its owner's word, shown as such), for
@@ -331,7 +331,7 @@ class Line:
     def pass_over(self, key: str, uid: Optional[int], now: float) -> None:
         """The run KEY ignored its turn: it, and its user's (UID's, if given) other runs, are
         passed over for STALL_S, as runs deciding for themselves pass it over
-        (Acquirer._watch_others)."""
+        (Acquirer.watch_others)."""
         self.acquirer.skip_keys[key] = now + STALL_S
         if uid is not None:
             self.acquirer.skip_users[uid] = now + STALL_S
