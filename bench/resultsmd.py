@@ -24,7 +24,7 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 # The sections in the file, in this order; a new one goes before the first that follows it
 # (attacks-planted, attacks-storm, ... by their prefix).
-ORDER = ("run", "service", "health", "attacks")
+ORDER = ("run", "service", "cgroupmove", "health", "attacks")
 
 PREAMBLE = ("# Benchmark results\n\n"
             "Each benchmark writes its own section of this file when it runs, and replaces only that "

@@ -49,6 +49,8 @@ from servicescale import ledger_records, run_servicescale, serving  # noqa: E402
 from servicescale import show as show_servicescale  # noqa: E402
 from sim import Bench, Peers, Sim  # noqa: E402
 
+from cudawrap.base import cgroup  # noqa: E402
+
 WRAPPED = "wrapped true"
 
 
@@ -134,19 +136,11 @@ def run(bench: Bench, topology: str, reps: int, confine: Sequence[str] = ()) -> 
         with confined(sim, kind), serving(sim):
             out[f"with service, confined ({kind})"] = _block(sim, reps)
     if confine:
-        out["favordynmods"] = favordynmods()
+        out["favordynmods"] = cgroup.favors_dynmods()
     return out
 
 
-def favordynmods(mountinfo: str = "/proc/self/mountinfo") -> bool:
-    """Whether a cgroup hierarchy is mounted with favordynmods (the kernel's flag holds for
-    every hierarchy): then a lone move into a cgroup does not wait for an RCU grace period,
-    ~10 ms on a 6.18 VM (bench/cgroupmove.py --gap-ms 30)."""
-    with open(mountinfo) as f:
-        return any(" - cgroup" in line and "favordynmods" in line.rsplit(" ", 1)[-1].strip().split(",") for line in f)
-
-
-CONFINED_P95_MS = 1.0  # issue 52: confinement adds at most this to a served launch, at p95
+CONFINED_P95_MS = 1.0  # confinement adds at most this to a served launch, at p95
 
 
 def show(topology: str, result: dict) -> None:
@@ -299,8 +293,8 @@ def results_section(results: dict, run: Run, interp: dict) -> str:
             out += [f"The served launch of `true` confined (`[confine] runs = true`), same run; cgroups "
                     + ("mounted with favordynmods: a lone move into a cgroup does not wait for an RCU grace period"
                        if r.get("favordynmods") else "not mounted with favordynmods: a lone move into a cgroup waits "
-                       "for an RCU grace period (~10 ms here), off the hand-over's path (on the worker, while the "
-                       "run is decided on)") + ":", "",
+                       "for an RCU grace period (its cost: the cgroupmove section), off the hand-over's path (on the "
+                       "worker, while the run is decided on)") + ":", "",
                     table(["", "median, ms", "p95, ms", "failed"],
                           [(b, f"{r[b][WRAPPED]['median_ms']:.2f}", f"{r[b][WRAPPED]['p95_ms']:.2f}",
                             str(r[b][WRAPPED]["failures"])) for b in blocks]), ""]

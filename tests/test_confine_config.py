@@ -65,7 +65,8 @@ def test_doctor_names_the_mechanism_and_how_leftovers_end(admin: Admin, kind: st
     assert len(ok) == 1, lines
     if cgroup.kernel() >= (6, 0) and not cgroup.favors_dynmods():  # this CI machine: 6.18, without it
         assert any(line.startswith("note: confine: moving a run into its cgroup can wait for an RCU grace period")
-                   and "mount -o remount,favordynmods /sys/fs/cgroup/" in line for line in lines), lines
+                   and f"mount -o remount,favordynmods {cgroup.mounts()['unified']}" in line
+                   and "cgroup_favordynmods=true" in line for line in lines), lines
     mounts = cgroup.mounts()
     if kind == "v2":
         assert f"cgroup v2 at {mounts['unified']}, a BPF device program" in ok[0]
@@ -142,6 +143,22 @@ def test_favordynmods_is_read_from_the_cgroup_mounts_super_options(tmp_path):
     assert cgroup.favors_dynmods(str(info)) is False
     info.write_text("30 25 0:26 / /sys/fs/cgroup/unified rw,nosuid shared:9 - cgroup2 cgroup2 rw,favordynmods\n")
     assert cgroup.favors_dynmods(str(info)) is True
+
+
+def test_the_favordynmods_hint_remounts_cgroup2_and_names_the_boot_parameter(tmp_path):
+    # The v1 hierarchies refuse the option at a remount: the cgroup2 mount takes it (the kernel's
+    # flag holds for all), and only where there is one; the boot parameter keeps it in any case.
+    from cudawrap.admin.confinecheck import favor_dynmods_hint
+
+    info = tmp_path / "mountinfo"
+    info.write_text("30 25 0:26 / /sys/fs/cgroup/unified rw shared:9 - cgroup2 cgroup2 rw\n"
+                    "31 25 0:27 / /sys/fs/cgroup/devices rw shared:10 - cgroup cgroup rw,devices\n")
+    hint = favor_dynmods_hint(str(info))
+    assert hint.startswith("`mount -o remount,favordynmods /sys/fs/cgroup/unified` now"), hint
+    assert "cgroup_favordynmods=true" in hint
+    info.write_text("31 25 0:27 / /sys/fs/cgroup/devices rw shared:10 - cgroup cgroup rw,devices\n")
+    hint = favor_dynmods_hint(str(info))
+    assert "remount" not in hint and hint.startswith("cgroup_favordynmods=true"), hint
 
 
 def test_kernel_versions_read_as_numbers():

@@ -102,7 +102,7 @@ def test_a_stop_removes_every_empty_cgroup_of_its_install_before_it_returns(cgro
         rc.enter(proc.pid, 0)
         assert rc.allow(proc.pid, [uuid])
     rc.worker.submit(lambda: None).result()
-    spare = rc.spares[cgroups.top]
+    spare = rc.spares[cgroups.top][0]
     ended_path, held_path = rc.runs[ended.pid], rc.runs[held.pid]
     ended.kill()
     ended.wait()
@@ -205,7 +205,7 @@ def test_the_next_run_there_takes_a_cgroup_made_ahead(cgroups: Cgroups, gpus, tm
     assert cgroups.top not in rc.spares  # not while its decision is made
     assert rc.allow(first.pid, [gpus[1]])  # its grant goes out: the spare is made meanwhile
     rc.worker.submit(lambda: None).result()
-    spare = rc.spares[cgroups.top]
+    spare = rc.spares[cgroups.top][0]
     assert cgroups.mech.pids(spare) == [] and os.path.dirname(spare) == cgroups.top
     second = placed(cgroups)
     rc.enter(second.pid, 0)
@@ -213,14 +213,14 @@ def test_the_next_run_there_takes_a_cgroup_made_ahead(cgroups: Cgroups, gpus, tm
     assert rc.runs[second.pid] == spare
     rc.worker.submit(lambda: None).result()
     assert service(cgroups, tmp_path).reconcile({second.pid: [gpus[0]]}) is None
-    assert not os.path.exists(os.path.join(cgroups.mech.roots[0], rc.spares[cgroups.top].lstrip("/")))
+    assert not os.path.exists(os.path.join(cgroups.mech.roots[0], rc.spares[cgroups.top][0].lstrip("/")))
     assert os.path.exists(os.path.join(cgroups.mech.roots[0], spare.lstrip("/")))  # held: kept
     rc3 = service(cgroups, tmp_path)  # the restarted service's
     third = placed(cgroups)
     rc3.enter(third.pid, 0)
     assert rc3.allow(third.pid, [gpus[2]])
     rc3.worker.submit(lambda: None).result()
-    last = rc3.spares[cgroups.top]
+    last = rc3.spares[cgroups.top][0]
     rc3.close()  # the service stops
     assert not os.path.exists(os.path.join(cgroups.mech.roots[0], last.lstrip("/")))
     third.kill()

@@ -55,11 +55,18 @@ def _mechanism(config: Mapping[str, Any], served: bool) -> List[Finding]:
              else "runs = false: runs would be confined")
     out = [("ok", f"{state} by the {how}; a run's leftovers are ended through {ends}")]
     if runs and cgroup.kernel() >= (6, 0) and not cgroup.favors_dynmods():
-        mount = mech.mount if isinstance(mech, cgroup.V2) else mech.devices
         out.append(("note", "moving a run into its cgroup can wait for an RCU grace period on each launch "
-                            "(bench/RESULTS.md, cgroupmove); mounting cgroups with favordynmods spares it: "
-                            f"mount -o remount,favordynmods {mount}"))
+                            "(bench/RESULTS.md, cgroupmove): " + favor_dynmods_hint()))
     return out
+
+
+def favor_dynmods_hint(mountinfo: str = cgroup.MOUNTINFO) -> str:
+    """How to make the kernel favor cgroup moves (6.0+: the flag holds for every hierarchy). The
+    v1 hierarchies refuse it at a remount; a cgroup2 mount (a hybrid host's too) takes it, until
+    the next boot; the boot parameter (6.7+) keeps it."""
+    unified = cgroup.mounts(mountinfo).get("unified")
+    now = f"`mount -o remount,favordynmods {unified}` now, and " if unified else ""
+    return f"{now}cgroup_favordynmods=true on the kernel command line (6.7 and newer) to keep it across boots"
 
 
 def _driver(proc: str, leased: bool) -> List[Finding]:

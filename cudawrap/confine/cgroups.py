@@ -74,10 +74,11 @@ class RunCgroups:
         self.runs: Dict[int, str] = {}  # client pid -> its cgroup, until that goes
         self.wanted: Set[int] = set()  # pids of RUNS (or entering) that hold devices or wait for their decision
         self.rules: Dict[str, Rule] = {}  # cgroup -> the rule applied there last
-        self.entering: Dict[int, "Future[Tuple[str, str]]"] = {}
+        self.entering: Dict[int, "Future[Tuple[str, str, Rule]]"] = {}
         self.failed: Set[int] = set()  # entered, not confined: refused its grants
         # The worker's alone (the loop reads them once it has the worker's result):
-        self.spares: Dict[str, str] = {}  # where runs go -> a cgroup made and confined ahead
+        self.spares: Dict[str, Tuple[str, Rule]] = {}  # where runs go -> a cgroup made and confined ahead, its rule
+        self.driver: Optional[drivernodes.Published] = None  # read by the worker, at each cgroup made
         self.bases: Dict[int, str] = {}  # client pid -> where its run cgroup went
         self.origins: Dict[int, str] = {}  # client pid -> the cgroup it was in before its own
         self.opened: Set[int] = set()  # pids of RUNS whose cgroup opened a device once (a grant went out)
@@ -100,11 +101,11 @@ class RunCgroups:
             self.wanted.add(pid)
             self.entering[pid] = self.worker.submit(self._enter, pid, uid)
 
-    def _enter(self, pid: int, uid: int) -> Tuple[str, str]:
-        """(its cgroup, the one it was in)."""
+    def _enter(self, pid: int, uid: int) -> Tuple[str, str, Rule]:
+        """(its cgroup, the one it was in, the rule its cgroup holds)."""
         here = self.mech.parent_of(pid)
         base = self._base(here, uid)
-        path = self.spares.pop(base, None) or self._make(base)
+        path, held = self.spares.pop(base, None) or self._make(base)
         try:
             self.mech.move(path, pid)
             # A process exiting is not moved, yet its write succeeds (the kernel skips it), and
@@ -116,9 +117,9 @@ class RunCgroups:
             self.mech.remove(path)  # nobody in it
             raise
         self.bases[pid] = base
-        return path, here
+        return path, here, held
 
-    def _make(self, base: str) -> str:
+    def _make(self, base: str) -> Tuple[str, Rule]:
         """A new run cgroup below BASE refusing every GPU. Named by the install, the service's
         pid and a count, not the run's: a restart finds a run's cgroup from its pid's /proc entry."""
         while True:  # never one that exists: a service before this one may have had this pid
@@ -127,12 +128,16 @@ class RunCgroups:
             if not os.path.lexists(os.path.join(self.mech.roots[0], base.lstrip("/"), name)):
                 break
         path = self.mech.make(base, name)
+        # What the driver publishes, read here, ahead: the rule of a grant uses it, not a read
+        # of /proc (~0.1 ms) while the grant waits; it holds while the service runs (published).
+        self.driver = drivernodes.published(self.proc)
+        held = self.rule(())
         try:
-            self.mech.confine(path, self.rule(()))
+            self.mech.confine(path, held)
         except OSError:
             self.mech.remove(path)
             raise
-        return path
+        return path, held
 
     def _spare(self, base: str) -> None:
         if base not in self.spares:
@@ -165,14 +170,14 @@ class RunCgroups:
         entering = self.entering.pop(pid, None)
         if entering is not None:
             try:
-                path, was = entering.result()
+                path, was, held = entering.result()
             except OSError as exc:
                 self.failed.add(pid)
                 self.wanted.discard(pid)
                 self.say(f"pid {pid} could not be confined: {exc.strerror or exc}")
             else:
                 self.runs[pid] = path
-                self.rules[path] = self.rule(())
+                self.rules[path] = held
                 self.origins[pid] = was
                 self.failed.discard(pid)
                 if was in self.leaving:
@@ -190,7 +195,7 @@ class RunCgroups:
                     continue  # gone: nothing of it to open
                 ids = self.ids[uuid] = found
             owned.append(ids)
-        return drivernodes.rule(owned, self.proc)
+        return drivernodes.rule(owned, self.proc, self.driver)
 
     def _set(self, path: str, devices: List[str]) -> bool:
         """PATH's rule opens exactly DEVICES' nodes; False where that could not be done."""
@@ -244,7 +249,7 @@ class RunCgroups:
         a run's that holds devices or waits for its decision, nor a spare, is removed now if
         no process is in it, else once the last one has exited (its pidfd, ``emptied``)."""
         keep = {self.runs[pid] for pid in self.wanted if pid in self.runs}
-        keep.update(list(self.spares.values()))
+        keep.update(path for path, _held in list(self.spares.values()))
         unwatched = {path for path, watching in self.leaving.items() if not watching}  # see _remove
         for path in (set(paths) | unwatched) - keep:
             self._remove(path)

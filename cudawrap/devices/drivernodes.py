@@ -64,12 +64,22 @@ def own_caps(ids: NodeIds) -> Tuple[str, ...]:
     return (f"gpu{minor}/gi{gi}/access",) + (() if ci is None else (f"gpu{minor}/gi{gi}/ci{ci}/access",))
 
 
-def rule(owned: Iterable[NodeIds], proc: str = "/proc") -> Rule:
+# What rule() reads of the driver: (its nvidia-caps major, its capability table).
+Published = Tuple[Optional[int], Dict[str, int]]
+
+
+def published(proc: str = "/proc") -> Published:
+    """What the driver publishes of its capability nodes now (~0.1 ms: /proc/devices is made
+    at each read). Fixed while the driver is loaded, and it cannot be unloaded while anyone has
+    it open: a run holding a GPU, or the service itself (its NVML stays initialised)."""
+    return char_major(CAPS_NAME, proc), mig_minors(proc)
+
+
+def rule(owned: Iterable[NodeIds], proc: str = "/proc", driver: Optional[Published] = None) -> Rule:
     """The rule that lets a run open the nodes of the devices it holds (OWNED) and no other GPU
-    or MIG instance's."""
+    or MIG instance's; DRIVER: what published() said, else read now."""
     owned = list(owned)
-    caps_major = char_major(CAPS_NAME, proc)
-    table = mig_minors(proc)
+    caps_major, table = driver if driver is not None else published(proc)
     gpu_minors: FrozenSet[int] = frozenset(ids[0] for ids in owned)
     if caps_major is None:
         return gpu_rule(gpu_minors)
