@@ -128,7 +128,7 @@ class Acquirer(MachineView):
         A shared run takes a share of each device that has slots (a device of one slot
         whole); joining sharers, it does not judge the device by NVML as foreign work (their
         processes are not foreign) except, under MPS, the processes of users without a share
-        there (_joinable); opening a device it does, as an exclusive run would.
+        there (joinable); opening a device it does, as an exclusive run would.
         """
         now = self.clock()
         locked: "List[str]" = []
@@ -159,7 +159,7 @@ class Acquirer(MachineView):
 
     def _lock(self, uuid: str) -> bool:
         """UUID's lease, tried a few times over a millisecond: the watchers probe a lease as
-        it frees (_vacant), just as the run whose turn it is takes it, each probe
+        it frees (vacant), just as the run whose turn it is takes it, each probe
         holding a shared lock for microseconds. One try would lose that run its turn to a
         probe, and ~100 ms until the next full look."""
         for _ in range(PROBE_TRIES - 1):

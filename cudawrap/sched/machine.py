@@ -127,7 +127,7 @@ class MachineView:
         self.foreign = options.foreign
         self.busy_memory_mib = options.busy_memory_mib
         self.refresh = options.refresh
-        # What _joinable reads: NVML itself, where REFRESH reads a snapshot first (its fresh()):
+        # What joinable reads: NVML itself, where REFRESH reads a snapshot first (its fresh()):
         # an MPS client that connected since the snapshot would keep a new share waiting.
         self.reread = getattr(self.refresh, "fresh", self.refresh)
         self.warmed = False  # the source made ready for a hand-over (warm())
