@@ -291,10 +291,11 @@ def results_section(results: dict, run: Run, interp: dict) -> str:
         blocks = ["with service"] + [k for k in r if k.startswith("with service, confined")]
         if len(blocks) > 1:
             out += [f"The served launch of `true` confined (`[confine] runs = true`), same run; cgroups "
-                    + ("mounted with favordynmods: a lone move into a cgroup does not wait for an RCU grace period"
-                       if r.get("favordynmods") else "not mounted with favordynmods: a lone move into a cgroup waits "
-                       "for an RCU grace period (its cost: the cgroupmove section), off the hand-over's path (on the "
-                       "worker, while the run is decided on)") + ":", "",
+                    + ("mounted with favordynmods: a move into a cgroup never waits for an RCU grace period"
+                       if r.get("favordynmods") else "not mounted with favordynmods: on a kernel of 6.0 or newer a "
+                       "lone move into a cgroup can wait for an RCU grace period (what a move costs here: the "
+                       "cgroupmove section); the move is made on the service's worker while the run is decided on, "
+                       "the rule widened to its GPUs before its grant goes out") + ":", "",
                     table(["", "median, ms", "p95, ms", "failed"],
                           [(b, f"{r[b][WRAPPED]['median_ms']:.2f}", f"{r[b][WRAPPED]['p95_ms']:.2f}",
                             str(r[b][WRAPPED]["failures"])) for b in blocks]), ""]

@@ -7,8 +7,8 @@ A run's cgroup, from its request to its end (the service's loop calls; base/cgro
   made and confined ahead (a spare, one per place runs go, made as the last run there got its
   grant): on v1 a rule is 254 writes, ~2 ms, and a run waiting for them would wait past its
   decision. The move itself can wait for an RCU grace period (cgroup_threadgroup_rwsem):
-  ~10 ms measured for a move alone on a 6.18 VM, ~0.05 ms for moves in a row; a cgroup
-  mount with favordynmods (6.0+) spares it, and doctor says so;
+  ~10 ms measured for a move alone on one 6.18 VM (0.06 ms on another), ~0.05 ms for moves
+  in a row; a cgroup mount with favordynmods (6.0+) spares it, and doctor says so;
 - before its grant is sent (``allow``): the rule widened to the devices it will then hold;
 - a grant voided or not taken, or ended (``allow`` again, with what is left): narrowed before
   anything else happens.
