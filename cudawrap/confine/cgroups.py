@@ -3,12 +3,10 @@ open its own GPUs' and MIG instances' nodes and no other GPU's (docs/admin/confi
 
 A run's cgroup, from its request to its end (the service's loop calls; base/cgroup.py does):
 - at its request (``enter``), before any decision: the client process is moved into a
-  cgroup refusing every GPU, on a worker thread while the decision is made. The cgroup was
-  made and confined ahead (a spare, one per place runs go, made as the last run there got its
-  grant): on v1 a rule is 254 writes, ~2 ms, and a run waiting for them would wait past its
-  decision. The move itself can wait for an RCU grace period (cgroup_threadgroup_rwsem):
-  ~10 ms measured for a move alone on one 6.18 VM (0.06 ms on another), ~0.05 ms for moves
-  in a row; a cgroup mount with favordynmods (6.0+) spares it, and doctor says so;
+  cgroup refusing every GPU: at once, or on a worker thread while the decision is made where
+  this kernel's moves can wait for an RCU grace period (mover.py). The cgroup was made and
+  confined ahead (a spare, one per place runs go, made on the worker as the last run there
+  got its grant): on v1 a rule is 254 writes, ~2 ms, past a run's decision;
 - before its grant is sent (``allow``): the rule widened to the devices it will then hold;
 - a grant voided or not taken, or ended (``allow`` again, with what is left): narrowed before
   anything else happens.
@@ -38,10 +36,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import logging
 import os
 import select
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from ..base import cgroup
@@ -49,6 +48,7 @@ from ..base.devrule import Rule
 from ..devices import drivernodes
 from ..devices.nvml import node_ids
 from ..errors import SetupError
+from .mover import Mover
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +76,19 @@ class RunCgroups:
         self.rules: Dict[str, Rule] = {}  # cgroup -> the rule applied there last
         self.entering: Dict[int, "Future[Tuple[str, str, Rule]]"] = {}
         self.failed: Set[int] = set()  # entered, not confined: refused its grants
-        # The worker's alone (the loop reads them once it has the worker's result):
+        # Written where the moves are made (the worker, or the loop: mover.py), each step whole:
         self.spares: Dict[str, Tuple[str, Rule]] = {}  # where runs go -> a cgroup made and confined ahead, its rule
         self.driver: Optional[drivernodes.Published] = None  # read by the worker, at each cgroup made
         self.bases: Dict[int, str] = {}  # client pid -> where its run cgroup went
         self.origins: Dict[int, str] = {}  # client pid -> the cgroup it was in before its own
         self.opened: Set[int] = set()  # pids of RUNS whose cgroup opened a device once (a grant went out)
-        self.made = 0
+        self.made = itertools.count(1)  # (next() is one step: the loop and the worker both make cgroups)
         # A cgroup no longer wanted with processes in it -> {pid: pidfd} of those watched.
         self.leaving: Dict[str, Dict[int, int]] = {}
         self.watched: Dict[int, str] = {}  # pidfd -> its cgroup in LEAVING
         self.exits = select.epoll()
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="cudawrap-confine")
+        self.mover = Mover()  # the run's move: at once, or on its worker (mover.py)
+        self.worker = self.mover.worker  # spares are made there
 
     # -- the run's cgroup -------------------------------------------------------------------
     def enter(self, pid: int, uid: int) -> None:
@@ -99,7 +100,7 @@ class RunCgroups:
             self.opened.discard(pid)
         if pid not in self.runs and pid not in self.entering:
             self.wanted.add(pid)
-            self.entering[pid] = self.worker.submit(self._enter, pid, uid)
+            self.entering[pid] = self.mover.submit(self._enter, pid, uid)
 
     def _enter(self, pid: int, uid: int) -> Tuple[str, str, Rule]:
         """(its cgroup, the one it was in, the rule its cgroup holds)."""
@@ -107,7 +108,7 @@ class RunCgroups:
         base = self._base(here, uid)
         path, held = self.spares.pop(base, None) or self._make(base)
         try:
-            self.mech.move(path, pid)
+            self.mover.move(lambda: self.mech.move(path, pid))
             # A process exiting is not moved, yet its write succeeds (the kernel skips it), and
             # v1 names its cgroup "/" meanwhile: had it not been found here, its run cgroup and
             # the next one's spare would have gone to the top of the hierarchy.
@@ -123,8 +124,7 @@ class RunCgroups:
         """A new run cgroup below BASE refusing every GPU. Named by the install, the service's
         pid and a count, not the run's: a restart finds a run's cgroup from its pid's /proc entry."""
         while True:  # never one that exists: a service before this one may have had this pid
-            self.made += 1
-            name = f"{self.prefix}{os.getpid()}-{self.made}"
+            name = f"{self.prefix}{os.getpid()}-{next(self.made)}"
             if not os.path.lexists(os.path.join(self.mech.roots[0], base.lstrip("/"), name)):
                 break
         path = self.mech.make(base, name)
@@ -221,6 +221,10 @@ class RunCgroups:
         path = self._settled(pid)
         if path is None:
             return not devices
+        if not devices and not self.mech.pids(path):  # nobody in it (its run ended): it goes
+            self.wanted.discard(pid)                  # unwritten, ~0.2 ms sooner to a next run
+            self._tidy([path])
+            return True
         if not self._set(path, devices):
             return False
         if devices:
