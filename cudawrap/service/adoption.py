@@ -73,6 +73,18 @@ class Adoption:
             self.nodes.reconcile(self._lessees(), {p: (u, d) for p, (u, d) in unfollowed.items() if u is not None})
         return running
 
+    def strays(self) -> List[int]:
+        """The holders no adopted grant follows whose nodes stay open to them while they live
+        (nodes.reconcile): the loop watches for their exits."""
+        return sorted(self.nodes.extra) if self.nodes is not None else []
+
+    def stray_gone(self, pid: int) -> None:
+        """The stray PID exited (a zombie's /proc entry still stands: told, not looked up):
+        the nodes opened to who holds what now."""
+        if self.nodes is not None:
+            self.nodes.extra.pop(pid, None)
+            self.nodes.lessees(self._lessees())
+
     def _holds(self) -> Dict[int, List[str]]:
         """pid -> the devices it holds: the kernel's locks (a grant sent just before a crash may
         be missing from the ledger's state), and the grants adopted (a child holds a lease its

@@ -97,6 +97,7 @@ class Service(Clients, Answering, Granting, Releases):
         self.line.watched = self.watch is not None and self.watch.leases >= 0
         self.jobs = slurmjob.Lookups()  # Slurm is asked off the loop: it may block
         self.selector.register(self.jobs.fileno(), selectors.EVENT_READ, "slurm")
+        self.strays: Dict[int, int] = {}  # pidfd -> pid, of the holders no adopted grant follows (_adopt)
         self._adopt()
         # The directories are root's now (servestart): what anyone opened before is worth nothing.
         self._renewed(self.grants.renew(self.grants.every_file()))
@@ -116,6 +117,16 @@ class Service(Clients, Answering, Granting, Releases):
             self.selector.register(held.pidfd, selectors.EVENT_READ, held)
             self.line.held_by(held.pid)
         self.grants.restore_mps_access()
+        # [confine] nodes: a holder no adopted grant follows (granted just before a crash, its
+        # record not yet written) keeps its nodes while it lives: its exit closes them.
+        for pid in self.grants.strays():
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                self.grants.stray_gone(pid)  # exited meanwhile
+                continue
+            self.strays[fd] = pid
+            self.selector.register(fd, selectors.EVENT_READ, STRAY)
 
     def close(self) -> None:
         ledgerturn.finish()
@@ -127,6 +138,8 @@ class Service(Clients, Answering, Granting, Releases):
         if self.grants.confine is not None:
             self.selector.unregister(self.grants.confine.fileno())
         self.grants.close()  # [confine] runs: every run cgroup with no process left goes
+        for fd in self.strays:
+            os.close(fd)
         try:
             os.unlink(self.path)
         except OSError:
@@ -238,10 +251,17 @@ class Service(Clients, Answering, Granting, Releases):
                 self._send_answer(client, done)
         elif isinstance(key.data, Held):
             self._exited(key.data)
+        elif key.data is STRAY:
+            self.selector.unregister(key.fd)
+            os.close(key.fd)
+            self.grants.stray_gone(self.strays.pop(key.fd))
         elif mask & selectors.EVENT_WRITE:
             self._writable(key.data)
         else:
             self._readable(key.data)
+
+
+STRAY = object()  # the selector's mark of a stray's pidfd (_adopt)
 
 
 def _first(ready: "tuple[selectors.SelectorKey, int]") -> int:
