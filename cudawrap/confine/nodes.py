@@ -36,6 +36,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from ..base import nodemodes
 from ..base.devrule import GPU_MAJOR, GPU_MINORS
+from ..base.proc import exiting
 from ..base.inotify import IN_CREATE, IN_ISDIR, IN_MOVED_TO, IN_Q_OVERFLOW, open_watch
 from ..devices import drivernodes
 from ..devices.nvml import node_ids
@@ -174,7 +175,7 @@ class LeasedNodes:
         users: Dict[Tuple[int, int], Set[int]] = {}
         extra = {}
         for pid, (uid, uuids) in self.extra.items():
-            if os.path.exists(f"/proc/{pid}"):
+            if not exiting(pid):  # a zombie's /proc entry stands until it is reaped: gone all the same
                 extra[pid] = (uid, uuids)
         self.extra = extra
         pairs = [(u, uid) for u, uids in holding.items() for uid in uids]

@@ -78,11 +78,9 @@ class Adoption:
         (nodes.reconcile): the loop watches for their exits."""
         return sorted(self.nodes.extra) if self.nodes is not None else []
 
-    def stray_gone(self, pid: int) -> None:
-        """The stray PID exited (a zombie's /proc entry still stands: told, not looked up):
-        the nodes opened to who holds what now."""
+    def stray_gone(self) -> None:
+        """A stray exited: the nodes opened to who holds what now (it no longer)."""
         if self.nodes is not None:
-            self.nodes.extra.pop(pid, None)
             self.nodes.lessees(self._lessees())
 
     def _holds(self) -> Dict[int, List[str]]:

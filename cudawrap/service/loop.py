@@ -97,7 +97,7 @@ class Service(Clients, Answering, Granting, Releases):
         self.line.watched = self.watch is not None and self.watch.leases >= 0
         self.jobs = slurmjob.Lookups()  # Slurm is asked off the loop: it may block
         self.selector.register(self.jobs.fileno(), selectors.EVENT_READ, "slurm")
-        self.strays: Dict[int, int] = {}  # pidfd -> pid, of the holders no adopted grant follows (_adopt)
+        self.strays: Set[int] = set()  # pidfds of the holders no adopted grant follows (_adopt)
         self._adopt()
         # The directories are root's now (servestart): what anyone opened before is worth nothing.
         self._renewed(self.grants.renew(self.grants.every_file()))
@@ -123,9 +123,9 @@ class Service(Clients, Answering, Granting, Releases):
             try:
                 fd = os.pidfd_open(pid)
             except OSError:
-                self.grants.stray_gone(pid)  # exited meanwhile
+                self.grants.stray_gone()  # exited meanwhile
                 continue
-            self.strays[fd] = pid
+            self.strays.add(fd)
             self.selector.register(fd, selectors.EVENT_READ, STRAY)
 
     def close(self) -> None:
@@ -253,8 +253,9 @@ class Service(Clients, Answering, Granting, Releases):
             self._exited(key.data)
         elif key.data is STRAY:
             self.selector.unregister(key.fd)
+            self.strays.discard(key.fd)
             os.close(key.fd)
-            self.grants.stray_gone(self.strays.pop(key.fd))
+            self.grants.stray_gone()
         elif mask & selectors.EVENT_WRITE:
             self._writable(key.data)
         else:
