@@ -145,6 +145,40 @@ def test_missing_real_program_reads_like_the_shell(installed):
     assert r.stderr.decode().splitlines()[0].startswith("recon: the real program")
 
 
+@pytest.mark.parametrize("how", ["its own shim", "another program's shim, by a relative link",
+                                 "the prototype, through two links", "a hard link of the prototype"])
+def test_a_real_program_that_leads_back_to_a_shim_is_refused(installed, how):
+    inst = installed("four-gpus")
+    link = inst.wrap("recon")
+    other = inst.wrap("other")
+    real = inst.bindir / "CUDAWRAP_recon"
+    real.unlink()
+    if how == "its own shim":
+        real.symlink_to(inst.layout.program_shim(str(link)))
+    elif how.startswith("another"):
+        real.symlink_to(os.path.relpath(inst.layout.program_shim(str(other)), inst.bindir))
+    elif how.startswith("the prototype"):
+        (inst.bindir / "hop").symlink_to(inst.layout.shim)
+        real.symlink_to("hop")
+    else:
+        os.link(inst.layout.shim, real)
+    r = inst.run("recon")
+    assert r.returncode == 127, r.stderr
+    assert r.stderr.decode().splitlines()[0] == f"recon: {real} leads back to the shim itself"
+
+
+def test_a_real_program_that_is_a_link_runs(installed, tmp_path):
+    inst = installed("four-gpus")
+    inst.wrap("recon")
+    real = inst.bindir / "CUDAWRAP_recon"
+    os.replace(real, tmp_path / "recon-1.2")
+    (tmp_path / "current").symlink_to("recon-1.2")  # a link to a link, the last one relative
+    real.symlink_to(tmp_path / "current")
+    r = inst.run("recon")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[0])["devices"]
+
+
 def test_running_the_shim_directly_is_refused(installed):
     inst = installed("four-gpus")
     r = inst.run(str(inst.layout.shim))
@@ -156,6 +190,9 @@ def test_running_the_shim_directly_is_refused(installed):
 # the shim's path write the annotations that need it as strings instead.
 HEAVY = {"plumbum", "pathlib", "typing", "dataclasses", "json", "tomllib", "tomli", "filelock",
          "logging", "re", "enum", "subprocess", "inspect", "argparse", "threading", "__future__"}
+# And with the monitor's snapshot, os (and os.path, which imports it): ~1 ms, a tenth of a bare
+# interpreter's start, for its _collections_abc; base/posixos.py has what the launch needs.
+NO_OS = {"os", "posixpath", "_collections_abc"}
 
 
 def shim_imports(inst, *argv: str, **env: str) -> set:  # type: ignore[no-untyped-def]
@@ -187,7 +224,7 @@ def test_the_shim_imports_only_what_it_needs(installed):
     assert refresh_once(inst.layout) is None
     loaded = shim_imports(inst, str(link))
     assert "cudawrap" in loaded
-    assert not loaded & (HEAVY | {"pynvml", "ctypes"}), sorted(loaded & (HEAVY | {"pynvml", "ctypes"}))
+    assert not loaded & (HEAVY | NO_OS | {"pynvml", "ctypes"}), sorted(loaded & (HEAVY | NO_OS | {"pynvml", "ctypes"}))
     # Without it, NVML through cudawrap's own ctypes binding (nvmldirect), not pynvml, which
     # would bring subprocess, threading, re and enum; nothing heavy comes from our side.
     inst.layout.usage_snapshot.unlink()
@@ -201,7 +238,7 @@ LAUNCH_MODULES = {
     "cudawrap", "cudawrap.errors", "cudawrap.locations", "cudawrap.base.users",
     # The general way: the package's door (which defines what it grants) and its body.
     "cudawrap.launch", "cudawrap.launch.general",
-    "cudawrap.base", "cudawrap.base.audit", "cudawrap.base.rootfile",
+    "cudawrap.base", "cudawrap.base.audit", "cudawrap.base.rootfile", "cudawrap.base.posixos",
     "cudawrap.devices", "cudawrap.devices.model", "cudawrap.devices.snapshot",
     "cudawrap.lease", "cudawrap.lease.files", "cudawrap.lease.sharing",
     "cudawrap.policy", "cudawrap.policy.effective",

@@ -4,7 +4,7 @@ libc's syslog() drops messages silently when no syslog socket exists, which is w
 want: a container or a minimal chroot must not make every launch complain.
 """
 
-import os
+import posix
 
 from .users import user_name
 
@@ -39,7 +39,7 @@ def log(event: str, priority: str = "info", **fields: "Any") -> None:
     if not _opened:
         syslog.openlog("cudawrap", syslog.LOG_PID, syslog.LOG_USER)
         _opened = True
-    parts = [event, f"user={user_name(os.getuid())}", f"uid={os.getuid()}"]
+    parts = [event, f"user={user_name(posix.getuid())}", f"uid={posix.getuid()}"]
     for key, value in fields.items():
         parts.append(f"{key}={field(value)}")
     level = syslog.LOG_WARNING if priority == "warning" else (
@@ -56,7 +56,7 @@ def channel_problem(socket: str = SYSLOG_SOCKET) -> "Optional[str]":
     import stat
 
     try:
-        if stat.S_ISSOCK(os.stat(socket).st_mode):
+        if stat.S_ISSOCK(posix.stat(socket).st_mode):
             return None
         return f"{socket} is not a socket: syslog messages (the audit trail) are lost"
     except OSError as exc:
@@ -75,5 +75,5 @@ def notice_if_unreachable() -> None:
     problem = None if _noticed else channel_problem()
     _noticed = True
     if problem:
-        os.write(2, f"cudawrap: warning: {problem}; grants and ends of leases are still recorded "
+        posix.write(2, f"cudawrap: warning: {problem}; grants and ends of leases are still recorded "
                     f"in the ledger (`cudawrap usage`)\n".encode())

@@ -7,7 +7,7 @@ else can write it, so a user cannot plant data that steers other users' launches
 
 import _thread
 import marshal
-import os
+import posix
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
@@ -22,37 +22,37 @@ def private_tmp(path: str) -> str:
     """A temporary name beside PATH that no other writer uses: the pid alone is not enough,
     as two threads of one process (the service's, a test's monitor loop) would write the
     same file and one's rename would find it gone."""
-    return f"{path}.{os.getpid()}.{_thread.get_ident()}.tmp"
+    return f"{path}.{posix.getpid()}.{_thread.get_ident()}.tmp"
 
 
 def write(path: str, data: "Any", mode: int = 0o644) -> None:
     """DATA at PATH, atomically; MODE 0o644 (the default) lets every user read it."""
     tmp = private_tmp(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    fd = posix.open(tmp, posix.O_WRONLY | posix.O_CREAT | posix.O_TRUNC | posix.O_NOFOLLOW | posix.O_CLOEXEC, mode)
     try:
-        os.write(fd, marshal.dumps(data))
-        os.fchmod(fd, mode)  # whatever root's umask
+        posix.write(fd, marshal.dumps(data))
+        posix.fchmod(fd, mode)  # whatever root's umask
     finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        posix.close(fd)
+    posix.replace(tmp, path)
 
 
 def read_raw(root: str, path: str) -> "Optional[bytes]":
     """The bytes at PATH if trusted (see the module's docstring), else None."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = posix.open(path, posix.O_RDONLY | posix.O_NOFOLLOW | posix.O_CLOEXEC)
     except OSError:
         return None
     try:
-        st = os.fstat(fd)
-        owner = os.stat(loc.under(root, loc.RUNTIME_DIR)).st_uid
+        st = posix.fstat(fd)
+        owner = posix.stat(loc.under(root, loc.RUNTIME_DIR)).st_uid
         if st.st_uid != owner or st.st_mode & 0o022 or st.st_size > _MAX_SIZE:
             return None
-        return os.read(fd, st.st_size + 1)
+        return posix.read(fd, st.st_size + 1)
     except OSError:
         return None
     finally:
-        os.close(fd)
+        posix.close(fd)
 
 
 def loads(raw: "Optional[bytes]", version: int) -> "Optional[dict]":

@@ -10,7 +10,7 @@ obtain(). On the shim's path, so it imports only what it needs, lazily, and neve
 typing or dataclasses.
 """
 
-import os
+import posix
 import sys
 import time
 
@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
     from ..policy.effective import Settings
 
-from ..base import audit
+from ..base import audit, posixos
+from ..base.posixos import basename, exists, lexists, link_dir
 from .. import locations as loc
 from ..errors import CudawrapError, NoDeviceError, NvmlUnavailable, ProgramNotFound, UsageError
 from ..lease.files import LEASE_ENV, Lease, LeaseFiles
@@ -31,21 +32,18 @@ from . import CVD, Grant, whole_devices  # the door defines them before it impor
 # ---- the wrapped program: the real one beside the name it was reached by, becoming it ----
 
 def is_shim(path: str, root: str) -> bool:
-    """Whether PATH resolves to a shim of the install at ROOT (the prototype or a program's own)."""
-    if os.path.islink(path):
-        target = os.path.realpath(path)
-        return (target == os.path.realpath(loc.under(root, loc.SHIM))
-                or os.path.dirname(target) == os.path.realpath(loc.under(root, loc.SHIM_DIR)))
-    # A plain file (the real program as a wrap leaves it), by identity: the prototype (or a
-    # hard link of it), or a file in the shims' directory; resolving paths costs ~0.05 ms more.
-    ids = [_ident(p) for p in (path, os.path.dirname(path) or ".", loc.under(root, loc.SHIM),
-                               loc.under(root, loc.SHIM_DIR))]
+    """Whether PATH resolves to a shim of the install at ROOT (the prototype or a program's own).
+
+    By identity, links followed: the prototype (or a hard link of it), or a file in the shims'
+    directory (the directory PATH's last link leads to, if it is one); resolving whole paths
+    costs ~0.05 ms more."""
+    ids = [_ident(p) for p in (path, link_dir(path), loc.under(root, loc.SHIM), loc.under(root, loc.SHIM_DIR))]
     return ids[0] is not None and (ids[0] == ids[2] or ids[1] is not None and ids[1] == ids[3])
 
 
 def _ident(path: str) -> "Optional[tuple]":
     try:
-        st = os.stat(path)
+        st = posix.stat(path)
     except OSError:
         return None
     return st.st_dev, st.st_ino
@@ -54,8 +52,8 @@ def _ident(path: str) -> "Optional[tuple]":
 def real_program(link: str, shim: str, root: str = "") -> str:
     """CUDAWRAP_<name> beside LINK; refuses anything that would lead back to a shim: SHIM
     (the file running now) or, given the install ROOT, any shim of that install."""
-    directory, name = os.path.split(link)
-    real = os.path.join(directory, loc.REAL_PREFIX + name)
+    cut = link.rfind("/") + 1
+    real = link[:cut] + loc.REAL_PREFIX + link[cut:]
     found = _ident(real)
     if found is None:
         raise ProgramNotFound(f"the real program {real} is missing",
@@ -79,7 +77,7 @@ def exec_program(path: str, argv: "Sequence[str]", env: "Dict[bytes, bytes]", gr
     if grant.lease is not None:
         grant.lease.keep_across_exec()
     try:
-        os.execve(path, list(argv), env)
+        posix.execve(path, list(argv), env)
     except OSError as exc:
         from .failures import exec_error
 
@@ -89,11 +87,11 @@ def exec_program(path: str, argv: "Sequence[str]", env: "Dict[bytes, bytes]", gr
 def unwrapped_meanwhile(link: str, shim: str, root: str) -> "Optional[str]":
     """LINK itself if an unwrap put the real program back there while we were starting or waiting."""
     try:
-        st = os.stat(link)
+        st = posix.stat(link)
     except OSError:
         return None
     try:
-        shim_st = os.stat(shim)
+        shim_st = posix.stat(shim)
         if (st.st_dev, st.st_ino) == (shim_st.st_dev, shim_st.st_ino):
             return None
     except OSError:
@@ -140,8 +138,8 @@ def obtain(root: str, prog: str, settings: "Settings", environ: "Any",
     # restarting; root decides for itself only while it is down, so a stopped service never
     # locks the admin out. Elsewhere an unshared run asks a service that answers.
     arbiter = _service_arbitrates(root, lease_dir)
-    must = arbiter and os.geteuid() != 0
-    if must or ((arbiter or (job is None and not share)) and os.path.exists(loc.under(root, loc.SERVICE_SOCKET))):
+    must = arbiter and posix.geteuid() != 0
+    if must or ((arbiter or (job is None and not share)) and exists(loc.under(root, loc.SERVICE_SOCKET))):
         from .client import from_service
 
         served = from_service(root, prog, value, environ, count, job, must, ticket)
@@ -157,7 +155,7 @@ def _service_arbitrates(root: str, lease_dir: str) -> bool:
     if loc.recorded_way(root) == loc.SERVICE:
         return True
     try:
-        return not os.stat(lease_dir).st_mode & 0o001
+        return not posix.stat(lease_dir).st_mode & 0o001
     except OSError:
         return False  # no lease directory: the run says so as it decides
 
@@ -254,12 +252,12 @@ class _Run:
         from ..sched.candidates import limits_of, synced
 
         root, value, count = self.root, self.value, self.count
-        limits = limits_of(value, count, os.geteuid())
+        limits = limits_of(value, count, posix.geteuid())
         lease_dir = loc.under(root, loc.LEASE_DIR)
         leases = LeaseFiles(lease_dir, loc.under(root, loc.SHARE_DIR))
         candidates = synced(candidates, leases, lease_dir, count)
         acquirer = self._acquirer(leases, source, inventory, unread, candidates, checked_at, limits)
-        info = f"uid={os.getuid()}\npid={os.getpid()}\ncount={count}\nprogram={self.prog}\n".encode()
+        info = f"uid={posix.getuid()}\npid={posix.getpid()}\ncount={count}\nprogram={self.prog}\n".encode()
         start = time.monotonic()
         try:
             lease = acquirer.arrive(value["wait"], info)
@@ -276,10 +274,10 @@ class _Run:
                 # also says when the devices there now need `cudawrap sync`.
                 leases.close()
                 return obtain(root, self.prog, self.settings, self.environ, count, layout=False)
-            audit.log("timeout", "warning", program=self.prog, pid=os.getpid(), reason=str(exc))
+            audit.log("timeout", "warning", program=self.prog, pid=posix.getpid(), reason=str(exc))
             raise
         waited_s = time.monotonic() - start
-        audit.log("grant", program=self.prog, pid=os.getpid(), devices=",".join(lease.uuids),
+        audit.log("grant", program=self.prog, pid=posix.getpid(), devices=",".join(lease.uuids),
                   **({"shared": ",".join(lease.shared)} if lease.shared else {}),
                   wait=f"{waited_s:.3f}s")
         if self.waited:
@@ -315,7 +313,7 @@ class _Run:
 
         self.waited = True
         say(self.prog, describe_wait(text))
-        audit.log("wait", program=self.prog, pid=os.getpid(), reason=text, count=self.count)
+        audit.log("wait", program=self.prog, pid=posix.getpid(), reason=text, count=self.count)
 
     def grant(self, lease: "Lease", acquirer: "Any") -> "Grant":
         """LEASE's grant: a shared run's memory limit, MPS variables and frameworks' defaults."""
@@ -335,18 +333,21 @@ def run_shim(root: str, argv: "List[str]", link: "Optional[str]" = None, ticket:
     if link is None:
         from .links import find_link
 
+        from posixpath import abspath  # os: the shared shim of older installs only
+
         shim = loc.under(root, loc.SHIM)
-        link = find_link(invoked, shim)
+        link = abspath(find_link(invoked, shim))
     else:
-        shim = os.path.realpath(invoked)  # the script the kernel ran: this program's own shim
-    prog = os.path.basename(link)
+        shim = invoked  # the script the kernel ran, through its link: this program's own shim
+    prog = basename(link)
     real = real_program(link, shim, root)
-    settings = effective(root, os.path.abspath(link))
-    grant = obtain(root, prog, settings, os.environ, ticket=ticket)
+    environ = posixos.environ()
+    settings = effective(root, link, environ)
+    grant = obtain(root, prog, settings, environ, ticket=ticket)
     grant.program = prog
-    if os.environ.get("CUDAWRAP_VERBOSE"):
+    if environ.get("CUDAWRAP_VERBOSE"):
         say(prog, f"{CVD}={grant.visible if grant.visible is not None else '(unchanged)'} -> {real}")
-    if not os.path.lexists(real):
+    if not lexists(real):
         real = unwrapped_meanwhile(link, shim, root) or real
     exec_program(real, [invoked] + argv[1:], grant.apply(original_environ()), grant)
 
@@ -355,7 +356,7 @@ def main(root: str, link: "Optional[str]" = None, ticket: str = "") -> "NoReturn
     """The shim's general way (cudawrap/__init__.py: TICKET, a place in the service's line a
     wait there was given): errors become one line and the documented exit code."""
     argv = sys.argv
-    _guarded(os.path.basename(link or (argv[0] if argv and argv[0] else "cudawrap")),
+    _guarded(basename(link or (argv[0] if argv and argv[0] else "cudawrap")),
              lambda: run_shim(root, argv, link, ticket))
 
 
@@ -378,10 +379,10 @@ def exec_failed(root: str, link: str, real: str, argv: "List[str]", env: "Dict[b
     def again() -> "NoReturn":
         path = real
         if isinstance(exc, FileNotFoundError):
-            path = unwrapped_meanwhile(link, os.path.realpath(argv[0]), root) or real
+            path = unwrapped_meanwhile(link, argv[0], root) or real  # argv[0]: the shim, through its link
         exec_program(path, argv, env, Grant(None, None))
 
-    _guarded(os.path.basename(link), again)
+    _guarded(basename(link), again)
 
 
 def _guarded(prog: str, run: "Any") -> "NoReturn":
@@ -393,5 +394,5 @@ def _guarded(prog: str, run: "Any") -> "NoReturn":
 
         report(prog, exc)
     except KeyboardInterrupt:
-        os._exit(130)
-    os._exit(os.EX_SOFTWARE)  # RUN returned: it must not
+        posix._exit(130)
+    posix._exit(posix.EX_SOFTWARE)  # RUN returned: it must not

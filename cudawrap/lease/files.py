@@ -8,7 +8,7 @@ no cleanup job. Users open lease files read-only; only root creates or removes t
 
 import errno
 import fcntl
-import os
+import posix
 import stat
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
@@ -18,13 +18,13 @@ if TYPE_CHECKING:
 from ..errors import SetupError
 from ..locations import LEASE_ENV, PROGRAM_ENV  # noqa: F401 - named here by the lease's users
 
-OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+OPEN_FLAGS = posix.O_RDONLY | posix.O_NOFOLLOW | posix.O_CLOEXEC | posix.O_NONBLOCK
 
 
-def check_dir(path: str, what: str, hint: str) -> "os.stat_result":
+def check_dir(path: str, what: str, hint: str) -> "posix.stat_result":
     """A directory that must exist and be writable only by its owner (root, system-wide)."""
     try:
-        st = os.stat(path)
+        st = posix.stat(path)
     except FileNotFoundError:
         raise SetupError(f"the {what} {path} is missing", hint=hint) from None
     except OSError as exc:
@@ -70,14 +70,14 @@ class Lease:
 
     def keep_across_exec(self) -> None:
         for fd in list(self.fds.values()) + list(self.slots.values()):
-            os.set_inheritable(fd, True)
+            posix.set_inheritable(fd, True)
 
     def release(self) -> None:
         # Slots first: a slot locked without its lease counts as a share held apart from it
         # (Acquirer.machine), which a live process letting go must not look like.
         for fd in list(self.slots.values()) + list(self.fds.values()):
             try:
-                os.close(fd)  # closing our only reference drops the flock
+                posix.close(fd)  # closing our only reference drops the flock
             except OSError:
                 pass
         self.fds.clear()
@@ -107,12 +107,12 @@ class LeaseFiles:
         if "/" in uuid or uuid in ("", ".", ".."):
             return None
         try:
-            fd = os.open(self.path(uuid), OPEN_FLAGS)
+            fd = posix.open(self.path(uuid), OPEN_FLAGS)
         except OSError:
             return None
-        st = os.fstat(fd)
+        st = posix.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != self.owner:
-            os.close(fd)  # planted by someone else: never trust it
+            posix.close(fd)  # planted by someone else: never trust it
             return None
         self._fds[uuid] = fd
         self._idents[uuid] = (st.st_dev, st.st_ino)  # a descriptor's file never changes
@@ -121,7 +121,7 @@ class LeaseFiles:
     def names(self) -> "Set[str]":
         """The names in the lease directory (a UUID each), in one listing; nothing is opened."""
         try:
-            return set(os.listdir(self.dir))
+            return set(posix.listdir(self.dir))
         except OSError:
             return set()
 
@@ -178,7 +178,7 @@ class LeaseFiles:
             if _flock_current(fd, self.slot_path(uuid, slot), fcntl.LOCK_EX):
                 self._slots[uuid] = fd
                 return True
-            os.close(fd)
+            posix.close(fd)
         self.unlock(uuid)
         return False
 
@@ -191,13 +191,13 @@ class LeaseFiles:
         if self.share_dir is None or "/" in uuid:
             return None
         try:
-            fd = os.open(self.slot_path(uuid, slot), OPEN_FLAGS)
+            fd = posix.open(self.slot_path(uuid, slot), OPEN_FLAGS)
         except OSError:
             return None
-        st = os.fstat(fd)
+        st = posix.fstat(fd)
         if stat.S_ISREG(st.st_mode) and st.st_uid == self.owner:
             return fd
-        os.close(fd)
+        posix.close(fd)
         return None
 
     def slot_free(self, uuid: str, slot: int) -> bool:
@@ -206,7 +206,7 @@ class LeaseFiles:
         path = self.slot_path(uuid, slot)
         fd = self._probes.get(path)
         if fd is not None and not _same_file(fd, path):
-            os.close(self._probes.pop(path))  # replaced by sync
+            posix.close(self._probes.pop(path))  # replaced by sync
             fd = None
         if fd is None:
             fd = self.open_slot(uuid, slot)
@@ -221,7 +221,7 @@ class LeaseFiles:
     def unlock(self, uuid: str) -> None:
         slot = self._slots.pop(uuid, None)
         if slot is not None:
-            os.close(slot)  # before the lease: see Lease.release
+            posix.close(slot)  # before the lease: see Lease.release
         fd = self._fds.get(uuid)
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -233,7 +233,7 @@ class LeaseFiles:
             return out
         for slot in range(1, slots + 1):
             try:
-                st = os.stat(self.slot_path(uuid, slot), follow_symlinks=False)
+                st = posix.stat(self.slot_path(uuid, slot), follow_symlinks=False)
             except OSError:
                 continue
             if stat.S_ISREG(st.st_mode) and st.st_uid == self.owner:
@@ -244,7 +244,7 @@ class LeaseFiles:
         self._idents.pop(uuid, None)
         fd = self._fds.pop(uuid, None)
         if fd is not None:
-            os.close(fd)
+            posix.close(fd)
 
     def take(self, uuids: "Iterable[str]") -> "Lease":
         """Hand the (locked) descriptors of UUIDS over to a Lease; close the others."""
@@ -257,7 +257,7 @@ class LeaseFiles:
 
     def close(self) -> None:
         for fd in list(self._slots.values()) + list(self._fds.values()) + list(self._probes.values()):
-            os.close(fd)
+            posix.close(fd)
         self._fds.clear()
         self._idents.clear()
         self._slots.clear()
@@ -286,11 +286,11 @@ def _same_file(fd: int, path: str, ident: "Optional[Tuple[int, int]]" = None) ->
     """Whether FD (whose file is IDENT, (device, inode), where known) is still the file at
     PATH (sync has not replaced or removed it)."""
     try:
-        current = os.stat(path, follow_symlinks=False)
+        current = posix.stat(path, follow_symlinks=False)
     except OSError:
         return False
     if ident is None:
-        mine = os.fstat(fd)
+        mine = posix.fstat(fd)
         ident = (mine.st_dev, mine.st_ino)
     return (current.st_dev, current.st_ino) == ident
 
@@ -302,7 +302,7 @@ def _lock_fields(line: str) -> "Optional[Tuple[int, int, int, bool]]":
         return None
     try:
         major, minor, inode = parts[5].split(":")
-        return int(parts[4]), os.makedev(int(major, 16), int(minor, 16)), int(inode), parts[3] == "WRITE"
+        return int(parts[4]), posix.makedev(int(major, 16), int(minor, 16)), int(inode), parts[3] == "WRITE"
     except ValueError:
         return None
 
@@ -339,19 +339,19 @@ def _read_locks(size: int = 1 << 16) -> "Tuple[Dict[str, str], int]":
     say (without the number of their place, which shifts); and how many calls gave data."""
     pieces: "List[bytes]" = []
     try:
-        fd = os.open("/proc/locks", os.O_RDONLY | os.O_CLOEXEC)
+        fd = posix.open("/proc/locks", posix.O_RDONLY | posix.O_CLOEXEC)
     except OSError:
         return {}, 0
     try:
         while True:
-            piece = os.read(fd, size)
+            piece = posix.read(fd, size)
             if not piece:
                 break
             pieces.append(piece)
     except OSError:
         pass
     finally:
-        os.close(fd)
+        posix.close(fd)
     lines = b"".join(pieces).decode("ascii", "replace").splitlines()
     return {line.partition(":")[2]: line for line in lines}, len(pieces)
 

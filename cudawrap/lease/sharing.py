@@ -45,16 +45,16 @@ def mps_daemon(root: str, uuid: str, owner: int) -> "Optional[int]":
     import os
 
     try:
-        fd = os.open(f"{mps_pipe_dir(root, uuid)}/{MPS_PID_FILE}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = posix.open(f"{mps_pipe_dir(root, uuid)}/{MPS_PID_FILE}", posix.O_RDONLY | posix.O_NOFOLLOW | posix.O_CLOEXEC)
     except OSError:
         return None
     try:
-        owned = os.fstat(fd).st_uid == owner
-        text = os.read(fd, 32).strip()
+        owned = posix.fstat(fd).st_uid == owner
+        text = posix.read(fd, 32).strip()
     except OSError:
         return None
     finally:
-        os.close(fd)
+        posix.close(fd)
     if not (owned and text.isdigit()):
         return None
     try:

@@ -14,14 +14,14 @@ match; otherwise it parses the files itself, so a stale cache can cost time but 
 change a decision.
 """
 
-import os
+import posix
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
     from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from .. import locations as loc
-from ..base import rootfile
+from ..base import posixos, rootfile
 from ..errors import ConfigError, NoDeviceError, UsageError
 
 CACHE_VERSION = 4  # 2: the filter keys (model, min_memory_mib, ...) and max_gpus; 3: [limits], reserve_after;
@@ -88,7 +88,7 @@ class Settings:
 
 def _signature(path: str) -> "Optional[Tuple[int, int, int, int]]":
     try:
-        st = os.stat(path)
+        st = posix.stat(path)
     except FileNotFoundError:
         return None
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -304,7 +304,7 @@ def effective(root: str, link: "Optional[str]", environ: "Any" = None) -> "Setti
             merged.update(data["programs"].get(key, {}))
         merged.update(data["links"].get(link, {}))
     settings = Settings(merged)
-    env = os.environ if environ is None else environ
+    env = posixos.environ() if environ is None else environ
     raw = env.get("CUDAWRAP_WAIT")
     if raw is not None and raw != "":
         from .config import parse_wait

@@ -14,7 +14,7 @@ for STALL_S, so nobody can hold others up for longer than that.
 """
 
 import fcntl  # (leases.py has loaded it: free on the shim path)
-import os
+import posix
 import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .terms import Verdict, Waiter
     from .turns import Offers
 
+from ..base.posixos import getenv
 from ..devices.model import Device
 from ..errors import NoDeviceError
 from ..lease.sharing import MPS
@@ -57,7 +58,7 @@ class Acquirer(MachineView):
         super().__init__(leases, candidates, all_devices, options)
         # Who sees each decision (see Decision): OBSERVE, and with CUDAWRAP_DEBUG set the trace
         # on stderr for an admin asking "why".
-        self.observers = [o for o in (observe, _trace() if os.environ.get("CUDAWRAP_DEBUG") else None) if o is not None]
+        self.observers = [o for o in (observe, _trace() if getenv("CUDAWRAP_DEBUG") else None) if o is not None]
         self.queue = queue
         # What we ask, with the devices we may use (None: any of the machine's).
         self.request = request.replace(candidates=None if self.mine >= set(self.current) else frozenset(self.mine))
@@ -107,7 +108,7 @@ class Acquirer(MachineView):
             # One device at a time, each counted busy for the next, as place() does for a
             # whole request: the first choice usually stands, and ordering all 56 devices
             # of a DGX first would cost ~2 ms.
-            uuid = place(pool, 1, self.request.placement, self.parents, busy, seed=str(os.getpid()))[0]
+            uuid = place(pool, 1, self.request.placement, self.parents, busy, seed=str(posix.getpid()))[0]
             pool.remove(uuid)
             busy.add(uuid)
             if not self.leases.try_lock(uuid):
@@ -194,7 +195,7 @@ class Acquirer(MachineView):
     def waiter_of(self, key: str) -> "Waiter":
         from .terms import Waiter
 
-        return Waiter(key, self.uid, os.getpid(), self.request, time.time())
+        return Waiter(key, self.uid, posix.getpid(), self.request, time.time())
 
     def watch_others(self, verdicts: "Dict[str, Verdict]", scan: "Scan", me: str) -> bool:
         """Note who was given devices and has not taken them; poke those to wake.
@@ -314,7 +315,7 @@ class Queued:
 
 
 def describe_wait(text: str) -> str:
-    return f"waiting for a device: {text} (pid {os.getpid()})"
+    return f"waiting for a device: {text} (pid {posix.getpid()})"
 
 
 def _trace() -> "Callable[[Decision], None]":

@@ -7,7 +7,6 @@ judges at every decision. On the shim's path: each rule's module is imported onl
 that rule is set.
 """
 
-import os
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
 if TYPE_CHECKING:
@@ -16,6 +15,7 @@ if TYPE_CHECKING:
     from ..lease.files import LeaseFiles
 
 from .. import locations as loc
+from ..base.posixos import exists
 from ..errors import NoDeviceError
 
 
@@ -78,7 +78,7 @@ def usable(inventory: "Any", value: "Dict[str, Any]", allow: "List[str]", preset
 
 def drains(root: str) -> "Dict[str, Any]":
     """The admin's drains (uuid -> Drain); drains.py is imported only when there are some."""
-    if not os.path.exists(loc.under(root, loc.DRAINS)):
+    if not exists(loc.under(root, loc.DRAINS)):
         return {}
     from .drains import drained
 

@@ -6,7 +6,7 @@ A device is free when nobody holds its lease and NVML shows no process cudawrap 
 start (where process lists are hidden, when little memory is used).
 """
 
-import os
+import posix
 import time
 
 TYPE_CHECKING = False  # `import typing` costs ~10 ms on the shim's path
@@ -137,7 +137,7 @@ class MachineView:
         self.admin_bounds: "Optional[Tuple[float, int]]" = None
         self.unavailable: "Set[str]" = set()  # drained: never granted (from DRAINED, each decision)
         self.drained = options.drained  # re-read at every decision (an admin may drain meanwhile)
-        self.uid = os.geteuid()
+        self.uid = posix.geteuid()
         self.current: "Dict[str, Device]" = {d.uuid: d for d in all_devices}
         self.parents = {d.uuid: d.parent_uuid for d in all_devices}
         self.sharing = options.sharing if options.sharing is not None else Sharing()

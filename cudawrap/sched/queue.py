@@ -22,7 +22,7 @@ narrowed their devices (the list is inside) and for `cudawrap status`.
 Entry name: ``<arrival ns, 20 digits>.<pid>.<count><placement><a|n>.<reserve s|inf>.wait``.
 """
 
-import os
+import posix
 import stat
 import time
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from .terms import Waiter
 
+from ..base.posixos import same
 from ..errors import NoDeviceError, SetupError
 from ..lease.files import SYNC_HINT, first_pids, lock_table
 from .request import Request
@@ -39,7 +40,7 @@ from .request import Request
 SUFFIX = ".wait"
 # A user may have this many runs waiting at once: bounds what one user adds to every scan.
 MAX_ENTRIES_PER_USER = 1000
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_READ_FLAGS = posix.O_RDONLY | posix.O_NOFOLLOW | posix.O_CLOEXEC | posix.O_NONBLOCK
 _PLACEMENT_CODES = {"spread": "s", "pack": "k", "random": "r"}
 _PLACEMENTS = {v: k for k, v in _PLACEMENT_CODES.items()}
 _MAX_INFO = 64 << 10
@@ -107,7 +108,7 @@ class Entry:
         self.name = name
         self.fd = fd
         self.path = path
-        self.size = os.fstat(fd).st_size
+        self.size = posix.fstat(fd).st_size
 
 
 class Scan:
@@ -125,7 +126,7 @@ class WaitQueue:
     def __init__(self, queue_dir: str) -> None:
         self.dir = queue_dir
         try:
-            st = os.stat(queue_dir)
+            st = posix.stat(queue_dir)
         except OSError:
             raise SetupError(f"the queue directory {queue_dir} is missing", hint=SYNC_HINT) from None
         # Sticky and world-writable, like /tmp: anyone may queue, nobody may remove
@@ -134,7 +135,7 @@ class WaitQueue:
             raise SetupError(f"the queue directory {queue_dir} is not a sticky directory",
                              hint="run `cudawrap doctor --repair` as root")
         self.dev = st.st_dev
-        self.uid = os.geteuid()
+        self.uid = posix.geteuid()
         # Per entry (name and inode: inodes are reused as entries come and go, names never):
         # what was read once, as entries never change what they claim.
         self._asks: "Dict[Tuple[str, int], Optional[Tuple[Optional[FrozenSet[str]], int, int]]]" = {}
@@ -144,7 +145,7 @@ class WaitQueue:
     def idle(self) -> bool:
         """Whether no entry at all is in the queue (live or dead: either way, not idle)."""
         try:
-            with os.scandir(self.dir) as it:
+            with posix.scandir(self.dir) as it:
                 return not any(item.name.endswith(SUFFIX) for item in it)
         except OSError:
             return False
@@ -158,7 +159,7 @@ class WaitQueue:
         waiters: "List[Waiter]" = []
         paths: "Dict[str, str]" = {}
         try:
-            with os.scandir(self.dir) as it:
+            with posix.scandir(self.dir) as it:
                 items = list(it)
         except OSError:
             return Scan(waiters, lock_table(), paths)
@@ -241,17 +242,17 @@ class WaitQueue:
     @staticmethod
     def read_info(path: str) -> "Optional[Dict[str, str]]":
         try:
-            fd = os.open(path, _READ_FLAGS)
+            fd = posix.open(path, _READ_FLAGS)
         except OSError:
             return None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            if not stat.S_ISREG(posix.fstat(fd).st_mode):
                 return None
-            return parse_info(os.read(fd, _MAX_INFO))
+            return parse_info(posix.read(fd, _MAX_INFO))
         except OSError:
             return None
         finally:
-            os.close(fd)
+            posix.close(fd)
 
     def _remove_dead(self, path: str) -> None:
         """Remove a dead entry: our own, or anyone's as root (the sticky bit refuses the rest),
@@ -259,20 +260,20 @@ class WaitQueue:
         import fcntl
 
         try:
-            if self.uid != 0 and os.lstat(path).st_uid != self.uid:
+            if self.uid != 0 and posix.lstat(path).st_uid != self.uid:
                 return
-            fd = os.open(path, _READ_FLAGS)
+            fd = posix.open(path, _READ_FLAGS)
         except OSError:
             return
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            if not stat.S_ISREG(posix.fstat(fd).st_mode):
                 return
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.unlink(path)  # while holding the lock: nobody is waiting on it
+            posix.unlink(path)  # while holding the lock: nobody is waiting on it
         except OSError:
             pass  # locked: alive after all
         finally:
-            os.close(fd)
+            posix.close(fd)
 
     # -- joining and leaving -----------------------------------------------------------------
     def enqueue(self, request: "Request", info: bytes, mine: int = 0) -> "Entry":
@@ -281,7 +282,7 @@ class WaitQueue:
         if mine >= MAX_ENTRIES_PER_USER:
             raise NoDeviceError(f"you already have {mine} runs waiting, the most one user may have",
                                 hint="wait for some of them to start, or cancel some (`cudawrap cancel PID`)")
-        pid = os.getpid()
+        pid = posix.getpid()
         body = info
         if request.candidates is not None:
             body += ("candidates=" + ",".join(sorted(request.candidates)) + "\n").encode()
@@ -294,9 +295,9 @@ class WaitQueue:
         key_ns = time.time_ns()
         tmp = None
         try:
-            fd = os.open(self.dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            fd = posix.open(self.dir, posix.O_TMPFILE | posix.O_RDWR | posix.O_CLOEXEC, 0o600)
             source = f"/proc/self/fd/{fd}"  # linked with AT_SYMLINK_FOLLOW, as open(2) shows
-            link: "Dict[str, int]" = {"src_dir_fd": fd}  # any dir fd makes os.link use linkat (not link(), which
+            link: "Dict[str, int]" = {"src_dir_fd": fd}  # any dir fd makes posix.link use linkat (not link(), which
             # would try to link the /proc symlink itself); an absolute path ignores it
         except (AttributeError, OSError):  # a file system without O_TMPFILE: a named one
             fd = -1
@@ -304,7 +305,7 @@ class WaitQueue:
         while fd < 0:
             tmp = source = f"{self.dir}/.new-{pid}-{key_ns}"
             try:
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                fd = posix.open(tmp, posix.O_RDWR | posix.O_CREAT | posix.O_EXCL | posix.O_NOFOLLOW | posix.O_CLOEXEC, 0o600)
             except FileExistsError:  # planted by someone else: never opened, just avoided
                 key_ns += 1
             except OSError as exc:
@@ -314,45 +315,45 @@ class WaitQueue:
 
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            os.write(fd, body)
-            os.fchmod(fd, 0o644)  # now others may read what we ask for
+            posix.write(fd, body)
+            posix.fchmod(fd, 0o644)  # now others may read what we ask for
             while True:
                 name = entry_name(key_ns, pid, request)
                 try:
-                    os.link(source, self.dir + "/" + name, **link)  # link, unlike rename, never replaces
+                    posix.link(source, self.dir + "/" + name, **link)  # link, unlike rename, never replaces
                     break
                 except FileExistsError:
                     key_ns += 1
         except OSError as exc:
-            os.close(fd)
+            posix.close(fd)
             raise SetupError(f"cannot join the wait queue in {self.dir}: {exc.strerror}",
                              hint="ask an admin to check the runtime file system (`cudawrap doctor`)") from None
         finally:
             if tmp is not None:
                 try:
-                    os.unlink(tmp)
+                    posix.unlink(tmp)
                 except OSError:
                     pass
         return Entry(name, fd, self.dir + "/" + name)
 
     def leave(self, entry: "Entry") -> None:
         try:
-            os.unlink(entry.path)
+            posix.unlink(entry.path)
         except OSError:
             pass
         if entry.fd >= 0:
-            os.close(entry.fd)  # drops the lock
+            posix.close(entry.fd)  # drops the lock
             entry.fd = -1
 
     def cancelled_by(self, entry: "Entry") -> "Optional[str]":
         """Who cancelled ENTRY (`cudawrap cancel` appended a line), or None."""
         try:
-            size = os.fstat(entry.fd).st_size
+            size = posix.fstat(entry.fd).st_size
         except OSError:
             return None
         if size == entry.size:
             return None
-        data = os.pread(entry.fd, min(size, _MAX_INFO), 0)
+        data = posix.pread(entry.fd, min(size, _MAX_INFO), 0)
         by = parse_info(data).get("cancel")
         return by if by else None
 
@@ -360,7 +361,7 @@ class WaitQueue:
 def poke(path: str) -> None:
     """Wake the waiter of entry PATH: it watches its entry for opens (see acquire.Watch)."""
     try:
-        os.close(os.open(path, _READ_FLAGS))
+        posix.close(posix.open(path, _READ_FLAGS))
     except OSError:
         pass
 
@@ -372,10 +373,10 @@ def cancel(path: str, by: str) -> None:
     The waiter reads the line through its own descriptor, so removing the entry at once
     costs it nothing; a process that never reads it (an entry made by hand) is out of
     everyone's decisions all the same, as nobody sees a removed entry."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    fd = posix.open(path, posix.O_WRONLY | posix.O_APPEND | posix.O_NOFOLLOW | posix.O_CLOEXEC | posix.O_NONBLOCK)
     try:
-        os.write(fd, f"cancel={by}\n".encode("utf-8", "replace"))
-        if os.path.samestat(os.fstat(fd), os.lstat(path)):  # not one made since under its name
-            os.unlink(path)
+        posix.write(fd, f"cancel={by}\n".encode("utf-8", "replace"))
+        if same(posix.fstat(fd), posix.lstat(path)):  # not one made since under its name
+            posix.unlink(path)
     finally:
-        os.close(fd)
+        posix.close(fd)
