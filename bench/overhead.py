@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import time
@@ -60,12 +61,20 @@ def methods(sim: Sim, tools: List[str]) -> Dict[str, List[str]]:
 
 
 def measure(cmds: Dict[str, List[str]], env: Dict[str, str], reps: int, warmup: int = 2,
-            maxrss: Optional[Path] = None, rss_reps: int = 3) -> Dict[str, dict]:
+            maxrss: Optional[Path] = None, rss_reps: int = 3, envs: Optional[Dict[str, Dict[str, str]]] = None,
+            shuffle: bool = False) -> Dict[str, dict]:
+    """Each of CMDS REPS times (after WARMUP rounds), one of each per round; ENVS: a command's own
+    environment instead of ENV. SHUFFLE: each round in its own order, so that no command always
+    follows the same one (and meets the work that one left behind, a service's after a run)."""
     times: Dict[str, List[float]] = {name: [] for name in cmds}
     failures: Dict[str, int] = {name: 0 for name in cmds}
+    order = random.Random(0)  # seeded: a rerun launches in the same orders
     for rep in range(warmup + reps):
-        for name, argv in cmds.items():
-            elapsed, rc = time_launch(argv, env)
+        names = list(cmds)
+        if shuffle:
+            order.shuffle(names)
+        for name in names:
+            elapsed, rc = time_launch(cmds[name], (envs or {}).get(name, env))
             if rep < warmup:
                 continue
             times[name].append(elapsed)

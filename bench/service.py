@@ -22,9 +22,12 @@ one-second jobs turn over (the CPU of the service, of its monitor loop and of th
                                   [--parts launch,burst,waiters] [--waiters 1000] [--no-nobody]
                                   [--confine v1,v2]
 
---confine adds, for each mechanism named, the service's launch block again with [confine]
-runs = true (each run moved into a cgroup of its own before its grant): the cost of
-confinement is its median against the plain service block's.
+--confine adds a block where the served launch of `true` plain and confined ([confine] runs =
+true, each run moved into a cgroup of its own before its grant) with each mechanism named run
+in the same rounds, each round in its own order: one install for each (a config is an
+install's), each its own service, on copies of one machine. What confinement adds is its p95
+against the plain launch's of the same block, so that the machine's drift between blocks
+(a millisecond at p95 here) does not count as its cost.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, List, Sequence
 
@@ -126,16 +129,35 @@ def confined(sim: Sim, kind: str) -> Iterator[None]:
             config.write_text(saved)
 
 
+def confined_block(bench: Bench, sim: Sim, kinds: Sequence[str], reps: int) -> Dict[str, dict]:
+    """The served launch of `true` on SIM and, confined with each of KINDS, on an install of
+    its own (bench.other_install), interleaved in REPS shuffled rounds with the bare starts."""
+    others = {kind: bench.sim(sim.topology_name, bench.other_install(f"install-confine-{kind}")) for kind in kinds}
+    with ExitStack() as stack:
+        stack.enter_context(serving(sim))
+        for kind, other in others.items():
+            stack.enter_context(confined(other, kind))
+            stack.enter_context(serving(other))
+        cmds = {SERVED: [str(sim.true_wrapped)],
+                **{CONFINED.format(kind): [str(other.true_wrapped)] for kind, other in others.items()},
+                BARE_S: [sim.install.python, "-IS", "-c", "pass"], BARE: [sim.install.python, "-I", "-c", "pass"],
+                "direct": [str(sim.true)]}
+        envs = {CONFINED.format(kind): other.environ() for kind, other in others.items()}
+        return measure(cmds, sim.environ(), reps, envs=envs, shuffle=True)
+
+
+SERVED, CONFINED = "with service", "with service, confined ({})"
+CONFINE_REPS_X = 5  # the confined block's rounds, times the launch blocks': a p95, not a median
+
+
 def run(bench: Bench, topology: str, reps: int, confine: Sequence[str] = ()) -> dict:
     sim = bench.sim(topology)
     out = {"devices": sim.devices, "without service": _block(sim, reps)}
     with serving(sim):
-        out["with service"] = _block(sim, reps)
+        out[SERVED] = _block(sim, reps)
         out["ledger"] = ledger_accuracy(sim, LEDGER_RUNS, LEDGER_HOLD_S)
-    for kind in confine:  # the same launch, each run moved into a cgroup of its own ([confine] runs)
-        with confined(sim, kind), serving(sim):
-            out[f"with service, confined ({kind})"] = _block(sim, reps)
     if confine:
+        out["confined"] = confined_block(bench, sim, confine, reps * CONFINE_REPS_X)
         out["favordynmods"] = cgroup.favors_dynmods()
     return out
 
@@ -145,7 +167,7 @@ CONFINED_P95_MS = 1.0  # confinement adds at most this to a served launch, at p9
 
 def show(topology: str, result: dict) -> None:
     print(f"\n{topology} ({result['devices']} devices)")
-    for block in [k for k in result if k.startswith(("without service", "with service"))]:
+    for block in [k for k in result if k.startswith(("without service", "with service")) or k == "confined"]:
         rows = result[block]
         print(f"  {block}:")
         for name, row in rows.items():
@@ -186,13 +208,14 @@ def _judged(results: dict) -> list:
                   f"≤ {SERVED_X_I}", at_most(served["x_bare_python"], SERVED_X_I) and not served["failures"]),
                  (f"served launch of `true`, {topology}: × `python -IS -c pass`", f"{fmt(served['x_bare_python_S'], 2)}{failed}",
                   f"≤ {SERVED_X_IS}", at_most(served["x_bare_python_S"], SERVED_X_IS) and not served["failures"])]
-        for block in [k for k in r if k.startswith("with service, confined")]:
-            kind = block.rsplit("(", 1)[1].rstrip(")")
-            added = r[block][WRAPPED]["p95_ms"] - served["p95_ms"]
+        block = r.get("confined", {})
+        for name in [k for k in block if k != SERVED and k.startswith(SERVED)]:
+            kind = name.rsplit("(", 1)[1].rstrip(")")
+            added = block[name]["p95_ms"] - block[SERVED]["p95_ms"]
             dyn = "favordynmods" if r.get("favordynmods") else "no favordynmods"
             rows.append((f"confined launch ({kind}, {dyn}), {topology}: added to the served launch at p95, ms",
                          f"{added:.2f}", f"≤ {CONFINED_P95_MS:g}", at_most(added, CONFINED_P95_MS)
-                         and not r[block][WRAPPED]["failures"]))
+                         and not block[name]["failures"]))
         led = r.get("ledger", {})
         if "error" in led:
             rows.append((f"ledger, {topology}", f"not measured: {led['error']}", "every run, each lease within "
@@ -288,17 +311,18 @@ def results_section(results: dict, run: Run, interp: dict) -> str:
                 f"{r['with service'][WRAPPED]['n']} interleaved runs:", "",
                 table(["", "without the service, ms", "with it, ms", "× `-I` (with)", "× `-IS` (with)", "failed"],
                       rows_l), ""]
-        blocks = ["with service"] + [k for k in r if k.startswith("with service, confined")]
-        if len(blocks) > 1:
-            out += [f"The served launch of `true` confined (`[confine] runs = true`), same run; cgroups "
+        block = r.get("confined")
+        if block:
+            out += [f"The served launch of `true` plain and confined (`[confine] runs = true`), in the same "
+                    f"{block[SERVED]['n']} rounds, each in its own order (an install and a service for each); cgroups "
                     + ("mounted with favordynmods: a move into a cgroup never waits for an RCU grace period"
                        if r.get("favordynmods") else "not mounted with favordynmods: on a kernel of 6.0 or newer a "
                        "lone move into a cgroup can wait for an RCU grace period (what a move costs here: the "
                        "cgroupmove section); the move is made on the service's worker while the run is decided on, "
                        "the rule widened to its GPUs before its grant goes out") + ":", "",
-                    table(["", "median, ms", "p95, ms", "failed"],
-                          [(b, f"{r[b][WRAPPED]['median_ms']:.2f}", f"{r[b][WRAPPED]['p95_ms']:.2f}",
-                            str(r[b][WRAPPED]["failures"])) for b in blocks]), ""]
+                    table(["", "median, ms", "p95, ms", "× `-I`", "failed"],
+                          [(name, f"{row['median_ms']:.2f}", f"{row['p95_ms']:.2f}", fmt(row["x_bare_python"], 2),
+                            str(row["failures"])) for name, row in block.items()]), ""]
     figures = _figures(results)
     if figures:
         out += [table(["figure", "value"], figures), ""]

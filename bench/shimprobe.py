@@ -5,7 +5,7 @@
 
 LINK is a wrapped program (a symlink to the installed shim). The probe does what the
 shim does -- the shim's baked ``sys.path`` and root, ``sys.argv[0] = LINK``,
-``cudawrap.launch.main(root)`` -- but ``os.execve`` is replaced by a stop: the probe
+``cudawrap.launch.main(root)`` -- but ``posix.execve`` is replaced by a stop: the probe
 prints one JSON line on stdout and exits, which also releases the lease.
 
 * ``phases``: wall time of each step of a launch, by wrapping a few functions
@@ -13,14 +13,15 @@ prints one JSON line on stdout and exits, which also releases the lease.
 * ``cprofile``: the whole launch under cProfile; the top functions by own and
   cumulative time.
 
-Imports only ``os``, ``sys`` and ``time`` before the measurement, so nothing the shim
-needs is loaded in advance except where said ("import cudawrap lazy modules").
+Imports only ``posix``, ``sys`` and ``time`` before the measurement (not ``os``, which a
+launch with the monitor's snapshot never loads), so nothing the shim needs is loaded in
+advance except where said ("import cudawrap lazy modules").
 """
 import time
 
 T0 = time.perf_counter()
 
-import os  # noqa: E402
+import posix  # noqa: E402
 import sys  # noqa: E402
 
 perf = time.perf_counter
@@ -29,7 +30,7 @@ perf = time.perf_counter
 def _shim_settings(link):
     """(sys.path entries, root) baked into the shim LINK points at."""
     syspath = root = None
-    with open(os.path.realpath(link), encoding="utf-8") as f:
+    with open(link, encoding="utf-8") as f:  # the shim it links to
         for line in f:
             if line.startswith("sys.path[:0] = "):
                 syspath = eval(line.split("=", 1)[1])  # a list literal we generated
@@ -44,8 +45,8 @@ def _shim_settings(link):
 def _emit(record):
     import json
 
-    os.write(1, (json.dumps(record) + "\n").encode())
-    os._exit(0)
+    posix.write(1, (json.dumps(record) + "\n").encode())
+    posix._exit(0)
 
 
 def phases(link, args):
@@ -142,7 +143,7 @@ def phases(link, args):
         _emit({"mode": "phases", "total_s": end - T0, "phases_s": out, "not_timed": missing,
                "modules": len(sys.modules), "devices": env.get(b"CUDA_VISIBLE_DEVICES", b"").decode()})
 
-    os.execve = stop
+    posix.execve = stop  # what the launch calls (os.execve is the same function)
     launch.main(root)
 
 
@@ -174,7 +175,7 @@ def cprofile(link, args):
         rows.sort(key=lambda r: r["cum_s"], reverse=True)
         _emit({"mode": "cprofile", "by_own": by_own, "by_cumulative": rows[:30]})
 
-    os.execve = stop
+    posix.execve = stop
     prof.enable()
     import cudawrap.launch as launch
 

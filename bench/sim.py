@@ -370,9 +370,17 @@ class Bench:
         self.hold_exe = build_c(work / "cbin", "hold")
         self.peers = peers
         self._count = 0
+        self._others: Dict[str, Install] = {}
 
-    def sim(self, topology: str) -> Sim:
-        """A fresh machine and install root (nothing held, nothing queued)."""
+    def sim(self, topology: str, install: Optional[Install] = None) -> Sim:
+        """A fresh machine for the install (INSTALL, or the run's own): nothing held, nothing queued."""
         self._count += 1
         return Sim(self.work / f"sim{self._count}-{Path(topology).stem}", self.lib_dir, self.true_exe, topology, self.peers,
-                   self.install, self.hold_exe, self.nvml_timing)
+                   install or self.install, self.hold_exe, self.nvml_timing)
+
+    def other_install(self, name: str) -> Install:
+        """A second install beside the run's own, made once (NAME: its directory under the work
+        directory), with the same interpreter: for figures of two configurations side by side."""
+        if name not in self._others:
+            self._others[name] = Install(self.work / name, self.install.describe["resolves_to"])
+        return self._others[name]

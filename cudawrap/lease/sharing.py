@@ -42,7 +42,7 @@ def mps_daemon(root: str, uuid: str, owner: int) -> "Optional[int]":
     a user wrote there, or reused, names none of OWNER's MPS control daemons, whose only
     children are their MPS servers. A process's name is believed only for OWNER's processes:
     no one else can start those."""
-    import os
+    import posix
 
     try:
         fd = posix.open(f"{mps_pipe_dir(root, uuid)}/{MPS_PID_FILE}", posix.O_RDONLY | posix.O_NOFOLLOW | posix.O_CLOEXEC)
