@@ -69,6 +69,55 @@ def test_narrowing_again_closes_a_node_to_a_process_already_inside(cgroups: Cgro
         assert len(bpfdev.attached(cgroups.mech._abs(run)).prog_ids) == 1
 
 
+def test_the_services_way_widening_and_narrowing_from_the_rule_before(cgroups: Cgroups, gpu_nodes: Nodes) -> None:
+    """As the service confines: the rule it last applied given, so that only what differs is
+    written (v1) or the program is replaced by descriptor (v2, its programs kept loaded)."""
+    mech = cgroups.mech
+    run = run_cgroup(cgroups)
+    steps = [((), ()), ((1,), (1, 2, 3)), ((), ()), ((2, 3), (4, 5)), ((2,), (4,)), ((1,), (1, 2, 3))]
+    before = None
+    for gpus, caps in steps:
+        rule = run_rule(gpu_nodes, gpus, caps)
+        mech.confine(run, rule, before)
+        before = rule
+        probe = Probe("here", all_paths(gpu_nodes))
+        mech.move(run, probe.pid)
+        assert probe.results() == expected(gpu_nodes, gpus, caps), (gpus, caps)
+        if isinstance(mech, cgroup.V2):
+            assert len(bpfdev.attached(mech._abs(run)).prog_ids) == 1
+    if isinstance(mech, cgroup.V2):
+        # Not as it left it (a replace that failed half-way, a restart): confined whole, its
+        # program already attached kept, every other detached.
+        other = run_rule(gpu_nodes, (3,), (6,))
+        mech.confine(run, other, before)
+        fd = os.open(mech._abs(run), os.O_RDONLY | os.O_DIRECTORY)
+        try:  # a second program beside it, BEFORE's loaded afresh (not the one mech keeps)
+            bpfdev.attach(fd, before, bpfdev.BPF_F_ALLOW_MULTI, run)
+        finally:
+            os.close(fd)
+        assert len(bpfdev.attached(mech._abs(run)).prog_ids) == 2
+        mech.confine(run, other, before)  # its BEFORE is not the one there, and OTHER's is there already
+        assert len(bpfdev.attached(mech._abs(run)).prog_ids) == 1
+        probe = Probe("here", all_paths(gpu_nodes))
+        mech.move(run, probe.pid)
+        assert probe.results() == expected(gpu_nodes, (3,), (6,))
+
+
+@pytest.mark.parametrize("cgroups", ["v2"], indirect=True)  # v1 loads no program
+def test_v2_keeps_a_bounded_number_of_programs_loaded(cgroups: Cgroups, gpu_nodes: Nodes, monkeypatch) -> None:
+    monkeypatch.setattr(cgroups.mech, "KEPT", 3)
+    run = run_cgroup(cgroups)
+    before = None
+    for gpu in range(6):
+        rule = run_rule(gpu_nodes, (gpu % 4,), (gpu,))
+        cgroups.mech.confine(run, rule, before)
+        before = rule
+    assert len(cgroups.mech.programs) == 3 and not cgroups.mech.using
+    probe = Probe("here", all_paths(gpu_nodes))
+    cgroups.mech.move(run, probe.pid)
+    assert probe.results() == expected(gpu_nodes, (1,), (5,))
+
+
 def test_a_child_cgroup_never_widens_its_parents_refusal(cgroups: Cgroups, gpu_nodes: Nodes) -> None:
     """A run's cgroup below one that refuses GPU 1 (a parent run, an admin's cgroup) allows GPU 1:
     the kernel still refuses it (v1 copies the parent's list; v2 runs both programs)."""
@@ -164,6 +213,21 @@ def test_v1_lines_refuse_minor_by_minor_and_a_whole_major_only_without_holes() -
     assert devcgroup_v1.lines(gpu_rule(frozenset(), 240))[0][-1] == "c 240:* rwm"
     with pytest.raises(devcgroup_v1.DevicesError, match="cannot refuse all of major 240 but"):
         devcgroup_v1.lines(gpu_rule(frozenset(), 240, frozenset({1})))
+
+
+def test_v1_changes_from_the_holes_are_the_lines_that_differ() -> None:
+    def by_lines(before: Rule, after: Rule):
+        (old_deny, old_allow), (deny, allow) = devcgroup_v1.lines(before), devcgroup_v1.lines(after)
+        return set(deny) - set(old_deny), (set(allow) - set(old_allow)) | (set(old_deny) - set(deny))
+
+    rules = [gpu_rule(frozenset(g), 240, frozenset(c), caps_high=4400)
+             for g, c in [((), ()), ((1,), (1, 2, 3)), ((1, 2), (2, 3, 4400)), ((253,), (0,)), ((0, 7), ())]]
+    rules.append(gpu_rule(frozenset({1, 5}), 240, frozenset({9}), caps_high=30))  # another span: by the lines
+    for before in rules:
+        for after in rules:
+            deny, allow = devcgroup_v1.changes(before, after)
+            assert (set(deny), set(allow)) == by_lines(before, after), (before, after)
+            assert len(deny) == len(set(deny))
 
 
 def test_the_program_is_what_the_verifier_loads() -> None:

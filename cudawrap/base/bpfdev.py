@@ -29,6 +29,7 @@ BPF_PROG_LOAD = 5
 BPF_PROG_ATTACH = 8
 BPF_PROG_DETACH = 9
 BPF_PROG_GET_FD_BY_ID = 13
+BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_PROG_QUERY = 16
 # enum bpf_prog_type, enum bpf_attach_type
 BPF_PROG_TYPE_CGROUP_DEVICE = 15
@@ -66,6 +67,12 @@ class BpfError(OSError):
 class Attached(NamedTuple):
     flags: int
     prog_ids: Tuple[int, ...]
+
+
+class Program(NamedTuple):
+    """A loaded program: its descriptor (kept open by whoever loaded it) and the kernel's id of it."""
+    fd: int
+    id: int
 
 
 def _insn(code: int, dst: int = 0, src: int = 0, off: object = 0, imm: int = 0) -> list:
@@ -144,6 +151,20 @@ def load(rule: Rule) -> int:
         raise BpfError(e.errno, f"{e.strerror} ({said[-1]})" if said else e.strerror) from None
 
 
+def loaded(rule: Rule) -> Program:
+    """RULE's program, loaded, with its id (struct bpf_prog_info's second field); the caller closes it."""
+    fd = load(rule)
+    try:
+        info = ctypes.create_string_buffer(8)  # struct bpf_prog_info's head: type, id (the kernel fills what fits)
+        attr = _attr()
+        struct.pack_into("<IIQ", attr, 0, fd, len(info), ctypes.addressof(info))
+        _bpf(BPF_OBJ_GET_INFO_BY_FD, attr, "reading the device program's id")
+    except BaseException:
+        os.close(fd)
+        raise
+    return Program(fd, struct.unpack_from("<I", info, 4)[0])
+
+
 def query(cgroup_fd: int) -> Attached:
     """The device programs attached to this cgroup itself, and their attach flags (BPF_PROG_QUERY)."""
     ids = (ctypes.c_uint32 * 64)()
@@ -192,19 +213,38 @@ def ancestors_problem(mount: str, cgroup: str) -> str:
     return ""
 
 
-def confine(mount: str, cgroup: str, rule: Rule) -> None:
-    """Make RULE the device filter of CGROUP: attach its program (BPF_F_ALLOW_MULTI), then detach
-    those attached before. Stateless, so that a restarted service narrows what a crashed one
-    attached: while both are attached both apply, so the cgroup is never wider than either."""
+def confine(mount: str, cgroup: str, rule: Rule, program: "Program | None" = None) -> None:
+    """Make RULE the device filter of CGROUP: attach its program (BPF_F_ALLOW_MULTI; PROGRAM,
+    RULE's loaded already, else loaded here), then detach those attached before (PROGRAM
+    itself, attached there already, stays). Stateless, so that a restarted service narrows
+    what a crashed one attached: while both are attached both apply, so the cgroup is never
+    wider than either."""
     problem = ancestors_problem(mount, cgroup)
     if problem:
         raise BpfError(errno.EPERM, f"cannot confine {cgroup}: {problem}")
     cfd = _open_dir(cgroup)
     try:
         before = query(cfd).prog_ids
-        attach(cfd, rule, BPF_F_ALLOW_MULTI, cgroup)
+        if program is None:
+            attach(cfd, rule, BPF_F_ALLOW_MULTI, cgroup)
+        elif program.id not in before:
+            _attach_cmd(BPF_PROG_ATTACH, cfd, program.fd, BPF_F_ALLOW_MULTI, f"attaching the device program to {cgroup}")
         for prog_id in before:
-            _detach(cfd, prog_id, cgroup)
+            if program is None or prog_id != program.id:
+                _detach(cfd, prog_id, cgroup)
+    finally:
+        os.close(cfd)
+
+
+def replace(cgroup: str, new: Program, old: Program) -> None:
+    """CGROUP's program OLD (attached there by this process) replaced by NEW, by descriptor:
+    NEW attached first (BPF_F_ALLOW_MULTI), so that it is never wider than either. Where a
+    run's grant waits for it: no load, no query, no walk of the ancestors (confine read them
+    when it attached OLD; only root attaches programs)."""
+    cfd = _open_dir(cgroup)
+    try:
+        _attach_cmd(BPF_PROG_ATTACH, cfd, new.fd, BPF_F_ALLOW_MULTI, f"attaching the device program to {cgroup}")
+        _attach_cmd(BPF_PROG_DETACH, cfd, old.fd, 0, f"detaching the device program it replaces from {cgroup}")
     finally:
         os.close(cfd)
 

@@ -71,7 +71,15 @@ def write(path: str, line: str) -> None:
 
 def changes(before: Rule, after: Rule) -> Tuple[List[str], List[str]]:
     """(deny lines, allow lines) that take a cgroup where BEFORE was applied to AFTER: a run's
-    grant writes the lines of its own minors, not all 254 again."""
+    grant writes the lines of its own minors, not all 254 again. Where both refuse the same
+    spans (a grant, an end: only the holes differ), from the holes alone: a span of the
+    capabilities is thousands of lines, each of its grants a few."""
+    if before.refused == after.refused and not any(s.high - s.low >= _WHOLE_MAJOR_LIMIT for s in after.refused):
+        def holes(rule: Rule) -> "set[Tuple[int, int]]":
+            return {(M, m) for (M, m) in rule.allowed if any(s.major == M and s.low <= m <= s.high for s in rule.refused)}
+
+        old, new = holes(before), holes(after)
+        return [f"c {M}:{m} rwm" for M, m in sorted(old - new)], [f"c {M}:{m} rwm" for M, m in sorted(new - old)]
     old_deny, old_allow = lines(before)
     deny, allow = lines(after)
     kept_deny, kept_allow, now_deny = set(old_deny), set(old_allow), set(deny)
