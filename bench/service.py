@@ -318,8 +318,8 @@ def results_section(results: dict, run: Run, interp: dict) -> str:
                     + ("mounted with favordynmods: a move into a cgroup never waits for an RCU grace period"
                        if r.get("favordynmods") else "not mounted with favordynmods: on a kernel of 6.0 or newer a "
                        "lone move into a cgroup can wait for an RCU grace period (what a move costs here: the "
-                       "cgroupmove section); the move is made on the service's worker while the run is decided on, "
-                       "the rule widened to its GPUs before its grant goes out") + ":", "",
+                       "cgroupmove section); the service makes the move at once where its moves are fast, else on its "
+                       "worker while the run is decided on, and widens the rule to its GPUs before its grant goes out") + ":", "",
                     table(["", "median, ms", "p95, ms", "× `-I`", "failed"],
                           [(name, f"{row['median_ms']:.2f}", f"{row['p95_ms']:.2f}", fmt(row["x_bare_python"], 2),
                             str(row["failures"])) for name, row in block.items()]), ""]
