@@ -57,14 +57,14 @@ from cudawrap.base import cgroup  # noqa: E402
 WRAPPED = "wrapped true"
 
 
+def _launches(sim: Sim, wrapped: Dict[str, List[str]]) -> Dict[str, List[str]]:
+    """WRAPPED and, to judge them by, the bare interpreter (as the shim starts it, and `-I`) and `true` itself."""
+    return {**wrapped, BARE_S: [sim.install.python, "-IS", "-c", "pass"], BARE: [sim.install.python, "-I", "-c", "pass"],
+            "direct": [str(sim.true)]}
+
+
 def _block(sim: Sim, reps: int) -> Dict[str, dict]:
-    cmds: Dict[str, List[str]] = {
-        WRAPPED: [str(sim.true_wrapped)],
-        BARE_S: [sim.install.python, "-IS", "-c", "pass"],
-        BARE: [sim.install.python, "-I", "-c", "pass"],
-        "direct": [str(sim.true)],
-    }
-    return measure(cmds, sim.environ(), reps)
+    return measure(_launches(sim, {WRAPPED: [str(sim.true_wrapped)]}), sim.environ(), reps)
 
 
 LEDGER_RUNS = 12
@@ -138,10 +138,8 @@ def confined_block(bench: Bench, sim: Sim, kinds: Sequence[str], reps: int) -> D
         for kind, other in others.items():
             stack.enter_context(confined(other, kind))
             stack.enter_context(serving(other))
-        cmds = {SERVED: [str(sim.true_wrapped)],
-                **{CONFINED.format(kind): [str(other.true_wrapped)] for kind, other in others.items()},
-                BARE_S: [sim.install.python, "-IS", "-c", "pass"], BARE: [sim.install.python, "-I", "-c", "pass"],
-                "direct": [str(sim.true)]}
+        cmds = _launches(sim, {SERVED: [str(sim.true_wrapped)],
+                               **{CONFINED.format(kind): [str(other.true_wrapped)] for kind, other in others.items()}})
         envs = {CONFINED.format(kind): other.environ() for kind, other in others.items()}
         return measure(cmds, sim.environ(), reps, envs=envs, shuffle=True)
 

@@ -189,12 +189,13 @@ class V2:
         held = [r for r in (before, rule) if r is not None]
         try:
             old, new = self._take(before, load=False), self._take(rule, load=True)
-            try:
-                if old is None or old == new:
-                    raise bpfdev.BpfError(errno.ENOENT, "no program of this service's known there")
-                bpfdev.replace(self._abs(path), new, old)
-            except bpfdev.BpfError:  # not as this object left it (EEXIST, ENOENT): whole
-                bpfdev.confine(self.mount, self._abs(path), rule, new)
+            if old is not None and old != new:
+                try:
+                    bpfdev.replace(self._abs(path), new, old)
+                    return
+                except bpfdev.BpfError:
+                    pass  # not as this object left it (EEXIST, ENOENT): confined whole
+            bpfdev.confine(self.mount, self._abs(path), rule, new)
         except OSError as e:
             raise CgroupError(e.errno, str(e.strerror or e)) from None
         finally:
@@ -220,10 +221,14 @@ class V2:
 
     def _done(self, rules: List[Rule]) -> None:
         with self.lock:
-            self.using.subtract(rules)
-            self.using = +self.using  # only the rules still in use
-            for rule in [r for r in self.programs if not self.using[r]][:max(0, len(self.programs) - self.KEPT)]:
-                os.close(self.programs.pop(rule).fd)  # oldest first; attached, it lives on in the kernel
+            for rule in rules:
+                self.using[rule] -= 1
+                if not self.using[rule]:
+                    del self.using[rule]
+            if len(self.programs) > self.KEPT:  # a grant's own confine looks no further
+                idle = [r for r in self.programs if r not in self.using]
+                for rule in idle[:len(self.programs) - self.KEPT]:
+                    os.close(self.programs.pop(rule).fd)  # oldest first; attached, it lives on in the kernel
 
     def move(self, path: str, pid: int) -> None:
         _move(self._abs(path), pid)
